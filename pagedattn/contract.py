@@ -1,0 +1,176 @@
+"""The cache-layout contract shared by the writer and the readers.
+
+A `CacheSpec` names everything a kernel must agree on about a paged KV cache. Caches are always
+indexed logically as `[num_blocks, block_size, num_kv_heads, head_size]`; the layout says how that maps
+to memory: NHD is the plain contiguous tensor, HND a permuted view of `[num_blocks, H, block_size, D]`
+storage (as vLLM allocates it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .dtypes import FP8_MAX, NAME_TO_TORCH, normalize_kv_cache_dtype, short
+
+LAYOUTS = ("NHD", "HND")
+SCALE_GRANULARITIES = ("tensor", "head")
+FP8_STORAGE = {"fp8_e4m3": (torch.uint8, torch.float8_e4m3fn),
+               "fp8_e5m2": (torch.uint8, torch.float8_e5m2)}
+PLAIN_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class ContractError(ValueError):
+    """A tensor does not match the cache-layout contract."""
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype                # storage dtype: fp16/bf16/fp32, or uint8/float8 for fp8 caches
+    kv_cache_dtype: str = "auto"      # auto | fp8_e4m3 | fp8_e5m2
+    layout: str = "NHD"               # NHD | HND
+    scale: str = "tensor"             # fp8 scale granularity: tensor | head
+
+    def __post_init__(self):
+        object.__setattr__(self, "kv_cache_dtype", normalize_kv_cache_dtype(self.kv_cache_dtype))
+        for name in ("num_blocks", "block_size", "num_kv_heads", "head_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ContractError(f"CacheSpec.{name} must be a positive int, got {value!r}")
+        if self.layout not in LAYOUTS:
+            raise ContractError(f"CacheSpec.layout={self.layout!r}; supported: {LAYOUTS}")
+        if self.scale not in SCALE_GRANULARITIES:
+            raise ContractError(f"CacheSpec.scale={self.scale!r}; supported: {SCALE_GRANULARITIES}")
+        if self.kv_cache_dtype == "auto":
+            if self.dtype not in PLAIN_CACHE_DTYPES:
+                raise ContractError(
+                    f"kv_cache_dtype='auto' needs a fp16/bf16/fp32 cache, got {self.dtype}; "
+                    "an fp8 cache needs kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2'")
+        elif self.dtype not in FP8_STORAGE[self.kv_cache_dtype]:
+            raise ContractError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} needs a cache of dtype "
+                f"{' or '.join(map(str, FP8_STORAGE[self.kv_cache_dtype]))}, got {self.dtype}")
+
+    # -- derived --------------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_cache_dtype != "auto"
+
+    @property
+    def cache_dtype_name(self) -> str:
+        """Element type name of what is stored: fp16/bf16/fp32/fp8_e4m3/fp8_e5m2."""
+        return self.kv_cache_dtype if self.is_fp8 else short(self.dtype)
+
+    @property
+    def fp8_max(self) -> float:
+        return FP8_MAX[self.kv_cache_dtype]
+
+    def strides(self) -> tuple[int, int, int, int]:
+        """Element strides of the logical [num_blocks, block_size, H, D] view."""
+        n, b, h, d = self.shape
+        if self.layout == "NHD":
+            return (b * h * d, h * d, d, 1)
+        return (b * h * d, d, b * d, 1)
+
+    # -- allocation and inference ---------------------------------------------------------------
+    def allocate(self, device="cuda", fill: float | None = None):
+        """(key_cache, value_cache) with the logical shape and this spec's physical layout."""
+        def one():
+            n, b, h, d = self.shape
+            if self.layout == "NHD":
+                t = torch.empty((n, b, h, d), dtype=self.dtype, device=device)
+            else:
+                t = torch.empty((n, h, b, d), dtype=self.dtype, device=device).permute(0, 2, 1, 3)
+            if fill is not None:
+                if self.dtype == torch.uint8:
+                    # NaN in the fp8 format (e4m3: 0x7F, e5m2: 0x7F is NaN too)
+                    t.view(torch.uint8).fill_(0x7F)
+                else:
+                    t.fill_(fill)
+            return t
+        return one(), one()
+
+    @classmethod
+    def from_tensors(cls, key_cache: torch.Tensor, value_cache: torch.Tensor, *,
+                     kv_cache_dtype: str | None = "auto", scale: str = "tensor") -> "CacheSpec":
+        """Infer and validate the spec of a (key_cache, value_cache) pair."""
+        for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+            if not isinstance(t, torch.Tensor):
+                raise ContractError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4:
+                raise ContractError(f"{name} must be 4-D [num_blocks, block_size, num_kv_heads, "
+                                    f"head_size], got shape {tuple(t.shape)}")
+        if key_cache.shape != value_cache.shape:
+            raise ContractError(f"key_cache {tuple(key_cache.shape)} and value_cache "
+                                f"{tuple(value_cache.shape)} differ in shape")
+        if key_cache.dtype != value_cache.dtype:
+            raise ContractError(f"key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) "
+                                "differ in dtype")
+        if key_cache.device != value_cache.device:
+            raise ContractError(f"key_cache ({key_cache.device}) and value_cache ({value_cache.device}) "
+                                "are on different devices")
+        if key_cache.stride() != value_cache.stride():
+            raise ContractError(f"key_cache strides {key_cache.stride()} and value_cache strides "
+                                f"{value_cache.stride()} differ: K and V must share one layout")
+        n, b, h, d = key_cache.shape
+        stride = key_cache.stride()
+        if stride[3] != 1:
+            raise ContractError(f"cache head dim must be contiguous (stride 1), got strides {stride}")
+        layout = None
+        for candidate in LAYOUTS:
+            spec_strides = cls._layout_strides(candidate, b, h, d)
+            if all(s == e or size == 1 for s, e, size in zip(stride, spec_strides, key_cache.shape)):
+                layout = candidate
+                break
+        if layout is None:
+            raise ContractError(
+                f"cache strides {stride} are neither NHD {cls._layout_strides('NHD', b, h, d)} nor "
+                f"HND {cls._layout_strides('HND', b, h, d)} for shape {tuple(key_cache.shape)}")
+        for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+            if t.data_ptr() % 16:
+                raise ContractError(f"{name} base pointer is not 16-byte aligned "
+                                    f"(address % 16 = {t.data_ptr() % 16})")
+        if key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and \
+                normalize_kv_cache_dtype(kv_cache_dtype) == "auto":
+            kv_cache_dtype = short(key_cache.dtype)
+        return cls(n, b, h, d, key_cache.dtype, kv_cache_dtype or "auto", layout, scale)
+
+    @staticmethod
+    def _layout_strides(layout, b, h, d):
+        return (b * h * d, h * d, d, 1) if layout == "NHD" else (b * h * d, d, b * d, 1)
+
+    def check_tensors(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+        """Raise unless the pair was made for exactly this spec."""
+        other = CacheSpec.from_tensors(key_cache, value_cache, kv_cache_dtype=self.kv_cache_dtype,
+                                       scale=self.scale)
+        if other != self:
+            diff = [f"{f}: {getattr(other, f)!r} != {getattr(self, f)!r}"
+                    for f in self.__dataclass_fields__ if getattr(other, f) != getattr(self, f)]
+            raise ContractError("caches do not match this CacheSpec (" + "; ".join(diff) + ")")
+
+    # -- the ops, reached through the contract --------------------------------------------------
+    def write(self, key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None,
+              validate: bool | None = None) -> None:
+        """reshape_and_cache_flash on caches made for this spec (checked)."""
+        from .ops.kv_write import write_with_spec
+
+        self.check_tensors(key_cache, value_cache)
+        write_with_spec(self, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                        validate=validate)
+
+
+def fp8_view(t: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
+    """A float8 view of an fp8 cache stored as uint8 (vLLM's convention) or float8."""
+    return t.view(NAME_TO_TORCH[kv_cache_dtype]) if t.dtype == torch.uint8 else t

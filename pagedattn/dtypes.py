@@ -1,0 +1,43 @@
+"""One map between torch dtypes, our short names and the C++ element types."""
+from __future__ import annotations
+
+import torch
+
+# short name -> (C++ type, bytes)
+CPP_TYPE = {
+    "fp16": ("cutlass::half_t", 2),
+    "bf16": ("cutlass::bfloat16_t", 2),
+    "fp32": ("float", 4),
+    "fp8_e4m3": ("cutlass::float_e4m3_t", 1),
+    "fp8_e5m2": ("cutlass::float_e5m2_t", 1),
+}
+
+TORCH_TO_NAME = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.float8_e5m2: "fp8_e5m2",
+}
+NAME_TO_TORCH = {v: k for k, v in TORCH_TO_NAME.items()}
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+_KV_ALIASES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+
+
+def normalize_kv_cache_dtype(kv_cache_dtype: str | None) -> str:
+    key = (kv_cache_dtype or "auto").lower()
+    if key not in _KV_ALIASES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; "
+                         f"use one of {sorted(_KV_ALIASES)}")
+    return _KV_ALIASES[key]
+
+
+def short(dtype: torch.dtype) -> str:
+    try:
+        return TORCH_TO_NAME[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} is not supported; use one of "
+                         f"{[str(d) for d in TORCH_TO_NAME]}") from None

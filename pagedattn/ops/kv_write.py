@@ -1,0 +1,169 @@
+"""reshape_and_cache_flash: validation at the API boundary, variant choice, launch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .. import envs
+from ..contract import CacheSpec, ContractError
+from ..dtypes import CPP_TYPE, TORCH_TO_NAME, short
+from ..registry import KernelSpec, UnsupportedError, get_kernel, register
+from .params import CacheGeometry, KvWriteParams
+
+_FP8_ENUM = {"auto": "kNone", "fp8_e4m3": "kE4M3", "fp8_e5m2": "kE5M2"}
+_CACHE_CPP = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float",
+              "fp8_e4m3": "uint8_t", "fp8_e5m2": "uint8_t"}
+
+
+@register
+@dataclass(frozen=True)
+class KvWriteSpec(KernelSpec):
+    """One cache-write variant: input dtype, what the cache stores, and the copy path."""
+    FAMILY: ClassVar[str] = "kv_write"
+    TEMPLATE: ClassVar[str] = "kv_write.cu.j2"
+    ENTRY: ClassVar[str] = "kv_write_kernel"
+    PARAMS: ClassVar = KvWriteParams
+    SUPPORTED: ClassVar[dict] = {
+        "dtype": ("fp16", "bf16", "fp32"),
+        "kv_cache_dtype": ("auto", "fp8_e4m3", "fp8_e5m2"),
+        "path": ("span", "head"),
+    }
+
+    dtype: str
+    kv_cache_dtype: str
+    path: str   # span: NHD + one scale; head: HND or per-head scales
+
+    def context(self) -> dict:
+        cache = self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        return {
+            "Element": _CACHE_CPP[self.dtype],
+            "CacheElement": _CACHE_CPP[cache],
+            "kFp8": _FP8_ENUM[self.kv_cache_dtype],
+            "kSpan": "true" if self.path == "span" else "false",
+        }
+
+
+def write_path(spec: CacheSpec) -> str:
+    return "span" if spec.layout == "NHD" and (spec.scale == "tensor" or not spec.is_fp8) else "head"
+
+
+def _threads(spec: CacheSpec, path: str, elem_bytes: int) -> int:
+    if path == "head":
+        return 32 * min(spec.num_kv_heads, 8)
+    packs = -(-spec.num_kv_heads * spec.head_size * elem_bytes // 16)  # per tensor
+    per_tensor = min(max(32, -(-packs // 32) * 32), 512)
+    return 2 * per_tensor
+
+
+def _check_scale(name, scale, spec: CacheSpec, device) -> int:
+    """Validate an fp8 scale tensor; return its stride over heads (0 tensor, 1 head)."""
+    if scale is None:
+        raise ContractError(f"kv_cache_dtype={spec.kv_cache_dtype!r} needs {name} (float32 [1] or [H])")
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        raise ContractError(f"{name} must be a float32 tensor, got "
+                            f"{getattr(scale, 'dtype', type(scale).__name__)}")
+    if scale.device != device:
+        raise ContractError(f"{name} is on {scale.device}, the cache on {device}")
+    want = 1 if spec.scale == "tensor" else spec.num_kv_heads
+    if scale.numel() != want or (want > 1 and scale.stride(-1) != 1) or scale.dim() != 1:
+        raise ContractError(f"{name} must have shape [{want}] for scale granularity "
+                            f"{spec.scale!r}, got {tuple(scale.shape)}")
+    return 0 if spec.scale == "tensor" else 1
+
+
+def validate_inputs(spec: CacheSpec, key, value, key_cache, slot_mapping, k_scale, v_scale):
+    """Every check happens here, before any kernel runs. Returns (num_tokens, scale_stride)."""
+    h, d = spec.num_kv_heads, spec.head_size
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise ContractError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3 or tuple(t.shape[1:]) != (h, d):
+            raise ContractError(f"{name} must have shape [T, {h}, {d}] to match the cache, "
+                                f"got {tuple(t.shape)}")
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ContractError(f"{name} dtype {t.dtype} is not supported (fp16, bf16, fp32)")
+        if t.device != key_cache.device:
+            raise ContractError(f"{name} is on {t.device}, the cache on {key_cache.device}")
+        if t.stride(2) != 1 or (h > 1 and t.stride(1) != d):
+            raise ContractError(f"{name}'s (H, D) part must be dense (strides [*, {d}, 1]), "
+                                f"got strides {t.stride()}")
+    if key.dtype != value.dtype:
+        raise ContractError(f"key ({key.dtype}) and value ({value.dtype}) differ in dtype")
+    if key.shape[0] != value.shape[0]:
+        raise ContractError(f"key has {key.shape[0]} tokens, value {value.shape[0]}")
+    if not spec.is_fp8 and key.dtype != spec.dtype:
+        raise ContractError(f"kv_cache_dtype='auto' needs the cache dtype ({spec.dtype}) to equal the "
+                            f"input dtype ({key.dtype})")
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in (torch.int64, torch.int32):
+        raise ContractError(f"slot_mapping must be an int64 (or int32) tensor, got "
+                            f"{getattr(slot_mapping, 'dtype', type(slot_mapping).__name__)}")
+    if slot_mapping.device != key_cache.device:
+        raise ContractError(f"slot_mapping is on {slot_mapping.device}, the cache on {key_cache.device}")
+    if slot_mapping.dim() != 1 or (slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1):
+        raise ContractError(f"slot_mapping must be a contiguous 1-D tensor, got shape "
+                            f"{tuple(slot_mapping.shape)} strides {slot_mapping.stride()}")
+    num_tokens = slot_mapping.numel()
+    if num_tokens > key.shape[0]:
+        raise ContractError(f"slot_mapping has {num_tokens} entries but key/value only {key.shape[0]} "
+                            "tokens")
+    scale_stride = 0
+    if spec.is_fp8:
+        scale_stride = _check_scale("k_scale", k_scale, spec, key_cache.device)
+        _check_scale("v_scale", v_scale, spec, key_cache.device)
+    return num_tokens, scale_stride
+
+
+def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Debug check (syncs): every slot < num_slots. Names the first bad token."""
+    bad = (slot_mapping >= num_slots).nonzero()
+    if bad.numel():
+        t = int(bad[0, 0])
+        raise ContractError(f"slot_mapping[{t}] = {int(slot_mapping[t])} is outside the cache "
+                            f"(num_blocks * block_size = {num_slots}); {bad.numel()} bad token(s)")
+
+
+def write_with_spec(spec: CacheSpec, key, value, key_cache, value_cache, slot_mapping,
+                    k_scale=None, v_scale=None, validate: bool | None = None) -> None:
+    num_tokens, scale_stride = validate_inputs(spec, key, value, key_cache, slot_mapping,
+                                               k_scale, v_scale)
+    if validate or (validate is None and envs.debug()):
+        check_slots(slot_mapping, spec.num_slots)
+    if num_tokens == 0:
+        return
+    if key_cache.device.type != "cuda":
+        raise ContractError("reshape_and_cache_flash runs on CUDA tensors; for CPU tensors use "
+                            "pagedattn.reference.reshape_and_cache_flash")
+    path = write_path(spec)
+    kernel = get_kernel(KvWriteSpec(short(key.dtype), spec.kv_cache_dtype, path))
+    device = key_cache.device.index
+    block = _threads(spec, path, key.element_size())
+    bs, ps, hs, _ = key_cache.stride()
+    geometry = CacheGeometry(bs, ps, hs, spec.num_slots, spec.num_blocks, spec.block_size,
+                             spec.num_kv_heads, spec.head_size)
+    kernel.launcher(device)(
+        (num_tokens, 1, 1), (block, 1, 1),
+        (key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+         slot_mapping.data_ptr(),
+         k_scale.data_ptr() if spec.is_fp8 else None, v_scale.data_ptr() if spec.is_fp8 else None,
+         key.stride(0), value.stride(0), geometry, scale_stride,
+         int(slot_mapping.dtype == torch.int64)))
+
+
+def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
+                            k_scale=None, v_scale=None, *, validate: bool | None = None) -> None:
+    """Write new K/V tokens into a paged cache (vLLM's `reshape_and_cache_flash` semantics).
+
+    key, value: [T_pad, H, D] fp16/bf16/fp32, (H, D) dense; only the first slot_mapping.numel()
+    tokens are read. slot < 0 skips a token. Caches: [num_blocks, block_size, H, D], NHD or HND.
+    kv_cache_dtype: "auto" | "fp8" | "fp8_e4m3" | "fp8_e5m2"; fp8 needs float32 k_scale/v_scale of
+    shape [1] (per tensor) or [H] (per head): stored = saturate_to_finite(x / scale).
+    validate=True (or PAGEDATTN_DEBUG=1) also checks every slot < num_blocks*block_size (syncs).
+    """
+    scale = "tensor"
+    if isinstance(k_scale, torch.Tensor) and k_scale.numel() > 1:
+        scale = "head"
+    spec = CacheSpec.from_tensors(key_cache, value_cache, kv_cache_dtype=kv_cache_dtype, scale=scale)
+    write_with_spec(spec, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                    validate=validate)

@@ -1,0 +1,66 @@
+// Element conversions shared by the writer and the readers: 16-byte packs, fp8 quantise/dequantise.
+#pragma once
+
+#include "pagedattn/nvrtc_compat.cuh"
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+namespace pagedattn {
+
+enum class Fp8Format : int { kNone = 0, kE4M3 = 1, kE5M2 = 2 };
+
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(float x) { return x; }
+
+// Unsigned integer type of exactly N bytes, used to move packs as one access.
+template <int N> struct Bytes;
+template <> struct Bytes<16> { using type = uint4; };
+template <> struct Bytes<8>  { using type = uint2; };
+template <> struct Bytes<4>  { using type = uint32_t; };
+template <> struct Bytes<2>  { using type = uint16_t; };
+
+// stored = saturate_to_finite(x / scale) in the fp8 format, round to nearest even.
+template <Fp8Format kFp8>
+__device__ __forceinline__ uint8_t quantize_fp8(float x, float scale) {
+  static_assert(kFp8 != Fp8Format::kNone, "quantize_fp8 needs an fp8 format");
+  constexpr __nv_fp8_interpretation_t kind = kFp8 == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2;
+  return __nv_cvt_float_to_fp8(__fdiv_rn(x, scale), __NV_SATFINITE, kind);
+}
+
+// Convert 16 bytes of input elements into the cache's element type.
+//   kFp8 == kNone: the cache holds the input type; packs are copied bit for bit.
+//   otherwise:     each element is quantised with one scale.
+template <class Element, class CacheElement, Fp8Format kFp8>
+struct PackConvert {
+  static constexpr int kPack = 16 / int(sizeof(Element));             // elements per input pack
+  static constexpr int kOutBytes = kPack * int(sizeof(CacheElement));  // bytes per output pack
+  using InPack = uint4;
+  using OutPack = typename Bytes<kOutBytes>::type;
+  static_assert(kFp8 != Fp8Format::kNone || sizeof(Element) == sizeof(CacheElement),
+                "without fp8 the cache must hold the input element type");
+
+  __device__ __forceinline__ static CacheElement one(Element x, float scale) {
+    if constexpr (kFp8 == Fp8Format::kNone) {
+      return x;
+    } else {
+      return quantize_fp8<kFp8>(to_float(x), scale);
+    }
+  }
+
+  __device__ __forceinline__ static OutPack pack(InPack in, float scale) {
+    if constexpr (kFp8 == Fp8Format::kNone) {
+      return in;
+    } else {
+      Element const* x = reinterpret_cast<Element const*>(&in);
+      OutPack out;
+      uint8_t* o = reinterpret_cast<uint8_t*>(&out);
+#pragma unroll
+      for (int i = 0; i < kPack; ++i) o[i] = quantize_fp8<kFp8>(to_float(x[i]), scale);
+      return out;
+    }
+  }
+};
+
+}  // namespace pagedattn
