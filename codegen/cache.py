@@ -253,8 +253,8 @@ def list_entries(root: Path | None = None) -> list[EntryInfo]:
         meta_path = folder / META
         try:
             meta = json.loads(meta_path.read_text())
-        except (OSError, ValueError):
-            out.append(EntryInfo(folder, folder.name, "?", 0, 0.0, "?", False))
+        except (OSError, ValueError):  # a failed or interrupted compile leaves only source.cu
+            out.append(EntryInfo(folder, folder.name, "?", 0, 0.0, "incomplete", False))
             continue
         valid = read_entry(folder, meta.get("key", "")) is not None
         out.append(EntryInfo(folder, meta.get("variant", "?"), meta.get("arch", "?"),

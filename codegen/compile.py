@@ -21,10 +21,9 @@ def nvrtc_options(arch: str, tc: Toolchain, debug: bool = False) -> list[str]:
         "-default-device",
         "-DNDEBUG",
         "-DCUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL=0",
-        "-lineinfo",
     ]
     if debug:
-        opts.append("-DPAGEDATTN_DEVICE_ASSERTS=1")
+        opts += ["-lineinfo", "-DPAGEDATTN_DEVICE_ASSERTS=1"]
     opts += [f"-I{include_root()}"] + [f"-I{d}" for d in tc.include_dirs]
     return opts
 

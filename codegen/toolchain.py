@@ -100,9 +100,12 @@ def _pip_header_candidates():
         yield root / "cuda_runtime" / "include", root / "cuda_cccl" / "include"
 
 
+SYSTEM_CUDA_DIRS = ("/usr/local/cuda",)
+
+
 def _system_header_candidates():
     seen = set()
-    for base in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+    for base in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), *SYSTEM_CUDA_DIRS):
         if not base or base in seen:
             continue
         seen.add(base)

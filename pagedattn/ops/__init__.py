@@ -1,0 +1,1 @@
+from . import kv_write  # noqa: F401  (registers the family)

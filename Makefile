@@ -1,0 +1,35 @@
+# make test / make demo do all setup (venv + installs) on a fresh machine, then run.
+# An installed torch is kept: the venv sees system site-packages. Without one, TORCH_SPEC is installed
+# (CI: the CPU wheel that lies on the machine's disk).
+PYTHON     ?= python3
+VENV       ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+BIN := $(VENV)/bin
+
+.PHONY: setup install test test-fast demo clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+
+setup: $(BIN)/python
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
+	@extra=$$($(BIN)/python -c "import torch; v=torch.version.cuda; print('cu12' if v and v.startswith('12') else 'cu13')"); \
+	  echo "installing pagedattn[$$extra,test,bench] (non-editable)"; \
+	  $(BIN)/pip install -q ".[$$extra,test,bench]"
+
+install: setup
+	$(BIN)/pip install -q --no-deps --force-reinstall .
+
+# CPU tests always run; GPU tests skip without CUDA. pytest's exit code (5 = nothing ran) fails make.
+test: install
+	$(BIN)/pytest -q -ra tests $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/pytest -q -ra -m "not slow" tests $(PYTEST_ARGS)
+
+demo: install
+	$(BIN)/python -m pagedattn.demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info
