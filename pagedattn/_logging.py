@@ -23,13 +23,14 @@ class _Formatter(logging.Formatter):
 class _LineHandler(logging.StreamHandler):
     def emit(self, record):
         self.terminator = "" if getattr(record, "partial", False) else "\n"
+        self.stream = sys.stderr  # follow redirections made after import
         super().emit(record)
 
 
 def setup() -> logging.Logger:
     logger = logging.getLogger("pagedattn")
     if not any(isinstance(h, _LineHandler) for h in logger.handlers):
-        handler = _LineHandler(sys.stderr)
+        handler = _LineHandler()
         handler.setFormatter(_Formatter())
         logger.addHandler(handler)
         logger.propagate = False

@@ -17,22 +17,14 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
                             k_scale=None, v_scale=None) -> None:
     """Same signature and semantics as pagedattn.reshape_and_cache_flash, in plain torch."""
     kv_cache_dtype = normalize_kv_cache_dtype(kv_cache_dtype)
-    num_tokens = slot_mapping.numel()
-    block_size = key_cache.shape[1]
-    num_heads = key_cache.shape[2]
+    slots = slot_mapping.long()
+    keep = slots >= 0                       # slot < 0: padding, no destination
+    tokens = torch.arange(slots.numel(), device=slots.device)[keep]
+    block, offset = slots[keep] // key_cache.shape[1], slots[keep] % key_cache.shape[1]
     for src, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
-        for t in range(num_tokens):
-            slot = int(slot_mapping[t])
-            if slot < 0:
-                continue
-            block, offset = divmod(slot, block_size)
-            x = src[t]  # [H, D]
-            if kv_cache_dtype == "auto":
-                cache[block, offset] = x.to(cache.dtype)
-                continue
-            s = scale.float().reshape(-1, 1).expand(num_heads, 1)
-            q = quantize_fp8(x, s, kv_cache_dtype)
-            if cache.dtype == torch.uint8:
-                cache[block, offset] = q.view(torch.uint8)
-            else:
-                cache[block, offset] = q
+        x = src[tokens.to(src.device)]                       # [n, H, D]
+        if kv_cache_dtype == "auto":
+            cache[block, offset] = x.to(cache.dtype)
+            continue
+        q = quantize_fp8(x, scale.float().reshape(-1, 1), kv_cache_dtype)  # [1] or [H] scales
+        cache[block, offset] = q.view(torch.uint8) if cache.dtype == torch.uint8 else q

@@ -1,0 +1,204 @@
+"""The JIT layer: render, NVRTC, cache (miss/hit, corruption, races, read-only), JIT-off, headers."""
+import json
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import jinja2
+import pytest
+
+import pagedattn
+from pagedattn.codegen import cache as kcache
+from pagedattn.codegen import render as krender
+from pagedattn.codegen import toolchain as ktool
+from pagedattn.codegen.compile import compile_source, nvrtc_options
+from pagedattn.codegen.errors import CompileError, MissingKernelError, ToolchainError
+from pagedattn.ops.kv_write import KvWriteSpec
+from pagedattn.registry import Kernel
+
+
+def _kernel():
+    return Kernel(KvWriteSpec("bf16", "auto", "span"))
+
+
+def test_render_is_deterministic():
+    a = Kernel(KvWriteSpec("fp16", "fp8_e4m3", "head")).source
+    b = Kernel(KvWriteSpec("fp16", "fp8_e4m3", "head")).source
+    assert a == b
+    assert "Fp8Format::kE4M3" in a and "__half" in a
+
+
+def test_render_strict_undefined():
+    with pytest.raises(jinja2.UndefinedError):
+        krender.render("kv_write.cu.j2", variant_name="x")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_nvrtc_compiles_cute_template(arch):
+    k = _kernel()
+    tc = ktool.toolchain()
+    res = compile_source(k.source, variant=k.name, arch=arch, options=nvrtc_options(arch, tc))
+    assert res.cubin[:4] == b"\x7fELF"
+    assert b"kv_write_kernel" in res.cubin
+
+
+def test_compile_error_carries_log_and_source(fresh_cache):
+    bad = "extern \"C\" __global__ void k() { this_is_not_defined(); }\n"
+    with pytest.raises(CompileError) as info:
+        fresh_cache.get("broken_kernel", bad, "sm_90a")
+    err = info.value
+    assert "this_is_not_defined" in err.log
+    assert err.source_path and Path(err.source_path).read_text() == bad
+
+
+def test_unknown_arch_is_rejected():
+    with pytest.raises(ToolchainError, match="sm_70"):
+        nvrtc_options("sm_70", ktool.toolchain())
+
+
+def test_miss_then_hit(fresh_cache):
+    k = _kernel()
+    a = fresh_cache.get(k.name, k.source, "sm_90a")
+    assert a.origin == "jit-compiled" and fresh_cache.compiles == 1
+    again = fresh_cache.get(k.name, k.source, "sm_90a")
+    assert again is a and fresh_cache.compiles == 1  # memory hit
+    other_process = kcache.KernelCache()  # empty memory front, same disk
+    b = other_process.get(k.name, k.source, "sm_90a")
+    assert b.origin == "jit-disk" and other_process.compiles == 0 and b.cubin == a.cubin
+    meta = json.loads((a.path / "meta.json").read_text())
+    assert meta["size"] == len(a.cubin) and meta["arch"] == "sm_90a" and meta["key"] == a.key
+    assert (a.path / "source.cu").read_text() == k.source
+
+
+def test_key_changes_with_arch_and_source(fresh_cache):
+    k = _kernel()
+    a = fresh_cache.get(k.name, k.source, "sm_90a")
+    b = fresh_cache.get(k.name, k.source, "sm_80")
+    c = fresh_cache.get(k.name, k.source + "\n// changed\n", "sm_90a")
+    assert len({a.key, b.key, c.key}) == 3
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_corrupt_cubin_is_rebuilt(fresh_cache, damage, caplog):
+    k = _kernel()
+    a = fresh_cache.get(k.name, k.source, "sm_90a")
+    cubin_path = a.path / "kernel.cubin"
+    data = cubin_path.read_bytes()
+    cubin_path.write_bytes(data[: len(data) // 2] if damage == "truncate"
+                          else data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    cache2 = kcache.KernelCache()
+    with caplog.at_level("WARNING", logger="pagedattn"):
+        b = cache2.get(k.name, k.source, "sm_90a")
+    assert cache2.compiles == 1 and b.cubin == data
+    assert "corrupt" in caplog.text
+    assert cubin_path.read_bytes() == data
+
+
+def _race_worker(cache_dir, barrier, queue):
+    os.environ["PAGEDATTN_CACHE_DIR"] = cache_dir
+    from pagedattn.codegen import cache as c
+
+    k = Kernel(KvWriteSpec("fp16", "auto", "head"))
+    src = k.source
+    barrier.wait()
+    art = c.KernelCache().get(k.name, src, "sm_90a")
+    queue.put((art.origin, art.cubin))
+
+
+def test_two_processes_race_compile_once(tmp_path):
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_race_worker, args=(str(tmp_path / "c"), barrier, queue)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    origins = sorted(r[0] for r in results)
+    assert origins == ["jit-compiled", "jit-disk"]
+    assert results[0][1] == results[1][1]
+
+
+def test_unwritable_cache_dir_compiles_in_memory(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(blocker / "cache"))
+    c = kcache.KernelCache()
+    k = _kernel()
+    with caplog.at_level("WARNING", logger="pagedattn"):
+        a = c.get(k.name, k.source, "sm_90a")
+        b = c.get(k.name, k.source + "//2\n", "sm_90a")
+    assert a.origin == b.origin == "jit-memory" and a.cubin[:4] == b"\x7fELF"
+    assert caplog.text.count("not writable") == 1  # warned once
+
+
+def test_disable_jit_cold_key_raises(fresh_cache, monkeypatch):
+    monkeypatch.setenv("PAGEDATTN_DISABLE_JIT", "1")
+    spec = KvWriteSpec("fp32", "fp8_e5m2", "head")
+    with pytest.raises(MissingKernelError) as info:
+        Kernel(spec).artifact("sm_90a")
+    msg = str(info.value)
+    assert "kv_write_fp32_fp8e5m2_head" in msg and "pagedattn precompile" in msg
+    assert fresh_cache.compiles == 0
+
+
+def test_compile_log_line(fresh_cache, capfd):
+    k = _kernel()
+    fresh_cache.get(k.name, k.source, "sm_80")
+    err = capfd.readouterr().err
+    assert f"pagedattn: compiling {k.name} for sm_80 (first use)... " in err and err.rstrip().endswith("s")
+
+
+def test_missing_cutlass_is_named(monkeypatch):
+    import importlib.util as iu
+
+    real = iu.find_spec
+    monkeypatch.setattr(ktool.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "cutlass_library" else real(name, *a))
+    with pytest.raises(ToolchainError, match="nvidia-cutlass"):
+        ktool._cutlass_include()
+
+
+def test_missing_cuda_headers_are_named(monkeypatch, tmp_path):
+    monkeypatch.setattr(ktool, "_pip_header_candidates", lambda: iter(()))
+    monkeypatch.setattr(ktool, "SYSTEM_CUDA_DIRS", (str(tmp_path / "nowhere"),))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    with pytest.raises(ToolchainError) as info:
+        ktool.find_headers(13)
+    assert "pagedattn[cu13]" in str(info.value) and "nvidia-cuda-cccl" in str(info.value)
+
+
+def test_header_major_must_match_nvrtc():
+    with pytest.raises(ToolchainError, match="CUDA 13 headers, NVRTC is 12"):
+        ktool.find_headers(12) if not Path("/usr/local/cuda/include/cuda_runtime_api.h").exists() \
+            or ktool._cudart_version(Path("/usr/local/cuda/include")) // 1000 != 12 else \
+            pytest.skip("a CUDA 12 toolkit is installed here")
+
+
+def test_torch_cuda_mismatch_names_extra(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    with pytest.raises(ToolchainError, match=r"pagedattn\[cu12\]"):
+        ktool.check_against_torch_and_driver(13)
+
+
+def test_cache_dir_resolution(monkeypatch, tmp_path):
+    from pagedattn import envs
+
+    monkeypatch.delenv("PAGEDATTN_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert envs.cache_dir() == tmp_path / "pagedattn"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert envs.cache_dir() == Path.home() / ".cache" / "pagedattn"
+
+
+def test_params_layout_asserts_render():
+    from pagedattn.codegen.launch import layout_asserts
+    from pagedattn.ops.params import KvWriteParams
+    import ctypes
+
+    text = layout_asserts(KvWriteParams, "Params")
+    assert f"sizeof(Params) == {ctypes.sizeof(KvWriteParams)}" in text

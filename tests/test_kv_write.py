@@ -1,0 +1,272 @@
+"""reshape_and_cache_flash: reference semantics (CPU), every variant compiles (CPU), the kernel
+against the reference bit for bit on NaN-poisoned caches (GPU), and bad input (both)."""
+import itertools
+
+import pytest
+import torch
+
+import pagedattn
+from pagedattn import CacheSpec, ContractError, reference
+from pagedattn.codegen.compile import compile_source, nvrtc_options
+from pagedattn.codegen.toolchain import toolchain
+from pagedattn.ops.kv_write import KvWriteSpec
+from pagedattn.registry import Kernel, variant_name
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def bits(t):
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+# ---------------------------------------------------------------- reference semantics (CPU)
+def test_reference_hand_made_nhd():
+    spec = CacheSpec(3, 2, 1, 2, torch.float32)
+    kc, vc = spec.allocate("cpu", fill=float("nan"))
+    key = torch.tensor([[[1.0, 2.0]], [[3.0, 4.0]], [[5.0, 6.0]], [[7.0, 8.0]]])  # T_pad = 4
+    slots = torch.tensor([5, -1, 0])                                              # 3 tokens, one skipped
+    reference.reshape_and_cache_flash(key, -key, kc, vc, slots)
+    assert kc[2, 1, 0].tolist() == [1.0, 2.0] and kc[0, 0, 0].tolist() == [5.0, 6.0]
+    assert vc[2, 1, 0].tolist() == [-1.0, -2.0]
+    written = torch.zeros(3, 2, dtype=torch.bool)
+    written[2, 1] = written[0, 0] = True
+    assert kc[~written].isnan().all() and vc[~written].isnan().all()  # token 1 and padded token 3 unwritten
+
+
+def test_reference_hnd_matches_nhd():
+    key, value = torch.randn(5, 3, 8), torch.randn(5, 3, 8)
+    slots = torch.tensor([7, 0, 3, -1, 12])
+    out = {}
+    for layout in ("NHD", "HND"):
+        kc, vc = CacheSpec(4, 4, 3, 8, torch.float32, layout=layout).allocate("cpu", fill=0.0)
+        reference.reshape_and_cache_flash(key, value, kc, vc, slots)
+        out[layout] = (kc.clone(), vc.clone())
+    assert torch.equal(out["NHD"][0], out["HND"][0]) and torch.equal(out["NHD"][1], out["HND"][1])
+
+
+def test_reference_fp8_per_head_saturates():
+    key = torch.tensor([[[1000.0, -1000.0]], [[0.5, 1.0]]]).expand(2, 2, 2).contiguous()  # H=2
+    scale = torch.tensor([1.0, 4.0])
+    kc, vc = CacheSpec(1, 4, 2, 2, torch.uint8, "fp8_e4m3", scale="head").allocate("cpu", fill=0)
+    reference.reshape_and_cache_flash(key, key, kc, vc, torch.tensor([0, 1]), "fp8_e4m3", scale, scale)
+    f = kc.view(torch.float8_e4m3fn).float()
+    assert f[0, 0, 0].tolist() == [448.0, -448.0]          # saturated, not NaN
+    assert f[0, 0, 1].tolist() == [256.0, -256.0]          # 1000/4 = 250 rounds to 256
+    assert f[0, 1, 0].tolist() == [0.5, 1.0] and f[0, 1, 1].tolist() == [0.125, 0.25]
+
+
+def test_reference_fp8_e5m2_per_tensor_float8_storage():
+    key = torch.randn(6, 2, 16) * 1e5
+    kc, vc = CacheSpec(2, 4, 2, 16, torch.float8_e5m2, "fp8_e5m2").allocate("cpu")
+    s = torch.tensor([0.5])
+    reference.reshape_and_cache_flash(key, key, kc, vc, torch.arange(6), "fp8_e5m2", s, s)
+    got = kc.float().reshape(-1, 2, 16)[:6]
+    assert got.abs().max() <= 57344.0 and not got.isnan().any()
+
+
+# ---------------------------------------------------------------- every variant compiles (CPU)
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("spec", list(KvWriteSpec.all_variants()), ids=variant_name)
+def test_every_write_variant_compiles(spec, arch):
+    k = Kernel(spec)
+    res = compile_source(k.source, variant=k.name, arch=arch, options=nvrtc_options(arch, toolchain()))
+    assert res.cubin[:4] == b"\x7fELF"
+
+
+# ---------------------------------------------------------------- the kernel (GPU)
+def make_inputs(T, H, D, dtype, source, pad, gen):
+    T_pad = T + (5 if pad else 0)
+    if source == "contiguous":
+        key = torch.randn(T_pad, H, D, dtype=dtype, device="cuda", generator=gen)
+        value = torch.randn(T_pad, H, D, dtype=dtype, device="cuda", generator=gen)
+    elif source == "strided":  # K and V as slices of a fused QKV tensor
+        qkv = torch.randn(T_pad, 3 * H, D, dtype=dtype, device="cuda", generator=gen)
+        key, value = qkv[:, H:2 * H], qkv[:, 2 * H:]
+    else:  # base pointers not 16-byte aligned
+        flat = torch.randn(2 * T_pad * H * D + 2, dtype=dtype, device="cuda", generator=gen)
+        key = flat[1:1 + T_pad * H * D].view(T_pad, H, D)
+        value = flat[T_pad * H * D + 1:2 * T_pad * H * D + 1].view(T_pad, H, D)
+    # some magnitudes beyond the fp8 range, to exercise saturation
+    mag = torch.where(torch.rand(T_pad, H, 1, device="cuda", generator=gen) < 0.1, 300.0, 2.0).to(dtype)
+    key.mul_(mag)
+    value.mul_(mag)
+    return key, value
+
+
+GRID = [
+    (layout, dtype, kv, scale, D, bs, source, pad)
+    for layout, dtype, kv, scale, D, bs, source, pad in itertools.product(
+        ("NHD", "HND"), (torch.float16, torch.bfloat16, torch.float32), ("auto", "fp8_e4m3", "fp8_e5m2"),
+        ("tensor", "head"), (64, 80, 96, 128, 256, 72), (1, 16, 32, 128),
+        ("contiguous", "strided", "unaligned"), (False, True))
+    if not (kv == "auto" and scale == "head")
+]
+
+
+def _id(case):
+    layout, dtype, kv, scale, D, bs, source, pad = case
+    return f"{layout}-{str(dtype)[6:]}-{kv}-{scale}-d{D}-b{bs}-{source}-{'pad' if pad else 'nopad'}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GRID, ids=_id)
+def test_write_matches_reference_bitwise(case):
+    layout, dtype, kv, scale, D, bs, source, pad = case
+    gen = torch.Generator("cuda").manual_seed(hash(_id(case)) % 2**31)
+    H, T = 4, 37
+    num_blocks = -(-3 * T // bs) + 1
+    cache_dtype = dtype if kv == "auto" else torch.uint8
+    spec = CacheSpec(num_blocks, bs, H, D, cache_dtype, kv, layout, scale)
+    key, value = make_inputs(T, H, D, dtype, source, pad, gen)
+    slots = torch.randperm(spec.num_slots, device="cuda", generator=gen)[:T]
+    if pad:
+        slots[torch.rand(T, device="cuda", generator=gen) < 0.3] = -1
+    ks = vs = None
+    if kv != "auto":
+        n = 1 if scale == "tensor" else H
+        ks = torch.rand(n, device="cuda", generator=gen) + 0.05
+        vs = torch.rand(n, device="cuda", generator=gen) + 0.05
+    kc, vc = spec.allocate("cuda", fill=float("nan"))
+    rk, rv = kc.clone(), vc.clone()
+    pagedattn.reshape_and_cache_flash(key, value, kc, vc, slots, kv, ks, vs)
+    reference.reshape_and_cache_flash(key, value, rk, rv, slots, kv, ks, vs)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(kc), bits(rk)) and torch.equal(bits(vc), bits(rv))
+    # every slot that was not written is still poisoned
+    written = torch.zeros(spec.num_slots, dtype=torch.bool, device="cuda")
+    written[slots[slots >= 0]] = True
+    unwritten = kc[(~written).view(num_blocks, bs)]  # [n, H, D] whatever the layout
+    nan = unwritten.view(torch.uint8) == 0x7F if kv != "auto" else unwritten.isnan()
+    assert nan.all()
+    # rerun: bit-identical
+    kc2, vc2 = spec.allocate("cuda", fill=float("nan"))
+    pagedattn.reshape_and_cache_flash(key, value, kc2, vc2, slots, kv, ks, vs)
+    assert torch.equal(bits(kc2), bits(kc)) and torch.equal(bits(vc2), bits(vc))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("storage", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_write_float8_storage_and_int32_slots(storage):
+    kv = "fp8_e4m3" if storage == torch.float8_e4m3fn else "fp8_e5m2"
+    spec = CacheSpec(8, 16, 8, 128, storage, kv, "HND", "head")
+    key, value = torch.randn(2, 50, 8, 128, device="cuda", dtype=torch.bfloat16) * 50
+    slots = torch.randperm(128, device="cuda")[:50].int()
+    s = torch.rand(8, device="cuda") + 0.1
+    kc, vc = spec.allocate("cuda", fill=float("nan"))
+    rk, rv = kc.clone(), vc.clone()
+    spec.write(key, value, kc, vc, slots, s, s)  # through the contract object
+    reference.reshape_and_cache_flash(key, value, rk, rv, slots, kv, s, s)
+    assert torch.equal(bits(kc), bits(rk)) and torch.equal(bits(vc), bits(rv))
+
+
+@pytest.mark.gpu
+def test_corrupt_slot_is_never_written():
+    spec = CacheSpec(4, 16, 2, 64, torch.float16)
+    kc, vc = spec.allocate("cuda", fill=float("nan"))
+    guard = torch.full((1 << 16,), 7.0, dtype=torch.float16, device="cuda")  # memory after the cache
+    key = torch.randn(3, 2, 64, dtype=torch.float16, device="cuda")
+    slots = torch.tensor([spec.num_slots, 2**40, 3], device="cuda")
+    pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots)
+    torch.cuda.synchronize()
+    assert (guard == 7.0).all()
+    assert kc.reshape(-1, 2, 64)[3].eq(key[2]).all()
+    assert kc.reshape(-1, 2, 64)[torch.arange(64, device="cuda") != 3].isnan().all()
+    with pytest.raises(ContractError, match=r"slot_mapping\[0\]"):
+        pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots, validate=True)
+
+
+@pytest.mark.gpu
+def test_debug_env_validates(monkeypatch):
+    monkeypatch.setenv("PAGEDATTN_DEBUG", "1")
+    kc, vc = CacheSpec(1, 16, 1, 64, torch.float16).allocate("cuda")
+    key = torch.randn(1, 1, 64, dtype=torch.float16, device="cuda")
+    with pytest.raises(ContractError, match="outside the cache"):
+        pagedattn.reshape_and_cache_flash(key, key, kc, vc, torch.tensor([16], device="cuda"))
+
+
+@pytest.mark.gpu
+def test_nonzero_stream_and_threads():
+    import threading
+
+    spec = CacheSpec(64, 16, 8, 128, torch.bfloat16)
+    key = torch.randn(512, 8, 128, dtype=torch.bfloat16, device="cuda")
+    slots = torch.randperm(1024, device="cuda")[:512]
+    want_k, want_v = spec.allocate("cuda", fill=0.0)
+    reference.reshape_and_cache_flash(key, key, want_k, want_v, slots)
+    s = torch.cuda.Stream()
+    kc, vc = spec.allocate("cuda", fill=0.0)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots)
+    s.synchronize()
+    assert torch.equal(kc, want_k)
+    results = []
+
+    def worker():
+        k2, v2 = spec.allocate("cuda", fill=0.0)
+        for _ in range(20):
+            pagedattn.reshape_and_cache_flash(key, key, k2, v2, slots)
+        torch.cuda.synchronize()
+        results.append(torch.equal(k2, want_k) and torch.equal(v2, want_v))
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True, True]
+
+
+# ---------------------------------------------------------------- bad input: clear error, cache untouched
+def _bad_cases():
+    H, D = 4, 64
+    f16 = dict(dtype=torch.float16, device=DEV)
+    key = torch.randn(8, H, D, **f16)
+    slots = torch.arange(8, device=DEV)
+    s1 = torch.ones(1, device=DEV)
+    return {
+        "key int dtype": dict(key=key.to(torch.int32)),
+        "key/value dtype differ": dict(value=key.to(torch.float32)),
+        "heads mismatch": dict(key=torch.randn(8, H + 1, D, **f16)),
+        "head size mismatch": dict(key=torch.randn(8, H, D + 8, **f16), value=torch.randn(8, H, D + 8, **f16)),
+        "slot float dtype": dict(slots=slots.float()),
+        "slot 2-D": dict(slots=slots.view(2, 4)),
+        "more slots than tokens": dict(slots=torch.arange(9, device=DEV)),
+        "fp8 without scale": dict(kv="fp8_e4m3", cache_dtype=torch.uint8),
+        "fp8 scale fp16": dict(kv="fp8_e4m3", cache_dtype=torch.uint8, ks=s1.half(), vs=s1.half()),
+        "fp8 scale wrong shape": dict(kv="fp8_e4m3", cache_dtype=torch.uint8,
+                                      ks=torch.ones(2, device=DEV), vs=torch.ones(2, device=DEV)),
+        "(H, D) not dense": dict(key=torch.randn(8, H, 2 * D, **f16)[:, :, ::2]),
+        "input dtype differs from auto cache": dict(cache_dtype=torch.bfloat16),
+        "unknown kv_cache_dtype": dict(kv="int8"),
+        "fp8 with bf16 cache": dict(kv="fp8_e4m3", cache_dtype=torch.bfloat16, ks=s1, vs=s1),
+        "K/V caches differ in layout": dict(mixed_layout=True),
+        "key/value token counts differ": dict(value=torch.randn(7, H, D, **f16)),
+        "key not a tensor": dict(key=[[0.0]]),
+        "slot beyond cache with validate": dict(slots=torch.tensor([0, 1, 10_000], device=DEV), validate=True),
+        "uint8 cache with auto": dict(cache_dtype=torch.uint8),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_bad_cases()))
+def test_bad_input_raises_and_leaves_cache(name):
+    c = _bad_cases()[name]
+    H, D = 4, 64
+    key = c.get("key", torch.randn(8, H, D, dtype=torch.float16, device=DEV))
+    value = c.get("value", key if isinstance(key, torch.Tensor) else torch.zeros(8, H, D))
+    cache_dtype = c.get("cache_dtype", torch.float16)
+    spec_kv = "fp8_e4m3" if cache_dtype == torch.uint8 else "auto"
+    kc, vc = CacheSpec(4, 16, H, D, cache_dtype, spec_kv).allocate(DEV, fill=0.0)
+    if c.get("mixed_layout"):
+        vc = CacheSpec(4, 16, H, D, cache_dtype, spec_kv, "HND").allocate(DEV, fill=0.0)[1]
+    kc.view(torch.uint8).random_()
+    vc.view(torch.uint8).random_()
+    before = (kc.clone(), vc.clone())
+    with pytest.raises((ContractError, ValueError, TypeError)) as info:
+        pagedattn.reshape_and_cache_flash(key, value, kc, vc, c.get("slots", torch.arange(8, device=DEV)),
+                                          c.get("kv", "auto"), c.get("ks"), c.get("vs"),
+                                          validate=c.get("validate"))
+    assert len(str(info.value)) > 15
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(bits(kc), bits(before[0])) and torch.equal(bits(vc), bits(before[1]))
