@@ -10,6 +10,22 @@ DEPENDENCIES = ("torch", "jinja2", "filelock", "cuda-bindings", "cuda-core", "cu
                 "matplotlib") + HEADER_PACKAGES
 
 
+def git_commit() -> str | None:
+    """The source commit: $PAGEDATTN_GIT_COMMIT (set where .git does not travel), else git."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    if os.environ.get("PAGEDATTN_GIT_COMMIT"):
+        return os.environ["PAGEDATTN_GIT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent.parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def collect() -> dict:
     info: dict = {"pagedattn": __version__, "python": platform.python_version(),
                   "packages": {n: dist_version(n) for n in DEPENDENCIES}}

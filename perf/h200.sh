@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One call on the H200 (device tool): install from carried wheels, then the stages named in $@
+# (info tests sanitize overhead bench bench-quick demo aot). Logs and results go under $OUT.
+# Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
+set -uo pipefail
+ROOT=$(pwd)
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
+export PYTHONPATH=/tmp/site PAGEDATTN_CACHE_DIR=/tmp/pacache PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . || exit 1
+cd /tmp
+summary=()
+for stage in "$@"; do
+  t0=$(date +%s)
+  case $stage in
+    info)      python3 -m pagedattn.cli info ;;
+    tests)     python3 -m pytest -q -ra -m gpu -p no:cacheprovider "$ROOT/tests" ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tail -n 60 | tee "$OUT/gpu_tests.log" ;;
+    alltests)  python3 -m pytest -q -ra -p no:cacheprovider "$ROOT/tests" 2>&1 | tail -n 60 | tee "$OUT/all_tests.log" ;;
+    sanitize)  compute-sanitizer --tool memcheck --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" 2>&1 | tail -n 30 ;;
+    overhead)  python3 "$ROOT/perf/launch_overhead.py" "$OUT/results" ;;
+    demo)      python3 -m pagedattn.demo ;;
+    bench)     python3 -m pagedattn.cli bench --suite all --out "$OUT/results" ;;
+    bench-quick) python3 -m pagedattn.cli bench --suite all --quick --out "$OUT/results" ;;
+    *)         echo "unknown stage $stage" ;;
+  esac
+  rc=${PIPESTATUS[0]}
+  summary+=("$(printf '%-12s rc=%-3s %4ss' "$stage" "$rc" "$(( $(date +%s) - t0 ))")")
+done
+echo "==== stages ===="; printf '%s\n' "${summary[@]}"
