@@ -2,14 +2,24 @@
 
 A bundle is usable only when it was made by the same pagedattn, NVRTC and header packages as this
 process; any other bundle is skipped with one warning naming the mismatch.
+
+manifest.json (schema 1): the header of `expected_header()` (schema, pagedattn, nvrtc, cuda_headers,
+packages) and `variants`, a list of {name, family, spec, arch, key, file, sha256, size,
+compile_seconds, created}. `file` is relative to the bundle folder, so a bundle can be moved or
+copied into an image anywhere; `key` is the cache key (codegen.cache.cache_key), which leaves out
+include paths, so the same install on another machine computes the same keys.
+Failed compiles leave their NVRTC log under DIR/logs/ (not part of the manifest).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
 import threading
-from pathlib import Path
+import time
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 
 from .. import envs
 from .toolchain import toolchain
@@ -42,36 +52,37 @@ def mismatch(manifest: dict) -> str | None:
 
 
 def read_manifest(folder: Path) -> dict | None:
+    """The manifest of a bundle made by this install (with a `_by_key` index), else None (warned
+    once when the folder holds a manifest this install cannot use)."""
     path = folder / MANIFEST
     try:
-        mtime = path.stat().st_mtime
+        st = path.stat()
     except OSError:
         return None
+    mtime = (st.st_mtime_ns, st.st_size)
     with _lock:
         cached = _manifests.get(folder)
         if cached and cached[0] == mtime:
             return cached[1]
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        _warn_once(folder, f"unreadable manifest ({exc})")
-        manifest = None
+    manifest, why = _load_manifest_file(folder)
     if manifest is not None:
         why = mismatch(manifest)
         if why:
-            _warn_once(folder, why)
             manifest = None
         else:
-            manifest["_by_key"] = {v["key"]: v for v in manifest.get("variants", [])}
+            manifest["_by_key"] = {v["key"]: v for v in manifest["variants"]
+                                   if isinstance(v, dict) and "key" in v}
+    if why:
+        _warn_once(folder, why)
     with _lock:
         _manifests[folder] = (mtime, manifest)
     return manifest
 
 
-def _warn_once(folder: Path, why: str) -> None:
+def _warn_once(folder: Path, why: str, what: str = "AOT bundle") -> None:
     if (folder, why) not in _warned:
         _warned.add((folder, why))
-        log.warning("ignoring AOT bundle %s: %s", folder, why)
+        log.warning("ignoring %s %s: %s", what, folder, why)
 
 
 def lookup(key: str) -> tuple[bytes, Path] | None:
@@ -83,16 +94,11 @@ def lookup(key: str) -> tuple[bytes, Path] | None:
         entry = manifest["_by_key"].get(key)
         if entry is None:
             continue
-        path = folder / entry["file"]
-        try:
-            cubin = path.read_bytes()
-        except OSError:
-            _warn_once(folder, f"missing file {entry['file']}")
+        cubin, why = read_checked(folder, entry)
+        if cubin is None:
+            _warn_once(folder, why, f"{entry.get('name')} ({entry.get('arch')}) of AOT bundle")
             continue
-        if len(cubin) != entry["size"] or hashlib.sha256(cubin).hexdigest() != entry["sha256"]:
-            _warn_once(folder, f"corrupt file {entry['file']} (hash mismatch)")
-            continue
-        return cubin, path
+        return cubin, folder / entry["file"]
     return None
 
 
@@ -101,3 +107,211 @@ def forget() -> None:
     with _lock:
         _manifests.clear()
         _warned.clear()
+
+
+# -- writing (`pagedattn precompile`) and checking (`pagedattn bundle verify`) ---------------------
+KERNELS = "kernels"
+LOGS = "logs"
+
+
+def kernel_file(variant: str, arch: str, key: str) -> str:
+    """Path of a cubin inside a bundle, relative to the bundle folder (bundles are relocatable)."""
+    from .cache import entry_name
+
+    return f"{KERNELS}/{entry_name(variant, arch, key)}.cubin"
+
+
+def _umask() -> int:
+    try:  # Linux: read it without touching it (os.umask sets it, racing other threads)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """atomic_write, then the permissions of a plain new file (mkstemp makes 0600): a bundle built
+    as root in a Docker build stage must stay readable by the serving user."""
+    from .cache import atomic_write
+
+    atomic_write(path, data)
+    try:
+        os.chmod(path, 0o666 & ~_umask())
+    except OSError:
+        pass
+
+
+def _safe_relative(file: str) -> bool:
+    p = PurePosixPath(file)
+    return bool(file) and not p.is_absolute() and ".." not in p.parts
+
+
+def read_checked(folder: Path, entry: dict) -> tuple[bytes | None, str | None]:
+    """(cubin, None) when the entry's file is present and matches its size and sha256, else
+    (None, why not)."""
+    file = entry.get("file", "")
+    if not isinstance(file, str) or not _safe_relative(file):
+        return None, f"file {file!r} is not a relative path inside the bundle"
+    try:
+        cubin = (folder / file).read_bytes()
+    except OSError as exc:
+        return None, f"missing file {file} ({exc.strerror or exc})"
+    if len(cubin) != entry.get("size"):
+        return None, f"corrupt file {file}: {len(cubin)} bytes, manifest says {entry.get('size')}"
+    if hashlib.sha256(cubin).hexdigest() != entry.get("sha256"):
+        return None, f"corrupt file {file}: sha256 mismatch"
+    return cubin, None
+
+
+def check_entry(folder: Path, entry: dict) -> str | None:
+    """None when the entry's file is intact, else why not."""
+    return read_checked(folder, entry)[1]
+
+
+def _load_manifest_file(folder: Path) -> tuple[dict | None, str | None]:
+    """(manifest, None) or (None, why); a folder without manifest.json gives (None, None)."""
+    path = folder / MANIFEST
+    if not path.exists():
+        return None, None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return None, f"unreadable manifest ({exc})"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("variants", []), list):
+        return None, "manifest.json is not a pagedattn bundle manifest"
+    return manifest, None
+
+
+class BundleWriter:
+    """Adds cubins to a bundle folder and keeps its manifest.json in step.
+
+    Entries of an existing manifest made by this install are kept (a rerun only adds what is missing
+    or broken); a manifest made by another install is replaced, and `discarded` says why. Files are
+    written with atomic_write, the manifest last, so a reader never sees an entry without its file.
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.discarded: str | None = None
+        self.entries: dict[str, dict] = {}      # cache key -> manifest entry
+        manifest, why = _load_manifest_file(self.folder)
+        if manifest is not None:
+            why = mismatch(manifest)
+            if why is None:
+                self.entries = {v["key"]: v for v in manifest["variants"] if "key" in v}
+        self.discarded = why
+
+    def present(self, key: str) -> bool:
+        """The bundle holds this key and its file is intact."""
+        entry = self.entries.get(key)
+        return entry is not None and check_entry(self.folder, entry) is None
+
+    def add(self, *, name: str, family: str, spec: dict, arch: str, key: str, cubin: bytes,
+            compile_seconds: float) -> dict:
+        file = kernel_file(name, arch, key)
+        (self.folder / KERNELS).mkdir(parents=True, exist_ok=True)
+        write_file(self.folder / file, cubin)
+        entry = {"name": name, "family": family, "spec": spec, "arch": arch, "key": key,
+                 "file": file, "sha256": hashlib.sha256(cubin).hexdigest(), "size": len(cubin),
+                 "compile_seconds": round(compile_seconds, 3), "created": round(time.time(), 3)}
+        self.entries[key] = entry
+        return entry
+
+    def remove(self, key: str) -> None:
+        entry = self.entries.pop(key, None)
+        if entry and _safe_relative(entry.get("file", "")):
+            try:
+                (self.folder / entry["file"]).unlink()
+            except OSError:
+                pass
+
+    def manifest(self) -> dict:
+        variants = sorted(self.entries.values(), key=lambda v: (v["name"], v["arch"], v["key"]))
+        return {**expected_header(), "variants": variants}
+
+    def save(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        data = json.dumps(self.manifest(), indent=1, sort_keys=True).encode()
+        write_file(self.folder / MANIFEST, data)
+        with _lock:  # this process's readers must see the new manifest even within one mtime tick
+            _manifests.clear()
+
+    def prune(self) -> list[str]:
+        """Delete cubins under kernels/ that the manifest does not name (left by an interrupted run
+        or by a replaced manifest). Returns their relative paths."""
+        keep = {v["file"] for v in self.entries.values()}
+        removed = []
+        kdir = self.folder / KERNELS
+        if kdir.is_dir():
+            for p in sorted(kdir.glob("*.cubin")):
+                rel = f"{KERNELS}/{p.name}"
+                if rel not in keep:
+                    try:
+                        p.unlink()
+                        removed.append(rel)
+                    except OSError:
+                        pass
+        return removed
+
+    def size(self) -> int:
+        return sum(v["size"] for v in self.entries.values())
+
+
+@dataclass
+class VerifyReport:
+    folder: Path
+    problem: str | None = None                       # the bundle as a whole is unusable here
+    checked: int = 0
+    corrupt: list[tuple[dict, str]] = field(default_factory=list)
+    stray: list[str] = field(default_factory=list)   # files in kernels/ the manifest does not name
+    total_bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None and not self.corrupt
+
+
+def verify(folder: Path) -> VerifyReport:
+    """Recompute every hash of a bundle and check it was made by this install."""
+    folder = Path(folder)
+    report = VerifyReport(folder)
+    manifest, why = _load_manifest_file(folder)
+    if manifest is None:
+        report.problem = why or f"no {MANIFEST} in {folder}"
+        return report
+    why = mismatch(manifest)
+    if why:  # the files may be intact, but this install would ignore the bundle
+        report.problem = f"made by another install, so it would be ignored here: {why}"
+    named = set()
+    for entry in manifest["variants"]:
+        report.checked += 1
+        named.add(entry.get("file"))
+        bad = check_entry(folder, entry)
+        if bad:
+            report.corrupt.append((entry, bad))
+        else:
+            report.total_bytes += entry["size"]
+    kdir = folder / KERNELS
+    if kdir.is_dir():
+        report.stray = [f"{KERNELS}/{p.name}" for p in sorted(kdir.iterdir())
+                        if f"{KERNELS}/{p.name}" not in named and not p.name.startswith(".")]
+    return report
+
+
+def drop_entries(folder: Path, keys: set[str]) -> int:
+    """Remove entries (and their files) from a bundle made by this install; returns how many."""
+    writer = BundleWriter(folder)
+    if writer.discarded:
+        return 0
+    n = 0
+    for key in keys:
+        if key in writer.entries:
+            writer.remove(key)
+            n += 1
+    if n:
+        writer.save()
+    return n

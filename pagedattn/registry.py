@@ -159,8 +159,15 @@ def get_kernel(spec: KernelSpec) -> Kernel:
 
 
 def precompile_command(spec: KernelSpec, arch: str) -> str:
-    fields = " ".join(f"{f.name}={getattr(spec, f.name)}" for f in dataclasses.fields(spec))
-    return f"pagedattn precompile --arch {arch} --variant '{spec.FAMILY}:{fields}' --out $PAGEDATTN_AOT_DIR"
+    """The exact `pagedattn precompile` command producing this variant (MissingKernelError's hint):
+    into the first PAGEDATTN_AOT_DIR bundle, or into a folder the user then names there."""
+    from .aot import command_for
+
+    dirs = envs.aot_dirs()
+    if dirs:
+        return command_for(spec, arch, dirs[0])
+    return (command_for(spec, arch, "./pagedattn-bundle")
+            + "  # then PAGEDATTN_AOT_DIR=$PWD/pagedattn-bundle")
 
 
 def all_specs(families=None):
