@@ -40,11 +40,8 @@ def main(out_dir="perf/results"):
     slots = torch.tensor([3], device="cuda")
     pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots)
     launcher = pagedattn.get_kernel(KvWriteSpec("bf16", "auto", "span")).launcher(0)
-    from pagedattn.ops.params import CacheGeometry
-
-    geo = CacheGeometry(*kc.stride()[:3], spec.num_slots, 16, 16, 8, 128)
-    values = (key.data_ptr(), key.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), None, None,
-              1024, 1024, geo, 0, 1)
+    values = (key.data_ptr(), key.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), 0, 0,
+              1024, 1024, *kc.stride()[:3], spec.num_slots, 16, 16, 8, 128, 0, 1)
     results = {
         "raw_launcher_us": per_call_us(lambda: launcher((1, 1, 1), (256, 1, 1), values)),
         "reshape_and_cache_flash_us": per_call_us(

@@ -10,7 +10,7 @@ from .. import envs
 from ..contract import CacheSpec, ContractError
 from ..dtypes import CPP_TYPE, TORCH_TO_NAME, short
 from ..registry import KernelSpec, UnsupportedError, get_kernel, register
-from .params import CacheGeometry, KvWriteParams
+from .params import KvWriteParams
 
 _FP8_ENUM = {"auto": "kNone", "fp8_e4m3": "kE4M3", "fp8_e5m2": "kE5M2"}
 _CACHE_CPP = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float",
@@ -124,31 +124,55 @@ def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
                             f"(num_blocks * block_size = {num_slots}); {bad.numel()} bad token(s)")
 
 
+class _Plan:
+    """Everything about a call that depends only on tensor metadata: validated once, reused."""
+    __slots__ = ("spec", "launcher", "block", "tail", "is_fp8", "num_slots")
+
+    def __init__(self, spec: CacheSpec, key, key_cache, slot_mapping, scale_stride):
+        path = write_path(spec)
+        self.spec = spec
+        self.launcher = get_kernel(KvWriteSpec(short(key.dtype), spec.kv_cache_dtype, path)).launcher(
+            key_cache.device.index)
+        self.block = (_threads(spec, path, key.element_size()), 1, 1)
+        bs, ps, hs, _ = key_cache.stride()
+        # Params after the 7 pointers: strides, CacheGeometry, scale_stride, slot_is_int64
+        self.tail = (bs, ps, hs, spec.num_slots, spec.num_blocks, spec.block_size, spec.num_kv_heads,
+                     spec.head_size, scale_stride, int(slot_mapping.dtype == torch.int64))
+        self.is_fp8 = spec.is_fp8
+        self.num_slots = spec.num_slots
+
+
 def write_with_spec(spec: CacheSpec, key, value, key_cache, value_cache, slot_mapping,
                     k_scale=None, v_scale=None, validate: bool | None = None) -> None:
     num_tokens, scale_stride = validate_inputs(spec, key, value, key_cache, slot_mapping,
                                                k_scale, v_scale)
-    if validate or (validate is None and envs.debug()):
-        check_slots(slot_mapping, spec.num_slots)
-    if num_tokens == 0:
-        return
     if key_cache.device.type != "cuda":
         raise ContractError("reshape_and_cache_flash runs on CUDA tensors; for CPU tensors use "
                             "pagedattn.reference.reshape_and_cache_flash")
-    path = write_path(spec)
-    kernel = get_kernel(KvWriteSpec(short(key.dtype), spec.kv_cache_dtype, path))
-    device = key_cache.device.index
-    block = _threads(spec, path, key.element_size())
-    bs, ps, hs, _ = key_cache.stride()
-    geometry = CacheGeometry(bs, ps, hs, spec.num_slots, spec.num_blocks, spec.block_size,
-                             spec.num_kv_heads, spec.head_size)
-    kernel.launcher(device)(
-        (num_tokens, 1, 1), (block, 1, 1),
+    plan = _Plan(spec, key, key_cache, slot_mapping, scale_stride)
+    _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
+            validate)
+
+
+def _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
+            validate):
+    if validate or (validate is None and envs.debug()):
+        check_slots(slot_mapping, plan.num_slots)
+    if num_tokens == 0:
+        return
+    plan.launcher(
+        (num_tokens, 1, 1), plan.block,
         (key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-         slot_mapping.data_ptr(),
-         k_scale.data_ptr() if spec.is_fp8 else None, v_scale.data_ptr() if spec.is_fp8 else None,
-         key.stride(0), value.stride(0), geometry, scale_stride,
-         int(slot_mapping.dtype == torch.int64)))
+         slot_mapping.data_ptr(), k_scale.data_ptr() if plan.is_fp8 else 0,
+         v_scale.data_ptr() if plan.is_fp8 else 0, key.stride(0), value.stride(0)) + plan.tail)
+
+
+def _scale_sig(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device) \
+        if isinstance(t, torch.Tensor) else type(t)
+
+
+_PLANS: dict[tuple, _Plan] = {}
 
 
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
@@ -160,10 +184,37 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     kv_cache_dtype: "auto" | "fp8" | "fp8_e4m3" | "fp8_e5m2"; fp8 needs float32 k_scale/v_scale of
     shape [1] (per tensor) or [H] (per head): stored = saturate_to_finite(x / scale).
     validate=True (or PAGEDATTN_DEBUG=1) also checks every slot < num_blocks*block_size (syncs).
+
+    Validation runs once per distinct tensor metadata (shapes without T, strides, dtypes, devices);
+    later calls with the same metadata only re-check what can change (token counts, alignment).
     """
+    try:
+        sig = (key.shape[1:], key.stride(), key.dtype, key.device, value.shape[1:], value.stride(),
+               value.dtype, key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
+               value_cache.shape, value_cache.stride(), value_cache.dtype, value_cache.device,
+               slot_mapping.dim(), slot_mapping.stride(), slot_mapping.dtype, slot_mapping.device,
+               kv_cache_dtype, _scale_sig(k_scale), _scale_sig(v_scale))
+        plan = _PLANS.get(sig)
+    except (AttributeError, TypeError):  # not tensors: the slow path explains
+        plan = None
+    if plan is not None:
+        num_tokens = slot_mapping.numel()
+        if (num_tokens <= key.shape[0] and key.shape[0] == value.shape[0]
+                and not (key_cache.data_ptr() | value_cache.data_ptr()) & 15):
+            _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                    num_tokens, validate)
+            return
     scale = "tensor"
     if isinstance(k_scale, torch.Tensor) and k_scale.numel() > 1:
         scale = "head"
     spec = CacheSpec.from_tensors(key_cache, value_cache, kv_cache_dtype=kv_cache_dtype, scale=scale)
-    write_with_spec(spec, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
-                    validate=validate)
+    num_tokens, scale_stride = validate_inputs(spec, key, value, key_cache, slot_mapping, k_scale, v_scale)
+    if key_cache.device.type != "cuda":
+        raise ContractError("reshape_and_cache_flash runs on CUDA tensors; for CPU tensors use "
+                            "pagedattn.reference.reshape_and_cache_flash")
+    plan = _Plan(spec, key, key_cache, slot_mapping, scale_stride)
+    if len(_PLANS) > 256:
+        _PLANS.clear()
+    _PLANS[sig] = plan
+    _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
+            validate)

@@ -1,0 +1,143 @@
+"""reshape_and_cache on the legacy layout: validation at the API boundary, variant choice, launch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .. import envs
+from ..contract import CacheSpec, ContractError
+from ..dtypes import short
+from ..registry import KernelSpec, get_kernel, register
+from .kv_write import check_slots
+from .legacy_params import LegacyCacheGeometry, LegacyCacheWriteParams
+
+FP8_ENUM = {"auto": "kNone", "fp8_e4m3": "kE4M3", "fp8_e5m2": "kE5M2"}
+CPP_ELEMENT = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp8_e4m3": "uint8_t", "fp8_e5m2": "uint8_t"}
+INPUT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@register
+@dataclass(frozen=True)
+class LegacyCacheWriteSpec(KernelSpec):
+    """Legacy cache write (reshape_and_cache): input dtype and what the cache stores."""
+    FAMILY: ClassVar[str] = "legacy_cache_write"
+    TEMPLATE: ClassVar[str] = "legacy_cache_write.cu.j2"
+    ENTRY: ClassVar[str] = "legacy_cache_write_kernel"
+    PARAMS: ClassVar = LegacyCacheWriteParams
+    SUPPORTED: ClassVar[dict] = {
+        "dtype": ("fp16", "bf16"),
+        "kv_cache_dtype": ("auto", "fp8_e4m3", "fp8_e5m2"),
+    }
+
+    dtype: str
+    kv_cache_dtype: str
+
+    def context(self) -> dict:
+        cache = self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        return {"Element": CPP_ELEMENT[self.dtype], "CacheElement": CPP_ELEMENT[cache],
+                "kFp8": FP8_ENUM[self.kv_cache_dtype]}
+
+
+def geometry(spec: CacheSpec, key_cache: torch.Tensor, value_cache: torch.Tensor) -> LegacyCacheGeometry:
+    ks, vs = key_cache.stride(), value_cache.stride()
+    return LegacyCacheGeometry(ks[0], ks[1], vs[0], vs[1], spec.num_blocks, spec.num_kv_heads,
+                               spec.head_size, spec.block_size)
+
+
+def check_scale(name: str, scale, spec: CacheSpec, device: torch.device) -> None:
+    """fp8 caches take one float32 scale per tensor, on the cache's device."""
+    if scale is None:
+        raise ContractError(f"kv_cache_dtype={spec.kv_cache_dtype!r} needs {name} (a float32 tensor "
+                            "with one element: dequantised = stored * scale)")
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        raise ContractError(f"{name} must be a float32 tensor, got "
+                            f"{getattr(scale, 'dtype', type(scale).__name__)}")
+    if scale.numel() != 1:
+        raise ContractError(f"{name} must hold one element (the legacy kernels take per-tensor "
+                            f"scales), got shape {tuple(scale.shape)}")
+    if scale.device != device:
+        raise ContractError(f"{name} is on {scale.device}, the cache on {device}")
+
+
+def validate_inputs(spec: CacheSpec, key, value, key_cache, slot_mapping, k_scale, v_scale) -> int:
+    """Every check of the writer, before any kernel runs. Returns the number of tokens to write."""
+    h, d = spec.num_kv_heads, spec.head_size
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise ContractError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3 or tuple(t.shape[1:]) != (h, d):
+            raise ContractError(f"{name} must have shape [T, {h}, {d}] to match the cache, "
+                                f"got {tuple(t.shape)}")
+        if t.dtype not in INPUT_DTYPES:
+            raise ContractError(f"{name} dtype {t.dtype} is not supported by the legacy writer "
+                                "(fp16, bf16)")
+        if t.device != key_cache.device:
+            raise ContractError(f"{name} is on {t.device}, the cache on {key_cache.device}")
+        if t.stride(2) != 1 or (h > 1 and t.stride(1) != d):
+            raise ContractError(f"{name}'s (H, D) part must be dense (strides [*, {d}, 1]), "
+                                f"got strides {t.stride()}")
+    if key.dtype != value.dtype:
+        raise ContractError(f"key ({key.dtype}) and value ({value.dtype}) differ in dtype")
+    if key.shape[0] != value.shape[0]:
+        raise ContractError(f"key has {key.shape[0]} tokens, value {value.shape[0]}")
+    if not spec.is_fp8 and key.dtype != spec.dtype:
+        raise ContractError(f"kv_cache_dtype='auto' needs the cache dtype ({spec.dtype}) to equal the "
+                            f"input dtype ({key.dtype})")
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in (torch.int64, torch.int32):
+        raise ContractError(f"slot_mapping must be an int64 (or int32) tensor, got "
+                            f"{getattr(slot_mapping, 'dtype', type(slot_mapping).__name__)}")
+    if slot_mapping.device != key_cache.device:
+        raise ContractError(f"slot_mapping is on {slot_mapping.device}, the cache on {key_cache.device}")
+    if slot_mapping.dim() != 1 or (slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1):
+        raise ContractError(f"slot_mapping must be a contiguous 1-D tensor, got shape "
+                            f"{tuple(slot_mapping.shape)} strides {slot_mapping.stride()}")
+    num_tokens = slot_mapping.numel()
+    if num_tokens > key.shape[0]:
+        raise ContractError(f"slot_mapping has {num_tokens} entries but key/value only {key.shape[0]} "
+                            "tokens")
+    if spec.is_fp8:
+        check_scale("k_scale", k_scale, spec, key_cache.device)
+        check_scale("v_scale", v_scale, spec, key_cache.device)
+    return num_tokens
+
+
+def write_legacy(spec: CacheSpec, key, value, key_cache, value_cache, slot_mapping, k_scale=None,
+                 v_scale=None, validate: bool | None = None) -> None:
+    """The writer on caches already checked against `spec` (layout "legacy")."""
+    spec.require_layout(("legacy",), "reshape_and_cache")
+    num_tokens = validate_inputs(spec, key, value, key_cache, slot_mapping, k_scale, v_scale)
+    if validate or (validate is None and envs.debug()):
+        check_slots(slot_mapping, spec.num_slots)
+    if num_tokens == 0:
+        return
+    if key_cache.device.type != "cuda":
+        raise ContractError("reshape_and_cache runs on CUDA tensors; for CPU tensors use "
+                            "pagedattn.legacy_reference.reshape_and_cache")
+    kernel = get_kernel(LegacyCacheWriteSpec(short(key.dtype), spec.kv_cache_dtype))
+    chunks = spec.num_kv_heads * spec.head_size // spec.x
+    threads = min(max(32, -(-chunks // 32) * 32), 512)
+    kernel.launcher(key_cache.device.index)(
+        (num_tokens, 1, 1), (threads, 1, 1),
+        (key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+         slot_mapping.data_ptr(),
+         k_scale.data_ptr() if spec.is_fp8 else None, v_scale.data_ptr() if spec.is_fp8 else None,
+         key.stride(0), value.stride(0), geometry(spec, key_cache, value_cache),
+         int(slot_mapping.dtype == torch.int64), 0))
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
+                      k_scale=None, v_scale=None, *, validate: bool | None = None) -> None:
+    """Write new K/V tokens into a legacy paged cache (vLLM's `reshape_and_cache` semantics).
+
+    key, value: [T_pad, H, D] fp16/bf16, (H, D) dense; only the first slot_mapping.numel() tokens are
+    read; slot < 0 skips a token. key_cache: [num_blocks, H, D // x, block_size, x] with
+    x = 16 // element size; value_cache: [num_blocks, H, D, block_size].
+    kv_cache_dtype: "auto" | "fp8" | "fp8_e4m3" | "fp8_e5m2"; fp8 caches are uint8 or float8 and need
+    float32 k_scale / v_scale of one element: stored = saturate_to_finite(x / scale).
+    validate=True (or PAGEDATTN_DEBUG=1) also checks every slot < num_blocks * block_size (syncs).
+    """
+    spec = CacheSpec.from_legacy_tensors(key_cache, value_cache, kv_cache_dtype=kv_cache_dtype)
+    write_legacy(spec, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                 validate=validate)
