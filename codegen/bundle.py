@@ -58,6 +58,8 @@ def read_manifest(folder: Path) -> dict | None:
     try:
         st = path.stat()
     except OSError:
+        _warn_once(folder, f"no {MANIFEST} there (make one with `pagedattn precompile ... --out "
+                           f"{folder}`)")
         return None
     mtime = (st.st_mtime_ns, st.st_size)
     with _lock:

@@ -217,7 +217,9 @@ def resolve_archs(text: str) -> list[str]:
         else:
             raise SelectionError(f"--arch {item!r} is not supported; use native, all or a list of "
                                  f"{', '.join(SUPPORTED_ARCHS)}")
-        out += [a for a in archs if a not in out]
+        for arch in archs:
+            if arch not in out:
+                out.append(arch)
     if not out:
         raise SelectionError("--arch names no target")
     return out

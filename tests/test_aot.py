@@ -1,0 +1,431 @@
+"""AOT: `pagedattn precompile`, relocatable bundles, JIT-off mode, `bundle verify` / `cache verify`.
+
+CPU only: NVRTC compiles sm_90a without a GPU. One small bundle (4 kv_write variants) is built once
+per module; tests that change a bundle work on a copy. About 9 compiles in all.
+"""
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import shlex
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from pagedattn import aot
+from pagedattn import cachecli
+from pagedattn.codegen import bundle
+from pagedattn.codegen.cache import write_entry
+from pagedattn.codegen.errors import MissingKernelError
+from pagedattn.ops.kv_write import KvWriteSpec
+from pagedattn.registry import FAMILIES, KernelSpec, all_specs, get_kernel, precompile_command
+
+DATA = Path(__file__).parent / "data"
+LLAMA = DATA / "llama2_7b_config.json"
+QWEN = DATA / "qwen3_0.6b_config.json"
+SMALL = ["--ops", "kv_write", "--dtypes", "bf16", "--kv-cache-dtypes", "auto,fp8_e4m3"]
+ARCH = "sm_90a"
+
+
+def precompile(*argv) -> int:
+    return aot.main(["precompile", "--arch", ARCH, "-q", *map(str, argv)])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(bundle dir, stdout of the run) for the SMALL matrix, compiled with 2 processes."""
+    out = tmp_path_factory.mktemp("aot") / "bundle"
+    jobs = aot.plan(aot.select(ops=["kv_write"], filters={"dtypes": ["bf16"],
+                                                          "kv_cache_dtypes": ["auto", "fp8_e4m3"]}
+                               ).specs, [ARCH])
+    summary = aot.precompile(jobs, out, n_jobs=2, progress=False)
+    assert summary.compiled == 4 and not summary.failed, summary
+    return out, summary
+
+
+@pytest.fixture
+def bundle_copy(built, tmp_path):
+    """A private, moved copy of the module bundle (bundles are relocatable)."""
+    dst = tmp_path / "moved" / "bundle"
+    shutil.copytree(built[0], dst)
+    bundle.forget()
+    yield dst
+    bundle.forget()
+
+
+@pytest.fixture
+def jit_off(fresh_cache, monkeypatch):
+    monkeypatch.setenv("PAGEDATTN_DISABLE_JIT", "1")
+    bundle.forget()
+    yield fresh_cache
+    bundle.forget()
+
+
+@pytest.fixture
+def pagedattn_log(caplog):
+    """caplog sees the 'pagedattn' logger (it does not propagate to the root)."""
+    logger = logging.getLogger("pagedattn")
+    logger.addHandler(caplog.handler)
+    caplog.handler.setLevel(logging.WARNING)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def _manifest(folder: Path) -> dict:
+    return json.loads((folder / "manifest.json").read_text())
+
+
+def _spec(entry: dict):
+    return FAMILIES[entry["family"]](**entry["spec"])
+
+
+# -- a fake family with the fields later families have (head_dim, layout); never compiled ---------
+@dataclass(frozen=True)
+class FakeAttnSpec(KernelSpec):
+    """Stand-in attention family (selection tests only)."""
+    FAMILY: ClassVar[str] = "fake_attn"
+    SUPPORTED: ClassVar[dict] = {"dtype": ("fp16", "bf16"), "head_dim": (64, 128, 256, 512),
+                                 "layout": ("NHD", "HND"), "causal": (True, False)}
+    dtype: str
+    head_dim: int
+    layout: str
+    causal: bool
+
+
+@pytest.fixture
+def fake_family(monkeypatch):
+    monkeypatch.setitem(FAMILIES, FakeAttnSpec.FAMILY, FakeAttnSpec)
+    return FakeAttnSpec
+
+
+# -- building ------------------------------------------------------------------------------------
+def test_manifest(built):
+    out, summary = built
+    m = _manifest(out)
+    header = bundle.expected_header()
+    for k, v in header.items():
+        assert m[k] == v
+    assert {"schema", "pagedattn", "nvrtc", "packages"} <= set(m)
+    assert "nvidia-cutlass" in m["packages"]
+    names = sorted(v["name"] for v in m["variants"])
+    assert names == sorted(f"kv_write_bf16_{kv}_{p}" for kv in ("auto", "fp8e4m3")
+                           for p in ("span", "head"))
+    for v in m["variants"]:
+        assert v["arch"] == ARCH and v["family"] == "kv_write"
+        assert not Path(v["file"]).is_absolute() and v["file"].startswith("kernels/")
+        data = (out / v["file"]).read_bytes()
+        assert data[:4] == b"\x7fELF" and len(data) == v["size"]
+        import hashlib
+        assert hashlib.sha256(data).hexdigest() == v["sha256"]
+        spec = _spec(v)
+        # the key is the one the run-time lookup computes
+        assert aot.plan([spec], [ARCH])[0].key == v["key"]
+    assert str(out) not in (out / "manifest.json").read_text()   # relocatable: no absolute paths
+    assert summary.bundle_kernels == 4 and summary.bundle_bytes == sum(v["size"] for v in m["variants"])
+
+
+def test_rerun_compiles_nothing(built, capsys):
+    out, _ = built
+    before = (out / "manifest.json").read_bytes()
+    assert precompile(*SMALL, "--out", out) == 0
+    text = capsys.readouterr().out
+    assert "compiled 0, already present 4, failed 0" in text
+    assert (out / "manifest.json").read_bytes() == before
+
+
+def test_rerun_rebuilds_only_missing_or_corrupt(bundle_copy):
+    m = _manifest(bundle_copy)
+    gone, bad = m["variants"][0], m["variants"][1]
+    (bundle_copy / gone["file"]).unlink()
+    p = bundle_copy / bad["file"]
+    data = p.read_bytes()
+    p.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    jobs = aot.plan([_spec(v) for v in m["variants"]], [ARCH])
+    summary = aot.precompile(jobs, bundle_copy, n_jobs=1, progress=False)
+    assert (summary.compiled, summary.present, summary.failed) == (2, 2, [])
+    assert bundle.verify(bundle_copy).ok
+    assert _manifest(bundle_copy)["variants"][1]["sha256"] == bad["sha256"]  # same bytes again
+
+
+def test_parallel_precompile_gives_serial_bytes(built, tmp_path):
+    out, _ = built
+    wanted = sorted(_manifest(out)["variants"], key=lambda v: v["name"])[:2]
+    serial = tmp_path / "serial"
+    assert precompile("--jobs", 1, *[a for v in wanted for a in
+                                     ("--variant", aot.format_variant(_spec(v)))],
+                      "--out", serial) == 0
+    got = {v["key"]: v for v in _manifest(serial)["variants"]}
+    assert set(got) == {v["key"] for v in wanted}
+    for v in wanted:
+        assert got[v["key"]]["sha256"] == v["sha256"]
+        assert (serial / got[v["key"]]["file"]).read_bytes() == (out / v["file"]).read_bytes()
+
+
+def test_failed_variant_does_not_stop_others(bundle_copy, monkeypatch, capsys):
+    real_plan = aot.plan
+
+    def plan_with_broken(specs, archs):
+        jobs = real_plan(specs, archs)
+        jobs[0] = dataclasses.replace(jobs[0], source=jobs[0].source + "\nthis_is_not_cuda;\n")
+        return jobs
+
+    monkeypatch.setattr(aot, "plan", plan_with_broken)
+    rc = precompile("--variant", "kv_write:dtype=fp16 kv_cache_dtype=auto path=span",
+                    "--variant", "kv_write:dtype=fp16 kv_cache_dtype=auto path=head",
+                    "--jobs", 2, "--out", bundle_copy)
+    text = capsys.readouterr().out
+    assert rc == 1
+    assert "compiled 1, already present 0, failed 1" in text
+    log = bundle_copy / "logs" / f"kv_write_fp16_auto_span-{ARCH}.log"
+    assert f"FAILED kv_write_fp16_auto_span ({ARCH}): log {log}" in text
+    assert "this_is_not_cuda" in log.read_text() and log.with_suffix(".cu").is_file()
+    names = {v["name"] for v in _manifest(bundle_copy)["variants"]}
+    assert "kv_write_fp16_auto_head" in names and "kv_write_fp16_auto_span" not in names
+    assert len(names) == 5 and bundle.verify(bundle_copy).ok
+
+
+# -- run time ------------------------------------------------------------------------------------
+def test_jit_off_resolves_every_variant_from_bundle(bundle_copy, jit_off, monkeypatch):
+    monkeypatch.setenv("PAGEDATTN_AOT_DIR", f"/nonexistent/elsewhere:{bundle_copy}")
+    for v in _manifest(bundle_copy)["variants"]:
+        art = get_kernel(_spec(v)).artifact(v["arch"])
+        assert art.origin.startswith("aot:") and str(bundle_copy) in art.origin
+        assert art.cubin == (bundle_copy / v["file"]).read_bytes()
+    assert jit_off.compiles == 0
+    # a variant outside the bundle: MissingKernelError, still no compile
+    with pytest.raises(MissingKernelError, match="kv_write_fp32_auto_span"):
+        get_kernel(KvWriteSpec("fp32", "auto", "span")).artifact(ARCH)
+    assert jit_off.compiles == 0
+
+
+def test_missing_kernel_hint_is_a_working_command(jit_off, monkeypatch, tmp_path):
+    target = tmp_path / "deploy bundle"     # a space: the hint must quote it
+    monkeypatch.setenv("PAGEDATTN_AOT_DIR", str(target))
+    spec = KvWriteSpec("fp16", "fp8_e5m2", "head")
+    with pytest.raises(MissingKernelError) as info:
+        get_kernel(spec).artifact(ARCH)
+    command = str(info.value).split("Produce it with:\n", 1)[1].strip()
+    assert command == precompile_command(spec, ARCH)
+    argv = shlex.split(command)
+    assert argv[:2] == ["pagedattn", "precompile"] and argv[argv.index("--out") + 1] == str(target)
+    assert aot.main(argv[1:] + ["-q"]) == 0
+    art = get_kernel(spec).artifact(ARCH)
+    assert art.origin.startswith("aot:") and jit_off.compiles == 0
+
+
+def test_hint_without_aot_dir_names_a_folder(monkeypatch):
+    monkeypatch.delenv("PAGEDATTN_AOT_DIR", raising=False)
+    hint = precompile_command(KvWriteSpec("bf16", "auto", "span"), "sm_80")
+    argv = shlex.split(hint, comments=True)
+    assert argv[argv.index("--out") + 1] == "./pagedattn-bundle" and "PAGEDATTN_AOT_DIR" in hint
+
+
+@pytest.mark.parametrize("field,value", [("pagedattn", "0.0.1-other"), ("nvrtc", "12.4"),
+                                         ("packages", {"nvidia-cutlass": "3.9.0"})])
+def test_manifest_of_other_version_is_ignored_with_warning(bundle_copy, jit_off, monkeypatch,
+                                                           pagedattn_log, field, value):
+    m = _manifest(bundle_copy)
+    m[field] = value
+    (bundle_copy / "manifest.json").write_text(json.dumps(m))
+    monkeypatch.setenv("PAGEDATTN_AOT_DIR", str(bundle_copy))
+    spec = _spec(m["variants"][0])
+    for _ in range(2):
+        with pytest.raises(MissingKernelError):
+            get_kernel(spec).artifact(ARCH)
+    warnings = [r.getMessage() for r in pagedattn_log.records if "ignoring AOT bundle" in r.getMessage()]
+    assert len(warnings) == 1, warnings                       # one warning, not one per lookup
+    assert str(bundle_copy) in warnings[0] and f"{field}: bundle has {value!r}" in warnings[0]
+    assert jit_off.compiles == 0
+    report = bundle.verify(bundle_copy)
+    assert not report.ok and "another install" in report.problem and not report.corrupt
+
+
+# -- verify --------------------------------------------------------------------------------------
+def _cache_cli(argv) -> int:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    cachecli.add_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_corrupt_artifact_found_by_bundle_verify_and_cache_verify(bundle_copy, fresh_cache,
+                                                                   monkeypatch, capsys,
+                                                                   pagedattn_log):
+    assert aot.main(["bundle", "verify", str(bundle_copy)]) == 0
+    assert "4 kernels checked, 0 corrupt" in capsys.readouterr().out
+    victim = _manifest(bundle_copy)["variants"][2]
+    path = bundle_copy / victim["file"]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF                               # same size, different bytes
+    path.write_bytes(bytes(data))
+
+    assert aot.main(["bundle", "verify", str(bundle_copy)]) == 1
+    out = capsys.readouterr().out
+    assert f"corrupt: {victim['name']} ({ARCH}): corrupt file {victim['file']}: sha256" in out
+    assert "rebuild: pagedattn precompile" in out and "1 corrupt" in out
+
+    # a JIT cache entry with a bad cubin, beside the bundle
+    folder = Path(os.environ["PAGEDATTN_CACHE_DIR"])
+    entry = folder / "fake_variant-sm_90a-0123456789abcdef"
+    write_entry(entry, key="k" * 64, material={}, variant="fake_variant", arch="sm_90a",
+                cubin=b"\x7fELF good", source="// x", options=[], seconds=0.1, origin="jit")
+    (entry / "kernel.cubin").write_bytes(b"\x7fELF bad!")
+    monkeypatch.setenv("PAGEDATTN_AOT_DIR", str(bundle_copy))
+    assert _cache_cli(["cache", "verify"]) == 1
+    out = capsys.readouterr().out
+    assert f"corrupt: {entry}" in out
+    assert f"corrupt: {victim['name']} ({ARCH}) in AOT bundle {bundle_copy}" in out
+
+    # the run-time lookup refuses the corrupt file (warning), JIT off -> MissingKernelError
+    monkeypatch.setenv("PAGEDATTN_DISABLE_JIT", "1")
+    with pytest.raises(MissingKernelError):
+        get_kernel(_spec(victim)).artifact(ARCH)
+    assert any("corrupt file" in r.getMessage() for r in pagedattn_log.records)
+
+    # --delete: the JIT entry goes, the bundle entry leaves the manifest; then all is clean
+    assert _cache_cli(["cache", "verify", "--delete"]) == 0
+    assert not entry.exists()
+    assert victim["key"] not in {v["key"] for v in _manifest(bundle_copy)["variants"]}
+    assert bundle.verify(bundle_copy).ok
+
+
+def test_cache_ls_shows_aot_origin(bundle_copy, fresh_cache, monkeypatch, capsys):
+    monkeypatch.setenv("PAGEDATTN_AOT_DIR", str(bundle_copy))
+    monkeypatch.setenv("COLUMNS", "240")
+    assert _cache_cli(["cache", "ls"]) == 0
+    out = capsys.readouterr().out
+    assert "kv_write_bf16_auto_span" in out and f"aot:{bundle_copy}" in out
+
+
+# -- selection -----------------------------------------------------------------------------------
+def test_dry_run_lists_the_matrix(built, capsys):
+    out, _ = built
+    assert precompile("--ops", "kv_write", "--preset", "default", "--dry-run") == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines if line.startswith("kv_write_")]
+    assert len(rows) == 12 and all(r[1] == ARCH and r[2] == "compile" for r in rows)
+    assert {r[0] for r in rows} == {f"kv_write_{d}_{kv}_{p}" for d in ("fp16", "bf16")
+                                   for kv in ("auto", "fp8e4m3", "fp8e5m2") for p in ("span", "head")}
+    assert lines[-1] == (f"dry run: 12 kernels (12 variants of kv_write x 1 arch: {ARCH}); "
+                         "0 present, 12 to compile")
+    # against an existing bundle: what it holds is marked, nothing is written
+    before = sorted(p.name for p in out.rglob("*"))
+    assert aot.main(["precompile", "--arch", "sm_80,sm_90a", "--ops", "kv_write", "--dtypes", "bf16",
+                     "--dry-run", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert sum(line.endswith(" present") for line in text.splitlines()) == 4
+    assert text.strip().endswith("4 present, 8 to compile")
+    assert sorted(p.name for p in out.rglob("*")) == before
+
+
+def test_model_configs():
+    llama, qwen = aot.read_model_config(LLAMA), aot.read_model_config(QWEN)
+    assert (llama.head_size, llama.num_heads, llama.num_kv_heads, llama.dtype) == (128, 32, 32, "fp16")
+    # Qwen3-0.6B: head_dim (128) wins over hidden_size / heads (1024 / 16 = 64); GQA 16:8
+    assert (qwen.head_size, qwen.num_heads, qwen.num_kv_heads, qwen.dtype) == (128, 16, 8, "bf16")
+    assert "Hq=16 Hkv=8" in qwen.describe()
+
+
+@pytest.mark.parametrize("config,dtype", [(LLAMA, "fp16"), (QWEN, "bf16")])
+def test_model_config_narrows_dtype_and_head_size(fake_family, config, dtype, capsys):
+    sel = aot.select(model_configs=[config])
+    kv = [s for s in sel.specs if s.FAMILY == "kv_write"]
+    fake = [s for s in sel.specs if s.FAMILY == "fake_attn"]
+    assert {s.dtype for s in kv} == {dtype} and len(kv) == 6        # all cache dtypes, both paths
+    assert {(s.dtype, s.head_dim) for s in fake} == {(dtype, 128)} and len(fake) == 4
+    # explicit flags win over the config
+    sel = aot.select(model_configs=[config], filters={"dtypes": ["fp32"]}, ops=["kv_write"])
+    assert {s.dtype for s in sel.specs} == {"fp32"}
+    # through the CLI
+    assert precompile("--model-config", config, "--ops", "kv_write", "--dry-run") == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"model {config.name}:") and f"dtype={dtype}" in text
+    assert "6 kernels" in text
+
+
+def test_two_model_configs_give_the_union(fake_family):
+    sel = aot.select(model_configs=[LLAMA, QWEN], ops=["fake_attn"])
+    assert {s.dtype for s in sel.specs} == {"fp16", "bf16"} and {s.head_dim for s in sel.specs} == {128}
+
+
+def test_filters_map_onto_fields_by_name(fake_family):
+    sel = aot.select(filters={"head_sizes": ["64", "256"], "layouts": ["hnd"], "dtypes": ["bfloat16"]})
+    fake = [s for s in sel.specs if s.FAMILY == "fake_attn"]
+    assert {(s.dtype, s.head_dim, s.layout) for s in fake} == {("bf16", 64, "HND"), ("bf16", 256, "HND")}
+    kv = [s for s in sel.specs if s.FAMILY == "kv_write"]       # no head_dim / layout fields
+    assert len(kv) == 6 and {s.dtype for s in kv} == {"bf16"}
+    # kv_write alone: --head-sizes narrows nothing, and says so
+    sel = aot.select(ops=["kv_write"], filters={"head_sizes": ["128"], "kv_cache_dtypes": ["fp8"]})
+    assert any("--head-sizes" in n for n in sel.notes)
+    assert {s.kv_cache_dtype for s in sel.specs} == {"fp8_e4m3"} and len(sel.specs) == 6
+
+
+def test_preset_is_quietly_intersected(fake_family):
+    sel = aot.select(preset="default")
+    fake = [s for s in sel.specs if s.FAMILY == "fake_attn"]
+    assert {s.head_dim for s in fake} == {64, 128, 256}              # 80/96 unsupported, 512 not in it
+    assert {s.dtype for s in sel.specs} == {"fp16", "bf16"} and not sel.notes
+    kv = [s for s in sel.specs if s.FAMILY == "kv_write"]
+    assert {s.kv_cache_dtype for s in kv} == set(KvWriteSpec.SUPPORTED["kv_cache_dtype"])
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"filters": {"dtypes": ["fp64"]}}, "--dtypes: fp64 not supported"),
+    ({"filters": {"head_sizes": ["72"]}, "ops": ["fake_attn"]}, "--head-sizes: 72 not supported"),
+    ({"ops": ["attn_nope"]}, "unknown family attn_nope"),
+    ({"preset": "huge"}, "known presets: default"),
+    ({"variants": ["kv_write:dtype=bf16 kv_cache_dtype=auto"]}, "missing path (one of span, head)"),
+    ({"variants": ["kv_write:dtype=bf16 kv_cache_dtype=auto path=diag"]}, "path='diag'"),
+    ({"variants": ["kv_write:dtype=bf16 kv_cache_dtype=auto path=span"], "ops": ["kv_write"]},
+     "do not combine"),
+    ({"variants": ["nope:dtype=bf16"]}, "family among"),
+])
+def test_selection_errors(fake_family, kwargs, message):
+    with pytest.raises(aot.SelectionError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        aot.select(**kwargs)
+
+
+def test_variant_form_round_trips(fake_family, monkeypatch):
+    monkeypatch.delenv("PAGEDATTN_AOT_DIR", raising=False)
+    specs = list(all_specs())
+    assert any(s.FAMILY == "fake_attn" for s in specs)
+    parser = argparse.ArgumentParser()
+    aot.add_parser(parser.add_subparsers())
+    for spec in specs:
+        assert aot.parse_variant(aot.format_variant(spec)) == spec
+        argv = shlex.split(precompile_command(spec, ARCH), comments=True)
+        args = parser.parse_args(argv[1:])
+        assert aot._selection_from_args(args).specs == [spec]
+
+
+def test_arch_resolution(monkeypatch):
+    assert aot.resolve_archs("sm_80, sm_90a,sm_80") == ["sm_80", "sm_90a"]
+    assert aot.resolve_archs("all")[-1] == "sm_90a"
+    with pytest.raises(aot.SelectionError, match="sm_70"):
+        aot.resolve_archs("sm_70")
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(aot.SelectionError, match="no CUDA GPU is visible.*--arch sm_90a"):
+        aot.resolve_archs("native")
+
+
+def test_arch_native_with_gpus(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    caps = {0: (9, 0), 1: (8, 0), 2: (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: caps[i])
+    monkeypatch.delenv("PAGEDATTN_ARCH", raising=False)
+    assert aot.resolve_archs("native") == ["sm_90a", "sm_80"]
+
+
+def test_cli_errors_exit_2(capsys):
+    assert aot.main(["precompile", "--arch", "sm_90a", "--dtypes", "fp64", "--dry-run"]) == 2
+    assert "--dtypes: fp64" in capsys.readouterr().err
+    assert aot.main(["precompile", "--arch", "sm_90a", "--ops", "kv_write"]) == 2
+    assert "--out DIR is required" in capsys.readouterr().err
