@@ -206,6 +206,7 @@ class BundleWriter:
             if why is None:
                 self.entries = {v["key"]: v for v in manifest["variants"] if "key" in v}
         self.discarded = why
+        self.dirty = why is not None or manifest is None   # save() has something to write
 
     def present(self, key: str) -> bool:
         """The bundle holds this key and its file is intact."""
@@ -221,10 +222,12 @@ class BundleWriter:
                  "file": file, "sha256": hashlib.sha256(cubin).hexdigest(), "size": len(cubin),
                  "compile_seconds": round(compile_seconds, 3), "created": round(time.time(), 3)}
         self.entries[key] = entry
+        self.dirty = True
         return entry
 
     def remove(self, key: str) -> None:
         entry = self.entries.pop(key, None)
+        self.dirty = True
         if entry and _safe_relative(entry.get("file", "")):
             try:
                 (self.folder / entry["file"]).unlink()
@@ -239,6 +242,7 @@ class BundleWriter:
         self.folder.mkdir(parents=True, exist_ok=True)
         data = json.dumps(self.manifest(), indent=1, sort_keys=True).encode()
         write_file(self.folder / MANIFEST, data)
+        self.dirty = False
         with _lock:  # this process's readers must see the new manifest even within one mtime tick
             _manifests.clear()
 

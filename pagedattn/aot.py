@@ -264,29 +264,30 @@ def select(*, ops=None, preset: str | None = None, filters: dict[str, list] | No
     families = [FAMILIES[o] for o in (ops or FAMILIES)]
     sel = Selection([])
 
-    wanted: dict[str, tuple[set[str], bool]] = {}   # option -> (normalized values, strict)
+    wanted: dict[str, tuple[set[str], str | None]] = {}   # option -> (normalized values, source)
+    # source None: a preset's values, intersected quietly; else the flag named in errors
     if preset is not None:
         if preset not in PRESETS:
             raise SelectionError(f"--preset {preset!r}: known presets: {', '.join(PRESETS)}")
         for option, values in PRESETS[preset].items():
             if option in FILTER_BY_OPTION and values is not None:
-                wanted[option] = ({_norm(option, v) for v in values}, False)
+                wanted[option] = ({_norm(option, v) for v in values}, None)
     if model_configs:
         models = [m if isinstance(m, ModelConfig) else read_model_config(m) for m in model_configs]
         sel.models = models
         dtypes = {m.dtype for m in models if m.dtype}
         if dtypes:
-            wanted["dtypes"] = (dtypes, True)
-        wanted["head_sizes"] = ({str(m.head_size) for m in models}, True)
+            wanted["dtypes"] = (dtypes, "--model-config (dtype)")
+        wanted["head_sizes"] = ({str(m.head_size) for m in models}, "--model-config (head size)")
     for option, values in filters.items():
         if option not in FILTER_BY_OPTION:
             raise SelectionError(f"unknown filter {option}")
-        wanted[option] = ({_norm(option, v) for v in values}, True)
+        wanted[option] = ({_norm(option, v) for v in values}, "--" + option.replace("_", "-"))
 
     # check explicit values against what the selected families support
-    for option, (values, strict) in wanted.items():
+    for option, (values, flag) in wanted.items():
         flt = FILTER_BY_OPTION[option]
-        flag = "--" + option.replace("_", "-")
+        strict = flag is not None
         having = [(cls, _family_field(cls, flt)) for cls in families]
         having = [(cls, name) for cls, name in having if name]
         if not having:
@@ -297,7 +298,7 @@ def select(*, ops=None, preset: str | None = None, filters: dict[str, list] | No
         known = {_norm(option, v) for cls, name in having for v in cls.SUPPORTED.get(name, ())}
         bad = sorted(values - known)
         if strict and bad:
-            fams = ", ".join(f"{cls.FAMILY}: {', '.join(map(str, cls.SUPPORTED.get(name, ())))}"
+            fams = "; ".join(f"{cls.FAMILY}: {', '.join(map(str, cls.SUPPORTED.get(name, ())))}"
                              for cls, name in having)
             raise SelectionError(f"{flag}: {', '.join(bad)} not supported by any selected family "
                                  f"({fams})")
@@ -461,11 +462,12 @@ def precompile(jobs: list[Job], out, *, n_jobs: int | None = None, progress: boo
     with FileLock(str(out / ".precompile.lock")):   # two runs into one folder take turns
         writer = BundleWriter(out)
         summary = Summary(total=len(jobs), discarded=writer.discarded)
-        todo = []
+        todo, seen = [], set()
         for job in jobs:
             if writer.present(job.key):
                 summary.present += 1
-            elif job not in todo:
+            elif job.key not in seen:
+                seen.add(job.key)
                 todo.append(job)
         summary.jobs = min(n_jobs, len(todo)) or 1
 
@@ -505,7 +507,8 @@ def precompile(jobs: list[Job], out, *, n_jobs: int | None = None, progress: boo
         finally:
             if pool:
                 pool.close(wait=clean)
-            writer.save()
+            if writer.dirty:
+                writer.save()
         summary.pruned = writer.prune()
         summary.bundle_kernels = len(writer.entries)
         summary.bundle_bytes = writer.size()
