@@ -215,6 +215,9 @@ class BundleWriter:
 
     def add(self, *, name: str, family: str, spec: dict, arch: str, key: str, cubin: bytes,
             compile_seconds: float) -> dict:
+        for old_key in [k for k, v in self.entries.items()
+                        if v.get("name") == name and v.get("arch") == arch and k != key]:
+            self.remove(old_key)   # built from older sources: its key can never be asked for again
         file = kernel_file(name, arch, key)
         (self.folder / KERNELS).mkdir(parents=True, exist_ok=True)
         write_file(self.folder / file, cubin)

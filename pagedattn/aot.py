@@ -631,9 +631,33 @@ def _cmd_bundle_verify(args) -> int:
         print(f"note: {rel} is not in the manifest (left by an interrupted run?)")
     if report.problem:
         print(f"bundle {folder}: {report.problem}")
+    else:
+        stale = _stale_entries(folder)
+        if stale:
+            print(f"note: {len(stale)} kernel(s) were built from other kernel sources than this "
+                  f"install's and will never be looked up (e.g. {stale[0]}); rerun precompile")
     print(f"{report.checked} kernels checked, {len(report.corrupt)} corrupt, "
           f"{_human(report.total_bytes)} intact: {'OK' if report.ok else 'NOT OK'}")
     return 0 if report.ok else 1
+
+
+def _stale_entries(folder: Path) -> list[str]:
+    """Names of manifest entries whose key is not what this install computes for their spec (a
+    bundle built from other templates/headers of the same version, e.g. in a development tree)."""
+    from . import ops  # noqa: F401
+    from .registry import FAMILIES
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    stale = []
+    for entry in manifest.get("variants", []):
+        cls = FAMILIES.get(entry.get("family", ""))
+        try:
+            key = plan([cls(**entry["spec"])], [entry["arch"]])[0].key if cls else None
+        except Exception:  # noqa: BLE001 - a spec this install no longer supports
+            key = None
+        if key != entry.get("key"):
+            stale.append(f"{entry.get('name')} ({entry.get('arch')})")
+    return stale
 
 
 def _entry_command(entry: dict, folder: Path) -> str | None:

@@ -137,18 +137,26 @@ def test_rerun_compiles_nothing(built, capsys):
     assert (out / "manifest.json").stat().st_mtime_ns == before     # not even rewritten
 
 
-def test_rerun_rebuilds_only_missing_or_corrupt(bundle_copy):
+def test_rerun_rebuilds_only_missing_corrupt_or_stale(bundle_copy, capsys):
     m = _manifest(bundle_copy)
-    gone, bad = m["variants"][0], m["variants"][1]
+    gone, bad, stale = m["variants"][0], m["variants"][1], m["variants"][2]
     (bundle_copy / gone["file"]).unlink()
     p = bundle_copy / bad["file"]
     data = p.read_bytes()
     p.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    stale_key = stale["key"]
+    stale["key"] = "0" * 64          # as if built from older templates: never looked up again
+    (bundle_copy / "manifest.json").write_text(json.dumps(m))
+    assert aot.main(["bundle", "verify", str(bundle_copy)]) == 1
+    assert "1 kernel(s) were built from other kernel sources" in capsys.readouterr().out
     jobs = aot.plan([_spec(v) for v in m["variants"]], [ARCH])
     summary = aot.precompile(jobs, bundle_copy, n_jobs=1, progress=False)
-    assert (summary.compiled, summary.present, summary.failed) == (2, 2, [])
-    assert bundle.verify(bundle_copy).ok
-    assert _manifest(bundle_copy)["variants"][1]["sha256"] == bad["sha256"]  # same bytes again
+    assert (summary.compiled, summary.present, summary.failed) == (3, 1, [])
+    after = _manifest(bundle_copy)
+    assert sorted(v["key"] for v in after["variants"]) == sorted(
+        [stale_key] + [v["key"] for v in m["variants"] if v is not stale])   # stale one replaced
+    assert bundle.verify(bundle_copy).ok and not bundle.verify(bundle_copy).stray
+    assert after["variants"][1]["sha256"] == bad["sha256"]                 # same bytes again
 
 
 def test_parallel_precompile_gives_serial_bytes(built, tmp_path):
