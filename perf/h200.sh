@@ -18,6 +18,9 @@ for stage in "$@"; do
     alltests)  python3 -m pytest -q -ra -p no:cacheprovider "$ROOT/tests" 2>&1 | tail -n 60 | tee "$OUT/all_tests.log" ;;
     sanitize)  compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" 2>&1 | tail -n 30 ;;
     overhead)  python3 "$ROOT/perf/launch_overhead.py" "$OUT/results" ;;
+    precompile) python3 -m pagedattn.cli precompile --arch sm_90a --ops "${PRECOMPILE_OPS:-attn_fwd,split_combine,kv_write}" --jobs 16 --out /tmp/bundle -q 2>&1 | tail -n 15
+               export PAGEDATTN_AOT_DIR=/tmp/bundle ;;
+    attnquick) python3 "$ROOT/perf/attn_quick.py" "$OUT/results" ;;
     demo)      python3 -m pagedattn.demo ;;
     bench)     python3 -m pagedattn.cli bench --suite all --out "$OUT/results" ;;
     bench-quick) python3 -m pagedattn.cli bench --suite all --quick --out "$OUT/results" ;;

@@ -16,3 +16,21 @@ for layout in ("NHD", "HND"):
         pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots, kv, s, s)
 torch.cuda.synchronize()
 print("sanitize cases done")
+
+# attention: corrupt block ids, seqused_k beyond the table, fp8 with D % 16 == 8, split-KV
+from pagedattn.ops.attention import flash_attn_varlen_func  # noqa: E402
+
+for kv, D in (("auto", 128), ("fp8_e4m3", 72)):
+    spec = CacheSpec(6, 16, 2, D, torch.bfloat16 if kv == "auto" else torch.uint8, kv, "HND")
+    kc, vc = spec.allocate("cuda", fill=0.5)
+    table = torch.tensor([[0, 5, 10**6], [-3, 2, 1]], dtype=torch.int32, device="cuda")
+    q = torch.randn(5, 8, D, dtype=torch.bfloat16, device="cuda")
+    cu_q = torch.tensor([0, 1, 5], dtype=torch.int32, device="cuda")
+    seq = torch.tensor([40, 10**5], dtype=torch.int32, device="cuda")
+    s = torch.ones(1, device="cuda")
+    for splits in (1, 3):
+        flash_attn_varlen_func(q, kc, vc, 4, cu_q, 10**5, seqused_k=seq, block_table=table, causal=True,
+                               num_splits=splits, kv_cache_dtype=kv, k_descale=s, v_descale=s,
+                               return_softmax_lse=True)
+torch.cuda.synchronize()
+print("sanitize attention cases done")

@@ -64,3 +64,30 @@ struct PackConvert {
 };
 
 }  // namespace pagedattn
+
+namespace pagedattn {
+
+// 16 fp8 values (one 16-byte load) -> 16 fp16 or bf16 values (two 16-byte stores). Exact: every e4m3 and e5m2
+// value is representable in fp16 and bf16. Scales are applied elsewhere (folded into softmax / output).
+template <bool kToBf16, Fp8Format kFp8>
+__device__ __forceinline__ void dequant_fp8x16(uint4 raw, uint4& lo, uint4& hi) {
+  static_assert(kFp8 != Fp8Format::kNone, "dequant_fp8x16 needs an fp8 format");
+  constexpr __nv_fp8_interpretation_t kind = kFp8 == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2;
+  __nv_fp8x2_storage_t const* in = reinterpret_cast<__nv_fp8x2_storage_t const*>(&raw);
+  uint32_t words[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(in[i], kind);
+    if constexpr (kToBf16) {
+      __half2 hh = *reinterpret_cast<__half2*>(&h);
+      __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(hh));
+      words[i] = *reinterpret_cast<uint32_t*>(&b);
+    } else {
+      words[i] = uint32_t(h.x) | (uint32_t(h.y) << 16);
+    }
+  }
+  lo = make_uint4(words[0], words[1], words[2], words[3]);
+  hi = make_uint4(words[4], words[5], words[6], words[7]);
+}
+
+}  // namespace pagedattn

@@ -46,3 +46,47 @@ struct PagedCache {
 };
 
 }  // namespace pagedattn
+
+namespace pagedattn {
+
+// Reads one request's K and V history through block_table (paged) or cu_seqlens_k (contiguous
+// varlen). The mainloop asks "where are the K and V rows of logical key j"; nothing else touches the
+// table. A key whose physical block lies outside [0, num_blocks) is reported invalid and the caller
+// zero-fills it, so a corrupt table can never cause an out-of-bounds access.
+struct PagedKV {
+  char const* k_base;          // cache (or K) pointer + kv_head * head_stride, in bytes
+  char const* v_base;
+  int32_t const* table;        // this request's block_table row, or null when not paged
+  int64_t k_block_stride, k_row_stride;   // bytes
+  int64_t v_block_stride, v_row_stride;
+  int32_t block_size, block_shift, num_blocks;
+  int64_t first_row;           // non-paged: cu_seqlens_k[b]
+
+  // Sets the byte addresses of key j's K and V rows; false if the row must not be read.
+  __device__ __forceinline__ bool locate(int j, char const*& k_row, char const*& v_row) const {
+    int64_t blk_k, blk_v, row;
+    if (table == nullptr) {
+      k_row = k_base + (first_row + j) * k_row_stride;
+      v_row = v_base + (first_row + j) * v_row_stride;
+      return true;
+    }
+    int blk, off;
+    if (block_shift >= 0) {
+      blk = j >> block_shift;
+      off = j & (block_size - 1);
+    } else {
+      blk = j / block_size;
+      off = j - blk * block_size;
+    }
+    int const phys = table[blk];
+    bool const valid = phys >= 0 && phys < num_blocks;
+    row = valid ? phys : 0;
+    blk_k = row * k_block_stride + int64_t(off) * k_row_stride;
+    blk_v = row * v_block_stride + int64_t(off) * v_row_stride;
+    k_row = k_base + blk_k;
+    v_row = v_base + blk_v;
+    return valid;
+  }
+};
+
+}  // namespace pagedattn

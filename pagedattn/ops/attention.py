@@ -1,0 +1,358 @@
+"""flash_attn_varlen_func over a paged KV cache: validation, tile choice, split-KV, launch."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from .. import envs
+from ..contract import CacheSpec, ContractError
+from ..dtypes import short
+from ..registry import KernelSpec, UnsupportedError, get_kernel, register
+from .params import AttnParams, CombineParams
+
+HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+_ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
+_FP8_ENUM = {"auto": "kNone", "fp8_e4m3": "kE4M3", "fp8_e5m2": "kE5M2"}
+LOG2E = 1.4426950408889634
+
+
+def tile_config(head_dim: int, mode: str) -> dict:
+    """THE choice of tile sizes per (head dim, decode vs prefill). Decode packs few rows, so its warps
+    split the KV range (kWarpsN); prefill's warps split the rows (kWarpsM)."""
+    if mode == "decode":
+        return dict(kBlockM=16, kBlockN=16 if head_dim > 128 else 32, kWarpsM=1, kWarpsN=4, kStages=2)
+    if head_dim <= 128:
+        return dict(kBlockM=128, kBlockN=64, kWarpsM=4, kWarpsN=1, kStages=2)
+    return dict(kBlockM=64, kBlockN=32, kWarpsM=4, kWarpsN=1, kStages=2)
+
+
+def smem_bytes(cfg: dict, head_dim: int, fp8: bool) -> int:
+    """Mirror of AttnTraits::kSmemBytes (attn_traits.cuh)."""
+    stage = cfg["kBlockN"] * cfg["kWarpsN"] * head_dim
+    q = cfg["kBlockM"] * head_dim * 2
+    kv = (2 * cfg["kStages"] * stage + 2 * stage * 2) if fp8 else 2 * cfg["kStages"] * stage * 2
+    epilogue = cfg["kWarpsN"] * cfg["kBlockM"] * (head_dim + 2) * 4
+    return max(q + kv, epilogue)
+
+
+@register
+@dataclass(frozen=True)
+class AttnFwdSpec(KernelSpec):
+    """Paged FlashAttention forward: query dtype, cache dtype, head-dim tile, decode/prefill tiles."""
+    FAMILY: ClassVar[str] = "attn_fwd"
+    TEMPLATE: ClassVar[str] = "attn_fwd.cu.j2"
+    ENTRY: ClassVar[str] = "attn_fwd_kernel"
+    PARAMS: ClassVar = AttnParams
+    SUPPORTED: ClassVar[dict] = {
+        "dtype": ("fp16", "bf16"),
+        "kv_cache_dtype": ("auto", "fp8_e4m3", "fp8_e5m2"),
+        "head_dim": HEAD_DIMS,
+        "mode": ("decode", "prefill"),
+    }
+
+    dtype: str
+    kv_cache_dtype: str = field(metadata={"prefix": "kv"})
+    head_dim: int = field(metadata={"prefix": "d"})
+    mode: str
+
+    @property
+    def tiles(self) -> dict:
+        return tile_config(self.head_dim, self.mode)
+
+    def context(self) -> dict:
+        return {"Element": _ELEMENT[self.dtype], "kFp8": _FP8_ENUM[self.kv_cache_dtype],
+                "kHeadDim": self.head_dim, **self.tiles}
+
+    def dynamic_smem(self) -> int:
+        return smem_bytes(self.tiles, self.head_dim, self.kv_cache_dtype != "auto")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.tiles["kWarpsM"] * self.tiles["kWarpsN"]
+
+
+@register
+@dataclass(frozen=True)
+class CombineSpec(KernelSpec):
+    """Split-KV combine: merges partial (O, LSE) rows in fp32 into the output dtype."""
+    FAMILY: ClassVar[str] = "split_combine"
+    TEMPLATE: ClassVar[str] = "split_combine.cu.j2"
+    ENTRY: ClassVar[str] = "split_combine_kernel"
+    PARAMS: ClassVar = CombineParams
+    SUPPORTED: ClassVar[dict] = {"dtype": ("fp16", "bf16")}
+    WARPS: ClassVar[int] = 4
+
+    dtype: str
+
+    def context(self) -> dict:
+        return {"Element": _ELEMENT[self.dtype], "kWarps": self.WARPS}
+
+
+def kernel_head_dim(head_size: int) -> int:
+    """Compiled head dims: 64, 80, 96, 128, 192, 256. Any other multiple of 8 up to 256 runs on the
+    next larger one; the extra columns are zero-filled on load and never stored."""
+    for d in HEAD_DIMS:
+        if head_size <= d:
+            return d
+    raise UnsupportedError(f"attn_fwd: head_size={head_size} is not supported; at most 256 "
+                           f"(compiled: {', '.join(map(str, HEAD_DIMS))})")
+
+
+_UNSUPPORTED_KW = ("window_size", "softcap", "alibi_slopes", "s_aux", "sinks", "scheduler_metadata",
+                   "q_descale", "fa_version", "deterministic", "return_attn_probs", "dropout_p",
+                   "q_v", "cp_world_size", "cp_rank", "cp_tot_seqused_k")
+_UNSUPPORTED_OK = {"window_size": ((-1, -1), [-1, -1], None), "softcap": (0.0, 0, None),
+                   "alibi_slopes": (None,), "s_aux": (None,), "sinks": (None,),
+                   "scheduler_metadata": (None,), "q_descale": (None,), "fa_version": (None, 2, 3),
+                   "deterministic": (False, True, None), "return_attn_probs": (False, None),
+                   "dropout_p": (0.0, 0, None), "q_v": (None,), "cp_world_size": (1, None),
+                   "cp_rank": (0, None), "cp_tot_seqused_k": (None,)}
+
+
+def _is_int32_vector(t, n=None):
+    return isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1 and \
+        (n is None or t.numel() == n) and (t.numel() <= 1 or t.stride(0) == 1)
+
+
+def _check_aligned(name, t):
+    if t.data_ptr() % 16:
+        raise ContractError(f"{name} base pointer must be 16-byte aligned (address % 16 = {t.data_ptr() % 16})")
+
+
+@dataclass
+class _Call:
+    """Everything validated about one call."""
+    B: int
+    Hq: int
+    Hkv: int
+    D: int
+    total_q: int
+    paged: bool
+    kv_name: str
+    k_strides: tuple
+    v_strides: tuple
+    num_blocks: int = 0
+    block_size: int = 0
+
+
+def _descale_strides(name, t, B, Hkv, device):
+    if t is None:
+        raise ContractError(f"an fp8 KV cache needs {name} (float32 [1], [num_kv_heads] or [B, num_kv_heads])")
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device != device:
+        raise ContractError(f"{name} must be a float32 tensor on {device}")
+    if t.numel() == 1:
+        return 0, 0
+    if t.dim() == 1 and t.numel() == Hkv:
+        return 0, t.stride(0)
+    if t.dim() == 2 and tuple(t.shape) == (B, Hkv):
+        return t.stride(0), t.stride(1)
+    raise ContractError(f"{name} must have shape [1], [{Hkv}] or [{B}, {Hkv}], got {tuple(t.shape)}")
+
+
+def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, kv_cache_dtype,
+             k_descale, v_descale) -> _Call:
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ContractError(f"q must be a 3-D tensor [total_q, Hq, D], got "
+                            f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ContractError(f"q dtype {q.dtype} is not supported (fp16, bf16)")
+    total_q, Hq, D = q.shape
+    if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8:
+        raise ContractError(f"q needs a contiguous head dim and strides that are multiples of 8 "
+                            f"elements, got strides {q.stride()}")
+    _check_aligned("q", q)
+    if D % 8 or D > 256:
+        raise ContractError(f"head size {D} is not supported: a multiple of 8, at most 256")
+    if not _is_int32_vector(cu_seqlens_q) or cu_seqlens_q.numel() < 2 or cu_seqlens_q.device != q.device:
+        raise ContractError("cu_seqlens_q must be a contiguous int32 [B + 1] tensor on q's device, got "
+                            f"{getattr(cu_seqlens_q, 'dtype', type(cu_seqlens_q).__name__)}")
+    B = cu_seqlens_q.numel() - 1
+    paged = block_table is not None
+    if paged:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
+            raise ContractError(f"block_table must be an int32 tensor, got "
+                                f"{getattr(block_table, 'dtype', type(block_table).__name__)} "
+                                "(int64 tables are not accepted: convert with .int())")
+        if block_table.dim() != 2 or block_table.shape[0] != B or block_table.stride(1) != 1:
+            raise ContractError(f"block_table must be [B={B}, max_blocks_per_seq] with contiguous rows, "
+                                f"got shape {tuple(block_table.shape)} strides {block_table.stride()}")
+        if not _is_int32_vector(seqused_k, B):
+            raise ContractError(f"paged attention needs seqused_k: a contiguous int32 [B={B}] tensor")
+        if cu_seqlens_k is not None:
+            raise ContractError("give either block_table + seqused_k (paged) or cu_seqlens_k (contiguous), not both")
+        if block_table.device != q.device or seqused_k.device != q.device:
+            raise ContractError("block_table and seqused_k must be on q's device")
+        scale = "tensor"
+        if isinstance(k_descale, torch.Tensor) and k_descale.numel() > 1:
+            scale = "head"
+        spec = CacheSpec.from_tensors(k, v, kv_cache_dtype=kv_cache_dtype or "auto", scale=scale)
+        if spec.layout not in ("NHD", "HND"):
+            raise ContractError(f"cache layout {spec.layout} cannot be read by the flash kernels")
+        kv_name, Hkv, Dk = spec.kv_cache_dtype, spec.num_kv_heads, spec.head_size
+        num_blocks, block_size = spec.num_blocks, spec.block_size
+        if k.device != q.device:
+            raise ContractError(f"caches are on {k.device}, q on {q.device}")
+    else:
+        if cu_seqlens_k is None:
+            raise ContractError("give block_table + seqused_k (paged) or cu_seqlens_k (contiguous varlen)")
+        if not _is_int32_vector(cu_seqlens_k, B + 1) or cu_seqlens_k.device != q.device:
+            raise ContractError(f"cu_seqlens_k must be a contiguous int32 [B + 1 = {B + 1}] tensor on q's device")
+        if seqused_k is not None and not _is_int32_vector(seqused_k, B):
+            raise ContractError(f"seqused_k must be a contiguous int32 [B={B}] tensor")
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                raise ContractError(f"{name} must be [total_k, Hkv, D] without a block_table")
+            if t.stride(2) != 1 or t.stride(0) % 8 or t.stride(1) % 8 or t.device != q.device:
+                raise ContractError(f"{name} needs a contiguous head dim, strides that are multiples of 8 "
+                                    f"and q's device; got strides {t.stride()} on {t.device}")
+            _check_aligned(name, t)
+        if k.shape != v.shape or k.dtype != v.dtype:
+            raise ContractError(f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} differ")
+        if k.dtype in (torch.float16, torch.bfloat16):
+            kv_name = "auto"
+        elif k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            kv_name = short(k.dtype)
+        elif k.dtype == torch.uint8 and kv_cache_dtype not in (None, "auto"):
+            from ..dtypes import normalize_kv_cache_dtype
+            kv_name = normalize_kv_cache_dtype(kv_cache_dtype)
+        else:
+            raise ContractError(f"k/v dtype {k.dtype} is not supported")
+        _, Hkv, Dk = k.shape
+        num_blocks = block_size = 0
+    if Dk != D:
+        raise ContractError(f"head size differs: q has {D}, the KV cache {Dk}")
+    if Hq % Hkv:
+        raise ContractError(f"num_q_heads={Hq} is not a multiple of num_kv_heads={Hkv}")
+    if kv_name == "auto" and k.dtype != q.dtype:
+        raise ContractError(f"KV dtype {k.dtype} differs from q dtype {q.dtype}; fp8 caches need "
+                            "kv_cache_dtype='fp8_e4m3'/'fp8_e5m2' (or float8 tensors)")
+    if kv_name != "auto":
+        for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+            _descale_strides(name, t, B, Hkv, q.device)
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or \
+                out.device != q.device or out.stride(2) != 1 or out.stride(0) % 8 or out.stride(1) % 8:
+            raise ContractError(f"out must match q: shape {tuple(q.shape)}, dtype {q.dtype}, contiguous "
+                                "head dim, strides multiples of 8")
+        _check_aligned("out", out)
+    if q.device.type != "cuda":
+        raise ContractError("flash_attn_varlen_func runs on CUDA tensors; for CPU use "
+                            "pagedattn.reference.paged_attention")
+    ks = k.stride()
+    vs = v.stride()
+    if paged:  # logical [num_blocks, block_size, Hkv, D]
+        k_strides, v_strides = (ks[0], ks[1], ks[2]), (vs[0], vs[1], vs[2])
+    else:      # [total_k, Hkv, D]
+        k_strides, v_strides = (0, ks[0], ks[1]), (0, vs[0], vs[1])
+    return _Call(B, Hq, Hkv, D, total_q, paged, kv_name, k_strides, v_strides, num_blocks, block_size)
+
+
+def check_tables(block_table, seqused_k, cu_seqlens_q, num_blocks, block_size, max_seqlen_q):
+    """PAGEDATTN_DEBUG: every used block id in range, seqused_k within the table (syncs)."""
+    B, width = block_table.shape
+    lens_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    for b, (n, lq) in enumerate(zip(seqused_k.tolist(), lens_q)):
+        if n < 0 or n > width * block_size:
+            raise ContractError(f"request {b}: seqused_k={n} exceeds its block_table capacity "
+                                f"({width} blocks x {block_size})")
+        if lq > max_seqlen_q or lq < 0:
+            raise ContractError(f"request {b}: q_len {lq} exceeds max_seqlen_q={max_seqlen_q}")
+        used = block_table[b, : -(-n // block_size)]
+        bad = ((used < 0) | (used >= num_blocks)).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise ContractError(f"request {b}: block_table[{b}, {i}] = {int(used[i])} is outside "
+                                f"[0, {num_blocks})")
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def choose_splits(num_splits: int, ctas: int, max_seqlen_k: int, spec: AttnFwdSpec, device: int) -> int:
+    """num_splits=0: split the KV range when requests x kv heads x q tiles underfill the GPU."""
+    stage_keys = spec.tiles["kBlockN"] * spec.tiles["kWarpsN"]
+    max_steps = max(1, -(-max_seqlen_k // stage_keys))
+    if num_splits > 0:
+        return max(1, min(num_splits, max_steps, 256))
+    sms = _SM_COUNT.get(device)
+    if sms is None:
+        sms = _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    per_sm = max(1, (227 * 1024) // max(spec.dynamic_smem(), 1))
+    target = 2 * sms * per_sm  # two waves of resident CTAs
+    if ctas >= target // 2:
+        return 1
+    splits = min(-(-target // ctas), max_steps // 2 if max_steps >= 4 else 1, 128)
+    return max(1, splits)
+
+
+def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None,
+                           seqused_k=None, softmax_scale=None, causal=False, block_table=None,
+                           return_softmax_lse=False, out=None, num_splits=0, k_descale=None,
+                           v_descale=None, kv_cache_dtype=None, **unsupported):
+    """FlashAttention over packed variable-length queries and a paged (or contiguous) KV cache.
+
+    Paged: k, v are caches [num_blocks, block_size, Hkv, D] (NHD or HND), block_table int32
+    [B, max_blocks], seqused_k int32 [B]. Contiguous: k, v [total_k, Hkv, D] and cu_seqlens_k.
+    q [total_q, Hq, D] fp16/bf16, cu_seqlens_q int32 [B + 1]. Causal masking is bottom-right aligned.
+    fp8 caches (uint8 + kv_cache_dtype, or float8 tensors) need k_descale / v_descale ([1], [Hkv] or
+    [B, Hkv]); they are dequantised inside the kernel. Returns out, or (out, lse [Hq, total_q]).
+    num_splits: 0 = heuristic, 1 = no split-KV, >1 = that many splits (capped by the KV length).
+    """
+    for name, value in unsupported.items():
+        if name not in _UNSUPPORTED_OK:
+            raise TypeError(f"flash_attn_varlen_func() got an unexpected keyword argument {name!r}")
+        if not any(value is ok or value == ok for ok in _UNSUPPORTED_OK[name]):
+            raise NotImplementedError(f"pagedattn.flash_attn_varlen_func does not support {name}={value!r} yet")
+    call = validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, kv_cache_dtype,
+                    k_descale, v_descale)
+    if block_table is not None and envs.debug():
+        check_tables(block_table, seqused_k, cu_seqlens_q, call.num_blocks, call.block_size, max_seqlen_q)
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(call.Hq, call.total_q, dtype=torch.float32, device=q.device) if return_softmax_lse else None
+    if call.total_q == 0 or call.B == 0:
+        return (out, lse) if return_softmax_lse else out
+    group = call.Hq // call.Hkv
+    rows = int(max_seqlen_q) * group
+    mode = "decode" if rows <= 16 else "prefill"
+    spec = AttnFwdSpec(short(q.dtype), call.kv_name, kernel_head_dim(call.D), mode)
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    kernel = get_kernel(spec)
+    m_blocks = -(-rows // spec.tiles["kBlockM"])
+    splits = choose_splits(int(num_splits), call.B * call.Hkv * m_blocks, int(max_seqlen_k), spec, device)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(call.D)
+    o_accum = lse_accum = None
+    if splits > 1:
+        o_accum = torch.empty(splits, call.total_q, call.Hq, spec.head_dim, dtype=torch.float32, device=q.device)
+        lse_accum = torch.empty(splits, call.Hq, call.total_q, dtype=torch.float32, device=q.device)
+    dbs = dhs = 0
+    if call.kv_name != "auto":
+        dbs, dhs = _descale_strides("k_descale", k_descale, call.B, call.Hkv, q.device)
+        vbs, vhs = _descale_strides("v_descale", v_descale, call.B, call.Hkv, q.device)
+        if (vbs, vhs) != (dbs, dhs):
+            raise ContractError("k_descale and v_descale must have the same shape")
+    bs = call.block_size
+    block_shift = bs.bit_length() - 1 if bs and bs & (bs - 1) == 0 else -1
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    values = (
+        q.data_ptr(), out.data_ptr(), ptr(lse), k.data_ptr(), v.data_ptr(), ptr(block_table),
+        cu_seqlens_q.data_ptr(), ptr(seqused_k), ptr(cu_seqlens_k), ptr(k_descale), ptr(v_descale),
+        ptr(o_accum), ptr(lse_accum),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *call.k_strides, *call.v_strides,
+        block_table.stride(0) if block_table is not None else 0,
+        block_table.shape[1] if block_table is not None else 0,
+        call.num_blocks, bs, block_shift, call.B, call.Hq, call.Hkv, group, call.D, call.total_q,
+        splits, int(bool(causal)), dbs, dhs, scale * LOG2E)
+    kernel.launcher(device)((call.B * call.Hkv, m_blocks, splits), (spec.threads, 1, 1), values)
+    if splits > 1:
+        combine = get_kernel(CombineSpec(spec.dtype))
+        rows_total = call.total_q * call.Hq
+        combine.launcher(device)(
+            (-(-rows_total // CombineSpec.WARPS), 1, 1), (32 * CombineSpec.WARPS, 1, 1),
+            (o_accum.data_ptr(), lse_accum.data_ptr(), out.data_ptr(), ptr(lse), out.stride(0),
+             out.stride(1), spec.head_dim, call.total_q, call.Hq, call.D, splits))
+    return (out, lse) if return_softmax_lse else out

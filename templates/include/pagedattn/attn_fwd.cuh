@@ -1,0 +1,345 @@
+// FlashAttention forward over a paged KV cache (SM80-class tensor cores; runs on sm_80 ... sm_90).
+//
+// Grid: (num_seqs * num_kv_heads, m_blocks, num_splits). A CTA owns kBlockM packed rows of one
+// (request, kv head) (see attn_traits.cuh), and one split of the request's visible KV range.
+// Per stage of kStageKeys keys:
+//   1. cp.async the stage kStages-1 ahead; rows are located through PagedKV (block_table lives there);
+//   2. fp8 caches: widen the stage to Element in shared memory (scales are folded in later);
+//   3. each warp group: S = Q K^T on its sub-tile, mask only if the sub-tile crosses the causal
+//      diagonal or the end of the sequence, online softmax, O += P V.
+// Epilogue: warp groups merge their (m, l, O) through shared memory; write O and LSE, or a split's
+// partial (O, LSE) in fp32 for the combine kernel.
+#pragma once
+
+#include "pagedattn/nvrtc_compat.cuh"
+#include "pagedattn/attn_params.cuh"
+#include "pagedattn/attn_traits.cuh"
+#include "pagedattn/async_copy.cuh"
+#include "pagedattn/paged_kv.cuh"
+#include "pagedattn/softmax.cuh"
+#include "pagedattn/softmax_merge.cuh"
+
+namespace pagedattn {
+
+// Which rows, keys and split a CTA works on.
+struct AttnWork {
+  int b, kv_head, split;
+  int q_start, q_len, k_len;   // request's first query row, query count, visible keys
+  int row0;                    // first packed row of the tile
+  int mask_from;               // keys >= mask_from may be masked for some row of the tile
+  int step_begin, step_end;    // stages [step_begin, step_end) of kStageKeys keys
+};
+
+template <class Traits>
+__device__ __forceinline__ bool schedule(AttnParams const& p, AttnWork& w) {
+  w.b = blockIdx.x / p.num_kv_heads;
+  w.kv_head = blockIdx.x - w.b * p.num_kv_heads;
+  w.split = blockIdx.z;
+  w.q_start = p.cu_seqlens_q[w.b];
+  w.q_len = p.cu_seqlens_q[w.b + 1] - w.q_start;
+  int k_len;
+  if (p.block_table != nullptr) {
+    k_len = p.seqused_k[w.b];
+    int const capacity = p.max_blocks_per_seq * p.block_size;  // never read past the table
+    k_len = k_len < capacity ? k_len : capacity;
+  } else {
+    k_len = p.seqused_k != nullptr ? p.seqused_k[w.b] : p.cu_seqlens_k[w.b + 1] - p.cu_seqlens_k[w.b];
+  }
+  w.k_len = k_len > 0 ? k_len : 0;
+  w.row0 = blockIdx.y * Traits::kBlockM;
+  int const rows = w.q_len * p.group;
+  if (w.row0 >= rows) return false;
+  int const i_min = w.row0 / p.group;
+  int const i_max = (cute::min(rows, w.row0 + Traits::kBlockM) - 1) / p.group;
+  // bottom-right causal: query i sees keys [0, k_len - q_len + i]
+  int keys_end = w.k_len;
+  w.mask_from = w.k_len;
+  if (p.causal) {
+    keys_end = cute::min(w.k_len, w.k_len - w.q_len + i_max + 1);
+    w.mask_from = cute::max(0, cute::min(w.k_len, w.k_len - w.q_len + i_min + 1));
+  }
+  int const steps = keys_end > 0 ? (keys_end + Traits::kStageKeys - 1) / Traits::kStageKeys : 0;
+  int const per_split = (steps + p.num_splits - 1) / p.num_splits;
+  w.step_begin = cute::min(steps, w.split * per_split);
+  w.step_end = cute::min(steps, w.step_begin + per_split);
+  return true;
+}
+
+template <class Traits>
+__device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kThreads = Traits::kThreads, kStages = Traits::kStages, kStageKeys = Traits::kStageKeys;
+  constexpr int kCacheBytes = Traits::kCacheBytes;
+
+  AttnWork w;
+  if (!schedule<Traits>(p, w)) return;
+
+  int const tidx = threadIdx.x;
+  int const group_idx = tidx / Traits::kGroupThreads;  // which KV sub-tile of each stage
+  int const gtid = tidx % Traits::kGroupThreads;       // thread within the warp group (the MMA)
+  int const D = p.head_size;
+
+  // ---- shared memory
+  Element* smem_q = reinterpret_cast<Element*>(smem);
+  char* smem_kv = smem + Traits::kSmemQ;
+  Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
+  // Element tiles the MMAs read: non-fp8, one per (stage, group); fp8, one per group (widened stage).
+  Element* smem_k = reinterpret_cast<Element*>(smem_kv);
+  Element* smem_v = smem_k + (Traits::kIsFp8 ? 1 : kStages) * Traits::kSmemStageElems;
+  uint8_t* raw_k = reinterpret_cast<uint8_t*>(smem_v + (Traits::kIsFp8 ? 1 : kStages) * Traits::kSmemStageElems);
+  uint8_t* raw_v = raw_k + kStages * Traits::kSmemStageElems;
+
+  // ---- this CTA's view of K/V history
+  int64_t const kb = kCacheBytes;
+  PagedKV kv{static_cast<char const*>(p.k) + w.kv_head * p.k_head_stride * kb,
+             static_cast<char const*>(p.v) + w.kv_head * p.v_head_stride * kb,
+             p.block_table != nullptr ? p.block_table + int64_t(w.b) * p.bt_stride : nullptr,
+             p.k_block_stride * kb, p.k_row_stride * kb, p.v_block_stride * kb, p.v_row_stride * kb,
+             p.block_size, p.block_shift, p.num_blocks,
+             p.cu_seqlens_k != nullptr ? int64_t(p.cu_seqlens_k[w.b]) : 0};
+
+  // ---- Q tile: packed rows -> (token, head)
+  {
+    constexpr int kChunks = kHeadDim / 8;
+    Element const* q = static_cast<Element const*>(p.q);
+    for (int c = tidx; c < kBlockM * kChunks; c += kThreads) {
+      int const r = c / kChunks, col = (c % kChunks) * 8;
+      int const R = w.row0 + r, i = R / p.group, g = R - i * p.group;
+      bool const ok = i < w.q_len && col < D;
+      Element const* src = q + (int64_t(w.q_start + i) * p.q_row_stride +
+                                int64_t(w.kv_head * p.group + g) * p.q_head_stride + col);
+      cp_async_16(&sQ(r, col), ok ? src : q, ok);
+    }
+  }
+
+  // ---- K/V stage loader
+  bool const fp8_rows_16b = D % 16 == 0 && ((p.k_block_stride | p.k_row_stride | p.k_head_stride |
+                                             p.v_block_stride | p.v_row_stride | p.v_head_stride) & 15) == 0;
+  auto load_stage = [&](int step, int stage) {
+    int const key0 = step * kStageKeys;
+    if constexpr (!Traits::kIsFp8) {
+      constexpr int kChunks = kHeadDim / 8;
+      for (int c = tidx; c < kStageKeys * kChunks; c += kThreads) {
+        int const row = c / kChunks, col = (c % kChunks) * 8;
+        int const j = key0 + row;
+        char const *k_row = kv.k_base, *v_row = kv.v_base;
+        bool const ok = j < w.k_len && kv.locate(j, k_row, v_row) && col < D;
+        int const tile = stage * Traits::kWarpsN + row / kBlockN;
+        int const off = tile * Traits::kTileElems + typename Traits::SmemLayoutKV{}(row % kBlockN, col);
+        cp_async_16(smem_k + off, ok ? k_row + col * 2 : kv.k_base, ok);
+        cp_async_16(smem_v + off, ok ? v_row + col * 2 : kv.v_base, ok);
+      }
+    } else {
+      constexpr int kChunks = kHeadDim / 16;
+      for (int c = tidx; c < kStageKeys * kChunks; c += kThreads) {
+        int const row = c / kChunks, col = (c % kChunks) * 16;
+        int const j = key0 + row;
+        char const *k_row = kv.k_base, *v_row = kv.v_base;
+        bool const ok = j < w.k_len && kv.locate(j, k_row, v_row) && col < D;
+        int const off = (stage * kStageKeys + row) * kHeadDim + col;
+        if (fp8_rows_16b) {
+          cp_async_16(raw_k + off, ok ? k_row + col : kv.k_base, ok);
+          cp_async_16(raw_v + off, ok ? v_row + col : kv.v_base, ok);
+        } else {  // rows only 8-byte aligned (D % 16 == 8): two halves, the second may lie past D
+          bool const ok_hi = ok && col + 8 < D;
+          cp_async_8(raw_k + off, ok ? k_row + col : kv.k_base, ok);
+          cp_async_8(raw_v + off, ok ? v_row + col : kv.v_base, ok);
+          cp_async_8(raw_k + off + 8, ok_hi ? k_row + col + 8 : kv.k_base, ok_hi);
+          cp_async_8(raw_v + off + 8, ok_hi ? v_row + col + 8 : kv.v_base, ok_hi);
+        }
+      }
+    }
+  };
+
+  // ---- MMA setup (per warp group)
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(gtid);
+  Tensor sK0 = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});
+  Tensor sVt0 = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutVt{});
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);     // (MMA, kMmaM, kHeadDim/16)
+  Tensor tSrK = thr_mma.partition_fragment_B(sK0);    // (MMA, kBlockN/8, kHeadDim/16)
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVt0);  // (MMA, kHeadDim/8, kBlockN/16)
+  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, kMmaM, kHeadDim/8)
+  clear(acc_o);
+
+  auto s2r_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto s2r_q_thr = s2r_q.get_thread_slice(gtid);
+  Tensor tSsQ = s2r_q_thr.partition_S(sQ);
+  Tensor tSrQ_view = s2r_q_thr.retile_D(tSrQ);
+  auto s2r_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto s2r_k_thr = s2r_k.get_thread_slice(gtid);
+  Tensor tSrK_view = s2r_k_thr.retile_D(tSrK);
+  auto s2r_v = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, tiled_mma);
+  auto s2r_v_thr = s2r_v.get_thread_slice(gtid);
+  Tensor tOrVt_view = s2r_v_thr.retile_D(tOrVt);
+
+  // Row coordinates of this thread's accumulator rows, and the keys each row may see.
+  Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  int key_limit[Traits::kRows];
+#pragma unroll
+  for (int r = 0; r < Traits::kRows; ++r) {
+    int const m = get<0>(tScS(2 * (r % 2), r / 2, 0));
+    int const qi = (w.row0 + m) / p.group;
+    key_limit[r] = p.causal ? cute::min(w.k_len, w.k_len - w.q_len + qi + 1) : w.k_len;
+  }
+
+  float scale_log2 = p.scale_log2;
+  float v_scale = 1.f;
+  if constexpr (Traits::kIsFp8) {
+    int const di = w.b * p.descale_batch_stride + w.kv_head * p.descale_head_stride;
+    scale_log2 *= p.k_descale[di];
+    v_scale = p.v_descale[di];
+  }
+  OnlineSoftmax<Traits::kRows> softmax;
+
+  // ---- mainloop: a kStages-deep cp.async pipeline over stages [step_begin, step_end)
+  int const n_steps = w.step_end - w.step_begin;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_steps) load_stage(w.step_begin + s, s);
+    cp_async_commit();  // the Q loads ride in the first group
+  }
+  for (int it = 0; it < n_steps; ++it) {
+    int const stage = it % kStages;
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // stage `it` landed for every thread; stage it-1 is free
+    if (it + kStages - 1 < n_steps) load_stage(w.step_begin + it + kStages - 1, (it + kStages - 1) % kStages);
+    cp_async_commit();
+
+    Element* k_tile;
+    Element* v_tile;
+    if constexpr (Traits::kIsFp8) {
+      constexpr int kChunks = kHeadDim / 16;
+      for (int c = tidx; c < kStageKeys * kChunks; c += kThreads) {
+        int const row = c / kChunks, col = (c % kChunks) * 16;
+        int const raw_off = (stage * kStageKeys + row) * kHeadDim + col;
+        int const off = (row / kBlockN) * Traits::kTileElems;
+        typename Traits::SmemLayoutKV layout;
+        uint4 lo, hi;
+        dequant_fp8x16<Traits::kIsBf16, Traits::kFp8>(*reinterpret_cast<uint4 const*>(raw_k + raw_off), lo, hi);
+        *reinterpret_cast<uint4*>(smem_k + off + layout(row % kBlockN, col)) = lo;
+        *reinterpret_cast<uint4*>(smem_k + off + layout(row % kBlockN, col + 8)) = hi;
+        dequant_fp8x16<Traits::kIsBf16, Traits::kFp8>(*reinterpret_cast<uint4 const*>(raw_v + raw_off), lo, hi);
+        *reinterpret_cast<uint4*>(smem_v + off + layout(row % kBlockN, col)) = lo;
+        *reinterpret_cast<uint4*>(smem_v + off + layout(row % kBlockN, col + 8)) = hi;
+      }
+      __syncthreads();
+      k_tile = smem_k + group_idx * Traits::kTileElems;
+      v_tile = smem_v + group_idx * Traits::kTileElems;
+    } else {
+      k_tile = smem_k + (stage * Traits::kWarpsN + group_idx) * Traits::kTileElems;
+      v_tile = smem_v + (stage * Traits::kWarpsN + group_idx) * Traits::kTileElems;
+    }
+    int const key0 = (w.step_begin + it) * kStageKeys + group_idx * kBlockN;
+    if (key0 >= w.k_len) continue;  // this group's sub-tile lies past the end: nothing to add
+
+    Tensor sK = make_tensor(make_smem_ptr(k_tile), typename Traits::SmemLayoutKV{});
+    Tensor sVt = make_tensor(make_smem_ptr(v_tile), typename Traits::SmemLayoutVt{});
+    Tensor tSsK = s2r_k_thr.partition_S(sK);
+    Tensor tOsVt = s2r_v_thr.partition_S(sVt);
+
+    // S = Q K^T
+    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, kMmaM, kBlockN/8)
+    clear(acc_s);
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tSrQ); ++k) {
+      copy(s2r_q, tSsQ(_, _, k), tSrQ_view(_, _, k));
+      copy(s2r_k, tSsK(_, _, k), tSrK_view(_, _, k));
+      cute::gemm(tiled_mma, tSrQ(_, _, k), tSrK(_, _, k), acc_s);
+    }
+
+    // mask only where some row of the tile may not see some key of the sub-tile
+    if (key0 + kBlockN > w.mask_from) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) {
+        int const v = i % 4, mi = (i / 4) % Traits::kMmaM;
+        int const r = 2 * mi + v / 2;
+        if (key0 + get<1>(tScS(i)) >= key_limit[r]) acc_s(i) = kNegInf;
+      }
+    }
+
+    softmax.update(acc_s, acc_o, scale_log2);
+
+    // O += P V (P converted to Element in the A-operand layout)
+    Tensor tOrP = make_tensor<Element>(Shape<_8, Int<Traits::kMmaM>, Int<kBlockN / 16>>{});
+    CUTE_UNROLL
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      CUTE_UNROLL
+      for (int mi = 0; mi < Traits::kMmaM; ++mi) {
+        CUTE_UNROLL
+        for (int v = 0; v < 8; ++v) tOrP(v, mi, kk) = Element(acc_s(v % 4, mi, 2 * kk + v / 4));
+      }
+    }
+    CUTE_UNROLL
+    for (int k = 0; k < kBlockN / 16; ++k) {
+      copy(s2r_v, tOsVt(_, _, k), tOrVt_view(_, _, k));
+      cute::gemm(tiled_mma, tOrP(_, _, k), tOrVt(_, _, k), acc_o);
+    }
+  }
+
+  // ---- epilogue: merge warp groups through shared memory, then write O and LSE
+  cp_async_wait<0>();
+  __syncthreads();  // all K/V reads done: shared memory is reused
+  float* o_smem = reinterpret_cast<float*>(smem);                 // [kWarpsN][kBlockM][kHeadDim]
+  float* m_smem = o_smem + Traits::kWarpsN * kBlockM * kHeadDim;  // [kWarpsN][kBlockM]
+  float* l_smem = m_smem + Traits::kWarpsN * kBlockM;
+  Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+#pragma unroll
+  for (int r = 0; r < Traits::kRows; ++r) {
+    SoftmaxPartial const st = softmax.row_state(r);
+    int const m = get<0>(tOcO(2 * (r % 2), r / 2, 0));
+    if (gtid % 4 == 0) {
+      m_smem[group_idx * kBlockM + m] = st.m;
+      l_smem[group_idx * kBlockM + m] = st.l;
+    }
+  }
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_o); ++i) {
+    o_smem[(group_idx * kBlockM + get<0>(tOcO(i))) * kHeadDim + get<1>(tOcO(i))] = acc_o(i);
+  }
+  __syncthreads();
+
+  bool const split_out = p.num_splits > 1;
+  constexpr int kVec = 8;  // columns per thread step: 16 bytes of Element, 32 of fp32
+  for (int c = tidx; c < kBlockM * (kHeadDim / kVec); c += kThreads) {
+    int const m = c / (kHeadDim / kVec), col = (c % (kHeadDim / kVec)) * kVec;
+    int const R = w.row0 + m, i = R / p.group, g = R - i * p.group;
+    if (i >= w.q_len || col >= D) continue;
+    SoftmaxPartial total = SoftmaxPartial::empty();
+    for (int gi = 0; gi < Traits::kWarpsN; ++gi) {
+      total = softmax_combine(total, {m_smem[gi * kBlockM + m], l_smem[gi * kBlockM + m]});
+    }
+    float acc[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
+    for (int gi = 0; gi < Traits::kWarpsN; ++gi) {
+      float const wgt = softmax_merge_weight<false>({m_smem[gi * kBlockM + m], l_smem[gi * kBlockM + m]}, total);
+      if (wgt == 0.f) continue;
+      float const* src = o_smem + (gi * kBlockM + m) * kHeadDim + col;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[e] += wgt * src[e];
+    }
+    int const token = w.q_start + i, head = w.kv_head * p.group + g;
+    if (!split_out) {
+      Element outv[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) outv[e] = Element(acc[e] * v_scale);
+      Element* dst = static_cast<Element*>(p.out) + int64_t(token) * p.o_row_stride +
+                     int64_t(head) * p.o_head_stride + col;
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<uint4 const*>(outv);
+      if (col == 0 && p.lse != nullptr) p.lse[int64_t(head) * p.total_q + token] = total.lse();
+    } else {
+      float* dst = p.o_accum + ((int64_t(w.split) * p.total_q + token) * p.num_q_heads + head) * kHeadDim + col;
+#pragma unroll
+      for (int e = 0; e < kVec; e += 4) {
+        *reinterpret_cast<float4*>(dst + e) =
+            make_float4(acc[e] * v_scale, acc[e + 1] * v_scale, acc[e + 2] * v_scale, acc[e + 3] * v_scale);
+      }
+      if (col == 0) p.lse_accum[(int64_t(w.split) * p.num_q_heads + head) * p.total_q + token] = total.lse();
+    }
+  }
+}
+
+}  // namespace pagedattn

@@ -1,0 +1,82 @@
+// Online softmax state of the rows a thread holds in an SM80 MMA accumulator.
+//
+// Accumulator fragments of the 16x8 MMA are indexed (v, mi, ni): value v = c + 2h is row
+// 8h + lane/4 and column 2(lane%4) + c of MMA tile (mi, ni). A thread's softmax row r = 2mi + h; the
+// four lanes of a quad share each row, so row reductions are two xor-shuffles.
+#pragma once
+
+#include "pagedattn/nvrtc_compat.cuh"
+#include "pagedattn/softmax_merge.cuh"
+#include <cute/tensor.hpp>
+
+namespace pagedattn {
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+template <int kRows>
+struct OnlineSoftmax {
+  float m[kRows];  // running max of scaled logits, log2 units (-inf: no key seen yet)
+  float l[kRows];  // this thread's part of sum 2^(s - m); summed over the quad at the end
+
+  __device__ __forceinline__ OnlineSoftmax() {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      m[r] = kNegInf;
+      l[r] = 0.f;
+    }
+  }
+
+  // acc_s: raw scores of one tile (masked entries -inf). Turns them into probabilities 2^(s*k - m)
+  // and rescales acc_o's rows to the new maxima. scale_log2 = softmax_scale * log2(e) * k_descale.
+  template <class TensorS, class TensorO>
+  __device__ __forceinline__ void update(TensorS& acc_s, TensorO& acc_o, float scale_log2) {
+    using namespace cute;
+    constexpr int kMmaN = decltype(size<2>(acc_s))::value;
+    constexpr int kMmaD = decltype(size<2>(acc_o))::value;
+#pragma unroll
+    for (int mi = 0; mi < kRows / 2; ++mi) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int const r = 2 * mi + h;
+        float tile_max = kNegInf;
+#pragma unroll
+        for (int ni = 0; ni < kMmaN; ++ni) {
+          tile_max = fmaxf(tile_max, fmaxf(acc_s(2 * h, mi, ni), acc_s(2 * h + 1, mi, ni)));
+        }
+        float const m_new = fmaxf(m[r], quad_max(tile_max) * scale_log2);
+        float const m_use = m_new == kNegInf ? 0.f : m_new;  // an all-masked row stays at p = 0
+        float const alpha = exp2f(m[r] - m_use);
+        m[r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int ni = 0; ni < kMmaN; ++ni) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float const p = exp2f(fmaf(acc_s(2 * h + c, mi, ni), scale_log2, -m_use));
+            acc_s(2 * h + c, mi, ni) = p;
+            sum += p;
+          }
+        }
+        l[r] = l[r] * alpha + sum;
+#pragma unroll
+        for (int nd = 0; nd < kMmaD; ++nd) {
+          acc_o(2 * h, mi, nd) *= alpha;
+          acc_o(2 * h + 1, mi, nd) *= alpha;
+        }
+      }
+    }
+  }
+
+  // Quad-reduced state of row r.
+  __device__ __forceinline__ SoftmaxPartial row_state(int r) const { return {m[r], quad_sum(l[r])}; }
+};
+
+}  // namespace pagedattn

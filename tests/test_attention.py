@@ -1,0 +1,315 @@
+"""flash_attn_varlen_func: the reference (CPU), compilation (CPU), the kernel against the reference on
+NaN-poisoned caches with shuffled tables (GPU), and bad input (CPU and GPU)."""
+import itertools
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pagedattn
+from pagedattn import CacheSpec, ContractError, reference
+from pagedattn.codegen.compile import compile_source, nvrtc_options
+from pagedattn.codegen.toolchain import toolchain
+from pagedattn.ops.attention import AttnFwdSpec, CombineSpec, flash_attn_varlen_func, kernel_head_dim
+from pagedattn.registry import Kernel, UnsupportedError, variant_name
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ---------------------------------------------------------------- helpers
+def build_case(lens_q, lens_k, Hq, Hkv, D, block_size, layout, dtype, kv, scale_gran, gen, device="cuda"):
+    """Random K/V written into a NaN-poisoned paged cache through a shuffled block table."""
+    B = len(lens_q)
+    blocks_per_seq = [max(1, -(-k // block_size)) for k in lens_k]
+    width = max(blocks_per_seq) + 1
+    num_blocks = sum(blocks_per_seq) + 3
+    cache_dtype = dtype if kv == "auto" else torch.uint8
+    spec = CacheSpec(num_blocks, block_size, Hkv, D, cache_dtype, kv, layout, scale_gran)
+    kc, vc = spec.allocate(device, fill=float("nan"))
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.full((B, width), -1, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(blocks_per_seq):
+        table[b, :n] = perm[start:start + n].int()
+        start += n
+    table[:, -1] = perm[-1]  # unused column points at a poisoned page
+    ks = vs = None
+    if kv != "auto":
+        n = Hkv if scale_gran == "head" else 1
+        ks = (torch.rand(n, generator=gen) * 0.05 + 0.01).to(device)
+        vs = (torch.rand(n, generator=gen) * 0.05 + 0.01).to(device)
+    for b, (lk) in enumerate(lens_k):
+        if lk == 0:
+            continue
+        key = torch.randn(lk, Hkv, D, generator=gen).to(device, dtype)
+        val = torch.randn(lk, Hkv, D, generator=gen).to(device, dtype)
+        pos = torch.arange(lk)
+        slots = (table[b, pos // block_size].long() * block_size + pos % block_size).to(device)
+        reference.reshape_and_cache_flash(key, val, kc, vc, slots, kv, ks, vs)
+    q = torch.randn(sum(lens_q), Hq, D, generator=gen).to(device, dtype)
+    cu_q = torch.tensor([0] + list(itertools.accumulate(lens_q)), dtype=torch.int32, device=device)
+    seqused = torch.tensor(lens_k, dtype=torch.int32, device=device)
+    return dict(q=q, kc=kc, vc=vc, table=table.to(device), cu_q=cu_q, seqused=seqused, ks=ks, vs=vs,
+                spec=spec)
+
+
+def rel_l2(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+# ---------------------------------------------------------------- reference (CPU)
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_matches_sdpa_on_gathered_kv(causal):
+    gen = torch.Generator().manual_seed(1)
+    c = build_case([3, 1, 17], [40, 9, 17], 8, 2, 32, 4, "HND", torch.float32, "auto", "tensor", gen, "cpu")
+    out, lse = reference.paged_attention(c["q"], c["kc"], c["vc"], c["cu_q"], c["seqused"], c["table"],
+                                         causal=causal, return_lse=True, compute_dtype=torch.float64)
+    cu = c["cu_q"].tolist()
+    for b, lk in enumerate(c["seqused"].tolist()):
+        # gather by hand, independently of reference.gather_kv
+        rows = [c["kc"][int(c["table"][b, j // 4]), j % 4] for j in range(lk)]
+        k = torch.stack(rows).double()
+        v = torch.stack([c["vc"][int(c["table"][b, j // 4]), j % 4] for j in range(lk)]).double()
+        q = c["q"][cu[b]:cu[b + 1]].double()
+        L = q.shape[0]
+        mask = torch.arange(lk)[None] <= (lk - L + torch.arange(L))[:, None] if causal else None
+        ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(4, 1).transpose(0, 1),
+                                             v.repeat_interleave(4, 1).transpose(0, 1), attn_mask=mask)
+        assert torch.allclose(out[cu[b]:cu[b + 1]].double(), ref.transpose(0, 1), atol=1e-6)
+    assert torch.isfinite(lse).all()
+
+
+def test_reference_empty_request_and_fp8():
+    gen = torch.Generator().manual_seed(2)
+    c = build_case([2, 1], [0, 33], 4, 4, 16, 16, "NHD", torch.bfloat16, "fp8_e4m3", "head", gen, "cpu")
+    out, lse = reference.paged_attention(c["q"], c["kc"], c["vc"], c["cu_q"], c["seqused"], c["table"],
+                                         kv_cache_dtype="fp8_e4m3", k_descale=c["ks"], v_descale=c["vs"],
+                                         return_lse=True)
+    assert (out[:2] == 0).all() and torch.isinf(lse[:, :2]).all() and (lse[:, :2] < 0).all()
+    assert torch.isfinite(out[2:]).all()
+
+
+# ---------------------------------------------------------------- compilation (CPU)
+CI_SPECS = [AttnFwdSpec("bf16", "auto", 128, "decode"), AttnFwdSpec("bf16", "auto", 128, "prefill"),
+            AttnFwdSpec("fp16", "fp8_e4m3", 80, "decode"), CombineSpec("bf16")]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("spec", CI_SPECS, ids=variant_name)
+def test_attention_variants_compile(spec, arch):
+    k = Kernel(spec)
+    res = compile_source(k.source, variant=k.name, arch=arch, options=nvrtc_options(arch, toolchain()))
+    assert res.cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("spec", [s for s in list(AttnFwdSpec.all_variants()) + list(CombineSpec.all_variants())
+                                  if s not in CI_SPECS], ids=variant_name)
+def test_every_attention_variant_compiles(spec, arch):
+    test_attention_variants_compile(spec, arch)
+
+
+def test_head_dim_mapping():
+    assert [kernel_head_dim(d) for d in (64, 72, 80, 88, 96, 104, 128, 136, 192, 200, 256)] == \
+        [64, 80, 80, 96, 96, 128, 128, 192, 192, 256, 256]
+    with pytest.raises(UnsupportedError, match="at most 256"):
+        kernel_head_dim(264)
+    with pytest.raises(UnsupportedError, match="head_dim"):
+        AttnFwdSpec("bf16", "auto", 72, "decode")
+
+
+# ---------------------------------------------------------------- the kernel (GPU)
+HEADS = [(8, 8), (32, 8), (32, 4), (28, 4), (16, 1)]
+KV = [("auto", "tensor"), ("fp8_e4m3", "tensor"), ("fp8_e5m2", "head")]
+
+
+def _sample_grid(n, seed=0):
+    rng = random.Random(seed)
+    axes = dict(dtype=[torch.float16, torch.bfloat16], D=[64, 80, 96, 128, 192, 256, 72],
+                layout=["NHD", "HND"], bs=[1, 8, 16, 32, 128, 256], heads=HEADS, causal=[False, True],
+                batch=["decode", "mixed", "prefill"], splits=[0, 1, 7], kv=KV, lse=[False, True],
+                out=[False, True])
+    cases = []
+    # every value of every axis at least 3 times, the rest random
+    for name, values in axes.items():
+        for v in values:
+            for _ in range(3):
+                c = {k: rng.choice(vals) for k, vals in axes.items()}
+                c[name] = v
+                cases.append(c)
+    while len(cases) < n:
+        cases.append({k: rng.choice(vals) for k, vals in axes.items()})
+    return cases
+
+
+def _case_id(c):
+    return (f"{str(c['dtype'])[6:]}-d{c['D']}-{c['layout']}-b{c['bs']}-h{c['heads'][0]}x{c['heads'][1]}-"
+            f"{'causal' if c['causal'] else 'full'}-{c['batch']}-s{c['splits']}-{c['kv'][0]}-{c['kv'][1]}-"
+            f"{'lse' if c['lse'] else 'nolse'}-{'out' if c['out'] else 'noout'}")
+
+
+def _lengths(kind, rng):
+    if kind == "decode":     # q_len 1; one request with no KV at all
+        lk = [rng.randint(1, 700), 0, rng.randint(1, 300), rng.randint(300, 1100)]
+        return [1] * len(lk), lk
+    if kind == "prefill":    # full prefill, q_len == k_len, not multiples of tiles
+        lq = [rng.randint(1, 300), rng.randint(100, 400)]
+        return lq, list(lq)
+    # mixed: decode + chunked prefill over a cached prefix + full prefill + seqused_k = 0
+    lq = [1, rng.randint(2, 90), rng.randint(1, 200), 1]
+    lk = [rng.randint(1, 800), lq[1] + rng.randint(1, 500), lq[2], 0]
+    lq[3] = 1
+    return lq, lk
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", _sample_grid(400), ids=_case_id)
+def test_attention_matches_reference(c):
+    rng = random.Random(_case_id(c))
+    gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
+    Hq, Hkv = c["heads"]
+    lens_q, lens_k = _lengths(c["batch"], rng)
+    kv, gran = c["kv"]
+    case = build_case(lens_q, lens_k, Hq, Hkv, c["D"], c["bs"], c["layout"], c["dtype"], kv, gran, gen)
+    table = case["table"]
+    if table.numel() > 8:
+        assert not torch.equal(table.flatten().sort().values, table.flatten()), "table should be shuffled"
+    out = torch.full_like(case["q"], float("nan")) if c["out"] else None
+    kw = dict(max_seqlen_q=max(lens_q), cu_seqlens_q=case["cu_q"], max_seqlen_k=max(lens_k),
+              seqused_k=case["seqused"], causal=c["causal"], block_table=table,
+              return_softmax_lse=c["lse"], out=out, num_splits=c["splits"],
+              k_descale=case["ks"], v_descale=case["vs"], kv_cache_dtype=kv)
+    res = flash_attn_varlen_func(case["q"], case["kc"], case["vc"], **kw)
+    o, lse = res if c["lse"] else (res, None)
+    if c["out"]:
+        assert o is out
+    ref, ref_lse = reference.paged_attention(case["q"], case["kc"], case["vc"], case["cu_q"], case["seqused"],
+                                             table, causal=c["causal"], kv_cache_dtype=kv,
+                                             k_descale=case["ks"], v_descale=case["vs"], return_lse=True,
+                                             compute_dtype=torch.float64)
+    low = reference.paged_attention(case["q"], case["kc"], case["vc"], case["cu_q"], case["seqused"], table,
+                                    causal=c["causal"], kv_cache_dtype=kv, k_descale=case["ks"],
+                                    v_descale=case["vs"], compute_dtype=c["dtype"])
+    assert not o.isnan().any(), "NaN in the output"
+    err, err_low = rel_l2(o, ref), rel_l2(low.to(c["dtype"]), ref)
+    assert err <= max(2 * err_low, 2e-3) and err < 2e-2, (err, err_low)
+    if c["lse"]:
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(finite, torch.isfinite(lse)), "LSE -inf pattern differs"
+        assert torch.allclose(lse[finite], ref_lse[finite].float(), atol=2e-2, rtol=1e-3)
+    again = flash_attn_varlen_func(case["q"], case["kc"], case["vc"], **{**kw, "out": None})
+    again = again[0] if c["lse"] else again
+    assert torch.equal(again.view(torch.int16), o.view(torch.int16)), "rerun is not bit-identical"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_contiguous_varlen_mode(causal):
+    gen = torch.Generator().manual_seed(5)
+    lq, lk = [5, 130, 1], [70, 130, 333]
+    Hq, Hkv, D = 16, 4, 128
+    q = torch.randn(sum(lq), Hq, D, generator=gen).cuda().bfloat16()
+    k = torch.randn(sum(lk), Hkv, D, generator=gen).cuda().bfloat16()
+    v = torch.randn(sum(lk), Hkv, D, generator=gen).cuda().bfloat16()
+    cu_q = torch.tensor([0, 5, 135, 136], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 70, 200, 533], dtype=torch.int32, device="cuda")
+    o, lse = flash_attn_varlen_func(q, k, v, 130, cu_q, 333, cu_seqlens_k=cu_k, causal=causal,
+                                    return_softmax_lse=True)
+    ref, ref_lse = reference.varlen_attention(q, k, v, cu_q, cu_k, causal=causal, return_lse=True,
+                                              compute_dtype=torch.float64)
+    assert rel_l2(o, ref) < 1e-2
+    assert torch.allclose(lse, ref_lse.float(), atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_writer_reader_round_trip(layout, kv):
+    """Tokens go in through reshape_and_cache_flash and come out through attention."""
+    gen = torch.Generator().manual_seed(9)
+    B, ctx, Hq, Hkv, D, bs = 3, 200, 32, 8, 128, 16
+    spec = CacheSpec(64, bs, Hkv, D, torch.bfloat16 if kv == "auto" else torch.uint8, kv, layout)
+    kc, vc = spec.allocate("cuda", fill=float("nan"))
+    table = torch.randperm(64, generator=gen)[: B * 13].view(B, 13).int().cuda()
+    key = torch.randn(B * ctx, Hkv, D, generator=gen).cuda().bfloat16()
+    val = torch.randn(B * ctx, Hkv, D, generator=gen).cuda().bfloat16()
+    pos = torch.arange(ctx, device="cuda")
+    slots = (table[:, pos // bs].long() * bs + pos % bs).reshape(-1)
+    scale = torch.tensor([0.02], device="cuda") if kv != "auto" else None
+    pagedattn.reshape_and_cache_flash(key, val, kc, vc, slots, kv, scale, scale)
+    q = torch.randn(B, Hq, D, generator=gen).cuda().bfloat16()
+    cu_q = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    seqused = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    o = pagedattn.flash_attn_varlen_func(q, kc, vc, 1, cu_q, ctx, seqused_k=seqused, block_table=table,
+                                         kv_cache_dtype=kv, k_descale=scale, v_descale=scale)
+    cu_k = torch.arange(0, (B + 1) * ctx, ctx, dtype=torch.int32, device="cuda")
+    ref = reference.varlen_attention(q, key, val, cu_q, cu_k, compute_dtype=torch.float64)
+    assert rel_l2(o, ref) < (1e-2 if kv == "auto" else 8e-2)
+
+
+@pytest.mark.gpu
+def test_corrupt_block_table_is_safe():
+    gen = torch.Generator().manual_seed(3)
+    c = build_case([1, 1], [100, 50], 8, 8, 128, 16, "NHD", torch.bfloat16, "auto", "tensor", gen)
+    table = c["table"].clone()
+    table[0, 1] = 10**6
+    table[1, 0] = -5
+    o = flash_attn_varlen_func(c["q"], c["kc"], c["vc"], 1, c["cu_q"], 100, seqused_k=c["seqused"] * 50,
+                               block_table=table)
+    torch.cuda.synchronize()
+    assert o.shape == c["q"].shape
+    import os
+    os.environ["PAGEDATTN_DEBUG"] = "1"
+    try:
+        with pytest.raises(ContractError, match="request 0"):
+            flash_attn_varlen_func(c["q"], c["kc"], c["vc"], 1, c["cu_q"], 100, seqused_k=c["seqused"],
+                                   block_table=table)
+    finally:
+        del os.environ["PAGEDATTN_DEBUG"]
+
+
+# ---------------------------------------------------------------- bad input (runs before any launch)
+def _good():
+    gen = torch.Generator().manual_seed(4)
+    return build_case([1, 2], [20, 33], 8, 4, 64, 16, "NHD", torch.bfloat16, "auto", "tensor", gen, DEV)
+
+
+def _call(c, **over):
+    kw = dict(q=c["q"], k=c["kc"], v=c["vc"], max_seqlen_q=2, cu_seqlens_q=c["cu_q"], max_seqlen_k=33,
+              seqused_k=c["seqused"], block_table=c["table"])
+    kw.update(over)
+    return flash_attn_varlen_func(**kw)
+
+
+BAD = {
+    "K/V caches differ": lambda c: dict(v=c["vc"][:, :, :2].contiguous()),
+    "head size differs from q": lambda c: dict(q=torch.zeros(3, 8, 32, dtype=torch.bfloat16, device=DEV)),
+    "Hq not a multiple of Hkv": lambda c: dict(q=torch.zeros(3, 6, 64, dtype=torch.bfloat16, device=DEV)),
+    "fp8 cache without descales": lambda c: dict(
+        k=c["kc"].view(torch.uint8)[..., :64], v=c["vc"].view(torch.uint8)[..., :64], kv_cache_dtype="fp8_e4m3"),
+    "int64 block table": lambda c: dict(block_table=c["table"].long()),
+    "int64 seqused_k": lambda c: dict(seqused_k=c["seqused"].long()),
+    "cu_seqlens_q wrong dtype": lambda c: dict(cu_seqlens_q=c["cu_q"].long()),
+    "block table rows != B": lambda c: dict(block_table=c["table"][:1]),
+    "q fp32": lambda c: dict(q=c["q"].float()),
+    "q dtype differs from cache": lambda c: dict(q=c["q"].half()),
+    "window_size": lambda c: dict(window_size=(128, 0)),
+    "softcap": lambda c: dict(softcap=30.0),
+    "alibi": lambda c: dict(alibi_slopes=torch.ones(8)),
+    "unknown keyword": lambda c: dict(foo=1),
+    "out wrong shape": lambda c: dict(out=torch.zeros(3, 8, 32, dtype=torch.bfloat16, device=DEV)),
+    "no seqused_k with table": lambda c: dict(seqused_k=None),
+    "neither table nor cu_seqlens_k": lambda c: dict(block_table=None, seqused_k=None),
+    "head size 264": lambda c: dict(q=torch.zeros(3, 8, 264, dtype=torch.bfloat16, device=DEV)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_is_a_clear_error(name):
+    c = _good()
+    with pytest.raises((ContractError, NotImplementedError, TypeError, ValueError)) as info:
+        _call(c, **BAD[name](c))
+    assert len(str(info.value)) > 10
