@@ -11,7 +11,7 @@ from ..contract import CacheSpec, ContractError
 from ..dtypes import short
 from ..registry import KernelSpec, get_kernel, register
 from .kv_write import check_slots
-from .legacy_params import LegacyCacheGeometry, LegacyCacheWriteParams
+from .legacy_params import LegacyCacheWriteParams
 
 FP8_ENUM = {"auto": "kNone", "fp8_e4m3": "kE4M3", "fp8_e5m2": "kE5M2"}
 CPP_ELEMENT = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp8_e4m3": "uint8_t", "fp8_e5m2": "uint8_t"}
@@ -40,10 +40,11 @@ class LegacyCacheWriteSpec(KernelSpec):
                 "kFp8": FP8_ENUM[self.kv_cache_dtype]}
 
 
-def geometry(spec: CacheSpec, key_cache: torch.Tensor, value_cache: torch.Tensor) -> LegacyCacheGeometry:
+def geometry(spec: CacheSpec, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple:
+    """The LegacyCacheGeometry fields, flattened in order (the launcher packs flat values)."""
     ks, vs = key_cache.stride(), value_cache.stride()
-    return LegacyCacheGeometry(ks[0], ks[1], vs[0], vs[1], spec.num_blocks, spec.num_kv_heads,
-                               spec.head_size, spec.block_size)
+    return (ks[0], ks[1], vs[0], vs[1], spec.num_blocks, spec.num_kv_heads, spec.head_size,
+            spec.block_size)
 
 
 def check_scale(name: str, scale, spec: CacheSpec, device: torch.device) -> None:
@@ -122,9 +123,9 @@ def write_legacy(spec: CacheSpec, key, value, key_cache, value_cache, slot_mappi
         (num_tokens, 1, 1), (threads, 1, 1),
         (key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
          slot_mapping.data_ptr(),
-         k_scale.data_ptr() if spec.is_fp8 else None, v_scale.data_ptr() if spec.is_fp8 else None,
-         key.stride(0), value.stride(0), geometry(spec, key_cache, value_cache),
-         int(slot_mapping.dtype == torch.int64), 0))
+         k_scale.data_ptr() if spec.is_fp8 else 0, v_scale.data_ptr() if spec.is_fp8 else 0,
+         key.stride(0), value.stride(0)) + geometry(spec, key_cache, value_cache) +
+        (int(slot_mapping.dtype == torch.int64), 0))
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
