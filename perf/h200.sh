@@ -7,7 +7,7 @@ ROOT=$(pwd)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
 export PYTHONPATH=/tmp/site PAGEDATTN_CACHE_DIR=/tmp/pacache PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
 cd /tmp
 summary=()
 for stage in "$@"; do
