@@ -1,0 +1,93 @@
+"""`pagedattn bench`: per-architecture performance comparisons (issue 6).
+
+    pagedattn bench [--suite write|decode|prefill|legacy|jit|all] [--quick] [--out perf/results]
+    pagedattn bench compare A.json B.json [--peers] [--markdown]
+    pagedattn bench report [--results perf/results]
+
+Modules: timing (CUDA-event medians, rotation), ceilings, write / attention (decode, prefill) / legacy /
+jit (the suites), runner + child (one process per suite), schema (the results file), report (tables,
+RESULTS.md, compare), plots (matplotlib), meta (GPU, software, clocks). perf/README.md explains the lot.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+SUITE_HELP = "write|decode|prefill|legacy|jit|all, or a comma-separated list (default: all)"
+
+
+def _cmd_run(args) -> int:
+    from . import runner
+
+    return runner.run(args)
+
+
+def _cmd_compare(args) -> int:
+    from . import report, schema
+
+    try:
+        a, b = report.load(args.a), report.load(args.b)
+    except (OSError, ValueError, schema.SchemaError) as exc:
+        print(f"pagedattn bench compare: {exc}", file=sys.stderr)
+        return 2
+    header, rows, summary = report.compare(a, b, peers=args.peers)
+    if args.markdown:
+        print(report.markdown_table(header, rows))
+        print()
+        print("\n".join(f"- {s}" for s in summary))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    table = Table(title=f"A = {args.a}   B = {args.b}")
+    for h in header:
+        table.add_column(h, overflow="fold", justify="left" if h in ("suite", "case", "impl") else "right")
+    for r in rows:
+        table.add_row(*r)
+    console.print(table)
+    for s in summary:
+        console.print(s, markup=False)
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from . import runner
+
+    runner.regenerate(Path(args.results), Console(highlight=False), include_samples=args.include_samples)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark the kernels against torch peers and the machine's ceilings",
+                       description="Measure the kernels on this GPU against torch peers and the ceilings "
+                                   "measured in the same run; write perf/results/<gpu>_<sm>_<date>.json, "
+                                   "perf/RESULTS.md and perf/plots/. See perf/README.md.")
+    p.add_argument("--suite", default="all", help=SUITE_HELP)
+    p.add_argument("--quick", action="store_true", help="fewer repetitions and cases (~3 min on an H200)")
+    p.add_argument("--out", default="perf/results",
+                   help="results folder (default perf/results); RESULTS.md and plots/ go beside it")
+    p.add_argument("--only", default="", help="run only the cases whose id contains one of these "
+                                               "comma-separated substrings")
+    p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer (saves its compiles)")
+    p.add_argument("--no-report", action="store_true", help="don't regenerate RESULTS.md and the plots")
+    p.add_argument("--case-timeout", type=float, default=600.0,
+                   help="seconds without progress before a case is declared hung (default 600)")
+    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": harness self-test only
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # test shapes only
+    p.set_defaults(func=_cmd_run)
+    bsub = p.add_subparsers(dest="bench_command", metavar="{compare,report}")
+    c = bsub.add_parser("compare", help="case-by-case ratios of two results files (e.g. two GPUs)")
+    c.add_argument("a", help="results file A (the baseline)")
+    c.add_argument("b", help="results file B")
+    c.add_argument("--peers", action="store_true", help="also compare each peer")
+    c.add_argument("--markdown", action="store_true", help="print a markdown table")
+    c.set_defaults(func=_cmd_compare)
+    r = bsub.add_parser("report", help="regenerate RESULTS.md and plots from a results folder (no GPU needed)")
+    r.add_argument("--results", default="perf/results", help="results folder (default perf/results)")
+    r.add_argument("--include-samples", action="store_true", help=argparse.SUPPRESS)
+    r.set_defaults(func=_cmd_report)

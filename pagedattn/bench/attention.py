@@ -1,0 +1,412 @@
+"""decode and prefill suites: `pagedattn.flash_attn_varlen_func` over a paged cache, against torch.
+
+Shapes (issue 4): bf16, Hq=32, Hkv=8, D=128, block 16, NHD caches, shuffled block tables.
+decode: B=1 ctx 32768, B=16 ctx 4096, B=64 ctx 4096 (bf16 cache), and B=64 ctx 4096 with an fp8_e4m3
+cache (per-tensor descale). One query token per request, equal context lengths.
+prefill: B=4, S=4096, causal (q_len = kv_len), TFLOP/s = 4 * B * Hq * D * S^2 / 2.
+decode reports the effective KV bandwidth: bytes = K + V pages read (2 * B * ctx * Hkv * D * elem).
+
+Check (once): float32 attention over the KV gathered through the block table (this module's
+`reference_attention`, grouped-query, bottom-right causal), relative L2 of the output <= 2e-2.
+Peers, all on the same data:
+- "sdpa cudnn" / "sdpa flash": torch SDPA with one backend on a contiguous (unpaged) copy of the KV.
+  decode folds the query heads of a KV head into the query length ([B, Hkv, Hq/Hkv, D]), which is exact
+  for one query token and reads each KV byte once; prefill uses enable_gqa=True (or, if the backend
+  refuses, KV repeated to Hq heads beforehand, outside the timing).
+- "gather+sdpa": gather the pages through the block table, then SDPA (default dispatch); the gather
+  (and the fp8 dequantisation) is inside the timing — the naive paged way.
+- "flex": torch.compile(flex_attention) on the contiguous copy, if it compiles; each shape is a new
+  compile (tens of seconds), so it runs at decode B=1 and B=64 and at prefill, not with --quick.
+The fp8 case's peers read a bf16 (dequantised) copy: torch has no fp8-KV attention.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import pagedattn
+
+from .common import Case, Ctx, Recorder, ceil_div, rel_l2, shuffled_tables
+
+HQ, HKV, D, BLOCK = 32, 8, 128, 16
+DECODE = ({"B": 1, "ctx": 32768, "kv": "auto"}, {"B": 16, "ctx": 4096, "kv": "auto"},
+          {"B": 64, "ctx": 4096, "kv": "auto"}, {"B": 64, "ctx": 4096, "kv": "fp8_e4m3"})
+PREFILL = ({"B": 4, "S": 4096},)
+TINY = {"hq": 4, "hkv": 2, "d": 64, "bs": 16}
+TINY_DECODE = ({"B": 2, "ctx": 80, "kv": "auto"}, {"B": 3, "ctx": 48, "kv": "fp8_e4m3"})
+TINY_PREFILL = ({"B": 2, "S": 40},)
+DECODE_GOALS_US = {(64, 4096, "auto"): 270.0, (16, 4096, "auto"): 80.0, (1, 32768, "auto"): 45.0,
+                   (64, 4096, "fp8_e4m3"): 160.0}
+PREFILL_GOAL_TFLOPS = 330.0
+TOLERANCE = 2e-2
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def flash_fn():
+    """pagedattn.flash_attn_varlen_func; before it is exported, the op module's; else None."""
+    fa = getattr(pagedattn, "flash_attn_varlen_func", None)
+    if fa is None:
+        try:
+            from pagedattn.ops.attention import flash_attn_varlen_func as fa  # noqa: PLC0415
+        except ImportError:
+            return None
+    return fa
+
+
+def available(ctx: Ctx):
+    if flash_fn() is None:
+        return False, "not available: pagedattn.flash_attn_varlen_func does not exist yet"
+    return True, None
+
+
+def _dims(ctx: Ctx) -> dict:
+    return dict(TINY) if ctx.tiny else {"hq": HQ, "hkv": HKV, "d": D, "bs": BLOCK}
+
+
+def decode_cases(ctx: Ctx) -> list[Case]:
+    out = []
+    for shape in (TINY_DECODE if ctx.tiny else DECODE):
+        cache = "bf16" if shape["kv"] == "auto" else shape["kv"]
+        params = {"B": shape["B"], "q_len": 1, "ctx": shape["ctx"], "kv_cache_dtype": shape["kv"],
+                  "cache": cache, "dtype": "bf16", "layout": "NHD", "causal": True, **_dims(ctx)}
+        out.append(Case(f"decode/B{shape['B']}/ctx{shape['ctx']}/{cache}", "decode", params,
+                        lambda ctx, rec, p=params: run_case(ctx, rec, p)))
+    return out
+
+
+def prefill_cases(ctx: Ctx) -> list[Case]:
+    out = []
+    for shape in (TINY_PREFILL if ctx.tiny else PREFILL):
+        params = {"B": shape["B"], "q_len": shape["S"], "ctx": shape["S"], "kv_cache_dtype": "auto",
+                  "cache": "bf16", "dtype": "bf16", "layout": "NHD", "causal": True, **_dims(ctx)}
+        out.append(Case(f"prefill/B{shape['B']}/S{shape['S']}/causal", "prefill", params,
+                        lambda ctx, rec, p=params: run_case(ctx, rec, p)))
+    return out
+
+
+# -- data ------------------------------------------------------------------------------------------
+def gather_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, bs, H, D] cache, [B, nb] table -> [B, nb * bs, H, D] (fp8 through uint8)."""
+    fp8 = cache.dtype in FP8_DTYPES
+    src = cache.view(torch.uint8) if fp8 else cache
+    g = src[table.long()]
+    b, nb, bs, h, d = g.shape
+    g = g.view(b, nb * bs, h, d)
+    return g.view(cache.dtype) if fp8 else g
+
+
+@dataclass
+class PagedData:
+    B: int
+    q_len: int
+    ctx_len: int
+    hq: int
+    hkv: int
+    d: int
+    bs: int
+    kv: str
+    q: list            # per set [B * q_len, Hq, D]
+    kc: torch.Tensor   # [num_blocks, bs, Hkv, D] NHD, bf16 or float8
+    vc: torch.Tensor
+    tables: list       # per set int32 [B, nb]
+    seqused: torch.Tensor
+    cu_q: torch.Tensor
+    k_descale: torch.Tensor | None
+    v_descale: torch.Tensor | None
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.d)
+
+    @property
+    def groups(self) -> int:
+        return self.hq // self.hkv
+
+    def kv_elem(self) -> int:
+        return self.kc.element_size()
+
+    def dequant(self, g: torch.Tensor, descale, dtype) -> torch.Tensor:
+        if g.dtype in FP8_DTYPES:
+            return g.to(dtype) * descale.to(dtype)
+        return g.to(dtype)
+
+    def contiguous_kv(self, s: int, dtype=torch.bfloat16):
+        """Unpaged copies [B, Hkv, ctx, D] of set s's KV (dequantised for fp8)."""
+        out = []
+        for cache, descale in ((self.kc, self.k_descale), (self.vc, self.v_descale)):
+            g = gather_pages(cache, self.tables[s])[:, :self.ctx_len]
+            out.append(self.dequant(g, descale, dtype).transpose(1, 2).contiguous())
+        return out
+
+
+def build(ctx: Ctx, p: dict, sets: int, gen_seed: int = 0) -> PagedData:
+    dev = ctx.device
+    B, q_len, L, hq, hkv, d, bs = p["B"], p["q_len"], p["ctx"], p["hq"], p["hkv"], p["d"], p["bs"]
+    nb = ceil_div(L, bs)
+    need = B * nb * sets
+    num_blocks = need + max(need // 4, 8)
+    torch.manual_seed(gen_seed)
+    kv = p["kv_cache_dtype"]
+    if kv == "auto":
+        kc = torch.randn(num_blocks, bs, hkv, d, dtype=torch.bfloat16, device=dev)
+        vc = torch.randn(num_blocks, bs, hkv, d, dtype=torch.bfloat16, device=dev)
+        kd = vd = None
+    else:
+        fmax = 448.0 if kv == "fp8_e4m3" else 57344.0
+        kd = torch.tensor([4.0 / fmax], dtype=torch.float32, device=dev)
+        vd = kd.clone()
+        kc = (torch.randn(num_blocks, bs, hkv, d, device=dev) / kd).clamp(-fmax, fmax).to(FP8_TORCH[kv])
+        vc = (torch.randn(num_blocks, bs, hkv, d, device=dev) / vd).clamp(-fmax, fmax).to(FP8_TORCH[kv])
+    tables = shuffled_tables(num_blocks, B, nb, sets, dev)
+    q = [torch.randn(B * q_len, hq, d, dtype=torch.bfloat16, device=dev) for _ in range(sets)]
+    cu_q = torch.arange(0, B * q_len + 1, q_len, dtype=torch.int32, device=dev)
+    seqused = torch.full((B,), L, dtype=torch.int32, device=dev)
+    return PagedData(B, q_len, L, hq, hkv, d, bs, kv, q, kc, vc, tables, seqused, cu_q, kd, vd)
+
+
+# -- the reference ---------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _highest_precision():
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
+def reference_attention(q, k_cache, v_cache, block_table, seqused_k, cu_seqlens_q, *, causal: bool,
+                        scale: float, k_descale=None, v_descale=None, chunk: int = 512) -> torch.Tensor:
+    """float32 attention reading K/V through the block table. q [total_q, Hq, D]; caches
+    [num_blocks, bs, Hkv, D] (bf16/fp16/fp32, or float8 with descales); causal is bottom-right aligned.
+    Returns float32 [total_q, Hq, D]. A request with no keys gives zeros."""
+    total_q, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    bs = k_cache.shape[1]
+    out = torch.zeros(total_q, hq, d, dtype=torch.float32, device=q.device)
+    cu = cu_seqlens_q.tolist()
+    lens = seqused_k.tolist()
+    with _highest_precision():
+        for b in range(len(lens)):
+            q0, q1, L = cu[b], cu[b + 1], lens[b]
+            sq = q1 - q0
+            if sq == 0 or L == 0:
+                continue
+            nb = ceil_div(L, bs)
+            kv = []
+            for cache, descale in ((k_cache, k_descale), (v_cache, v_descale)):
+                x = gather_pages(cache, block_table[b:b + 1, :nb])[0, :L].float()  # [L, Hkv, D]
+                if cache.dtype in FP8_DTYPES:
+                    x = x * descale.float().reshape(-1)[0]
+                kv.append(x)
+            k, v = kv
+            for c0 in range(0, sq, chunk):
+                c1 = min(sq, c0 + chunk)
+                qc = q[q0 + c0:q0 + c1].float().view(c1 - c0, hkv, g, d)
+                s = torch.einsum("qhgd,khd->hgqk", qc, k) * scale
+                if causal:
+                    i = torch.arange(c0, c1, device=q.device).view(-1, 1)
+                    j = torch.arange(L, device=q.device).view(1, -1)
+                    s = s.masked_fill(j > (L - sq + i), float("-inf"))
+                pr = torch.softmax(s, dim=-1)
+                o = torch.einsum("hgqk,khd->qhgd", pr, v)
+                out[q0 + c0:q0 + c1] = o.reshape(c1 - c0, hq, d)
+    return out
+
+
+# -- torch peers -----------------------------------------------------------------------------------
+def _sdpa_backend(name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name]
+    return lambda: sdpa_kernel([backend])
+
+
+def _sdpa_fns(data: PagedData, q_sets, k_sets, v_sets):
+    """Candidate SDPA factories (variant, factory() -> fn(k) -> out as [total_q, Hq, D]), best first."""
+    B, sq, hq, hkv, d, g = data.B, data.q_len, data.hq, data.hkv, data.d, data.groups
+    scale = data.scale
+    if sq == 1:  # decode: fold the group into the query length
+        def folded():
+            qf = [q.view(B, hkv, g, d) for q in q_sets]
+
+            def fn(k):
+                o = F.scaled_dot_product_attention(qf[k], k_sets[k], v_sets[k], scale=scale)
+                return o.reshape(B, hq, d)
+            return fn
+        return [("gqa folded into q_len", folded)]
+    qp = [q.view(B, sq, hq, d).transpose(1, 2).contiguous() for q in q_sets]
+
+    def gqa():
+        def fn(k):
+            o = F.scaled_dot_product_attention(qp[k], k_sets[k], v_sets[k], is_causal=True, scale=scale,
+                                               enable_gqa=True)
+            return o.transpose(1, 2).reshape(B * sq, hq, d)
+        return fn
+
+    def repeated():
+        kr = [x.repeat_interleave(g, dim=1) for x in k_sets]
+        vr = [x.repeat_interleave(g, dim=1) for x in v_sets]
+
+        def fn(k):
+            o = F.scaled_dot_product_attention(qp[k], kr[k], vr[k], is_causal=True, scale=scale)
+            return o.transpose(1, 2).reshape(B * sq, hq, d)
+        return fn
+    return [("enable_gqa", gqa), ("kv repeated to Hq heads (outside timing)", repeated)]
+
+
+def _first_working(ctx: Ctx, candidates, ref, info: dict):
+    """Try (variant, factory) candidates in order; return the first fn that runs; record its
+    variant and its error against the reference in `info`."""
+    errors = []
+    for variant, factory in candidates:
+        try:
+            fn = factory()
+            out = fn(0)
+            ctx.sync()
+            info["variant"] = variant
+            info["rel_l2"] = rel_l2(out, ref) if ref is not None else None
+            return fn
+        except Exception as exc:  # noqa: BLE001
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            errors.append(f"{variant}: {type(exc).__name__}: {first}")
+    raise RuntimeError("; ".join(errors))
+
+
+def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
+    fa = flash_fn()
+    if not hasattr(pagedattn, "flash_attn_varlen_func"):
+        rec.note("called as pagedattn.ops.attention.flash_attn_varlen_func (not exported yet)")
+    B, sq, L, hq, hkv, d = p["B"], p["q_len"], p["ctx"], p["hq"], p["hkv"], p["d"]
+    fp8 = p["kv_cache_dtype"] != "auto"
+    elem = 1 if fp8 else 2
+    kv_bytes = 2 * B * L * hkv * d * elem
+    io_bytes = 2 * 2 * B * sq * hq * d  # q read + out written (bf16)
+    if sq == 1:
+        rec.work("GB/s", kv_bytes, "copy")
+    else:
+        rec.work("TFLOP/s", 4 * B * hq * d * sq * L / 2, "matmul")
+    sets = ctx.sets_for(kv_bytes + io_bytes, cap=8)
+    data = build(ctx, p, sets)
+    rec.extra(sets=sets, kv_bytes=kv_bytes, num_blocks=data.kc.shape[0])
+
+    kwargs = {}
+    if fp8:  # the caches are float8 tensors: their dtype names the format
+        kwargs.update(k_descale=data.k_descale, v_descale=data.v_descale)
+
+    def ours(k):
+        res = fa(data.q[k], data.kc, data.vc, sq, data.cu_q, L, seqused_k=data.seqused, causal=True,
+                 block_table=data.tables[k], softmax_scale=data.scale, return_softmax_lse=False,
+                 num_splits=0, **kwargs)
+        return res[0] if isinstance(res, (tuple, list)) else res
+
+    # -- correctness once, then timing (a failure is the case's error; the peers still run) -------
+    ref_box: dict = {}
+
+    def reference():
+        ref_box["ref"] = reference_attention(data.q[0], data.kc, data.vc, data.tables[0], data.seqused,
+                                             data.cu_q, causal=True, scale=data.scale,
+                                             k_descale=data.k_descale, v_descale=data.v_descale)
+    rec.attempt("float32 reference", reference)
+    ref = ref_box.get("ref")
+
+    def check_and_time():
+        out = ours(0)
+        ctx.sync()
+        if tuple(out.shape) != (B * sq, hq, d):
+            rec.check(False, "rel_l2", f"output shape {tuple(out.shape)}, expected {(B * sq, hq, d)}")
+        elif ref is not None:
+            err = rel_l2(out, ref)
+            ok = math.isfinite(err) and err <= TOLERANCE
+            rec.check(ok, "rel_l2", f"relative L2 {err:.2e} vs float32 reference (tolerance {TOLERANCE:g})"
+                      if math.isfinite(err) else "output has NaN/Inf",
+                      rel_l2=err if math.isfinite(err) else None)
+        del out
+        rec.ours("pagedattn", ours, sets)
+    rec.attempt("pagedattn", check_and_time)
+
+    # -- peers ----------------------------------------------------------------------------------
+    k_sets, v_sets = [], []
+    for s in range(sets):
+        kk, vv = data.contiguous_kv(s)
+        k_sets.append(kk)
+        v_sets.append(vv)
+    for backend in ("cudnn", "flash"):
+        name = f"sdpa {backend}"
+        info: dict = {}
+        if not ctx.is_cuda:
+            rec.peer_failed(name, "needs CUDA")
+            continue
+        rec.peer(name, lambda: _first_working(ctx, _sdpa_fns(data, data.q, k_sets, v_sets), ref, info),
+                 sets, context=_sdpa_backend(backend))
+        _merge_info(rec, name, info)
+
+    name, info = "gather+sdpa", {}
+    g = data.groups
+
+    def gather_fn(k):
+        kv = []
+        for cache, descale in ((data.kc, data.k_descale), (data.vc, data.v_descale)):
+            x = gather_pages(cache, data.tables[k])[:, :L]
+            if fp8:
+                x = data.dequant(x, descale, torch.bfloat16)
+            kv.append(x.transpose(1, 2))  # [B, Hkv, L, D], strided
+        if sq == 1:
+            o = F.scaled_dot_product_attention(data.q[k].view(B, hkv, g, d), kv[0], kv[1],
+                                               scale=data.scale)
+            return o.reshape(B, hq, d)
+        qp = data.q[k].view(B, sq, hq, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qp, kv[0], kv[1], is_causal=True, scale=data.scale,
+                                           enable_gqa=True)
+        return o.transpose(1, 2).reshape(B * sq, hq, d)
+    rec.peer(name, lambda: _first_working(ctx, [("gather then sdpa, default backend",
+                                                  lambda: gather_fn)], ref, info), sets)
+    _merge_info(rec, name, info)
+
+    flex_skip = ("needs CUDA" if not ctx.is_cuda else "--quick" if ctx.quick else "--no-flex" if ctx.no_flex
+                 else "fp8 case (its peers read the bf16 copy the bf16 case measures)" if fp8
+                 else "one compile per shape: run at B=1, B=64 and prefill only" if (sq == 1 and B == 16)
+                 else None)
+    if flex_skip is None:
+        name, info = "flex", {}
+        rec.peer(name, lambda: _make_flex(ctx, data, k_sets, v_sets, ref, info), sets)
+        _merge_info(rec, name, info)
+    else:
+        rec.note(f"flex not run: {flex_skip}")
+    if fp8:
+        rec.note("peers read a bf16 dequantised copy (torch has no fp8-KV attention)")
+
+    # -- goals ----------------------------------------------------------------------------------
+    if sq == 1 and (B, L, p["kv_cache_dtype"]) in DECODE_GOALS_US and not ctx.tiny:
+        rec.target(DECODE_GOALS_US[(B, L, p["kv_cache_dtype"])], "us")
+    elif sq > 1 and not ctx.tiny:
+        rec.target(PREFILL_GOAL_TFLOPS, "TFLOP/s")
+
+
+def _merge_info(rec: Recorder, name: str, info: dict) -> None:
+    impl = rec.record["peers"].get(name)
+    if impl is not None and not impl.get("error"):
+        impl.update({k: v for k, v in info.items() if v is None or isinstance(v, (str, int, float))})
+
+
+def _make_flex(ctx: Ctx, data: PagedData, k_sets, v_sets, ref, info: dict):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, sq, hq, d = data.B, data.q_len, data.hq, data.d
+    compiled = torch.compile(flex_attention, dynamic=False)
+    qp = [q.view(B, sq, hq, d).transpose(1, 2).contiguous() for q in data.q]
+    mask = None
+    if sq > 1:
+        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, sq, data.ctx_len,
+                                 device=ctx.device)
+
+    def fn(k):
+        o = compiled(qp[k], k_sets[k], v_sets[k], block_mask=mask, scale=data.scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(B * sq, hq, d)
+    return _first_working(ctx, [("torch.compile(flex_attention), unpaged", lambda: fn)], ref, info)

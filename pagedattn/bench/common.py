@@ -1,0 +1,246 @@
+"""What every suite shares: the run context, case definitions, the per-case recorder, small helpers."""
+from __future__ import annotations
+
+import math
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from . import schema
+from .timing import CpuTimer, Timer, rotation_sets
+
+H200_L2 = 60 * 2**20
+
+
+@dataclass
+class Ctx:
+    """Everything a case needs to know about this run."""
+    device: torch.device
+    quick: bool = False
+    tiny: bool = False            # test shapes (CPU tests); never used for real measurements
+    timer: Timer = None
+    ceilings: dict = field(default_factory=dict)
+    l2_bytes: int = H200_L2
+    say: Callable[[str], None] = print
+    case_timeout_s: float = 600.0
+    no_flex: bool = False         # skip the FlexAttention peer (its compile takes tens of seconds)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @classmethod
+    def make(cls, device: str, quick: bool, tiny: bool = False, ceilings: dict | None = None,
+             say=print, case_timeout_s: float = 600.0, no_flex: bool = False) -> "Ctx":
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(dev)
+            props = torch.cuda.get_device_properties(dev)
+            l2 = int(getattr(props, "L2_cache_size", 0) or H200_L2)
+            timer = Timer(budget_s=0.12 if quick else 0.3, min_reps=15 if quick else 30)
+        else:
+            l2 = 4 * 2**20
+            timer = CpuTimer(budget_s=0.01, min_reps=3, max_reps=50)
+        return cls(dev, quick, tiny, timer, dict(ceilings or {}), l2, say, case_timeout_s, no_flex)
+
+    def sets_for(self, working_set_bytes: float, cap: int = 64) -> int:
+        return rotation_sets(working_set_bytes, self.l2_bytes, cap=cap)
+
+    def sync(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+
+@dataclass
+class Case:
+    id: str
+    suite: str
+    params: dict
+    run: Callable[["Ctx", "Recorder"], None]
+
+
+class Recorder:
+    """Builds one case record. Every measurement goes through here so that one failing peer is
+    reported in the record and the others still run."""
+
+    def __init__(self, case: Case, ctx: Ctx, emit_partial: Callable[[dict], None] | None = None):
+        self.case = case
+        self.ctx = ctx
+        self.record = schema.new_case(case.id, case.suite, case.params)
+        self._emit = emit_partial or (lambda rec: None)
+
+    # -- what the case is ---------------------------------------------------------------------------
+    def work(self, unit: str, amount: float | None = None, ceiling: str | None = None) -> None:
+        self.record.update(unit=unit, work=amount, ceiling=ceiling)
+
+    def note(self, text: str) -> None:
+        prev = self.record.get("notes")
+        self.record["notes"] = f"{prev}; {text}" if prev else text
+
+    def extra(self, **kw) -> None:
+        self.record["extra"].update(kw)
+
+    def target(self, value: float, unit: str) -> None:
+        """A goal; `met` is derived from ours (schema.target_met)."""
+        self.record["target"] = {"value": value, "unit": unit, "met": None}
+        self._derived()
+
+    # -- measurements -------------------------------------------------------------------------------
+    def _derived(self):
+        schema.derive(self.record, self.ctx.ceilings)
+
+    def ours(self, name: str, fn, sets: int = 1) -> dict:
+        """Time our implementation; failures propagate (the case fails)."""
+        t = self.ctx.timer(fn, sets)
+        self.record["ours"] = schema.impl_from_timing(name, t.as_dict())
+        self._derived()
+        self._emit(self.record)
+        return self.record["ours"]
+
+    def ours_value(self, name: str, value: float, us: float | None = None, **stats) -> dict:
+        """A number that is not a CUDA-event timing (jit suite: seconds, host µs)."""
+        impl = {"name": name, "us": us if us is not None else value, "value": value, "fraction": None,
+                "error": None, "reps": stats.pop("reps", 1), "sets": 1}
+        impl.update(stats)
+        self.record["ours"] = impl
+        self._emit(self.record)
+        return impl
+
+    def peer(self, name: str, make_fn, sets: int = 1, context=None) -> dict:
+        """Time a peer. `make_fn()` builds the callable fn(k) (and may raise: the peer is then
+        reported as unavailable with the reason). `context()` wraps the whole measurement."""
+        try:
+            if context is not None:
+                with context():
+                    fn = make_fn()
+                    t = self.ctx.timer(fn, sets)
+            else:
+                fn = make_fn()
+                t = self.ctx.timer(fn, sets)
+            impl = schema.impl_from_timing(name, t.as_dict())
+        except Exception as exc:  # noqa: BLE001 - a peer's failure is data
+            impl = schema.impl_error(name, short_error(exc))
+            if self.ctx.is_cuda:
+                assert_cuda_healthy()
+        self.record["peers"][name] = impl
+        self._derived()
+        self._emit(self.record)
+        return impl
+
+    def peer_value(self, name: str, value: float, us: float | None = None, **stats) -> dict:
+        impl = {"name": name, "us": us if us is not None else value, "value": value, "fraction": None,
+                "error": None, "reps": stats.pop("reps", 1), "sets": 1}
+        impl.update(stats)
+        self.record["peers"][name] = impl
+        self._emit(self.record)
+        return impl
+
+    def peer_failed(self, name: str, reason: str) -> None:
+        self.record["peers"][name] = schema.impl_error(name, reason)
+        self._emit(self.record)
+
+    def check(self, ok: bool, kind: str, detail: str = "", **numbers) -> None:
+        self.record["check"] = {"ok": bool(ok), "kind": kind, "detail": detail, **numbers}
+        if not ok:
+            self.record["status"] = "check_failed"
+        self._emit(self.record)
+
+    def attempt(self, what: str, fn) -> bool:
+        """Run fn(); on an exception record it as this case's error (the case goes on to its peers,
+        which are still worth having) and return False. A lost CUDA context is re-raised."""
+        try:
+            fn()
+            return True
+        except Exception as exc:  # noqa: BLE001
+            self.fail(exc, prefix=f"{what}: ")
+            if self.ctx.is_cuda:
+                assert_cuda_healthy()
+            self._emit(self.record)
+            return False
+
+    def skip(self, reason: str) -> None:
+        self.record["status"] = "skipped"
+        self.record["error"] = reason
+
+    def fail(self, exc: BaseException, prefix: str = "") -> None:
+        self.record["status"] = "error"
+        self.record["error"] = prefix + short_error(exc)
+        self.record["extra"]["traceback"] = traceback.format_exc(limit=8)[-3000:]
+
+    def finish(self) -> dict:
+        self._derived()
+        return self.record
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def short_error(exc: BaseException, limit: int = 600) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class CudaContextLost(RuntimeError):
+    """A sticky CUDA error: this process can run nothing more on the GPU."""
+
+
+def assert_cuda_healthy() -> None:
+    """Raise CudaContextLost if the CUDA context is broken (after an illegal address, say)."""
+    try:
+        torch.cuda.synchronize()
+        x = torch.ones(4, device="cuda")
+        if float(x.sum().item()) != 4.0:
+            raise RuntimeError("device arithmetic is wrong")
+    except Exception as exc:  # noqa: BLE001
+        raise CudaContextLost(short_error(exc)) from exc
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.float()
+    ref = ref.float()
+    if not torch.isfinite(out).all():
+        return float("nan")
+    den = ref.norm().item()
+    return (out - ref).norm().item() / (den if den > 0 else 1.0)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def shuffled_tables(num_blocks: int, batch: int, blocks_per_seq: int, sets: int, device,
+                    generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """`sets` disjoint random block tables [batch, blocks_per_seq] int32 (shuffled, never in order)."""
+    need = batch * blocks_per_seq * sets
+    if need > num_blocks:
+        raise ValueError(f"need {need} blocks, cache has {num_blocks}")
+    perm = torch.randperm(num_blocks, generator=generator)
+    tables = []
+    for s in range(sets):
+        t = perm[s * batch * blocks_per_seq:(s + 1) * batch * blocks_per_seq].view(batch, blocks_per_seq)
+        tables.append(t.to(torch.int32).to(device))
+    return tables
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def nan_fill_(t: torch.Tensor) -> torch.Tensor:
+    """Poison a tensor: NaN for float types, 0x7F (NaN in e4m3 and e5m2) for uint8/fp8 storage."""
+    if t.dtype in (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2):
+        t.view(torch.uint8).fill_(0x7F)
+    else:
+        t.fill_(float("nan"))
+    return t
+
+
+def finite_or_none(x):
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None

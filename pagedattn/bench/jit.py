@@ -1,0 +1,268 @@
+"""jit suite: what the JIT costs a user.
+
+- jit/cold/<workload>: first call in a fresh process with an empty PAGEDATTN_CACHE_DIR (and no AOT
+  bundles), in seconds; `extra.variants` = {variant: NVRTC compile seconds} for what it compiled.
+- jit/warm/<workload>: first call in another fresh process on the now-filled cache (disk hit), in ms;
+  `extra.compiles` must be 0.
+- jit/host/<workload>: steady-state host microseconds per API call at a tiny size: time.perf_counter over
+  many calls without a sync (median of 5 loops), the torch equivalent as a peer. Target 6 µs.
+- jit/launcher/<workload>: the raw launcher alone: the launches one API call makes are captured
+  (Launcher.__call__) and replayed, µs per launch; `extra.lookup_us` is `get_kernel(spec).launcher(dev)`.
+  Target 6 µs per launch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import jitwork
+from .common import Case, Ctx, Recorder
+
+NAME = "jit"
+HOST_TARGET_US = 6.0
+_MEMO: dict = {}
+
+
+def available(ctx: Ctx):
+    if not ctx.is_cuda:
+        return False, "needs CUDA"
+    return True, None
+
+
+def _workloads(ctx: Ctx) -> list[str]:
+    names = jitwork.QUICK if ctx.quick else tuple(jitwork.WORKLOADS)
+    return jitwork.available_workloads(names)
+
+
+def cases(ctx: Ctx) -> list[Case]:
+    names = _workloads(ctx)
+    host = [n for n in jitwork.available_workloads(jitwork.HOST)]
+    out = []
+    for n in names:
+        out.append(Case(f"jit/cold/{n}", NAME, {"workload": n, "what": "first call, empty cache"},
+                        lambda ctx, rec, n=n: _cold(ctx, rec, n)))
+    for n in names:
+        out.append(Case(f"jit/warm/{n}", NAME, {"workload": n, "what": "first call, disk hit"},
+                        lambda ctx, rec, n=n: _warm(ctx, rec, n)))
+    for n in host:
+        out.append(Case(f"jit/host/{n}", NAME, {"workload": n, "what": "host µs per API call"},
+                        lambda ctx, rec, n=n: _host(ctx, rec, n)))
+    for n in host:
+        out.append(Case(f"jit/launcher/{n}", NAME, {"workload": n, "what": "raw launcher µs per launch"},
+                        lambda ctx, rec, n=n: _launcher(ctx, rec, n)))
+    return out
+
+
+# -- fresh processes -------------------------------------------------------------------------------
+def _run_worker(ctx: Ctx, names: list[str], cache_dir: str, timeout_s: float) -> dict:
+    fd, out_path = tempfile.mkstemp(prefix="pagedattn-jit-", suffix=".jsonl")
+    os.close(fd)
+    env = dict(os.environ, PAGEDATTN_CACHE_DIR=cache_dir, PAGEDATTN_AOT_DIR="",
+               PAGEDATTN_DISABLE_JIT="0")
+    env.pop("PAGEDATTN_ARCH", None)
+    worker = Path(__file__).with_name("_jit_worker.py")
+    cmd = [sys.executable, str(worker), "--workloads", ",".join(names), "--out", out_path]
+    t0 = time.perf_counter()
+    # same process group as this suite process: if the runner kills us, the worker goes too
+    proc = subprocess.Popen(cmd, env=env)
+    timed_out = False
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        proc.kill()
+        rc = proc.wait()
+    wall = time.perf_counter() - t0
+    result = {"rc": rc, "timed_out": timed_out, "wall_s": wall, "workloads": {}, "start": None}
+    try:
+        for line in Path(out_path).read_text().splitlines():
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if obj.get("event") == "workload":
+                result["workloads"][obj["workload"]] = obj
+            elif obj.get("event") == "start":
+                result["start"] = obj
+    finally:
+        os.unlink(out_path)
+    return result
+
+
+def _cold_run(ctx: Ctx) -> dict:
+    if "cold" not in _MEMO:
+        cache_dir = tempfile.mkdtemp(prefix="pagedattn-bench-cold-")
+        _MEMO["cache_dir"] = cache_dir
+        # stay inside the runner's no-progress limit, which would otherwise kill this case
+        timeout = min(150.0 if ctx.quick else 360.0, 0.8 * ctx.case_timeout_s)
+        ctx.say(f"  jit: cold compiles in a fresh process, empty cache {cache_dir} "
+                f"(up to {timeout:.0f} s)")
+        _MEMO["cold"] = _run_worker(ctx, _workloads(ctx), cache_dir, timeout)
+        _MEMO["cold"]["timeout_s"] = timeout
+    return _MEMO["cold"]
+
+
+def _warm_run(ctx: Ctx) -> dict:
+    if "warm" not in _MEMO:
+        _cold_run(ctx)
+        ctx.say("  jit: warm first calls in a fresh process (disk hit)")
+        timeout = min(180.0, 0.8 * ctx.case_timeout_s)
+        _MEMO["warm"] = _run_worker(ctx, _workloads(ctx), _MEMO["cache_dir"], timeout)
+        _MEMO["warm"]["timeout_s"] = timeout
+        shutil.rmtree(_MEMO["cache_dir"], ignore_errors=True)
+    return _MEMO["warm"]
+
+
+def _workload_result(run: dict, name: str) -> dict:
+    w = run["workloads"].get(name)
+    if w is None:
+        why = (f"the fresh process timed out after {run['timeout_s']:.0f} s before this workload finished"
+               if run["timed_out"] else f"the fresh process exited with code {run['rc']} before this "
+               "workload finished")
+        raise RuntimeError(why)
+    if w.get("error"):
+        raise RuntimeError(w["error"])
+    return w
+
+
+def _cold(ctx: Ctx, rec: Recorder, name: str) -> None:
+    run = _cold_run(ctx)
+    w = _workload_result(run, name)
+    rec.work("s")
+    variants = w.get("variants") or {}
+    rec.extra(compiles=w.get("compiles"), variants=variants, origins=w.get("origins"),
+              compile_s_total=sum(v for v in variants.values() if isinstance(v, (int, float))),
+              import_pagedattn_s=(run.get("start") or {}).get("import_pagedattn_s"))
+    rec.ours_value("pagedattn", w["first_call_s"], us=w["first_call_s"] * 1e6)
+
+
+def _warm(ctx: Ctx, rec: Recorder, name: str) -> None:
+    run = _warm_run(ctx)
+    w = _workload_result(run, name)
+    rec.work("ms")
+    rec.extra(compiles=w.get("compiles"), origins=w.get("origins"),
+              import_pagedattn_s=(run.get("start") or {}).get("import_pagedattn_s"))
+    if w.get("compiles"):
+        rec.note(f"{w['compiles']} compile(s) on a filled cache: the disk cache missed")
+    rec.ours_value("pagedattn", w["first_call_s"] * 1e3, us=w["first_call_s"] * 1e6)
+
+
+# -- in-process host overhead ----------------------------------------------------------------------
+def _host_us(ctx: Ctx, fn, n: int, loops: int = 5) -> tuple[float, float]:
+    for _ in range(min(n, 50)):
+        fn()
+    ctx.sync()
+    host, synced = [], []
+    for _ in range(loops):
+        h, s = ctx.timer.host_loop(fn, n)
+        host.append(h)
+        synced.append(s)
+    return statistics.median(host), statistics.median(synced)
+
+
+def _host(ctx: Ctx, rec: Recorder, name: str) -> None:
+    work = jitwork.WORKLOADS[name][1](ctx.device)
+    n = 500 if ctx.quick else 2000
+    rec.work("us")
+    host, synced = _host_us(ctx, work["fn"], n)
+    rec.extra(calls=n, us_per_call_with_final_sync=synced)
+    rec.ours_value("pagedattn", host, us=host, reps=n)
+    rec.target(HOST_TARGET_US, "us")
+    if work.get("peer"):
+        pname, pfn = work["peer"]
+        try:
+            ph, ps = _host_us(ctx, pfn, n)
+            rec.peer_value(pname, ph, us=ph, reps=n)
+        except Exception as exc:  # noqa: BLE001
+            rec.peer_failed(pname, f"{type(exc).__name__}: {exc}")
+
+
+def capture_launches(fn):
+    """Run fn once, recording every Launcher call (launcher, grid, block, values, stream) and every
+    kernel looked up (spec, device). Returns (calls, specs, fn's result)."""
+    from pagedattn import registry
+    from pagedattn.codegen import launch
+
+    orig_call = launch.Launcher.__call__
+    orig_lookup = registry.Kernel.launcher
+    calls, specs = [], []
+
+    def recording_call(self, grid, block, values, stream=None):
+        calls.append((self, grid, block, values, stream))
+        return orig_call(self, grid, block, values, stream)
+
+    def recording_lookup(self, device):
+        specs.append((self.spec, device))
+        return orig_lookup(self, device)
+
+    launch.Launcher.__call__ = recording_call
+    registry.Kernel.launcher = recording_lookup
+    try:
+        result = fn()
+        torch.cuda.synchronize()
+    finally:
+        launch.Launcher.__call__ = orig_call
+        registry.Kernel.launcher = orig_lookup
+    return calls, specs, result
+
+
+def _launcher(ctx: Ctx, rec: Recorder, name: str) -> None:
+    import pagedattn
+    from pagedattn.codegen import launch
+
+    work = jitwork.WORKLOADS[name][1](ctx.device)
+    work["fn"]()
+    ctx.sync()
+    calls, specs, keep = capture_launches(work["fn"])  # keep: outputs stay alive during the replay
+    if not calls:
+        raise RuntimeError("no Launcher calls were captured (the op does not launch through "
+                           "pagedattn.codegen.launch.Launcher)")
+    orig_call = launch.Launcher.__call__
+    n = 500 if ctx.quick else 2000
+
+    def replay():
+        for launcher, grid, block, values, stream in calls:
+            orig_call(launcher, grid, block, values, stream)
+    host, synced = _host_us(ctx, replay, n)
+    per_launch = host / len(calls)
+    rec.work("us")
+    lookup_us = None
+    if not specs:  # the op cached its launcher (no lookup per call): find the kernel that owns it
+        specs = _owners({id(c[0]) for c in calls})
+    if specs:
+        spec, dev = specs[0]
+        lookup = lambda: pagedattn.get_kernel(spec).launcher(dev)  # noqa: E731
+        t0 = time.perf_counter()
+        for _ in range(n):
+            lookup()
+        lookup_us = (time.perf_counter() - t0) / n * 1e6
+    rec.extra(launches_per_call=len(calls), lookup_us=lookup_us,
+              kernels=sorted({pagedattn.variant_name(s) for s, _ in specs}),
+              us_per_launch_with_final_sync=synced / len(calls))
+    rec.ours_value("launcher", per_launch, us=per_launch, reps=n)
+    rec.target(HOST_TARGET_US, "us")
+    del keep
+
+
+def _owners(launcher_ids: set[int]) -> list:
+    """[(spec, device)] of the registry Kernels holding these Launcher objects (gc scan, once)."""
+    import gc
+
+    from pagedattn import registry
+
+    found = []
+    for obj in gc.get_objects():
+        if isinstance(obj, registry.Kernel):
+            for dev, launcher in getattr(obj, "_launchers", {}).items():
+                if id(launcher) in launcher_ids:
+                    found.append((obj.spec, dev))
+    return found

@@ -1,0 +1,199 @@
+"""legacy suite: `pagedattn.legacy.paged_attention_v1 / _v2 / paged_attention` (vLLM's removed
+partition-and-reduce kernels, issue 7) at the decode shapes, block sizes 16 and 32.
+
+Legacy cache layout: K [num_blocks, H, D // x, block_size, x] with x = 16 // element size,
+V [num_blocks, H, D, block_size]; fp8 caches are uint8 with kv_cache_dtype "fp8" and float32 [1] scales.
+The same logical KV is also kept as an NHD cache, which feeds the reference, the flash-path peer and
+the contiguous copy for the SDPA peer. v2 partitions are 512 tokens.
+Peers (measured once per shape and block size, shared by the v1 / v2 / auto cases):
+"pagedattn flash" = pagedattn.flash_attn_varlen_func on the NHD cache (when it exists), and
+"sdpa cudnn" = torch SDPA (cuDNN backend) on a contiguous copy.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+
+import pagedattn
+
+from . import attention
+from .common import Case, Ctx, Recorder, rel_l2
+
+NAME = "legacy"
+BLOCK_SIZES = (16, 32)
+VARIANTS = ("v1", "v2", "auto")
+PARTITION = 512
+_MEMO: dict = {"key": None}
+
+
+def _legacy():
+    import pagedattn.legacy as legacy  # noqa: PLC0415 - optional module
+
+    return legacy
+
+
+def available(ctx: Ctx):
+    try:
+        legacy = _legacy()
+    except ImportError as exc:
+        return False, f"not available: pagedattn.legacy cannot be imported ({exc})"
+    missing = [f for f in ("paged_attention_v1", "paged_attention_v2", "paged_attention")
+               if not hasattr(legacy, f)]
+    if len(missing) == 3:
+        return False, "not available: pagedattn.legacy has no paged_attention_v1/v2/paged_attention"
+    return True, None
+
+
+def cases(ctx: Ctx) -> list[Case]:
+    out = []
+    shapes = attention.TINY_DECODE if ctx.tiny else attention.DECODE
+    block_sizes = (16,) if (ctx.quick or ctx.tiny) else BLOCK_SIZES
+    dims = attention._dims(ctx)
+    for shape in shapes:
+        cache = "bf16" if shape["kv"] == "auto" else shape["kv"]
+        for bs in block_sizes:
+            for variant in VARIANTS:
+                params = {"B": shape["B"], "q_len": 1, "ctx": shape["ctx"], "kv_cache_dtype": shape["kv"],
+                          "cache": cache, "dtype": "bf16", "layout": "legacy", "variant": variant,
+                          **dims, "bs": bs}
+                out.append(Case(f"legacy/B{shape['B']}/ctx{shape['ctx']}/{cache}/bs{bs}/{variant}", NAME,
+                                params, lambda ctx, rec, p=params: run_case(ctx, rec, p)))
+    return out
+
+
+def to_legacy(kc: torch.Tensor, vc: torch.Tensor):
+    """NHD caches [N, bs, H, D] -> legacy K [N, H, D//x, bs, x], V [N, H, D, bs] (fp8 as uint8)."""
+    fp8 = kc.dtype in attention.FP8_DTYPES
+    k = kc.view(torch.uint8) if fp8 else kc
+    v = vc.view(torch.uint8) if fp8 else vc
+    n, bs, h, d = k.shape
+    x = 16 // k.element_size()
+    k_leg = k.reshape(n, bs, h, d // x, x).permute(0, 2, 3, 1, 4).contiguous()
+    v_leg = v.permute(0, 2, 3, 1).contiguous()
+    return k_leg, v_leg
+
+
+def _shared(ctx: Ctx, p: dict) -> dict:
+    key = (p["B"], p["ctx"], p["kv_cache_dtype"], p["bs"], ctx.tiny)
+    if _MEMO.get("key") != key:
+        _MEMO.clear()
+        _MEMO["key"] = key
+        if ctx.is_cuda:
+            torch.cuda.empty_cache()
+        elem = 1 if p["kv_cache_dtype"] != "auto" else 2
+        kv_bytes = 2 * p["B"] * p["ctx"] * p["hkv"] * p["d"] * elem
+        sets = ctx.sets_for(kv_bytes, cap=8)
+        data = attention.build(ctx, p, sets)
+        k_leg, v_leg = to_legacy(data.kc, data.vc)
+        ref = attention.reference_attention(data.q[0], data.kc, data.vc, data.tables[0], data.seqused,
+                                            data.cu_q, causal=False, scale=data.scale,
+                                            k_descale=data.k_descale, v_descale=data.v_descale)
+        _MEMO.update(data=data, k_leg=k_leg, v_leg=v_leg, ref=ref, sets=sets, kv_bytes=kv_bytes, peers={})
+    return _MEMO
+
+
+def _call_args(p: dict, shared: dict):
+    data = shared["data"]
+    fp8 = p["kv_cache_dtype"] != "auto"
+    B, hq, d, L = data.B, data.hq, data.d, data.ctx_len
+    parts = math.ceil(L / PARTITION)
+    dev = data.q[0].device
+    out = torch.empty(B, hq, d, dtype=torch.bfloat16, device=dev)
+    exp_sums = torch.empty(B, hq, parts, dtype=torch.float32, device=dev)
+    max_logits = torch.empty_like(exp_sums)
+    tmp_out = torch.empty(B, hq, parts, d, dtype=torch.bfloat16, device=dev)
+    opts = {"alibi_slopes": None, "kv_cache_dtype": "fp8" if fp8 else "auto",
+            "k_scale": data.k_descale if fp8 else None, "v_scale": data.v_descale if fp8 else None}
+    return out, (exp_sums, max_logits, tmp_out), opts
+
+
+def _make_fn(p: dict, shared: dict):
+    legacy = _legacy()
+    data = shared["data"]
+    out, workspace, opts = _call_args(p, shared)
+    kl, vl = shared["k_leg"], shared["v_leg"]
+    common = lambda k: (data.q[k], kl, vl, data.hkv, data.scale, data.tables[k], data.seqused,  # noqa: E731
+                        data.bs, data.ctx_len)
+    variant = p["variant"]
+    if variant == "v1":
+        f = legacy.paged_attention_v1
+        return out, (lambda k: f(out, *common(k), **opts))
+    if variant == "v2":
+        f = legacy.paged_attention_v2
+        return out, (lambda k: f(out, *workspace, *common(k), **opts))
+    f = legacy.paged_attention
+    if "exp_sums" in inspect.signature(f).parameters:
+        return out, (lambda k: f(out, *workspace, *common(k), **opts))
+    return out, (lambda k: f(out, *common(k), **opts))
+
+
+def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
+    shared = _shared(ctx, p)
+    data, sets = shared["data"], shared["sets"]
+    rec.work("GB/s", shared["kv_bytes"], "copy")
+    rec.extra(sets=sets, partitions=math.ceil(p["ctx"] / PARTITION))
+    fn_name = {"v1": "paged_attention_v1", "v2": "paged_attention_v2", "auto": "paged_attention"}[p["variant"]]
+    if not hasattr(_legacy(), fn_name):
+        rec.skip(f"pagedattn.legacy.{fn_name} does not exist")
+        return
+    out, fn = _make_fn(p, shared)
+
+    # -- correctness once, then timing (a failure is the case's error; the peers still run) -------
+    def check_and_time():
+        out.fill_(float("nan"))
+        picked = fn(0)
+        ctx.sync()
+        if isinstance(picked, str):  # paged_attention says which one it chose
+            rec.extra(picked=picked)
+            rec.note(f"auto picked {picked}")
+        err = rel_l2(out, shared["ref"])
+        ok = math.isfinite(err) and err <= attention.TOLERANCE
+        rec.check(ok, "rel_l2", f"relative L2 {err:.2e} vs float32 reference (tolerance "
+                  f"{attention.TOLERANCE:g})" if math.isfinite(err) else "output has NaN/Inf (or unwritten)",
+                  rel_l2=err if math.isfinite(err) else None)
+        rec.ours(f"legacy {p['variant']}", fn, sets)
+    rec.attempt("pagedattn.legacy", check_and_time)
+
+    # -- peers, shared by the variants of one shape ------------------------------------------------
+    memo = shared["peers"]
+    if "pagedattn flash" not in memo:
+        if attention.flash_fn() is not None:
+            rec.peer("pagedattn flash", lambda: _flash_fn(ctx, data, shared["ref"]), sets)
+        else:
+            rec.peer_failed("pagedattn flash", "pagedattn.flash_attn_varlen_func does not exist yet")
+        memo["pagedattn flash"] = rec.record["peers"]["pagedattn flash"]
+    else:
+        rec.record["peers"]["pagedattn flash"] = dict(memo["pagedattn flash"])
+    if "sdpa cudnn" not in memo:
+        if ctx.is_cuda:
+            k_sets, v_sets = zip(*(data.contiguous_kv(s) for s in range(sets)))
+            info: dict = {}
+            rec.peer("sdpa cudnn", lambda: attention._first_working(
+                ctx, attention._sdpa_fns(data, data.q, list(k_sets), list(v_sets)), shared["ref"], info),
+                sets, context=attention._sdpa_backend("cudnn"))
+            attention._merge_info(rec, "sdpa cudnn", info)
+            del k_sets, v_sets
+        else:
+            rec.peer_failed("sdpa cudnn", "needs CUDA")
+        memo["sdpa cudnn"] = rec.record["peers"]["sdpa cudnn"]
+    else:
+        rec.record["peers"]["sdpa cudnn"] = dict(memo["sdpa cudnn"])
+    rec.note("peers measured once per shape and block size, shared by v1/v2/auto")
+    if p["kv_cache_dtype"] != "auto":
+        rec.note("sdpa reads a bf16 dequantised copy")
+
+
+def _flash_fn(ctx: Ctx, data, ref):
+    fa = attention.flash_fn()
+    kwargs = {}
+    if data.kv != "auto":
+        kwargs.update(k_descale=data.k_descale, v_descale=data.v_descale)
+
+    def fn(k):
+        res = fa(data.q[k], data.kc, data.vc, 1, data.cu_q, data.ctx_len, seqused_k=data.seqused,
+                 causal=True, block_table=data.tables[k], softmax_scale=data.scale,
+                 return_softmax_lse=False, num_splits=0, **kwargs)
+        return res[0] if isinstance(res, (tuple, list)) else res
+    return attention._first_working(ctx, [("flash_attn_varlen_func, NHD cache", lambda: fn)], ref, {})

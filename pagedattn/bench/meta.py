@@ -1,0 +1,142 @@
+"""Metadata of a run: GPU, driver, CUDA, torch, pagedattn version and commit, clocks (read, never set)."""
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from . import report
+
+SMI_FIELDS = ("index", "uuid", "name", "driver_version", "pstate", "clocks.sm", "clocks.mem",
+              "clocks.max.sm", "clocks.max.mem", "power.draw", "power.limit", "temperature.gpu")
+
+
+def _run(cmd: list[str], timeout: float = 10.0) -> str | None:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def nvidia_smi(uuid: str | None = None, index: int | None = None) -> dict | None:
+    """One GPU's row of nvidia-smi (read-only query), or None when nvidia-smi is not usable."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = _run(["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"])
+    if not out:
+        return None
+    rows = []
+    for line in out.strip().splitlines():
+        vals = [v.strip() for v in line.split(",")]
+        if len(vals) == len(SMI_FIELDS):
+            rows.append(dict(zip(SMI_FIELDS, vals)))
+    if not rows:
+        return None
+    if uuid:
+        for r in rows:
+            if r["uuid"].lower().removeprefix("gpu-") == uuid.lower().removeprefix("gpu-"):
+                return r
+    if len(rows) == 1:
+        return rows[0]
+    if index is not None and index < len(rows):
+        return rows[index]  # best effort: CUDA and nvidia-smi order may differ
+    return rows[0]
+
+
+def clocks(uuid: str | None = None, index: int | None = None) -> dict | None:
+    row = nvidia_smi(uuid, index)
+    if row is None:
+        return None
+    keys = ("pstate", "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem", "power.draw",
+            "power.limit", "temperature.gpu")
+    out = {k: row.get(k) for k in keys}
+    out["time"] = now()
+    return out
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def git_info() -> tuple[str | None, bool | None]:
+    import pagedattn
+
+    root = Path(pagedattn.__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return None, None
+    head = _run(["git", "-C", str(root), "rev-parse", "HEAD"])
+    status = _run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
+    return (head.strip() if head else None), (bool(status.strip()) if status is not None else None)
+
+
+def _uuid(props) -> str | None:
+    u = getattr(props, "uuid", None)
+    return str(u) if u else None
+
+
+def collect(device: str, quick: bool, suites: list[str]) -> dict:
+    import torch
+
+    import pagedattn
+
+    commit, dirty = git_info()
+    meta = {"sample": False, "pagedattn": pagedattn.__version__, "git_commit": commit, "git_dirty": dirty,
+            "date": now(), "quick": quick, "suites": list(suites), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version(),
+            "argv": ["pagedattn"] + sys.argv[1:]}
+    try:
+        from pagedattn.codegen.toolchain import toolchain
+
+        meta["nvrtc"] = "%d.%d" % toolchain().nvrtc_version
+    except Exception as exc:  # noqa: BLE001
+        meta["nvrtc"] = f"unavailable ({type(exc).__name__})"
+    if device == "cpu":
+        meta.update(sample=True, dry_run=True, gpu="cpu (dry run, not a measurement)", sm_count=0,
+                    capability="-", arch="-", driver=None, clocks=None)
+        return meta
+    idx = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(idx)
+    try:
+        from pagedattn.registry import arch_for_device
+
+        arch = arch_for_device(idx)
+    except Exception as exc:  # noqa: BLE001
+        arch = f"unsupported ({exc})"
+    meta.update(gpu=props.name, sm_count=props.multi_processor_count,
+                capability=f"{props.major}.{props.minor}", arch=arch,
+                memory_gib=round(props.total_memory / 2**30, 1),
+                l2_bytes=int(getattr(props, "L2_cache_size", 0) or 0) or None,
+                cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
+    uuid = _uuid(props)
+    row = nvidia_smi(uuid, idx)
+    meta["driver"] = row.get("driver_version") if row else None
+    try:
+        from cuda.bindings import driver
+
+        driver.cuInit(0)
+        _, v = driver.cuDriverGetVersion()
+        meta["driver_cuda"] = f"{v // 1000}.{v % 1000 // 10}"
+        if meta["driver"] is None:
+            meta["driver"] = f"CUDA {meta['driver_cuda']} (nvidia-smi unavailable)"
+    except Exception:  # noqa: BLE001
+        meta.setdefault("driver_cuda", None)
+    meta["clocks"] = {"start": clocks(uuid, idx)} if row else None
+    meta["_uuid"] = uuid
+    meta["_index"] = idx
+    return meta
+
+
+def results_name(meta: dict, folder: Path) -> Path:
+    """<gpu>_<sm>_<yyyymmdd>.json in folder; _2, _3 ... when that name is taken."""
+    day = meta["date"][:10].replace("-", "")
+    base = f"{report.gpu_key(meta)}_{day}"
+    path = folder / f"{base}.json"
+    n = 2
+    while path.exists():
+        path = folder / f"{base}_{n}.json"
+        n += 1
+    return path

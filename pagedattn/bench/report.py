@@ -1,0 +1,428 @@
+"""Reading results files: loading, per-suite tables, RESULTS.md, `bench compare`, progress lines."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+from . import schema
+
+MEASURED_SUITES = ("write", "decode", "prefill", "legacy")
+SUITE_TITLES = {
+    "write": "write: reshape_and_cache_flash (H=8, D=128, bf16 in, block 16)",
+    "decode": "decode: flash_attn_varlen_func, paged (Hq=32, Hkv=8, D=128, block 16)",
+    "prefill": "prefill: flash_attn_varlen_func, paged, causal (Hq=32, Hkv=8, D=128, block 16)",
+    "legacy": "legacy: paged_attention v1 / v2 / auto (legacy cache layout)",
+    "jit": "jit: compile, first-call and host costs",
+}
+
+
+# -- loading ---------------------------------------------------------------------------------------
+def load(path) -> dict:
+    data = json.loads(Path(path).read_text())
+    schema.check(data, str(path))
+    return data
+
+
+def gpu_slug(name: str) -> str:
+    s = name.lower().replace("nvidia", "").strip()
+    s = re.sub(r"[^a-z0-9]+", "-", s).strip("-")
+    return s or "gpu"
+
+
+def gpu_key(meta: dict) -> str:
+    cap = str(meta.get("capability", "")).replace(".", "")
+    return f"{gpu_slug(meta.get('gpu', 'gpu'))}_sm{cap}" if cap and cap != "-" else gpu_slug(meta.get("gpu", "gpu"))
+
+
+def gpu_label(meta: dict) -> str:
+    name = str(meta.get("gpu", "?"))
+    mark = " [SAMPLE]" if meta.get("sample") and "sample" not in name.lower() else ""
+    return f"{name} (sm {meta.get('capability', '?')}){mark}"
+
+
+def load_folder(folder, include_samples: bool = False, warn=None) -> list[tuple[Path, dict]]:
+    """Every valid results file in `folder`, oldest first. Files marked sample are left out unless
+    asked for; invalid files are reported through `warn` and left out."""
+    out = []
+    folder = Path(folder)
+    if not folder.is_dir():
+        return out
+    for path in sorted(folder.glob("*.json")):
+        try:
+            head = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            if warn:
+                warn(f"skipping {path}: {str(exc).splitlines()[0]}")
+            continue
+        if not (isinstance(head, dict) and str(head.get("schema", "")).startswith("pagedattn-bench/")):
+            continue  # another tool's JSON (e.g. perf/aot_precompile.py's) shares the folder
+        try:
+            data = load(path)
+        except (OSError, ValueError) as exc:
+            if warn:
+                warn(f"skipping {path}: {str(exc).splitlines()[0]}")
+            continue
+        if data["metadata"].get("sample") and not include_samples:
+            continue
+        out.append((path, data))
+    out.sort(key=lambda pr: (str(pr[1]["metadata"].get("date", "")), pr[0].name))
+    return out
+
+
+def latest_per_gpu(files: list[tuple[Path, dict]], suite: str | None = None) -> dict[str, tuple[Path, dict]]:
+    """gpu key -> the newest file (that has cases in `suite`, when given)."""
+    out: dict[str, tuple[Path, dict]] = {}
+    for path, data in files:  # oldest first: later ones win
+        if suite is not None and not data["suites"].get(suite, {}).get("cases"):
+            continue
+        out[gpu_key(data["metadata"])] = (path, data)
+    return out
+
+
+# -- formatting ------------------------------------------------------------------------------------
+def fmt_us(us) -> str:
+    if us is None:
+        return "-"
+    if us >= 1e6:
+        return f"{us / 1e6:.2f} s"
+    if us >= 1e4:
+        return f"{us / 1e3:.2f} ms"
+    if us >= 100:
+        return f"{us:.0f} µs"
+    if us >= 10:
+        return f"{us:.1f} µs"
+    return f"{us:.2f} µs"
+
+
+def fmt_value(value, unit) -> str:
+    if value is None or unit is None:
+        return "-"
+    if unit == "GB/s":
+        return f"{value:,.0f} GB/s"
+    if unit == "TFLOP/s":
+        return f"{value:.1f} TFLOP/s"
+    if unit == "s":
+        return f"{value:.2f} s"
+    if unit == "ms":
+        return f"{value:.1f} ms"
+    if unit == "us":
+        return f"{value:.2f} µs"
+    return f"{value:g} {unit}"
+
+
+def fmt_frac(f) -> str:
+    return "-" if f is None else f"{100 * f:.0f}%"
+
+
+def fmt_ratio(r) -> str:
+    return "-" if r is None else f"{r:.2f}×"
+
+
+def fmt_target(t) -> str:
+    if not t:
+        return ""
+    unit, v = t.get("unit"), t.get("value")
+    if unit == "fraction":
+        goal = f"≥ {100 * v:.0f}%"
+    elif unit in ("us", "s", "ms"):
+        goal = f"≤ {fmt_value(v, unit)}"
+    else:
+        goal = f"≥ {fmt_value(v, unit)}"
+    mark = {True: " ✓", False: " ✗"}.get(t.get("met"), " ?")
+    return goal + mark
+
+
+def fmt_check(c) -> str:
+    if not c:
+        return "-"
+    if c.get("ok"):
+        r = c.get("rel_l2")
+        return f"ok ({r:.1e})" if isinstance(r, float) else "ok"
+    return "FAIL: " + (c.get("detail") or "")[:120]
+
+
+def case_label(case: dict) -> str:
+    """The case id without its suite prefix."""
+    cid = case["id"]
+    return cid.split("/", 1)[1] if "/" in cid else cid
+
+
+def ours_cell(case: dict) -> str:
+    ours = case.get("ours")
+    if not ours or ours.get("error"):
+        return "-"
+    if case.get("unit") in ("s", "ms", "us"):
+        return fmt_value(ours.get("value"), case["unit"])
+    return fmt_us(ours.get("us"))
+
+
+def peer_cell(case: dict, name: str) -> str:
+    peer = case.get("peers", {}).get(name)
+    if peer is None:
+        return ""
+    if peer.get("error"):
+        return "n/a"
+    if case.get("unit") in ("s", "ms", "us"):
+        t = fmt_value(peer.get("value"), case["unit"])
+    else:
+        t = fmt_us(peer.get("us"))
+    r = case.get("ratios", {}).get(name)
+    return f"{t} (ours {fmt_ratio(r)})" if r is not None else t
+
+
+def status_cell(case: dict) -> str:
+    st = case.get("status")
+    if st == "ok":
+        return ""
+    msg = case.get("error") or ""
+    return f"{st.upper()}: {msg[:160]}" if msg else st.upper()
+
+
+def peer_names(cases: list[dict]) -> list[str]:
+    names: list[str] = []
+    for c in cases:
+        for n in c.get("peers", {}):
+            if n not in names:
+                names.append(n)
+    return names
+
+
+def suite_table(data: dict, suite: str) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of one suite of one results file, the same for markdown and the console."""
+    cases = data["suites"].get(suite, {}).get("cases", [])
+    peers = peer_names(cases)
+    if suite == "jit":
+        header = ["case", "ours", "goal", "peer", "detail", "status"]
+        rows = []
+        for c in cases:
+            peer = "; ".join(f"{n}: {peer_cell(c, n)}" for n in c.get("peers", {}))
+            rows.append([case_label(c), ours_cell(c), fmt_target(c.get("target")), peer,
+                         _jit_detail(c), status_cell(c)])
+        return header, rows
+    value_unit = next((c.get("unit") for c in cases if c.get("unit")), "")
+    ceiling = next((c.get("ceiling") for c in cases if c.get("ceiling")), None)
+    header = ["case", "ours", value_unit or "value", f"of {ceiling}" if ceiling else "of ceiling",
+              "goal", "check"] + peers + ["status"]
+    rows = []
+    for c in cases:
+        ours = c.get("ours") or {}
+        rows.append([case_label(c), ours_cell(c), fmt_value(ours.get("value"), c.get("unit")),
+                     fmt_frac(ours.get("fraction")), fmt_target(c.get("target")), fmt_check(c.get("check"))]
+                    + [peer_cell(c, n) for n in peers] + [status_cell(c)])
+    return header, rows
+
+
+def _jit_detail(c: dict) -> str:
+    ex = c.get("extra") or {}
+    parts = []
+    if ex.get("variants"):
+        parts.append(", ".join(f"{k} {v:.1f} s" if isinstance(v, (int, float)) else k
+                               for k, v in ex["variants"].items()))
+    if "compiles" in ex and ex["compiles"] is not None and not ex.get("variants"):
+        parts.append(f"{ex['compiles']} compiles")
+    if ex.get("launches_per_call"):
+        parts.append(f"{ex['launches_per_call']} launch(es)/call")
+    if ex.get("lookup_us") is not None:
+        parts.append(f"get_kernel().launcher() {ex['lookup_us']:.2f} µs")
+    return "; ".join(parts)
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    # drop columns that are empty in every row (e.g. "status" when all ok)
+    keep = [i for i, h in enumerate(header) if i == 0 or any(r[i] for r in rows)]
+    esc = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    lines = ["| " + " | ".join(esc(header[i]) for i in keep) + " |",
+             "|" + "|".join(" --- " for _ in keep) + "|"]
+    lines += ["| " + " | ".join(esc(r[i]) for i in keep) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# -- RESULTS.md ------------------------------------------------------------------------------------
+def _meta_line(path: Path, data: dict) -> str:
+    m = data["metadata"]
+    c = data.get("ceilings", {})
+    copy = (c.get("copy") or {}).get("value")
+    mm = (c.get("matmul") or {}).get("value")
+    commit = (m.get("git_commit") or "-")[:10] + ("+dirty" if m.get("git_dirty") else "")
+    return (f"| `{path.name}` | {gpu_label(m)} | {m.get('sm_count')} | {m.get('date', '-')[:19]} | {commit} | "
+            f"{'quick' if m.get('quick') else 'full'} | {fmt_value(copy, 'GB/s')} | "
+            f"{fmt_value(mm, 'TFLOP/s')} | torch {m.get('torch')}, CUDA {m.get('cuda')}, driver {m.get('driver')} |")
+
+
+def render_markdown(files: list[tuple[Path, dict]], plots_rel: str | None = "plots") -> str:
+    out = ["# pagedattn performance results", "",
+           "Generated by `pagedattn bench` from every results file in `perf/results/` (files marked "
+           "`\"sample\": true` are ignored); do not edit by hand. How to run and read: "
+           "[README.md](README.md).", ""]
+    if not files:
+        out += ["No results yet: run `pagedattn bench --suite all` on a GPU.", ""]
+        return "\n".join(out)
+    out += ["## Runs", "",
+            "| file | GPU | SMs | date (UTC) | commit | mode | copy ceiling | bf16 matmul ceiling | software |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out += [_meta_line(p, d) for p, d in files]
+    out += ["", "Times are medians of CUDA-event timings (µs); `ours N×` = the peer's time over ours "
+            "(above 1: ours is faster); `of copy` / `of matmul` = fraction of the ceiling measured in "
+            "the same run. `n/a`: the peer could not run (reason in the JSON).", ""]
+    for suite in schema.SUITES:
+        latest = latest_per_gpu(files, suite)
+        if not latest:
+            continue
+        out += [f"## {SUITE_TITLES.get(suite, suite)}", ""]
+        for key, (path, data) in latest.items():
+            header, rows = suite_table(data, suite)
+            out += [f"### {gpu_label(data['metadata'])} — `{path.name}`", "", markdown_table(header, rows), ""]
+            if plots_rel and suite in MEASURED_SUITES + ("jit",):
+                out += [f"![{suite} on {key}]({plots_rel}/{key}_{suite}.png)", ""]
+    across = across_table(files)
+    if across:
+        out += ["## Across architectures (ours, newest run per GPU)", "", across, ""]
+        if plots_rel:
+            out += [f"![across architectures]({plots_rel}/across_arch.png)", ""]
+    return "\n".join(out)
+
+
+def across_table(files: list[tuple[Path, dict]]) -> str:
+    latest = latest_per_gpu(files)
+    if not latest:
+        return ""
+    keys = list(latest)
+    header = ["case"] + [gpu_label(latest[k][1]["metadata"]) for k in keys]
+    rows = [["copy ceiling"] + [fmt_value((latest[k][1]["ceilings"].get("copy") or {}).get("value"), "GB/s")
+                                for k in keys],
+            ["bf16 matmul ceiling"] + [fmt_value((latest[k][1]["ceilings"].get("matmul") or {}).get("value"),
+                                                 "TFLOP/s") for k in keys]]
+    ids: list[str] = []
+    by_key = {}
+    for k in keys:
+        cases = {c["id"]: c for s in MEASURED_SUITES for c in latest[k][1]["suites"].get(s, {}).get("cases", [])}
+        by_key[k] = cases
+        for cid in cases:
+            if cid not in ids:
+                ids.append(cid)
+    for cid in ids:
+        row = [cid]
+        for k in keys:
+            c = by_key[k].get(cid)
+            ours = (c or {}).get("ours") or {}
+            if not c or ours.get("error") or ours.get("us") is None:
+                row.append("-" if not c else c.get("status", "-"))
+            else:
+                row.append(f"{fmt_us(ours['us'])} ({fmt_frac(ours.get('fraction'))})")
+        rows.append(row)
+    return markdown_table(header, rows)
+
+
+def write_results_md(results_dir, md_path, plots_dir=None, include_samples: bool = False,
+                     warn=None) -> tuple[Path, list[Path]]:
+    """Regenerate RESULTS.md (and the plots, when matplotlib is there) from every results file."""
+    files = load_folder(results_dir, include_samples=include_samples, warn=warn)
+    md_path = Path(md_path)
+    plots: list[Path] = []
+    plots_rel = None
+    if plots_dir is not None:
+        try:
+            from . import plots as plotting
+
+            plots = plotting.make_all(files, plots_dir)
+            try:
+                plots_rel = str(Path(plots_dir).resolve().relative_to(md_path.parent.resolve()))
+            except ValueError:
+                plots_rel = str(Path(plots_dir).resolve())
+        except ImportError as exc:
+            if warn:
+                warn(f"no plots: {exc} (pip install matplotlib)")
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.write_text(render_markdown(files, plots_rel))
+    return md_path, plots
+
+
+# -- compare ---------------------------------------------------------------------------------------
+def compare(a: dict, b: dict, peers: bool = False) -> tuple[list[str], list[list[str]], list[str]]:
+    """Case-by-case: (header, rows, summary lines). speed = A's time / B's time (above 1: B faster)."""
+    la, lb = gpu_label(a["metadata"]), gpu_label(b["metadata"])
+    header = ["suite", "case", "impl", "A", "B", "B speed vs A", "A of ceiling", "B of ceiling"]
+    rows: list[list[str]] = []
+    for name in schema.CEILINGS:
+        ca, cb = a["ceilings"].get(name) or {}, b["ceilings"].get(name) or {}
+        va, vb = ca.get("value"), cb.get("value")
+        unit = schema.CEILING_UNIT[name]
+        rows.append(["ceiling", name, "torch", fmt_value(va, unit), fmt_value(vb, unit),
+                     fmt_ratio(vb / va) if va and vb else "-", "", ""])
+    per_suite: dict[str, list[float]] = {}
+    only_a, only_b = [], []
+    cases_b = {c["id"]: c for c in schema.all_cases(b)}
+    seen = set()
+    for ca in schema.all_cases(a):
+        cb = cases_b.get(ca["id"])
+        if cb is None:
+            only_a.append(ca["id"])
+            continue
+        seen.add(ca["id"])
+        impls = [("ours", ca.get("ours"), cb.get("ours"))]
+        if peers:
+            for n in peer_names([ca, cb]):
+                impls.append((n, ca["peers"].get(n), cb["peers"].get(n)))
+        for label, ia, ib in impls:
+            ia, ib = ia or {}, ib or {}
+            ua = None if ia.get("error") else ia.get("us")
+            ub = None if ib.get("error") else ib.get("us")
+            speed = ua / ub if ua and ub else None
+            if speed and label == "ours":
+                per_suite.setdefault(ca["suite"], []).append(speed)
+            fa = (lambda i, c: fmt_value(i.get("value"), c.get("unit")) if c.get("unit") in ("s", "ms", "us")
+                  else fmt_us(i.get("us")))
+            rows.append([ca["suite"], case_label(ca), ia.get("name", label) if label == "ours" else label,
+                         fa(ia, ca) if ua else (ca.get("status") if label == "ours" else "n/a"),
+                         fa(ib, cb) if ub else (cb.get("status") if label == "ours" else "n/a"),
+                         fmt_ratio(speed), fmt_frac(ia.get("fraction")), fmt_frac(ib.get("fraction"))])
+    only_b = [cid for cid in cases_b if cid not in seen]
+    summary = [f"A = {la}, {a['metadata'].get('date', '')[:10]}; B = {lb}, {b['metadata'].get('date', '')[:10]}",
+               "B speed vs A = A's time / B's time: above 1, B is faster."]
+    for suite, speeds in per_suite.items():
+        gm = math.exp(sum(math.log(s) for s in speeds) / len(speeds))
+        summary.append(f"{suite}: geometric mean B speed vs A = {gm:.2f}× over {len(speeds)} cases")
+    if only_a:
+        summary.append(f"only in A ({len(only_a)}): {', '.join(only_a[:8])}{' ...' if len(only_a) > 8 else ''}")
+    if only_b:
+        summary.append(f"only in B ({len(only_b)}): {', '.join(only_b[:8])}{' ...' if len(only_b) > 8 else ''}")
+    return header, rows, summary
+
+
+# -- progress --------------------------------------------------------------------------------------
+def describe(case: dict) -> str:
+    """One line for the progress output."""
+    ours = case.get("ours") or {}
+    parts = [f"{case['id']}:"]
+    unit = case.get("unit")
+    if case.get("status") not in ("ok", "check_failed"):
+        parts.append(f"{case['status'].upper()} {case.get('error') or ''}".strip())
+        if not ours or ours.get("us") is None:
+            pass
+        elif unit in ("s", "ms", "us"):
+            parts.append(f"| ours {fmt_value(ours.get('value'), unit)}")
+        else:
+            parts.append(f"| ours {fmt_us(ours.get('us'))}")
+    elif unit in ("s", "ms", "us"):
+        parts.append(fmt_value(ours.get("value"), unit))
+    else:
+        parts.append(fmt_us(ours.get("us")))
+        if ours.get("value") is not None:
+            parts.append(fmt_value(ours["value"], unit))
+        if ours.get("fraction") is not None:
+            parts.append(f"({fmt_frac(ours['fraction'])} of {case.get('ceiling')})")
+    if case.get("target"):
+        parts.append(f"goal {fmt_target(case['target'])}")
+    for name, peer in case.get("peers", {}).items():
+        if peer.get("error"):
+            parts.append(f"| {name}: n/a")
+        else:
+            r = case.get("ratios", {}).get(name)
+            parts.append(f"| {name} {fmt_us(peer.get('us')) if unit not in ('s', 'ms', 'us') else fmt_value(peer.get('value'), unit)}"
+                         + (f" (ours {fmt_ratio(r)})" if r else ""))
+    chk = case.get("check")
+    if chk is not None:
+        parts.append("| check ok" if chk.get("ok") else f"| CHECK FAILED: {chk.get('detail')}")
+    return " ".join(parts)

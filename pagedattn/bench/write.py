@@ -1,0 +1,184 @@
+"""write suite: `reshape_and_cache_flash` against torch `index_copy_` / `index_put_` into the same cache.
+
+Shapes (issue 3): H=8, D=128, bf16 inputs, T in {1, 16, 256, 4096, 65536}, NHD and HND caches,
+kv_cache_dtype auto (bf16 cache) and fp8_e4m3 (per-tensor scale), block size 16.
+bytes = K and V read + K and V written + slot ids (int64).
+The cache holds max(4T, 256 MiB worth of) slots and each call writes to random distinct slots.
+Check (once per case, before timing): caches poisoned with NaN, ours on the full T, every written slot
+bit-exact against the reference's conversion (pagedattn.reference.quantize_fp8 for fp8), every other slot
+still NaN; and pagedattn.reference.reshape_and_cache_flash itself on the first 64 tokens, bit-exact.
+Peer: NHD: cache.view(-1, H, D).index_copy_(0, slots, k) (after torch's own fp8 quantise for fp8);
+HND: index_copy_ of [H, D] rows into the [num_blocks * H * block_size, D] view of the storage, the row
+ids computed from the slots inside the timing.
+"""
+from __future__ import annotations
+
+import torch
+
+import pagedattn
+from pagedattn import reference
+
+from .common import Case, Ctx, Recorder, ceil_div, nan_fill_
+
+NAME = "write"
+H, D, BLOCK = 8, 128, 16
+TOKENS = (1, 16, 256, 4096, 65536)
+TINY_TOKENS = (1, 16, 40)
+KV_DTYPES = ("auto", "fp8_e4m3")
+LAYOUTS = ("NHD", "HND")
+GOALS = {"T65536_NHD_bf16": 0.90, "T65536_other": 0.80, "T256_us": 6.0}
+
+
+def available(ctx: Ctx):
+    if not hasattr(pagedattn, "reshape_and_cache_flash"):
+        return False, "pagedattn.reshape_and_cache_flash is not available"
+    return True, None
+
+
+def cases(ctx: Ctx) -> list[Case]:
+    out = []
+    for layout in LAYOUTS:
+        for kv in KV_DTYPES:
+            for t in (TINY_TOKENS if ctx.tiny else TOKENS):
+                cache = "bf16" if kv == "auto" else kv
+                params = {"layout": layout, "kv_cache_dtype": kv, "cache": cache, "T": t, "H": H,
+                          "D": D, "block_size": BLOCK, "input": "bf16", "scale": "tensor"}
+                out.append(Case(f"write/{layout}/{cache}/T{t}", NAME, params,
+                                lambda ctx, rec, p=params: run_case(ctx, rec, p)))
+    return out
+
+
+def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    ia = a.contiguous().view(torch.uint8)
+    ib = b.contiguous().view(torch.uint8)
+    return bool(torch.equal(ia, ib))
+
+
+def _written_view(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    bs = cache.shape[1]
+    return cache[slots // bs, slots % bs]  # [T, H, D]
+
+
+def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
+    dev, t, layout, kv = ctx.device, p["T"], p["layout"], p["kv_cache_dtype"]
+    fp8 = kv != "auto"
+    in_dtype = torch.bfloat16
+    cache_dtype = torch.uint8 if fp8 else torch.bfloat16
+    elem_in, elem_c = 2, (1 if fp8 else 2)
+    nbytes = 2 * t * H * D * elem_in + 2 * t * H * D * elem_c + 8 * t
+    rec.work("GB/s", nbytes, "copy")
+
+    min_cache_bytes = (2 * 2**20) if ctx.tiny else 256 * 2**20
+    num_slots = max(4 * t, min_cache_bytes // (H * D * elem_c))
+    num_blocks = ceil_div(num_slots, BLOCK)
+    num_slots = num_blocks * BLOCK
+    spec = pagedattn.CacheSpec(num_blocks, BLOCK, H, D, cache_dtype, kv_cache_dtype=kv, layout=layout,
+                               scale="tensor")
+    kc, vc = spec.allocate(dev)
+    sets = ctx.sets_for(nbytes)
+    if sets * t > num_slots:
+        sets = max(1, num_slots // t)
+    keys = [torch.randn(t, H, D, dtype=in_dtype, device=dev) for _ in range(sets)]
+    values = [torch.randn(t, H, D, dtype=in_dtype, device=dev) for _ in range(sets)]
+    slots = [torch.randperm(num_slots, device=dev)[:t].contiguous() for _ in range(sets)]
+    if fp8:
+        amax = max(float(x.abs().amax()) for x in keys + values)
+        k_scale = torch.tensor([amax / 448.0], dtype=torch.float32, device=dev)
+        v_scale = k_scale.clone()
+    else:
+        k_scale = v_scale = None
+    rec.extra(sets=sets, num_blocks=num_blocks, cache_bytes=2 * num_slots * H * D * elem_c)
+
+    def ours(k):
+        pagedattn.reshape_and_cache_flash(keys[k], values[k], kc, vc, slots[k], kv, k_scale, v_scale)
+
+    # -- correctness once, then timing (a failure here is the case's error; the peer still runs) --
+    def check_and_time():
+        _check(ctx, rec, p, spec, ours, keys[0], values[0], slots[0], kc, vc, k_scale, v_scale)
+        rec.ours("pagedattn", ours, sets)
+    rec.attempt("pagedattn", check_and_time)
+
+    if layout == "NHD":
+        name = "torch index_copy_"
+
+        def make():
+            kflat, vflat = kc.view(-1, H, D), vc.view(-1, H, D)
+            if fp8:
+                def peer(k):
+                    kq = reference.quantize_fp8(keys[k], k_scale, kv).view(torch.uint8)
+                    vq = reference.quantize_fp8(values[k], v_scale, kv).view(torch.uint8)
+                    kflat.index_copy_(0, slots[k], kq)
+                    vflat.index_copy_(0, slots[k], vq)
+            else:
+                def peer(k):
+                    kflat.index_copy_(0, slots[k], keys[k])
+                    vflat.index_copy_(0, slots[k], values[k])
+            return peer
+    else:
+        name = "torch index_copy_"
+
+        def make():
+            # HND storage is [num_blocks, H, block_size, D]: row (blk * H + h) * bs + off of its
+            # [-1, D] view holds token (blk, off), head h. (index_put_ through the permuted logical
+            # view would copy the whole cache on every call: not a fair peer.)
+            krows = kc.permute(0, 2, 1, 3).reshape(-1, D)
+            vrows = vc.permute(0, 2, 1, 3).reshape(-1, D)
+            assert krows.data_ptr() == kc.data_ptr() and krows._base is not None, "HND rows must be a view"
+            heads = torch.arange(H, device=dev).view(1, H)
+
+            def peer(k):
+                s = slots[k].view(-1, 1)
+                rows = ((s // BLOCK) * H + heads) * BLOCK + s % BLOCK  # [T, H]
+                rows = rows.reshape(-1)
+                kk, vv = keys[k], values[k]
+                if fp8:
+                    kk = reference.quantize_fp8(kk, k_scale, kv).view(torch.uint8)
+                    vv = reference.quantize_fp8(vv, v_scale, kv).view(torch.uint8)
+                krows.index_copy_(0, rows, kk.reshape(-1, D))
+                vrows.index_copy_(0, rows, vv.reshape(-1, D))
+            return peer
+    rec.peer(name, make, sets)
+    if fp8:
+        rec.note("peer quantises with torch ops before the scatter")
+    if layout == "HND":
+        rec.note("peer computes the HND row ids from the slots")
+
+    # -- goals (issue 3) --------------------------------------------------------------------------
+    if t == 65536:
+        rec.target(GOALS["T65536_NHD_bf16"] if (layout == "NHD" and not fp8) else GOALS["T65536_other"],
+                   "fraction")
+    elif t == 256:
+        rec.target(GOALS["T256_us"], "us")
+
+
+def _check(ctx, rec, p, spec, ours, key, value, slots, kc, vc, k_scale, v_scale) -> None:
+    """Poison the caches, write with ours, compare bit for bit (see the module docstring)."""
+    t, layout, kv = p["T"], p["layout"], p["kv_cache_dtype"]
+    fp8 = kv != "auto"
+    num_blocks, num_slots = spec.num_blocks, spec.num_slots
+    nan_fill_(kc)
+    nan_fill_(vc)
+    ours(0)
+    ctx.sync()
+    problems = []
+    for name, src, cache, scale in (("K", key, kc, k_scale), ("V", value, vc, v_scale)):
+        expect = reference.quantize_fp8(src, scale, kv).view(torch.uint8) if fp8 else src
+        if not _bit_equal(_written_view(cache, slots), expect):
+            problems.append(f"{name}: written slots differ from the reference conversion")
+        rows = cache.reshape(num_blocks, BLOCK, H * D) if layout == "NHD" else cache
+        poisoned = (rows.view(torch.uint8) == 0x7F).all(-1) if fp8 else torch.isnan(rows).all(-1)
+        untouched = int(poisoned.reshape(num_slots, -1).all(-1).sum())
+        if untouched != num_slots - t:
+            problems.append(f"{name}: {num_slots - untouched} slots written, expected {t}")
+    n = min(t, 64)
+    rk, rv = spec.allocate(ctx.device)
+    nan_fill_(rk)
+    nan_fill_(rv)
+    reference.reshape_and_cache_flash(key[:n], value[:n], rk, rv, slots[:n], kv, k_scale, v_scale)
+    for name, got, ref in (("K", kc, rk), ("V", vc, rv)):
+        if not _bit_equal(_written_view(got, slots[:n]), _written_view(ref, slots[:n])):
+            problems.append(f"{name}: differs from pagedattn.reference on the first {n} tokens")
+    rec.check(not problems, "bit-exact",
+              "; ".join(problems) or f"{t} tokens bit-exact, {num_slots - t} other slots untouched")

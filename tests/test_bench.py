@@ -1,0 +1,474 @@
+"""CPU tests of `pagedattn bench`: the results schema, RESULTS.md and plots from the stored samples,
+`bench compare`, the no-GPU message, and the harness itself (timer control flow, suites driven on the
+CPU with torch stand-ins for the kernels, crash / hang recovery of the runner)."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import pagedattn
+from pagedattn.bench import attention, common, legacy, report, schema, suites, timing, write
+from pagedattn.bench.common import Ctx, Recorder
+
+DATA = Path(__file__).parent / "data"
+SAMPLES = sorted(DATA.glob("bench_sample_*.json"))
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def _cli(*args, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "pagedattn.cli", *args], capture_output=True, text=True,
+                          env=env or _env(), timeout=timeout, cwd=REPO)
+
+
+def _cpu_ctx(**kw) -> Ctx:
+    return Ctx.make("cpu", quick=kw.pop("quick", False), tiny=True,
+                    ceilings={"copy": {"value": 10.0}, "matmul": {"value": 1.0}}, **kw)
+
+
+def _run_case(case, ctx) -> dict:
+    rec = Recorder(case, ctx)
+    try:
+        case.run(ctx, rec)
+    except Exception as exc:  # noqa: BLE001 - as the child does
+        rec.fail(exc)
+    return rec.finish()
+
+
+# -- schema ----------------------------------------------------------------------------------------
+def test_samples_exist_and_are_marked_sample():
+    assert len(SAMPLES) >= 2
+    for path in SAMPLES:
+        data = json.loads(path.read_text())
+        assert data["metadata"]["sample"] is True
+        assert schema.validate(data) == [], path
+
+
+def test_schema_catches_mistakes():
+    good = json.loads(SAMPLES[0].read_text())
+    assert schema.validate(good) == []
+
+    def broken(mutate):
+        d = copy.deepcopy(good)
+        mutate(d)
+        return schema.validate(d)
+
+    assert any("schema" in e for e in broken(lambda d: d.update(schema="other/0")))
+    assert any("metadata: missing key 'gpu'" in e for e in broken(lambda d: d["metadata"].pop("gpu")))
+    assert any("metadata.sample" in e for e in broken(lambda d: d["metadata"].update(sample="yes")))
+    first = lambda d: d["suites"]["write"]["cases"][0]  # noqa: E731
+    assert any("status" in e for e in broken(lambda d: first(d).update(status="fine")))
+    assert any(".us" in e for e in broken(lambda d: first(d)["ours"].update(us=-1.0)))
+    assert any("needs an 'ours'" in e for e in broken(lambda d: first(d).update(ours=None)))
+    assert any("needs an error" in e for e in broken(lambda d: first(d).update(status="crashed", error=None)))
+    assert any("unknown peer" in e for e in broken(lambda d: first(d)["ratios"].update(ghost=2.0)))
+    assert any("duplicate case id" in e
+               for e in broken(lambda d: d["suites"]["write"]["cases"].append(copy.deepcopy(first(d)))))
+    assert any("unknown suite" in e for e in broken(lambda d: d["suites"].update(nosuch={"status": "ok",
+                                                                                          "cases": []})))
+    assert any("ceilings.copy.value" in e for e in broken(lambda d: d["ceilings"]["copy"].update(value="x")))
+    with pytest.raises(schema.SchemaError):
+        schema.check({"schema": schema.SCHEMA})
+
+
+def test_derive_fraction_ratio_and_goal():
+    case = schema.new_case("write/x", "write")
+    case.update(unit="GB/s", work=2e9, ceiling="copy",
+                ours=schema.impl_from_timing("ours", {"us": 500.0}),
+                peers={"p": schema.impl_from_timing("p", {"us": 1500.0}), "bad": schema.impl_error("bad", "no")},
+                target={"value": 0.9, "unit": "fraction", "met": None})
+    schema.derive(case, {"copy": {"value": 4000.0}})
+    assert case["ours"]["value"] == pytest.approx(4000.0)      # 2e9 B / 500 µs
+    assert case["ours"]["fraction"] == pytest.approx(1.0)
+    assert case["peers"]["p"]["fraction"] == pytest.approx(1 / 3)
+    assert case["ratios"] == {"p": pytest.approx(3.0)}          # peer time / ours: ours 3x faster
+    assert case["target"]["met"] is True
+    assert schema.throughput("TFLOP/s", 2e12, 1e6) == pytest.approx(2.0)
+    assert schema.target_met({"unit": "us", "value": 6.0}, {"us": 7.0}) is False
+    assert schema.target_met({"unit": "TFLOP/s", "value": 330.0}, {"value": 340.0}) is True
+    assert schema.target_met({"unit": "us", "value": 6.0}, None) is None
+
+
+# -- RESULTS.md, plots, compare --------------------------------------------------------------------
+def test_results_md_and_plots_from_samples(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    for p in SAMPLES:
+        (results / p.name).write_text(p.read_text())
+    md, plots = report.write_results_md(results, tmp_path / "RESULTS.md", tmp_path / "plots",
+                                        include_samples=True)
+    text = md.read_text()
+    for suite in ("write", "decode", "prefill", "legacy", "jit"):
+        assert f"## {report.SUITE_TITLES[suite]}" in text
+    assert "| NHD/bf16/T65536 |" in text and "B64/ctx4096/bf16" in text
+    assert "torch index_copy_" in text and "sdpa cudnn" in text
+    assert "## Across architectures" in text
+    assert text.count("| `bench_sample_") == len(SAMPLES)
+    names = {p.name for p in plots}
+    assert "across_arch.png" in names
+    for suite in ("write", "decode", "prefill", "legacy", "jit"):
+        assert any(n.endswith(f"_{suite}.png") for n in names), suite
+    for p in plots:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+    assert f"](plots/across_arch.png)" in text
+
+
+def test_results_md_ignores_sample_files(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    for p in SAMPLES:
+        (results / p.name).write_text(p.read_text())
+    (results / "garbage.json").write_text("{not json")
+    (results / "other_tool.json").write_text('{"rows": []}')      # not ours: skipped silently
+    bad = json.loads(SAMPLES[0].read_text())
+    bad["metadata"]["sample"] = False
+    bad["suites"]["write"]["cases"][0]["status"] = "bogus"
+    (results / "broken_bench.json").write_text(json.dumps(bad))
+    warnings = []
+    md, plots = report.write_results_md(results, tmp_path / "RESULTS.md", tmp_path / "plots",
+                                        warn=warnings.append)
+    text = md.read_text()
+    assert "No results yet" in text and "bench_sample" not in text
+    assert plots == []
+    assert sorted(w.split()[1].rsplit("/", 1)[-1].rstrip(":") for w in warnings) == \
+        ["broken_bench.json", "garbage.json"]
+
+
+def test_latest_run_per_gpu_wins(tmp_path):
+    old = json.loads(SAMPLES[0].read_text())
+    new = copy.deepcopy(old)
+    new["metadata"]["date"] = "2099-01-01T00:00:00+00:00"
+    (tmp_path / "b_old.json").write_text(json.dumps(old))
+    (tmp_path / "a_new.json").write_text(json.dumps(new))
+    files = report.load_folder(tmp_path, include_samples=True)
+    assert [p.name for p, _ in files] == ["b_old.json", "a_new.json"]   # by date, not by name
+    latest = report.latest_per_gpu(files, "write")
+    assert [p.name for p, _ in latest.values()] == ["a_new.json"]
+
+
+def test_compare_two_samples():
+    a, b = (report.load(p) for p in SAMPLES[:2])
+    header, rows, summary = report.compare(a, b)
+    assert header[:3] == ["suite", "case", "impl"]
+    n_common = len({c["id"] for c in schema.all_cases(a)} & {c["id"] for c in schema.all_cases(b)})
+    assert len(rows) == 2 + n_common            # two ceilings + one row per common case
+    assert rows[0][:2] == ["ceiling", "copy"] and rows[0][5].endswith("×")
+    assert any("geometric mean" in s for s in summary)
+    _, rows_peers, _ = report.compare(a, b, peers=True)
+    assert len(rows_peers) > len(rows)
+
+
+def test_compare_cli():
+    r = _cli("bench", "compare", str(SAMPLES[0]), str(SAMPLES[1]))
+    assert r.returncode == 0, r.stderr
+    assert "B speed vs A" in r.stdout and "NHD/bf16/T65536" in r.stdout
+    r = _cli("bench", "compare", str(SAMPLES[0]), str(SAMPLES[1]), "--markdown")
+    assert r.returncode == 0 and r.stdout.startswith("| suite | case |")
+    r = _cli("bench", "compare", str(SAMPLES[0]), str(DATA / "no_such_file.json"))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+
+
+def test_no_gpu_message():
+    r = _cli("bench", "--quick", env=_env(CUDA_VISIBLE_DEVICES=""), timeout=120)
+    assert r.returncode != 0
+    assert "no CUDA GPU" in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+# -- the harness on the CPU ------------------------------------------------------------------------
+def test_suite_names():
+    assert suites.parse("all") == ["write", "decode", "prefill", "legacy", "jit"]
+    assert suites.parse("jit,write") == ["write", "jit"]
+    with pytest.raises(ValueError):
+        suites.parse("write,bogus")
+
+
+def test_rotation_sets():
+    l2 = 60 * 2**20
+    assert timing.rotation_sets(1 * 2**30, l2) == 1          # 1 GiB working set: no rotation
+    assert timing.rotation_sets(100 * 2**20, l2) == 3        # ceil(240 / 100)
+    assert timing.rotation_sets(1000, l2) == 64              # capped
+    assert timing.rotation_sets(3 * 2**30, l2, max_total_bytes=2 * 2**30) == 1
+
+
+def test_timer_control_flow_with_fake_cuda(monkeypatch):
+    """The CUDA-event timer's loop (warm-up, probe, batches with a head start) on a fake clock."""
+    import time as _time
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self, stream=None):
+            self.t = _time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    slept = []
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: slept.append(cycles), raising=False)
+    calls = []
+    t = timing.Timer(budget_s=0.01, min_reps=25, max_reps=60, warmup_s=0.0, batch=10)
+    res = t(lambda k: calls.append(k), sets=3)
+    assert 25 <= res.reps <= 60 and res.sets == 3
+    assert res.min <= res.p10 <= res.us <= res.p90
+    assert set(calls) == {0, 1, 2}
+    assert slept, "the timer gives the GPU a head start before each batch"
+
+
+def test_cpu_timer():
+    res = timing.CpuTimer(budget_s=0.001, min_reps=5, max_reps=10)(lambda k: sum(range(100)), sets=2)
+    assert 5 <= res.reps <= 10 and res.us > 0
+
+
+def _sdpa_math(q, k, v, causal):
+    """float64 attention with a bottom-right causal mask, [B, H, S, D] layout, GQA by repetition."""
+    g = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(g, dim=1)
+    v = v.repeat_interleave(g, dim=1)
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        sq, sk = q.shape[2], k.shape[2]
+        i = torch.arange(sq).view(-1, 1)
+        j = torch.arange(sk).view(1, -1)
+        s = s.masked_fill(j > sk - sq + i, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("q_len,causal", [(1, True), (7, True), (7, False)])
+def test_reference_attention_matches_plain_attention(q_len, causal):
+    torch.manual_seed(0)
+    B, L, hq, hkv, d, bs = 2, 45, 4, 2, 16, 8
+    nb = -(-L // bs)
+    kc = torch.randn(B * nb + 3, bs, hkv, d)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(B * nb + 3)[:B * nb].view(B, nb).int()
+    q = torch.randn(B * q_len, hq, d)
+    cu = torch.arange(0, B * q_len + 1, q_len, dtype=torch.int32)
+    lens = torch.full((B,), L, dtype=torch.int32)
+    out = attention.reference_attention(q, kc, vc, table, lens, cu, causal=causal, scale=1 / math.sqrt(d),
+                                        chunk=3)
+    for b in range(B):
+        k = attention.gather_pages(kc, table[b:b + 1])[0, :L].double().transpose(0, 1)[None]
+        v = attention.gather_pages(vc, table[b:b + 1])[0, :L].double().transpose(0, 1)[None]
+        qb = q[b * q_len:(b + 1) * q_len].double().transpose(0, 1)[None]
+        want = _sdpa_math(qb, k, v, causal)[0].transpose(0, 1)
+        torch.testing.assert_close(out[b * q_len:(b + 1) * q_len].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _fake_flash(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=None, causal=False,
+                block_table=None, softmax_scale=None, return_softmax_lse=False, num_splits=0,
+                k_descale=None, v_descale=None):
+    return attention.reference_attention(q, k, v, block_table, seqused_k, cu_seqlens_q, causal=causal,
+                                         scale=softmax_scale, k_descale=k_descale,
+                                         v_descale=v_descale).to(q.dtype)
+
+
+def test_attention_suites_not_available_without_the_kernel(monkeypatch):
+    monkeypatch.delattr(pagedattn, "flash_attn_varlen_func", raising=False)
+    monkeypatch.setitem(sys.modules, "pagedattn.ops.attention", None)  # import fails
+    ok, reason = attention.available(_cpu_ctx())
+    assert not ok and "not available" in reason
+
+
+def test_decode_and_prefill_cases_with_a_stand_in_kernel(monkeypatch):
+    monkeypatch.setattr(pagedattn, "flash_attn_varlen_func", _fake_flash, raising=False)
+    ctx = _cpu_ctx()
+    cases = attention.decode_cases(ctx) + attention.prefill_cases(ctx)
+    assert {c.suite for c in cases} == {"decode", "prefill"}
+    for case in cases:
+        rec = _run_case(case, ctx)
+        assert rec["status"] == "ok", rec["error"]
+        assert rec["check"]["ok"] and rec["check"]["rel_l2"] < 1e-2
+        assert rec["ours"]["us"] > 0 and rec["ours"]["value"] > 0
+        gather = rec["peers"]["gather+sdpa"]      # torch SDPA on the CPU: an independent check of the
+        assert gather.get("error") is None        # gather, the GQA folding and the causal alignment
+        assert gather["rel_l2"] < 1e-2
+        assert "gather+sdpa" in rec["ratios"]
+        assert rec["peers"]["sdpa cudnn"]["error"] == "needs CUDA"
+        assert schema.validate_case(json.loads(json.dumps(rec))) == []
+
+
+def test_sdpa_peers_agree_with_the_reference():
+    """The SDPA call shapes used for the cuDNN / flash peers, run on the CPU's default backend."""
+    ctx = _cpu_ctx()
+    for p in (attention.decode_cases(ctx)[0].params, attention.prefill_cases(ctx)[0].params):
+        data = attention.build(ctx, p, sets=1)
+        ref = attention.reference_attention(data.q[0], data.kc, data.vc, data.tables[0], data.seqused,
+                                            data.cu_q, causal=True, scale=data.scale)
+        k, v = data.contiguous_kv(0)
+        for variant, factory in attention._sdpa_fns(data, data.q, [k], [v]):
+            assert common.rel_l2(factory()(0), ref) < 1e-2, variant
+
+
+def test_a_wrong_kernel_fails_its_check(monkeypatch):
+    def wrong(*args, **kwargs):
+        out = _fake_flash(*args, **kwargs)
+        return out.flip(0)
+    monkeypatch.setattr(pagedattn, "flash_attn_varlen_func", wrong, raising=False)
+    ctx = _cpu_ctx()
+    rec = _run_case(attention.decode_cases(ctx)[0], ctx)
+    assert rec["status"] == "check_failed" and rec["check"]["ok"] is False
+    assert rec["ours"] is not None                # still timed, clearly marked
+
+
+def test_write_cases_with_the_reference_as_kernel(monkeypatch):
+    from pagedattn import reference
+
+    ctx = _cpu_ctx()
+    cases = write.cases(ctx)
+    assert len(cases) == 2 * 2 * len(write.TINY_TOKENS)
+    # on the CPU the real op refuses: the case errors, the torch peer is still measured
+    rec = _run_case(cases[1], ctx)
+    assert rec["status"] == "error" and "pagedattn" in rec["error"]
+    assert rec["peers"]["torch index_copy_"].get("error") is None
+    # with the reference standing in for the kernel every layout / dtype checks bit-exact
+    monkeypatch.setattr(pagedattn, "reshape_and_cache_flash", reference.reshape_and_cache_flash)
+    for case in cases:
+        rec = _run_case(case, ctx)
+        assert rec["status"] == "ok", (case.id, rec["error"], rec["check"])
+        assert rec["check"]["kind"] == "bit-exact"
+        assert rec["peers"]["torch index_copy_"].get("error") is None, rec["peers"]
+
+
+def test_write_peers_write_what_the_reference_writes():
+    """The torch peers (NHD index_copy_, HND row index_copy_, fp8 quantise) are the same op."""
+    from pagedattn import reference
+
+    ctx = _cpu_ctx()
+    for case in write.cases(ctx):
+        if case.params["T"] != 16:
+            continue
+        captured = {}
+        rec = Recorder(case, ctx)
+        orig_peer = rec.peer
+
+        def peer(name, make, sets=1, context=None):
+            captured["fn"] = make()
+            return orig_peer(name, lambda: captured["fn"], sets, context)
+        rec.peer = peer
+        case.run(ctx, rec)
+        # rerun the peer on poisoned caches and compare with the reference on fresh ones
+        fn = captured["fn"]
+        cells = fn.__closure__
+        env = {name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, cells)}
+        keys, values, slots, kv = env["keys"], env["values"], env["slots"], case.params["kv_cache_dtype"]
+        kc = env.get("kflat", env.get("krows"))
+        assert kc is not None
+        # the peer writes through views of the suite's caches; check one written row per token
+        fn(0)
+        spec_fp8 = kv != "auto"
+        for t in range(slots[0].numel()):
+            s = int(slots[0][t])
+            if case.params["layout"] == "NHD":
+                got = kc[s]
+            else:
+                blk, off = divmod(s, write.BLOCK)
+                got = torch.stack([kc[(blk * write.H + h) * write.BLOCK + off] for h in range(write.H)])
+            want = keys[0][t]
+            if spec_fp8:
+                scale = env["k_scale"]
+                want = reference.quantize_fp8(want, scale, kv).view(torch.uint8)
+            assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)), case.id
+
+
+def test_legacy_layout_and_cases_with_the_legacy_reference(monkeypatch):
+    legacy_reference = pytest.importorskip("pagedattn.legacy_reference")
+
+    def v1(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
+           max_seq_len, alibi_slopes=None, kv_cache_dtype="auto", k_scale=None, v_scale=None):
+        out.copy_(legacy_reference.paged_attention(query, key_cache, value_cache, num_kv_heads, scale,
+                                                   block_tables, seq_lens, alibi_slopes, kv_cache_dtype,
+                                                   k_scale, v_scale).to(out.dtype))
+
+    def v2(out, exp_sums, max_logits, tmp_out, *rest, **kw):
+        v1(out, *rest, **kw)
+
+    fake = types.SimpleNamespace(paged_attention_v1=v1, paged_attention_v2=v2, paged_attention=v1)
+    monkeypatch.setattr(legacy, "_legacy", lambda: fake)
+    ctx = _cpu_ctx()
+    cases = legacy.cases(ctx)
+    assert {c.params["variant"] for c in cases} == {"v1", "v2", "auto"}
+    for case in cases:
+        rec = _run_case(case, ctx)
+        assert rec["status"] == "ok", (case.id, rec["error"], rec["check"])
+        assert rec["check"]["rel_l2"] < 1e-2      # to_legacy() lays the cache out as the reference reads it
+        assert set(rec["peers"]) == {"pagedattn flash", "sdpa cudnn"}
+
+
+def test_runner_end_to_end_survives_errors_and_crashes(tmp_path):
+    """The real runner on the CPU: a case that raises, a process that dies in a case; the other cases
+    complete, the results file validates, RESULTS.md is regenerated (and ignores this dry run)."""
+    out = tmp_path / "perf" / "results"
+    r = _cli("bench", "--device", "cpu", "--tiny", "--suite", "_selftest", "--out", str(out),
+             "--case-timeout", "60", env=_env(PAGEDATTN_BENCH_SELFTEST="crash"), timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout
+    files = list(out.glob("*.json"))
+    assert len(files) == 1
+    data = json.loads(files[0].read_text())
+    assert schema.validate(data) == []
+    assert data["metadata"]["sample"] is True and data["metadata"]["dry_run"] is True
+    assert data["ceilings"]["copy"]["value"] > 0 and data["ceilings"]["matmul"]["value"] > 0
+    cases = {c["id"]: c for c in data["suites"]["_selftest"]["cases"]}
+    assert cases["_selftest/ok"]["status"] == "ok"
+    assert cases["_selftest/ok"]["peers"]["broken peer"]["error"].startswith("RuntimeError")
+    assert "clone" in cases["_selftest/ok"]["ratios"]
+    assert cases["_selftest/raises"]["status"] == "error" and "planned failure" in cases["_selftest/raises"]["error"]
+    assert cases["_selftest/crash"]["status"] == "crashed"
+    assert cases["_selftest/crash"]["ours"] is not None          # what it measured before dying
+    assert cases["_selftest/after"]["status"] == "ok"             # ran in a fresh process
+    assert data["suites"]["_selftest"]["status"] == "partial"
+    assert "No results yet" in (tmp_path / "perf" / "RESULTS.md").read_text()
+
+
+def test_runner_kills_a_hung_case(tmp_path):
+    out = tmp_path / "results"
+    r = _cli("bench", "--device", "cpu", "--tiny", "--suite", "_selftest", "--out", str(out),
+             "--case-timeout", "8", "--no-report", env=_env(PAGEDATTN_BENCH_SELFTEST="hang"), timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(next(out.glob("*.json")).read_text())
+    cases = {c["id"]: c for c in data["suites"]["_selftest"]["cases"]}
+    assert cases["_selftest/crash"]["status"] == "timeout"
+    assert cases["_selftest/after"]["status"] == "ok"
+    assert not (tmp_path / "RESULTS.md").exists()
+
+
+def test_reference_attention_agrees_with_pagedattn_reference():
+    """Two independent references (this bench's and pagedattn.reference's) on the same paged data."""
+    from pagedattn import reference
+
+    if not hasattr(reference, "paged_attention"):
+        pytest.skip("pagedattn.reference.paged_attention not there")
+    ctx = _cpu_ctx()
+    for case in attention.decode_cases(ctx) + attention.prefill_cases(ctx):
+        data = attention.build(ctx, case.params, sets=1)
+        mine = attention.reference_attention(data.q[0], data.kc, data.vc, data.tables[0], data.seqused,
+                                             data.cu_q, causal=True, scale=data.scale,
+                                             k_descale=data.k_descale, v_descale=data.v_descale)
+        kw = {} if data.kv == "auto" else {"kv_cache_dtype": data.kv, "k_descale": data.k_descale,
+                                           "v_descale": data.v_descale}
+        theirs = reference.paged_attention(data.q[0], data.kc, data.vc, data.cu_q, data.seqused,
+                                           data.tables[0], causal=True, softmax_scale=data.scale, **kw)
+        theirs = theirs[0] if isinstance(theirs, tuple) else theirs
+        assert common.rel_l2(mine, theirs) < 1e-5, case.id
