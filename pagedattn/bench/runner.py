@@ -301,7 +301,12 @@ def run(args) -> int:
         console.print(f"{len(bad)} case(s) not ok: " + ", ".join(f"{c['id']} ({c['status']})" for c in bad[:12])
                       + (" ..." if len(bad) > 12 else ""), style="yellow", markup=False)
     if not args.no_report:
-        regenerate(out_dir, console, include_samples=False)
+        try:
+            regenerate(out_dir, console, include_samples=False)
+        except Exception as exc:  # noqa: BLE001 - the results file is safe; say what failed
+            console.print(f"RESULTS.md / plots not regenerated: {type(exc).__name__}: {exc} "
+                          f"(retry with `pagedattn bench report --results {out_dir}`)", style="red",
+                          markup=False)
     return 130 if interrupted else 0
 
 
