@@ -124,12 +124,13 @@ def fmt_target(t) -> str:
     if not t:
         return ""
     unit, v = t.get("unit"), t.get("value")
+    shown = {"us": "µs"}.get(unit, unit)
     if unit == "fraction":
         goal = f"≥ {100 * v:.0f}%"
     elif unit in ("us", "s", "ms"):
-        goal = f"≤ {fmt_value(v, unit)}"
+        goal = f"≤ {v:g} {shown}"
     else:
-        goal = f"≥ {fmt_value(v, unit)}"
+        goal = f"≥ {v:g} {shown}"
     mark = {True: " ✓", False: " ✗"}.get(t.get("met"), " ?")
     return goal + mark
 
@@ -194,7 +195,7 @@ def suite_table(data: dict, suite: str) -> tuple[list[str], list[list[str]]]:
     cases = data["suites"].get(suite, {}).get("cases", [])
     peers = peer_names(cases)
     if suite == "jit":
-        header = ["case", "ours", "goal", "peer", "detail", "status"]
+        header = ["case", "ours", "goal (H200)", "peer", "detail", "status"]
         rows = []
         for c in cases:
             peer = "; ".join(f"{n}: {peer_cell(c, n)}" for n in c.get("peers", {}))
@@ -204,7 +205,7 @@ def suite_table(data: dict, suite: str) -> tuple[list[str], list[list[str]]]:
     value_unit = next((c.get("unit") for c in cases if c.get("unit")), "")
     ceiling = next((c.get("ceiling") for c in cases if c.get("ceiling")), None)
     header = ["case", "ours", value_unit or "value", f"of {ceiling}" if ceiling else "of ceiling",
-              "goal", "check"] + peers + ["status"]
+              "goal (H200)", "check"] + peers + ["status"]
     rows = []
     for c in cases:
         ours = c.get("ours") or {}
