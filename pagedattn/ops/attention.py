@@ -24,10 +24,12 @@ def tile_config(head_dim: int, mode: str) -> dict:
     """THE choice of tile sizes per (head dim, decode vs prefill). Decode packs few rows, so its warps
     split the KV range (kWarpsN); prefill's warps split the rows (kWarpsM)."""
     if mode == "decode":
-        return dict(kBlockM=16, kBlockN=16 if head_dim > 128 else 32, kWarpsM=1, kWarpsN=4, kStages=2)
+        # Measured on H200 (perf/results/attn_quick_*): decode is bound by warps in flight per SM, so
+        # the smallest sub-tile and two stages (68 KiB at d128: three CTAs, 12 warps per SM) win.
+        return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=2, kMinBlocks=3)
     if head_dim <= 128:
-        return dict(kBlockM=128, kBlockN=64, kWarpsM=4, kWarpsN=1, kStages=2)
-    return dict(kBlockM=64, kBlockN=32, kWarpsM=4, kWarpsN=1, kStages=2)
+        return dict(kBlockM=128, kBlockN=64, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1)
+    return dict(kBlockM=64, kBlockN=32, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1)
 
 
 def smem_bytes(cfg: dict, head_dim: int, fp8: bool) -> int:

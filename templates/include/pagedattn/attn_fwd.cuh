@@ -65,6 +65,18 @@ __device__ __forceinline__ bool schedule(AttnParams const& p, AttnWork& w) {
   return true;
 }
 
+// Barrier over one warp group (named barrier 1 + group; the whole CTA when there is one group).
+template <class Traits>
+__device__ __forceinline__ void group_sync(int group_idx) {
+  if constexpr (Traits::kWarpsN == 1) {
+    __syncthreads();
+  } else if constexpr (Traits::kGroupThreads == 32) {
+    __syncwarp();
+  } else {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group_idx), "n"(Traits::kGroupThreads));
+  }
+}
+
 template <class Traits>
 __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   using namespace cute;
@@ -211,21 +223,23 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     Element* k_tile;
     Element* v_tile;
     if constexpr (Traits::kIsFp8) {
+      // each warp group widens its own sub-tile; only the group waits for it
       constexpr int kChunks = kHeadDim / 16;
-      for (int c = tidx; c < kStageKeys * kChunks; c += kThreads) {
-        int const row = c / kChunks, col = (c % kChunks) * 16;
-        int const raw_off = (stage * kStageKeys + row) * kHeadDim + col;
-        int const off = (row / kBlockN) * Traits::kTileElems;
-        typename Traits::SmemLayoutKV layout;
+      typename Traits::SmemLayoutKV layout;
+      Element* k_dst = smem_k + group_idx * Traits::kTileElems;
+      Element* v_dst = smem_v + group_idx * Traits::kTileElems;
+      for (int c = gtid; c < kBlockN * kChunks; c += Traits::kGroupThreads) {
+        int const r = c / kChunks, col = (c % kChunks) * 16;
+        int const raw_off = (stage * kStageKeys + group_idx * kBlockN + r) * kHeadDim + col;
         uint4 lo, hi;
         dequant_fp8x16<Traits::kIsBf16, Traits::kFp8>(*reinterpret_cast<uint4 const*>(raw_k + raw_off), lo, hi);
-        *reinterpret_cast<uint4*>(smem_k + off + layout(row % kBlockN, col)) = lo;
-        *reinterpret_cast<uint4*>(smem_k + off + layout(row % kBlockN, col + 8)) = hi;
+        *reinterpret_cast<uint4*>(k_dst + layout(r, col)) = lo;
+        *reinterpret_cast<uint4*>(k_dst + layout(r, col + 8)) = hi;
         dequant_fp8x16<Traits::kIsBf16, Traits::kFp8>(*reinterpret_cast<uint4 const*>(raw_v + raw_off), lo, hi);
-        *reinterpret_cast<uint4*>(smem_v + off + layout(row % kBlockN, col)) = lo;
-        *reinterpret_cast<uint4*>(smem_v + off + layout(row % kBlockN, col + 8)) = hi;
+        *reinterpret_cast<uint4*>(v_dst + layout(r, col)) = lo;
+        *reinterpret_cast<uint4*>(v_dst + layout(r, col + 8)) = hi;
       }
-      __syncthreads();
+      group_sync<Traits>(group_idx);
       k_tile = smem_k + group_idx * Traits::kTileElems;
       v_tile = smem_v + group_idx * Traits::kTileElems;
     } else {
