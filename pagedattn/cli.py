@@ -16,7 +16,7 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_list(args) -> int:
-    from .registry import FAMILIES, all_specs, variant_name
+    from .registry import FAMILIES, variant_name
 
     families = args.family or list(FAMILIES)
     unknown = [f for f in families if f not in FAMILIES]

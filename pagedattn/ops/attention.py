@@ -1,7 +1,6 @@
 """flash_attn_varlen_func over a paged KV cache: validation, tile choice, split-KV, launch."""
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import ClassVar

@@ -8,8 +8,8 @@ import torch
 
 from .. import envs
 from ..contract import CacheSpec, ContractError
-from ..dtypes import CPP_TYPE, TORCH_TO_NAME, short
-from ..registry import KernelSpec, UnsupportedError, get_kernel, register
+from ..dtypes import short
+from ..registry import KernelSpec, get_kernel, register
 from .params import KvWriteParams
 
 _FP8_ENUM = {"auto": "kNone", "fp8_e4m3": "kE4M3", "fp8_e5m2": "kE5M2"}
