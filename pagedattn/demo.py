@@ -94,8 +94,11 @@ def demo_specs():
     """The variants the GPU demo runs."""
     from .ops.kv_write import KvWriteSpec
 
-    specs = [KvWriteSpec("bf16", "auto", "span")]
-    return specs
+    from .ops.attention import AttnFwdSpec, kernel_head_dim
+
+    d = DEFAULT
+    return [KvWriteSpec("bf16", "auto", "span"),
+            AttnFwdSpec("bf16", "auto", kernel_head_dim(d["head_size"]), "decode")]
 
 
 def run_cpu() -> int:
