@@ -254,14 +254,26 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     Tensor tSsK = s2r_k_thr.partition_S(sK);
     Tensor tOsVt = s2r_v_thr.partition_S(sVt);
 
-    // S = Q K^T
+    // S = Q K^T. With few independent MMA chains (narrow sub-tiles), even and odd k-steps go to two
+    // accumulators so consecutive MMAs do not wait on each other.
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, kMmaM, kBlockN/8)
     clear(acc_s);
+    constexpr bool kTwoChains = kBlockN / 8 * Traits::kMmaM < 4;
+    Tensor acc_s_odd = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    if constexpr (kTwoChains) clear(acc_s_odd);
     CUTE_UNROLL
     for (int k = 0; k < size<2>(tSrQ); ++k) {
       copy(s2r_q, tSsQ(_, _, k), tSrQ_view(_, _, k));
       copy(s2r_k, tSsK(_, _, k), tSrK_view(_, _, k));
-      cute::gemm(tiled_mma, tSrQ(_, _, k), tSrK(_, _, k), acc_s);
+      if (kTwoChains && k % 2 == 1) {
+        cute::gemm(tiled_mma, tSrQ(_, _, k), tSrK(_, _, k), acc_s_odd);
+      } else {
+        cute::gemm(tiled_mma, tSrQ(_, _, k), tSrK(_, _, k), acc_s);
+      }
+    }
+    if constexpr (kTwoChains) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) acc_s(i) += acc_s_odd(i);
     }
 
     // mask only where some row of the tile may not see some key of the sub-tile

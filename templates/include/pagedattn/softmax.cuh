@@ -66,10 +66,12 @@ struct OnlineSoftmax {
           }
         }
         l[r] = l[r] * alpha + sum;
+        if (alpha != 1.f) {  // the max moved: rescale this row of O (skipped, exactly, otherwise)
 #pragma unroll
-        for (int nd = 0; nd < kMmaD; ++nd) {
-          acc_o(2 * h, mi, nd) *= alpha;
-          acc_o(2 * h + 1, mi, nd) *= alpha;
+          for (int nd = 0; nd < kMmaD; ++nd) {
+            acc_o(2 * h, mi, nd) *= alpha;
+            acc_o(2 * h + 1, mi, nd) *= alpha;
+          }
         }
       }
     }
