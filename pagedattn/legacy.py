@@ -21,33 +21,12 @@ Semantics shared with pagedattn.legacy_reference (the oracle):
 """
 from __future__ import annotations
 
-import torch
-
-from .ops.legacy_attention import PARTITION_SIZE, check_call, launch_v1, launch_v2, num_partitions
+from .ops.legacy_attention import (PARTITION_SIZE, V1_MAX_SEQ_LEN, allocate_partials, num_partitions, run,
+                                   use_v1)
 from .ops.legacy_cache import reshape_and_cache
 
 __all__ = ["PARTITION_SIZE", "V1_MAX_SEQ_LEN", "reshape_and_cache", "paged_attention_v1",
            "paged_attention_v2", "paged_attention", "use_v1", "num_partitions", "allocate_partials"]
-
-V1_MAX_SEQ_LEN = 8192
-
-
-def use_v1(num_seqs: int, num_heads: int, max_seq_len: int) -> bool:
-    """vLLM's rule: v1 when max_seq_len <= 8192 and either one partition covers every sequence or
-    there are already more than 512 (sequence, head) CTAs to fill the GPU. Otherwise v2, whose
-    partitions add parallelism at the cost of a second (reduce) pass."""
-    return max_seq_len <= V1_MAX_SEQ_LEN and (
-        num_partitions(max_seq_len) == 1 or num_seqs * num_heads > 512)
-
-
-def allocate_partials(query: torch.Tensor, max_seq_len: int):
-    """(exp_sums, max_logits, tmp_out) scratch for paged_attention_v2."""
-    num_seqs, num_heads, head_size = query.shape
-    parts = num_partitions(max_seq_len)
-    exp_sums = torch.empty((num_seqs, num_heads, parts), dtype=torch.float32, device=query.device)
-    max_logits = torch.empty_like(exp_sums)
-    tmp_out = torch.empty((num_seqs, num_heads, parts, head_size), dtype=query.dtype, device=query.device)
-    return exp_sums, max_logits, tmp_out
 
 
 def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
@@ -61,9 +40,8 @@ def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, 
     against the table). alibi_slopes: float32 [num_heads] or None. kv_cache_dtype: "auto" | "fp8" |
     "fp8_e4m3" | "fp8_e5m2"; fp8 needs float32 one-element k_scale / v_scale.
     """
-    call = check_call(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-                      block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale)
-    launch_v1(call, validate=validate)
+    run("v1", out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
+        max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, validate=validate)
 
 
 def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads,
@@ -78,19 +56,14 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
     written partition: max_logits = its largest scaled logit (natural-log units, -inf if every token
     was masked), exp_sums = sum exp(logit - max), tmp_out = its normalised output.
     """
-    call = check_call(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-                      block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale)
-    launch_v2(call, exp_sums, max_logits, tmp_out, validate=validate)
+    run("v2", out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
+        max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, (exp_sums, max_logits, tmp_out),
+        validate=validate)
 
 
 def paged_attention(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
                     block_size, max_seq_len, alibi_slopes=None, kv_cache_dtype="auto", k_scale=None,
                     v_scale=None, *, validate: bool | None = None) -> str:
     """v1 or v2 by `use_v1`; v2's scratch is allocated here. Returns "v1" or "v2"."""
-    call = check_call(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-                      block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale)
-    if use_v1(call.num_seqs, call.num_heads, max_seq_len):
-        launch_v1(call, validate=validate)
-        return "v1"
-    launch_v2(call, *allocate_partials(query, max_seq_len), validate=validate)
-    return "v2"
+    return run("auto", out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+               block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, validate=validate)

@@ -24,6 +24,7 @@ THREADS = 128                 # 4 warps per CTA, for both kernels
 HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
 BLOCK_SIZES = (8, 16, 32)
 MAX_GRID_YZ = 65535
+V1_MAX_SEQ_LEN = 8192         # vLLM's rule: past this, always v2
 INT32_MAX = 2**31 - 1
 
 
@@ -231,52 +232,115 @@ def _require_cuda(call: AttentionCall) -> None:
                             "pagedattn.legacy_reference.paged_attention")
 
 
-def _attention_values(call: AttentionCall, *, max_tokens: int, partition_size: int,
-                      partition_stride: int, exp_sums=None, max_logits=None, tmp_out=None) -> tuple:
-    q, o = call.query, call.out
-
-    def ptr(t):
-        return t.data_ptr() if t is not None else 0
-
-    return (o.data_ptr(), q.data_ptr(), call.key_cache.data_ptr(), call.value_cache.data_ptr(),
-            call.block_tables.data_ptr(), call.seq_lens.data_ptr(), ptr(call.alibi_slopes),
-            ptr(call.k_scale), ptr(call.v_scale), ptr(exp_sums), ptr(max_logits), ptr(tmp_out),
-            q.stride(0), q.stride(1), o.stride(0), o.stride(1), call.block_tables.stride(0)) + \
-        geometry(call.cache, call.key_cache, call.value_cache) + \
-        (call.scale * math.log2(math.e), call.num_heads // call.cache.num_kv_heads,
-         max_tokens, partition_size, partition_stride)
+def use_v1(num_seqs: int, num_heads: int, max_seq_len: int) -> bool:
+    """vLLM's rule: v1 when max_seq_len <= 8192 and either one partition covers every sequence or
+    there are already more than 512 (sequence, head) CTAs to fill the GPU. Otherwise v2, whose
+    partitions add parallelism at the cost of a second (reduce) pass."""
+    return max_seq_len <= V1_MAX_SEQ_LEN and (num_partitions(max_seq_len) == 1 or num_seqs * num_heads > 512)
 
 
-def launch_v1(call: AttentionCall, validate: bool | None = None) -> None:
-    if validate or (validate is None and envs.debug()):
-        check_tables(call)
-    _require_cuda(call)
-    if call.num_seqs == 0:
-        return
-    device = call.key_cache.device.index
-    get_kernel(call.spec).launcher(device)(
-        (call.num_heads, call.num_seqs, 1), (THREADS, 1, 1),
-        _attention_values(call, max_tokens=call.table_tokens, partition_size=0, partition_stride=0))
+def allocate_partials(query: torch.Tensor, max_seq_len: int):
+    """(exp_sums, max_logits, tmp_out) scratch for paged_attention_v2."""
+    num_seqs, num_heads, head_size = query.shape
+    parts = num_partitions(max_seq_len)
+    exp_sums = torch.empty((num_seqs, num_heads, parts), dtype=torch.float32, device=query.device)
+    max_logits = torch.empty_like(exp_sums)
+    tmp_out = torch.empty((num_seqs, num_heads, parts, head_size), dtype=query.dtype, device=query.device)
+    return exp_sums, max_logits, tmp_out
 
 
-def launch_v2(call: AttentionCall, exp_sums, max_logits, tmp_out, validate: bool | None = None) -> None:
-    stride = check_partials(call, exp_sums, max_logits, tmp_out)
-    if validate or (validate is None and envs.debug()):
-        check_tables(call)
-    _require_cuda(call)
-    if call.num_seqs == 0:
-        return
-    parts = num_partitions(call.max_seq_len)
-    max_tokens = min(call.table_tokens, parts * PARTITION_SIZE)
-    device = call.key_cache.device.index
-    get_kernel(call.spec).launcher(device)(
-        (call.num_heads, call.num_seqs, parts), (THREADS, 1, 1),
-        _attention_values(call, max_tokens=max_tokens, partition_size=PARTITION_SIZE,
-                          partition_stride=stride, exp_sums=exp_sums, max_logits=max_logits,
-                          tmp_out=tmp_out))
-    reduce = get_kernel(LegacyReduceSpec(call.spec.dtype, call.spec.head_size))
-    o = call.out
-    reduce.launcher(device)(
-        (call.num_heads, call.num_seqs, 1), (THREADS, 1, 1),
-        (o.data_ptr(), exp_sums.data_ptr(), max_logits.data_ptr(), tmp_out.data_ptr(),
-         call.seq_lens.data_ptr(), o.stride(0), o.stride(1), max_tokens, PARTITION_SIZE, stride, 0))
+class Plan:
+    """Everything about a call that depends only on its metadata (shapes, strides, dtypes, devices and
+    the scalar arguments): made once by the checked path, reused by later calls with the same
+    metadata, which only fill in the pointers."""
+    __slots__ = ("version", "attn", "reduce", "grid", "reduce_grid", "tail", "reduce_tail", "is_fp8",
+                 "empty")
+
+    def __init__(self, call: AttentionCall, version: str, partition_stride: int | None):
+        v2 = version == "v2"
+        parts = num_partitions(call.max_seq_len) if v2 else 1
+        max_tokens = min(call.table_tokens, parts * PARTITION_SIZE) if v2 else call.table_tokens
+        device = call.key_cache.device.index
+        q, o = call.query, call.out
+        self.version = version
+        self.empty = call.num_seqs == 0
+        self.is_fp8 = call.cache.is_fp8
+        self.grid = (call.num_heads, call.num_seqs, parts)
+        # LegacyAttentionParams after its 12 pointers
+        self.tail = (q.stride(0), q.stride(1), o.stride(0), o.stride(1), call.block_tables.stride(0)) + \
+            geometry(call.cache, call.key_cache, call.value_cache) + \
+            (call.scale * math.log2(math.e), call.num_heads // call.cache.num_kv_heads, max_tokens,
+             PARTITION_SIZE if v2 else 0, partition_stride or 0)
+        self.attn = self.reduce = None
+        if not self.empty:
+            self.attn = get_kernel(call.spec).launcher(device)
+        self.reduce_grid = (call.num_heads, call.num_seqs, 1)
+        self.reduce_tail = (o.stride(0), o.stride(1), max_tokens, PARTITION_SIZE, partition_stride or 0, 0)
+        if v2 and not self.empty:
+            self.reduce = get_kernel(LegacyReduceSpec(call.spec.dtype, call.spec.head_size)).launcher(device)
+
+    def launch(self, out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, k_scale,
+               v_scale, exp_sums=None, max_logits=None, tmp_out=None) -> None:
+        if self.empty:
+            return
+        scales = (k_scale.data_ptr(), v_scale.data_ptr()) if self.is_fp8 else (0, 0)
+        partials = (exp_sums.data_ptr(), max_logits.data_ptr(), tmp_out.data_ptr()) \
+            if self.reduce is not None else (0, 0, 0)
+        self.attn(self.grid, (THREADS, 1, 1),
+                  (out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                   block_tables.data_ptr(), seq_lens.data_ptr(),
+                   alibi_slopes.data_ptr() if alibi_slopes is not None else 0) + scales + partials + self.tail)
+        if self.reduce is not None:
+            self.reduce(self.reduce_grid, (THREADS, 1, 1),
+                        (out.data_ptr(),) + partials + (seq_lens.data_ptr(),) + self.reduce_tail)
+
+
+_PLANS: dict[tuple, Plan] = {}
+
+
+def _meta(a):
+    """What a plan depends on for one argument: a tensor's metadata, or a scalar's type and value."""
+    if isinstance(a, torch.Tensor):
+        return (a.shape, a.stride(), a.dtype, a.device)
+    return (type(a), a)
+
+
+def run(version: str, out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+        block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, partials=None,
+        validate: bool | None = None) -> str:
+    """paged_attention_v1 ("v1"), _v2 ("v2", with `partials`) or the rule's choice ("auto").
+
+    The first call with given metadata runs every check (check_call, check_partials, and with
+    validate / PAGEDATTN_DEBUG also check_tables) and keeps a Plan; later calls with the same
+    metadata re-check only the caches' 16-byte alignment. Returns the version that ran."""
+    args = (out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
+            max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale)
+    debug = validate or (validate is None and envs.debug())
+    plan = key = None
+    if not debug:
+        try:
+            key = (version,) + tuple(map(_meta, args)) + tuple(map(_meta, partials or ()))
+            plan = _PLANS.get(key)
+        except TypeError:  # an unhashable argument: the checked path explains
+            key = None
+    if plan is None or (key_cache.data_ptr() | value_cache.data_ptr()) & 15:
+        call = check_call(*args)
+        chosen = version
+        if version == "auto":
+            chosen = "v1" if use_v1(call.num_seqs, call.num_heads, max_seq_len) else "v2"
+            if chosen == "v2":
+                partials = allocate_partials(query, max_seq_len)
+        stride = check_partials(call, *partials) if chosen == "v2" else None
+        if debug:
+            check_tables(call)
+        _require_cuda(call)
+        plan = Plan(call, chosen, stride)
+        if key is not None:
+            if len(_PLANS) > 256:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    elif version == "auto" and plan.version == "v2":
+        partials = allocate_partials(query, max_seq_len)
+    plan.launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, k_scale, v_scale,
+                *(partials if plan.version == "v2" else ()))
+    return plan.version
