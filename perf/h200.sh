@@ -21,6 +21,17 @@ for stage in "$@"; do
     precompile) python3 -m pagedattn.cli precompile --arch sm_90a --ops "${PRECOMPILE_OPS:-attn_fwd,split_combine,kv_write}" --jobs 16 --out /tmp/bundle -q 2>&1 | tail -n 15
                export PAGEDATTN_AOT_DIR=/tmp/bundle ;;
     attnquick) python3 "$ROOT/perf/attn_quick.py" "$OUT/results" ;;
+    bundle)    mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1 && ls /tmp/bundle | head -3
+               export PAGEDATTN_AOT_DIR=/tmp/bundle ;;
+    aotcheck)  PAGEDATTN_DISABLE_JIT=1 python3 "$ROOT/perf/aot_check.py" ;;
+    ncu)       for k in decode prefill; do
+                 ncu --clock-control none --kernel-name attn_fwd_kernel --launch-skip 2 --launch-count 1 \
+                     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+                     --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+                     python3 "$ROOT/perf/profile_case.py" $k > "$OUT/ncu_$k.txt" 2>&1
+                 grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued" "$OUT/ncu_$k.txt" | head -20
+               done ;;
+    benchq)    python3 -m pagedattn.cli bench --suite all --quick --no-flex --out "$OUT/results" ;;
     demo)      python3 -m pagedattn.demo ;;
     bench)     python3 -m pagedattn.cli bench --suite all --out "$OUT/results" ;;
     bench-quick) python3 -m pagedattn.cli bench --suite all --quick --out "$OUT/results" ;;
