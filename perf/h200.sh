@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
-# (info tests sanitize overhead bench bench-quick demo aot). Logs and results go under $OUT.
+# (info precompile bundle tests alltests sanitize overhead attnquick aotcheck ncu benchq bench-full demo).
+# Logs and results go under $OUT; RESULTS.md and plots are regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
 set -uo pipefail
 ROOT=$(pwd)
@@ -31,10 +32,9 @@ for stage in "$@"; do
                      python3 "$ROOT/perf/profile_case.py" $k > "$OUT/ncu_$k.txt" 2>&1
                  grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued" "$OUT/ncu_$k.txt" | head -20
                done ;;
-    benchq)    python3 -m pagedattn.cli bench --suite all --quick --no-flex --out "$OUT/results" ;;
+    benchq)    python3 -m pagedattn.cli bench --suite all --quick --no-flex --no-report --out "$OUT/results" ;;
+    bench-full) python3 -m pagedattn.cli bench --suite all --no-report --out "$OUT/results" ;;
     demo)      python3 -m pagedattn.demo ;;
-    bench)     python3 -m pagedattn.cli bench --suite all --out "$OUT/results" ;;
-    bench-quick) python3 -m pagedattn.cli bench --suite all --quick --out "$OUT/results" ;;
     *)         echo "unknown stage $stage" ;;
   esac
   rc=${PIPESTATUS[0]}

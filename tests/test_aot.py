@@ -437,3 +437,57 @@ def test_cli_errors_exit_2(capsys):
     assert "--dtypes: fp64" in capsys.readouterr().err
     assert aot.main(["precompile", "--arch", "sm_90a", "--ops", "kv_write"]) == 2
     assert "--out DIR is required" in capsys.readouterr().err
+
+
+# -- GPU: run from a bundle with JIT off ---------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_write_and_decode_run_from_bundle_with_jit_off(fresh_cache, monkeypatch, tmp_path):
+    """Cache write + decode attention with PAGEDATTN_DISABLE_JIT=1: zero compiles. The bundle is
+    $PAGEDATTN_TEST_BUNDLE when set (one built on the CPU machine and carried over: `pagedattn
+    precompile --arch sm_90a --ops kv_write,attn_fwd,split_combine --dtypes bf16 --kv-cache-dtypes
+    auto --head-sizes 128 --out DIR`), else that command runs here first (NVRTC gives the same bytes
+    on any host)."""
+    import torch
+
+    import pagedattn
+    from pagedattn import reference
+    from pagedattn.registry import arch_for_device
+
+    arch = arch_for_device(0)
+    given = os.environ.get("PAGEDATTN_TEST_BUNDLE")
+    folder = Path(given) if given else tmp_path / "bundle"
+    if not given:
+        assert aot.main(["precompile", "-q", "--arch", arch, "--ops", "kv_write,attn_fwd,split_combine",
+                         "--dtypes", "bf16", "--kv-cache-dtypes", "auto", "--head-sizes", "128",
+                         "--out", str(folder)]) == 0
+    assert bundle.verify(folder).ok
+    monkeypatch.setenv("PAGEDATTN_AOT_DIR", str(folder))
+    monkeypatch.setenv("PAGEDATTN_DISABLE_JIT", "1")
+    bundle.forget()
+
+    torch.manual_seed(0)
+    B, Hq, Hkv, D, bs, num_blocks = 4, 8, 2, 128, 16, 64
+    spec = pagedattn.CacheSpec(num_blocks=num_blocks, block_size=bs, num_kv_heads=Hkv, head_size=D,
+                               dtype=torch.bfloat16, layout="NHD")
+    key_cache, value_cache = spec.allocate("cuda", fill=0.0)
+    lens = [37, 1, 100, 64]
+    table = torch.randperm(num_blocks, device="cuda")[: B * 8].view(B, 8).to(torch.int32)
+    slots = [int(table[b, t // bs]) * bs + t % bs for b in range(B) for t in range(lens[b])]
+    slot_mapping = torch.tensor(slots, device="cuda", dtype=torch.int64)
+    k = torch.randn(len(slots), Hkv, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    pagedattn.reshape_and_cache_flash(k, v, key_cache, value_cache, slot_mapping)
+
+    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+    cu_q = torch.arange(B + 1, device="cuda", dtype=torch.int32)
+    seqused = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    out = pagedattn.flash_attn_varlen_func(q, key_cache, value_cache, 1, cu_q, max(lens),
+                                           seqused_k=seqused, block_table=table)
+    torch.cuda.synchronize()
+    assert fresh_cache.compiles == 0
+
+    ref_k, ref_v = spec.allocate("cuda", fill=0.0)
+    reference.reshape_and_cache_flash(k, v, ref_k, ref_v, slot_mapping)
+    assert torch.equal(key_cache, ref_k) and torch.equal(value_cache, ref_v)
+    ref = reference.paged_attention(q, key_cache, value_cache, cu_q, seqused, table)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
