@@ -34,3 +34,21 @@ for kv, D in (("auto", 128), ("fp8_e4m3", 72)):
                                return_softmax_lse=True)
 torch.cuda.synchronize()
 print("sanitize attention cases done")
+
+# legacy path: corrupt tables, negative and oversized lengths, slots past the cache
+from pagedattn import legacy  # noqa: E402
+
+for kv, dt in (("auto", torch.float16), ("fp8_e5m2", torch.uint8)):
+    kc, vc = CacheSpec(6, 16, 2, 80, dt, kv, "legacy").allocate("cuda", fill=0.5)
+    t = torch.tensor([[0, 5, 10**6, -1], [-3, 2, 1, 2**31 - 1]], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 8, 80, dtype=torch.float16, device="cuda")
+    s = torch.ones(1, device="cuda")
+    seq = torch.tensor([10**5, -4], dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    legacy.paged_attention_v1(out, q, kc, vc, 2, 0.1, t, seq, 16, 64, None, kv, s, s)
+    legacy.paged_attention_v2(out, *legacy.allocate_partials(q, 64), q, kc, vc, 2, 0.1, t, seq, 16, 64,
+                              None, kv, s, s)
+    k = torch.randn(3, 2, 80, dtype=torch.float16, device="cuda")
+    legacy.reshape_and_cache(k, k, kc, vc, torch.tensor([0, 96, 2**40], device="cuda"), kv, s, s)
+torch.cuda.synchronize()
+print("sanitize legacy cases done")
