@@ -73,8 +73,10 @@ def _check_scale(name, scale, spec: CacheSpec, device) -> int:
     return 0 if spec.scale == "tensor" else 1
 
 
-def validate_inputs(spec: CacheSpec, key, value, key_cache, slot_mapping, k_scale, v_scale):
-    """Every check happens here, before any kernel runs. Returns (num_tokens, scale_stride)."""
+def check_new_tokens(spec: CacheSpec, key, value, key_cache, slot_mapping,
+                     input_dtypes=(torch.float16, torch.bfloat16, torch.float32), who="the writer") -> int:
+    """The checks every cache writer shares: new K/V tokens and their slot_mapping against the cache.
+    Returns the number of tokens to write."""
     h, d = spec.num_kv_heads, spec.head_size
     for name, t in (("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
@@ -82,8 +84,9 @@ def validate_inputs(spec: CacheSpec, key, value, key_cache, slot_mapping, k_scal
         if t.dim() != 3 or tuple(t.shape[1:]) != (h, d):
             raise ContractError(f"{name} must have shape [T, {h}, {d}] to match the cache, "
                                 f"got {tuple(t.shape)}")
-        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ContractError(f"{name} dtype {t.dtype} is not supported (fp16, bf16, fp32)")
+        if t.dtype not in input_dtypes:
+            names = ", ".join(short(x) for x in input_dtypes)
+            raise ContractError(f"{name} dtype {t.dtype} is not supported by {who} ({names})")
         if t.device != key_cache.device:
             raise ContractError(f"{name} is on {t.device}, the cache on {key_cache.device}")
         if t.stride(2) != 1 or (h > 1 and t.stride(1) != d):
@@ -108,6 +111,12 @@ def validate_inputs(spec: CacheSpec, key, value, key_cache, slot_mapping, k_scal
     if num_tokens > key.shape[0]:
         raise ContractError(f"slot_mapping has {num_tokens} entries but key/value only {key.shape[0]} "
                             "tokens")
+    return num_tokens
+
+
+def validate_inputs(spec: CacheSpec, key, value, key_cache, slot_mapping, k_scale, v_scale):
+    """Every check happens here, before any kernel runs. Returns (num_tokens, scale_stride)."""
+    num_tokens = check_new_tokens(spec, key, value, key_cache, slot_mapping)
     scale_stride = 0
     if spec.is_fp8:
         scale_stride = _check_scale("k_scale", k_scale, spec, key_cache.device)

@@ -10,7 +10,7 @@ from .. import envs
 from ..contract import CacheSpec, ContractError
 from ..dtypes import short
 from ..registry import KernelSpec, get_kernel, register
-from .kv_write import check_slots
+from .kv_write import check_new_tokens, check_slots
 from .legacy_params import LegacyCacheWriteParams
 
 FP8_ENUM = {"auto": "kNone", "fp8_e4m3": "kE4M3", "fp8_e5m2": "kE5M2"}
@@ -64,40 +64,8 @@ def check_scale(name: str, scale, spec: CacheSpec, device: torch.device) -> None
 
 def validate_inputs(spec: CacheSpec, key, value, key_cache, slot_mapping, k_scale, v_scale) -> int:
     """Every check of the writer, before any kernel runs. Returns the number of tokens to write."""
-    h, d = spec.num_kv_heads, spec.head_size
-    for name, t in (("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise ContractError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3 or tuple(t.shape[1:]) != (h, d):
-            raise ContractError(f"{name} must have shape [T, {h}, {d}] to match the cache, "
-                                f"got {tuple(t.shape)}")
-        if t.dtype not in INPUT_DTYPES:
-            raise ContractError(f"{name} dtype {t.dtype} is not supported by the legacy writer "
-                                "(fp16, bf16)")
-        if t.device != key_cache.device:
-            raise ContractError(f"{name} is on {t.device}, the cache on {key_cache.device}")
-        if t.stride(2) != 1 or (h > 1 and t.stride(1) != d):
-            raise ContractError(f"{name}'s (H, D) part must be dense (strides [*, {d}, 1]), "
-                                f"got strides {t.stride()}")
-    if key.dtype != value.dtype:
-        raise ContractError(f"key ({key.dtype}) and value ({value.dtype}) differ in dtype")
-    if key.shape[0] != value.shape[0]:
-        raise ContractError(f"key has {key.shape[0]} tokens, value {value.shape[0]}")
-    if not spec.is_fp8 and key.dtype != spec.dtype:
-        raise ContractError(f"kv_cache_dtype='auto' needs the cache dtype ({spec.dtype}) to equal the "
-                            f"input dtype ({key.dtype})")
-    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in (torch.int64, torch.int32):
-        raise ContractError(f"slot_mapping must be an int64 (or int32) tensor, got "
-                            f"{getattr(slot_mapping, 'dtype', type(slot_mapping).__name__)}")
-    if slot_mapping.device != key_cache.device:
-        raise ContractError(f"slot_mapping is on {slot_mapping.device}, the cache on {key_cache.device}")
-    if slot_mapping.dim() != 1 or (slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1):
-        raise ContractError(f"slot_mapping must be a contiguous 1-D tensor, got shape "
-                            f"{tuple(slot_mapping.shape)} strides {slot_mapping.stride()}")
-    num_tokens = slot_mapping.numel()
-    if num_tokens > key.shape[0]:
-        raise ContractError(f"slot_mapping has {num_tokens} entries but key/value only {key.shape[0]} "
-                            "tokens")
+    num_tokens = check_new_tokens(spec, key, value, key_cache, slot_mapping, INPUT_DTYPES,
+                                  "the legacy writer")
     if spec.is_fp8:
         check_scale("k_scale", k_scale, spec, key_cache.device)
         check_scale("v_scale", v_scale, spec, key_cache.device)
