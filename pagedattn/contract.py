@@ -31,6 +31,15 @@ class ContractError(ValueError):
     """A tensor does not match the cache-layout contract."""
 
 
+def _same_dtype_and_device(key_cache, value_cache) -> None:
+    if key_cache.dtype != value_cache.dtype:
+        raise ContractError(f"key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) "
+                            "differ in dtype")
+    if key_cache.device != value_cache.device:
+        raise ContractError(f"key_cache ({key_cache.device}) and value_cache ({value_cache.device}) "
+                            "are on different devices")
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     num_blocks: int
@@ -164,12 +173,7 @@ class CacheSpec:
         if key_cache.shape != value_cache.shape:
             raise ContractError(f"key_cache {tuple(key_cache.shape)} and value_cache "
                                 f"{tuple(value_cache.shape)} differ in shape")
-        if key_cache.dtype != value_cache.dtype:
-            raise ContractError(f"key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) "
-                                "differ in dtype")
-        if key_cache.device != value_cache.device:
-            raise ContractError(f"key_cache ({key_cache.device}) and value_cache ({value_cache.device}) "
-                                "are on different devices")
+        _same_dtype_and_device(key_cache, value_cache)
         if key_cache.stride() != value_cache.stride():
             raise ContractError(f"key_cache strides {key_cache.stride()} and value_cache strides "
                                 f"{value_cache.stride()} differ: K and V must share one layout")
@@ -215,12 +219,7 @@ class CacheSpec:
                     hint = (": a 4-D key cache is the NHD/HND layout of reshape_and_cache_flash, read "
                             "by the flash kernels, not by the legacy ones")
                 raise ContractError(f"legacy {name} must be {dims}-D, got shape {tuple(t.shape)}{hint}")
-        if key_cache.dtype != value_cache.dtype:
-            raise ContractError(f"key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) "
-                                "differ in dtype")
-        if key_cache.device != value_cache.device:
-            raise ContractError(f"key_cache ({key_cache.device}) and value_cache ({value_cache.device}) "
-                                "are on different devices")
+        _same_dtype_and_device(key_cache, value_cache)
         n, h, dx, b, x = key_cache.shape
         elem = key_cache.element_size()
         if x * elem != 16:
