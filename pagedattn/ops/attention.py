@@ -290,6 +290,51 @@ def choose_splits(num_splits: int, ctas: int, max_seqlen_k: int, spec: AttnFwdSp
     return max(1, splits)
 
 
+def _sig(t):
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t)
+
+
+class _Plan:
+    """What a call's tensor metadata decides, validated once and reused while it repeats."""
+    __slots__ = ("call", "device", "dtype", "head_dim", "dbs", "dhs", "block_shift", "bt_stride",
+                 "bt_width", "_kernels")
+
+    def __init__(self, call: _Call, q, block_table, k_descale, v_descale):
+        self.call = call
+        self.device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        self.dtype = short(q.dtype)
+        self.head_dim = kernel_head_dim(call.D)
+        self.dbs = self.dhs = 0
+        if call.kv_name != "auto":
+            self.dbs, self.dhs = _descale_strides("k_descale", k_descale, call.B, call.Hkv, q.device)
+            if _descale_strides("v_descale", v_descale, call.B, call.Hkv, q.device) != (self.dbs, self.dhs):
+                raise ContractError("k_descale and v_descale must have the same shape")
+        bs = call.block_size
+        self.block_shift = bs.bit_length() - 1 if bs and bs & (bs - 1) == 0 else -1
+        self.bt_stride = block_table.stride(0) if block_table is not None else 0
+        self.bt_width = block_table.shape[1] if block_table is not None else 0
+        self._kernels: dict = {}
+
+    def kernel(self, mode: str):
+        """(spec, launcher) of the decode or prefill variant."""
+        hit = self._kernels.get(mode)
+        if hit is None:
+            spec = AttnFwdSpec(self.dtype, self.call.kv_name, self.head_dim, mode)
+            hit = self._kernels[mode] = (spec, get_kernel(spec).launcher(self.device))
+        return hit
+
+    def combine(self):
+        hit = self._kernels.get("combine")
+        if hit is None:
+            hit = self._kernels["combine"] = get_kernel(CombineSpec(self.dtype)).launcher(self.device)
+        return hit
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
 def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None,
                            seqused_k=None, softmax_scale=None, causal=False, block_table=None,
                            return_softmax_lse=False, out=None, num_splits=0, k_descale=None,
@@ -302,58 +347,66 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     fp8 caches (uint8 + kv_cache_dtype, or float8 tensors) need k_descale / v_descale ([1], [Hkv] or
     [B, Hkv]); they are dequantised inside the kernel. Returns out, or (out, lse [Hq, total_q]).
     num_splits: 0 = heuristic, 1 = no split-KV, >1 = that many splits (capped by the KV length).
+
+    Validation runs once per distinct tensor metadata (shapes without total_q, strides, dtypes,
+    devices); repeated calls only re-check token counts and pointer alignment.
     """
     for name, value in unsupported.items():
         if name not in _UNSUPPORTED_OK:
             raise TypeError(f"flash_attn_varlen_func() got an unexpected keyword argument {name!r}")
         if not any(value is ok or value == ok for ok in _UNSUPPORTED_OK[name]):
             raise NotImplementedError(f"pagedattn.flash_attn_varlen_func does not support {name}={value!r} yet")
-    call = validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, kv_cache_dtype,
-                    k_descale, v_descale)
+    try:
+        sig = (q.shape[1:], q.stride(), q.dtype, q.device, _sig(k), _sig(v), _sig(cu_seqlens_q),
+               _sig(cu_seqlens_k), _sig(seqused_k), _sig(block_table),
+               None if out is None else _sig(out)[1:] + (out.shape[1:],), kv_cache_dtype,
+               _sig(k_descale), _sig(v_descale))
+        plan = _PLANS.get(sig)
+    except (AttributeError, TypeError):  # not tensors: the full validation explains
+        sig, plan = None, None
+    if plan is not None and ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 or
+                             (out is not None and (out.shape[0] != q.shape[0] or out.data_ptr() & 15))):
+        plan = None  # something only the full validation can name
+    if plan is None:
+        call = validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, kv_cache_dtype,
+                        k_descale, v_descale)
+        plan = _Plan(call, q, block_table, k_descale, v_descale)
+        if sig is not None:
+            if len(_PLANS) > 256:
+                _PLANS.clear()
+            _PLANS[sig] = plan
+    call = plan.call
+    total_q = q.shape[0]
     if block_table is not None and envs.debug():
         check_tables(block_table, seqused_k, cu_seqlens_q, call.num_blocks, call.block_size, max_seqlen_q)
     if out is None:
         out = torch.empty_like(q)
-    lse = torch.empty(call.Hq, call.total_q, dtype=torch.float32, device=q.device) if return_softmax_lse else None
-    if call.total_q == 0 or call.B == 0:
+    lse = torch.empty(call.Hq, total_q, dtype=torch.float32, device=q.device) if return_softmax_lse else None
+    if total_q == 0 or call.B == 0:
         return (out, lse) if return_softmax_lse else out
     group = call.Hq // call.Hkv
     rows = int(max_seqlen_q) * group
-    mode = "decode" if rows <= 16 else "prefill"
-    spec = AttnFwdSpec(short(q.dtype), call.kv_name, kernel_head_dim(call.D), mode)
-    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    kernel = get_kernel(spec)
+    spec, launcher = plan.kernel("decode" if rows <= 16 else "prefill")
     m_blocks = -(-rows // spec.tiles["kBlockM"])
-    splits = choose_splits(int(num_splits), call.B * call.Hkv * m_blocks, int(max_seqlen_k), spec, device)
+    splits = choose_splits(int(num_splits), call.B * call.Hkv * m_blocks, int(max_seqlen_k), spec, plan.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(call.D)
     o_accum = lse_accum = None
     if splits > 1:
-        o_accum = torch.empty(splits, call.total_q, call.Hq, spec.head_dim, dtype=torch.float32, device=q.device)
-        lse_accum = torch.empty(splits, call.Hq, call.total_q, dtype=torch.float32, device=q.device)
-    dbs = dhs = 0
-    if call.kv_name != "auto":
-        dbs, dhs = _descale_strides("k_descale", k_descale, call.B, call.Hkv, q.device)
-        vbs, vhs = _descale_strides("v_descale", v_descale, call.B, call.Hkv, q.device)
-        if (vbs, vhs) != (dbs, dhs):
-            raise ContractError("k_descale and v_descale must have the same shape")
-    bs = call.block_size
-    block_shift = bs.bit_length() - 1 if bs and bs & (bs - 1) == 0 else -1
+        o_accum = torch.empty(splits, total_q, call.Hq, spec.head_dim, dtype=torch.float32, device=q.device)
+        lse_accum = torch.empty(splits, call.Hq, total_q, dtype=torch.float32, device=q.device)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     values = (
         q.data_ptr(), out.data_ptr(), ptr(lse), k.data_ptr(), v.data_ptr(), ptr(block_table),
         cu_seqlens_q.data_ptr(), ptr(seqused_k), ptr(cu_seqlens_k), ptr(k_descale), ptr(v_descale),
         ptr(o_accum), ptr(lse_accum),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *call.k_strides, *call.v_strides,
-        block_table.stride(0) if block_table is not None else 0,
-        block_table.shape[1] if block_table is not None else 0,
-        call.num_blocks, bs, block_shift, call.B, call.Hq, call.Hkv, group, call.D, call.total_q,
-        splits, int(bool(causal)), dbs, dhs, scale * LOG2E)
-    kernel.launcher(device)((call.B * call.Hkv, m_blocks, splits), (spec.threads, 1, 1), values)
+        plan.bt_stride, plan.bt_width, call.num_blocks, call.block_size, plan.block_shift, call.B, call.Hq,
+        call.Hkv, group, call.D, total_q, splits, int(bool(causal)), plan.dbs, plan.dhs, scale * LOG2E)
+    launcher((call.B * call.Hkv, m_blocks, splits), (spec.threads, 1, 1), values)
     if splits > 1:
-        combine = get_kernel(CombineSpec(spec.dtype))
-        rows_total = call.total_q * call.Hq
-        combine.launcher(device)(
+        rows_total = total_q * call.Hq
+        plan.combine()(
             (-(-rows_total // CombineSpec.WARPS), 1, 1), (32 * CombineSpec.WARPS, 1, 1),
             (o_accum.data_ptr(), lse_accum.data_ptr(), out.data_ptr(), ptr(lse), out.stride(0),
-             out.stride(1), spec.head_dim, call.total_q, call.Hq, call.D, splits))
+             out.stride(1), spec.head_dim, total_q, call.Hq, call.D, splits))
     return (out, lse) if return_softmax_lse else out
