@@ -74,6 +74,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; other users of a shared cache must read it
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -157,7 +158,7 @@ class KernelCache:
         found = bundle.lookup(key)
         if found is not None:
             cubin, path = found
-            return Artifact(variant, arch, key, cubin, f"aot:{path.parent}", path)
+            return Artifact(variant, arch, key, cubin, f"aot:{path.parent.parent}", path)
 
         root = envs.cache_dir()
         folder = root / entry_name(variant, arch, key)

@@ -40,6 +40,7 @@ class HeaderSet:
     runtime_include: Path  # holds cuda_runtime_api.h, cuda_fp8.h ...
     cccl_include: Path     # holds cuda/std/..., cub, thrust
     cuda_version: int      # CUDART_VERSION, e.g. 13000
+    cccl_version: str      # CCCL_VERSION as major.minor.patch, e.g. 3.0.1
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,15 @@ class Toolchain:
         return out
 
     def fingerprint(self) -> dict:
+        """What a cubin depends on besides our own sources: NVRTC's version and the versions the
+        headers declare. Where the headers live (pip wheel or CUDA_HOME) is left out on purpose, so a
+        bundle built from the pip wheels is found by a runtime whose identical headers come from a
+        toolkit, and vice versa."""
         return {
             "nvrtc": "%d.%d" % self.nvrtc_version,
             "cuda_headers": self.headers.cuda_version,
-            "header_origin": self.headers.origin,
-            "packages": dict(sorted(self.package_versions.items())),
+            "packages": {"nvidia-cutlass": self.package_versions.get("nvidia-cutlass"),
+                         "cccl": self.headers.cccl_version},
         }
 
 
@@ -87,6 +92,18 @@ def _cudart_version(runtime_include: Path) -> int:
     if not m:
         raise ToolchainError(f"cannot read CUDART_VERSION from {runtime_include / 'cuda_runtime_api.h'}")
     return int(m.group(1))
+
+
+def _cccl_version(cccl_include: Path) -> str:
+    path = cccl_include / "cuda" / "std" / "__cccl" / "version.h"
+    try:
+        m = re.search(r"#define\s+CCCL_VERSION\s+(\d+)", path.read_text(errors="replace"))
+    except OSError:
+        m = None
+    if not m:
+        return "unknown"
+    v = int(m.group(1))
+    return f"{v // 1000000}.{v // 1000 % 1000}.{v % 1000}"
 
 
 def _pip_header_candidates():
@@ -129,7 +146,7 @@ def find_headers(nvrtc_major: int | None = None) -> HeaderSet:
         if nvrtc_major is not None and version // 1000 != nvrtc_major:
             tried.append(f"{rt}: CUDA {version // 1000} headers, NVRTC is {nvrtc_major}")
             continue
-        return HeaderSet(origin, rt, cccl, version)
+        return HeaderSet(origin, rt, cccl, version, _cccl_version(cccl))
     extra = f"cu{nvrtc_major}" if nvrtc_major else "cu13"
     raise ToolchainError(
         "no usable CUDA header set found (CCCL + runtime headers matching NVRTC). Install "
