@@ -15,7 +15,7 @@ for stage in "$@"; do
   t0=$(date +%s)
   case $stage in
     info)      python3 -m pagedattn.cli info ;;
-    tests)     python3 -m pytest -q -ra -m gpu -p no:cacheprovider "$ROOT/tests" ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tail -n 60 | tee "$OUT/gpu_tests.log" ;;
+    tests)     PAGEDATTN_TEST_BUNDLE=${PAGEDATTN_AOT_DIR:-} python3 -m pytest -q -ra -m gpu -p no:cacheprovider "$ROOT/tests" ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tail -n 60 | tee "$OUT/gpu_tests.log" ;;
     alltests)  python3 -m pytest -q -ra -p no:cacheprovider "$ROOT/tests" 2>&1 | tail -n 60 | tee "$OUT/all_tests.log" ;;
     sanitize)  compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" 2>&1 | tail -n 30 ;;
     overhead)  python3 "$ROOT/perf/launch_overhead.py" "$OUT/results" ;;
@@ -25,7 +25,7 @@ for stage in "$@"; do
     bundle)    mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1 && ls /tmp/bundle | head -3
                export PAGEDATTN_AOT_DIR=/tmp/bundle ;;
     aotcheck)  PAGEDATTN_DISABLE_JIT=1 python3 "$ROOT/perf/aot_check.py" ;;
-    ncu)       for k in decode prefill; do
+    ncu)       for k in ${NCU_CASES:-decode}; do
                  ncu --clock-control none --kernel-name attn_fwd_kernel --launch-skip 2 --launch-count 1 \
                      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
                      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
