@@ -52,6 +52,7 @@ def _machine() -> dict:
 def main() -> int:
     from pagedattn import aot, ops  # noqa: F401
     from pagedattn.codegen.bundle import expected_header
+    from pagedattn.info import git_commit
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="sm_90a")
@@ -90,7 +91,7 @@ def main() -> int:
         "what": f"pagedattn precompile --arch {','.join(archs)} --preset {args.preset} "
                 f"(cold, empty --out; then a rerun)",
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "git_commit": _git("rev-parse", "HEAD"),
+        "git_commit": git_commit(),
         "git_dirty_files": len((_git("status", "--porcelain") or "").splitlines()),
         "machine": _machine(),
         "toolchain": expected_header(),
