@@ -23,8 +23,11 @@ for stage in "$@"; do
                export PAGEDATTN_AOT_DIR=/tmp/bundle ;;
     aot16)     python3 "$ROOT/perf/aot_precompile.py" --arch sm_90a --jobs 16 --output "$OUT/results/aot_precompile_cpu16.json" 2>&1 | tail -n 5 ;;
     attnquick) python3 "$ROOT/perf/attn_quick.py" "$OUT/results" ;;
-    bundle)    mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1 && ls /tmp/bundle | head -3
-               export PAGEDATTN_AOT_DIR=/tmp/bundle ;;
+    bundle)    mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1
+               export PAGEDATTN_AOT_DIR=/tmp/bundle
+               python3 -c "import sys, pathlib; from pagedattn.codegen import bundle; sys.exit(0 if bundle.read_manifest(pathlib.Path('/tmp/bundle')) else 1)" \
+                 && echo "carried bundle accepted" \
+                 || python3 -m pagedattn.cli precompile --arch sm_90a --jobs 16 --out /tmp/bundle -q 2>&1 | tail -n 5 ;;
     aotcheck)  PAGEDATTN_DISABLE_JIT=1 python3 "$ROOT/perf/aot_check.py" ;;
     ncu)       for k in ${NCU_CASES:-decode}; do
                  ncu --clock-control none --kernel-name attn_fwd_kernel --launch-skip 2 --launch-count 1 \
