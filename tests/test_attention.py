@@ -313,3 +313,19 @@ def test_bad_input_is_a_clear_error(name):
     with pytest.raises((ContractError, NotImplementedError, TypeError, ValueError)) as info:
         _call(c, **BAD[name](c))
     assert len(str(info.value)) > 10
+
+
+def test_split_heuristic_fills_whole_waves(monkeypatch):
+    from pagedattn.ops import attention
+
+    monkeypatch.setitem(attention._SM_COUNT, 0, 132)
+    decode = AttnFwdSpec("bf16", "auto", 128, "decode")
+    pick = lambda B, ctx: attention.choose_splits(0, B * 8, ctx, decode, 0)  # noqa: E731
+    assert pick(64, 4096) == 3          # 512 CTAs on 396 slots would leave a 29 % second wave
+    assert pick(16, 4096) == 3          # 128 CTAs underfill: 384 fill one wave
+    assert 32 <= pick(1, 32768) <= 64   # one request: split the long context across the GPU
+    assert pick(1, 40) == 1             # too short to split
+    assert attention.choose_splits(7, 8, 40, decode, 0) == 1      # forced, capped by the KV length
+    assert attention.choose_splits(7, 8, 40000, decode, 0) == 7
+    prefill = AttnFwdSpec("bf16", "auto", 128, "prefill")
+    assert attention.choose_splits(0, 4 * 8 * 128, 4096, prefill, 0) == 1
