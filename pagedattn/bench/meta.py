@@ -66,8 +66,10 @@ def git_info() -> tuple[str | None, bool | None]:
     import pagedattn
 
     root = Path(pagedattn.__file__).resolve().parent.parent
-    if not (root / ".git").exists():
-        return None, None
+    if not (root / ".git").exists():  # an installed copy: the commit comes from the environment
+        from pagedattn.info import git_commit
+
+        return git_commit(), None
     head = _run(["git", "-C", str(root), "rev-parse", "HEAD"])
     status = _run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
     return (head.strip() if head else None), (bool(status.strip()) if status is not None else None)
