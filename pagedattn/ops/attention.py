@@ -23,7 +23,7 @@ def tile_config(head_dim: int, mode: str) -> dict:
     """THE choice of tile sizes per (head dim, decode vs prefill). Decode packs few rows, so its warps
     split the KV range (kWarpsN); prefill's warps split the rows (kWarpsM)."""
     if mode == "decode":
-        # Measured on H200 (perf/results/attn_quick_*): decode is bound by warps in flight per SM, so
+        # Measured on H200 (perf/results/history/attn_tile_sweep_*): decode is bound by warps per SM, so
         # the smallest sub-tile and two stages (68 KiB at d128: three CTAs, 12 warps per SM) win.
         return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=2, kMinBlocks=3)
     if head_dim <= 128:
