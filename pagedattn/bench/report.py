@@ -297,8 +297,10 @@ def across_table(files: list[tuple[Path, dict]]) -> str:
                                                  "TFLOP/s") for k in keys]]
     ids: list[str] = []
     by_key = {}
+    newest = {s: latest_per_gpu(files, s) for s in MEASURED_SUITES}  # a suite may come from its own run
     for k in keys:
-        cases = {c["id"]: c for s in MEASURED_SUITES for c in latest[k][1]["suites"].get(s, {}).get("cases", [])}
+        cases = {c["id"]: c for s in MEASURED_SUITES if k in newest[s]
+                 for c in newest[s][k][1]["suites"][s]["cases"]}
         by_key[k] = cases
         for cid in cases:
             if cid not in ids:
