@@ -24,11 +24,12 @@ install: setup
 # CPU tests always run; GPU tests skip without CUDA. pytest's exit code (5 = nothing ran) fails make.
 # `make test` compiles a representative subset of the attention variants; `make test-all` compiles
 # every variant for sm_80 and sm_90a too (tests marked `slow`: about an hour on 2 cores).
+# (run from tests/ so that the installed package, not the source folder, is imported)
 test: install
-	$(BIN)/pytest -q -ra -m "not slow" tests $(PYTEST_ARGS)
+	cd tests && ../$(BIN)/python -m pytest -q -ra -m "not slow" . $(PYTEST_ARGS)
 
 test-all: install
-	$(BIN)/pytest -q -ra tests $(PYTEST_ARGS)
+	cd tests && ../$(BIN)/python -m pytest -q -ra . $(PYTEST_ARGS)
 
 demo: install
 	$(BIN)/python -m pagedattn.demo
