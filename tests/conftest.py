@@ -29,3 +29,15 @@ def fresh_cache(tmp_path, monkeypatch):
     fresh = cache.KernelCache()
     monkeypatch.setattr(cache, "_CACHE", fresh)
     return fresh
+
+
+@pytest.fixture
+def pagedattn_log(caplog):
+    """caplog sees the 'pagedattn' logger (it does not propagate to the root)."""
+    import logging
+
+    logger = logging.getLogger("pagedattn")
+    logger.addHandler(caplog.handler)
+    caplog.handler.setLevel(logging.WARNING)
+    yield caplog
+    logger.removeHandler(caplog.handler)

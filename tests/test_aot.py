@@ -6,7 +6,6 @@ per module; tests that change a bundle work on a copy. About 9 compiles in all.
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import shlex
 import shutil
@@ -63,16 +62,6 @@ def jit_off(fresh_cache, monkeypatch):
     bundle.forget()
     yield fresh_cache
     bundle.forget()
-
-
-@pytest.fixture
-def pagedattn_log(caplog):
-    """caplog sees the 'pagedattn' logger (it does not propagate to the root)."""
-    logger = logging.getLogger("pagedattn")
-    logger.addHandler(caplog.handler)
-    caplog.handler.setLevel(logging.WARNING)
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def _manifest(folder: Path) -> dict:
