@@ -17,7 +17,7 @@ from ..contract import CacheSpec, ContractError
 from ..dtypes import short
 from ..registry import KernelSpec, get_kernel, register
 from .legacy_cache import CPP_ELEMENT, FP8_ENUM, check_scale, geometry
-from .legacy_params import LegacyAttentionParams, LegacyReduceParams
+from .params import LegacyAttentionParams, LegacyReduceParams
 
 PARTITION_SIZE = 512          # tokens per v2 partition (vLLM's value)
 THREADS = 128                 # 4 warps per CTA, for both kernels

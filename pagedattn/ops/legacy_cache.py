@@ -11,7 +11,7 @@ from ..contract import CacheSpec, ContractError
 from ..dtypes import short
 from ..registry import KernelSpec, get_kernel, register
 from .kv_write import check_new_tokens, check_slots
-from .legacy_params import LegacyCacheWriteParams
+from .params import LegacyCacheWriteParams
 
 FP8_ENUM = {"auto": "kNone", "fp8_e4m3": "kE4M3", "fp8_e5m2": "kE5M2"}
 CPP_ELEMENT = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp8_e4m3": "uint8_t", "fp8_e5m2": "uint8_t"}
