@@ -22,6 +22,8 @@ for stage in "$@"; do
     precompile) python3 -m pagedattn.cli precompile --arch sm_90a --ops "${PRECOMPILE_OPS:-attn_fwd,split_combine,kv_write}" --jobs 16 --out /tmp/bundle -q 2>&1 | tail -n 15
                export PAGEDATTN_AOT_DIR=/tmp/bundle ;;
     aot16)     python3 "$ROOT/perf/aot_precompile.py" --arch sm_90a --jobs 16 --output "$OUT/results/aot_precompile_cpu16.json" 2>&1 | tail -n 5 ;;
+    writesweep) python3 "$ROOT/perf/write_sweep.py" "$OUT/results" ;;
+    benchwrite) python3 -m pagedattn.cli bench --suite write --quick --no-report --out "$OUT/results" ;;
     attnquick) python3 "$ROOT/perf/attn_quick.py" "$OUT/results" ;;
     bundle)    mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1
                export PAGEDATTN_AOT_DIR=/tmp/bundle

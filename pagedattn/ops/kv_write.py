@@ -49,12 +49,19 @@ def write_path(spec: CacheSpec) -> str:
     return "span" if spec.layout == "NHD" and (spec.scale == "tensor" or not spec.is_fp8) else "head"
 
 
+# CTA shape. A CTA writes one token and spends most of its short life waiting (the slot id, then the
+# K/V packs), so small CTAs with several packs per thread -- many CTAs per SM -- keep more bytes in
+# flight (perf/results/history/write_sweep_*.json).
+SPAN_PACKS_PER_THREAD = 4  # span path: threads per tensor = packs / 4, rounded to warps, 32..512
+HEAD_WARPS = 4             # head path: warps per CTA, heads strided over them
+
+
 def _threads(spec: CacheSpec, path: str, elem_bytes: int) -> int:
     if path == "head":
-        return 32 * min(spec.num_kv_heads, 8)
+        return 32 * min(spec.num_kv_heads, HEAD_WARPS)
     packs = -(-spec.num_kv_heads * spec.head_size * elem_bytes // 16)  # per tensor
-    per_tensor = min(max(32, -(-packs // 32) * 32), 512)
-    return 2 * per_tensor
+    per_tensor = -(-packs // SPAN_PACKS_PER_THREAD)
+    return 2 * min(max(32, -(-per_tensor // 32) * 32), 512)
 
 
 def _check_scale(name, scale, spec: CacheSpec, device) -> int:
