@@ -28,12 +28,15 @@ def median_us(fn, reps=40):
     return sorted(ts)[len(ts) // 2]
 
 
-def main(out_dir):
-    T, H, D = 65536, 8, 128
+def copy_ceiling_gbs() -> float:
     x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    copy_gbs = 2 * x.numel() / median_us(lambda: y.copy_(x), 20) / 1e3
-    del x, y
+    return 2 * x.numel() / median_us(lambda: y.copy_(x), 20) / 1e3
+
+
+def main(out_dir):
+    T, H, D = 65536, 8, 128
+    copy_gbs = copy_ceiling_gbs()
     key = torch.randn(T, H, D, dtype=torch.bfloat16, device="cuda")
     val = torch.randn_like(key)
     rows = []
