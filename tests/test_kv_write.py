@@ -270,3 +270,16 @@ def test_bad_input_raises_and_leaves_cache(name):
     if DEV == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(bits(kc), bits(before[0])) and torch.equal(bits(vc), bits(before[1]))
+
+
+def test_cta_shape_follows_token_count():
+    from pagedattn.ops.kv_write import _threads
+
+    nhd = CacheSpec(8, 16, 8, 128, torch.bfloat16)
+    hnd = CacheSpec(8, 16, 8, 128, torch.bfloat16, layout="HND")
+    assert _threads(nhd, "span", 2, many_tokens=False) == 256  # one 16-byte pack per thread
+    assert _threads(nhd, "span", 2, many_tokens=True) == 64    # four packs per thread
+    assert _threads(hnd, "head", 2, many_tokens=False) == 256  # a warp per head
+    assert _threads(hnd, "head", 2, many_tokens=True) == 128   # four warps, two heads each
+    tiny = CacheSpec(8, 16, 1, 64, torch.float16)
+    assert _threads(tiny, "span", 2, many_tokens=True) == 64    # at least a warp per tensor

@@ -50,17 +50,21 @@ def write_path(spec: CacheSpec) -> str:
 
 
 # CTA shape. A CTA writes one token and spends most of its short life waiting (the slot id, then the
-# K/V packs), so small CTAs with several packs per thread -- many CTAs per SM -- keep more bytes in
-# flight (perf/results/history/write_sweep_*.json).
-SPAN_PACKS_PER_THREAD = 4  # span path: threads per tensor = packs / 4, rounded to warps, 32..512
-HEAD_WARPS = 4             # head path: warps per CTA, heads strided over them
+# K/V packs). With many tokens, small CTAs with several packs per thread -- many CTAs per SM -- keep
+# more bytes in flight; with few tokens the GPU is far from full and one pack per thread finishes first.
+# Measured on H200, H=8 D=128 bf16 NHD: T=65536 1 pack/thread 79 % of copy, 4 packs 90 %
+# (perf/results/h200_sm90_20261130_write.json, history/write_sweep_*.json); T=256 5.8 us with 1 pack,
+# 7.2 us with 4 (h200_sm90_20261130.json vs _write.json).
+MANY_TOKENS = 1024         # from here on, the many-token shapes below
+SPAN_PACKS_PER_THREAD = 4  # span path, many tokens: threads per tensor = packs / 4, whole warps
+HEAD_WARPS = 4             # head path, many tokens: warps per CTA, heads strided over them
 
 
-def _threads(spec: CacheSpec, path: str, elem_bytes: int) -> int:
+def _threads(spec: CacheSpec, path: str, elem_bytes: int, many_tokens: bool) -> int:
     if path == "head":
-        return 32 * min(spec.num_kv_heads, HEAD_WARPS)
+        return 32 * min(spec.num_kv_heads, HEAD_WARPS if many_tokens else 8)
     packs = -(-spec.num_kv_heads * spec.head_size * elem_bytes // 16)  # per tensor
-    per_tensor = -(-packs // SPAN_PACKS_PER_THREAD)
+    per_tensor = -(-packs // SPAN_PACKS_PER_THREAD) if many_tokens else packs
     return 2 * min(max(32, -(-per_tensor // 32) * 32), 512)
 
 
@@ -142,14 +146,15 @@ def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
 
 class _Plan:
     """Everything about a call that depends only on tensor metadata: validated once, reused."""
-    __slots__ = ("spec", "launcher", "block", "tail", "is_fp8", "num_slots")
+    __slots__ = ("spec", "launcher", "block_few", "block_many", "tail", "is_fp8", "num_slots")
 
     def __init__(self, spec: CacheSpec, key, key_cache, slot_mapping, scale_stride):
         path = write_path(spec)
         self.spec = spec
         self.launcher = get_kernel(KvWriteSpec(short(key.dtype), spec.kv_cache_dtype, path)).launcher(
             key_cache.device.index)
-        self.block = (_threads(spec, path, key.element_size()), 1, 1)
+        self.block_few = (_threads(spec, path, key.element_size(), False), 1, 1)
+        self.block_many = (_threads(spec, path, key.element_size(), True), 1, 1)
         bs, ps, hs, _ = key_cache.stride()
         # Params after the 7 pointers: strides, CacheGeometry, scale_stride, slot_is_int64
         self.tail = (bs, ps, hs, spec.num_slots, spec.num_blocks, spec.block_size, spec.num_kv_heads,
@@ -177,7 +182,7 @@ def _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_s
     if num_tokens == 0:
         return
     plan.launcher(
-        (num_tokens, 1, 1), plan.block,
+        (num_tokens, 1, 1), plan.block_many if num_tokens >= MANY_TOKENS else plan.block_few,
         (key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
          slot_mapping.data_ptr(), k_scale.data_ptr() if plan.is_fp8 else 0,
          v_scale.data_ptr() if plan.is_fp8 else 0, key.stride(0), value.stride(0)) + plan.tail)
