@@ -15,24 +15,7 @@ import pagedattn
 from pagedattn import CacheSpec
 from pagedattn.info import git_commit
 
-
-def median_us(fn, reps=30, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return sorted(ts)[len(ts) // 2]
-
-
-def copy_ceiling_gbs():
-    x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    us = median_us(lambda: y.copy_(x), reps=10)
-    return 2 * x.numel() / us / 1e3
+from _timing import copy_ceiling_gbs, median_us  # perf/ is on sys.path when run as a script
 
 
 def decode_case(B, ctx, kv="auto", Hq=32, Hkv=8, D=128, bs=16, q_len=1):

@@ -13,25 +13,9 @@ import torch
 import pagedattn
 from pagedattn import CacheSpec
 from pagedattn.info import git_commit
+
+from _timing import copy_ceiling_gbs, median_us  # perf/ is on sys.path when run as a script
 from pagedattn.ops import kv_write
-
-
-def median_us(fn, reps=40):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return sorted(ts)[len(ts) // 2]
-
-
-def copy_ceiling_gbs() -> float:
-    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / median_us(lambda: y.copy_(x), 20) / 1e3
 
 
 def main(out_dir):
@@ -51,7 +35,7 @@ def main(out_dir):
             for value in ((1, 2, 4, 8) if layout == "NHD" else (1, 2, 4, 8)):
                 setattr(kv_write, knob, value)
                 kv_write._PLANS.clear()
-                us = median_us(lambda: pagedattn.reshape_and_cache_flash(key, val, kc, vc, slots, kv, s, s))
+                us = median_us(lambda: pagedattn.reshape_and_cache_flash(key, val, kc, vc, slots, kv, s, s), reps=40)
                 gbs = nbytes / us / 1e3
                 rows.append(dict(layout=layout, kv=kv, knob=knob, value=value, us=us, gbs=gbs,
                                  frac_copy=gbs / copy_gbs))
