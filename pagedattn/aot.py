@@ -30,6 +30,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .info import human_bytes
+
 # -- the selection vocabulary --------------------------------------------------------------------------
 
 
@@ -384,15 +386,7 @@ class Summary:
         return (f"compiled {self.compiled}, already present {self.present}, failed "
                 f"{len(self.failed)} in {self.seconds:.1f} s ({self.jobs} job"
                 f"{'s' if self.jobs != 1 else ''}); bundle: {self.bundle_kernels} kernels, "
-                f"{_human(self.bundle_bytes)}")
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+                f"{human_bytes(self.bundle_bytes)}")
 
 
 class _Progress:
@@ -637,7 +631,7 @@ def _cmd_bundle_verify(args) -> int:
             print(f"note: {len(stale)} kernel(s) were built from other kernel sources than this "
                   f"install's and will never be looked up (e.g. {stale[0]}); rerun precompile")
     print(f"{report.checked} kernels checked, {len(report.corrupt)} corrupt, "
-          f"{_human(report.total_bytes)} intact: {'OK' if report.ok else 'NOT OK'}")
+          f"{human_bytes(report.total_bytes)} intact: {'OK' if report.ok else 'NOT OK'}")
     return 0 if report.ok else 1
 
 

@@ -5,14 +5,7 @@ import shutil
 
 from . import envs
 from .codegen import cache as kcache
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+from .info import human_bytes
 
 
 def _ls(args) -> int:
@@ -24,7 +17,7 @@ def _ls(args) -> int:
     for col in ("variant", "arch", "size", "age", "origin", "ok"):
         table.add_column(col)
     for e in rows:
-        table.add_row(e.variant, e.arch, _human(e.size), f"{e.age_days:.1f} d", e.origin,
+        table.add_row(e.variant, e.arch, human_bytes(e.size), f"{e.age_days:.1f} d", e.origin,
                       "yes" if e.valid else "CORRUPT")
     import time
 
@@ -34,7 +27,7 @@ def _ls(args) -> int:
         manifest = read_manifest(folder)  # a bundle of another install: warned, not listed
         for v in (manifest or {}).get("variants", []):
             age = f"{(time.time() - v['created']) / 86400:.1f} d" if "created" in v else "-"
-            table.add_row(v["name"], v["arch"], _human(v["size"]), age, f"aot:{folder}",
+            table.add_row(v["name"], v["arch"], human_bytes(v["size"]), age, f"aot:{folder}",
                           "yes" if check_entry(folder, v) is None else "CORRUPT")
     Console().print(table)
     return 0

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import torch
 
-# short name -> (C++ type, bytes)
-CPP_TYPE = {
-    "fp16": ("cutlass::half_t", 2),
-    "bf16": ("cutlass::bfloat16_t", 2),
-    "fp32": ("float", 4),
-    "fp8_e4m3": ("cutlass::float_e4m3_t", 1),
-    "fp8_e5m2": ("cutlass::float_e5m2_t", 1),
-}
+# short name -> C++ element type as the kernels see it: CUDA's own types in the copy kernels (fp8 as
+# raw bytes), CUTLASS's in the CuTe MMA kernels.
+CUDA_TYPE = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float",
+             "fp8_e4m3": "uint8_t", "fp8_e5m2": "uint8_t"}
+CUTLASS_TYPE = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
+# kv_cache_dtype -> pagedattn::Fp8Format enumerator (numeric.cuh)
+FP8_FORMAT = {"auto": "kNone", "fp8_e4m3": "kE4M3", "fp8_e5m2": "kE5M2"}
 
 TORCH_TO_NAME = {
     torch.float16: "fp16",

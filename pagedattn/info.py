@@ -10,6 +10,15 @@ DEPENDENCIES = ("torch", "jinja2", "filelock", "cuda-bindings", "cuda-core", "cu
                 "matplotlib") + HEADER_PACKAGES
 
 
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
 def git_commit() -> str | None:
     """The source commit: $PAGEDATTN_GIT_COMMIT (set where .git does not travel), else git."""
     import os

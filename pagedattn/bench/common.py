@@ -207,14 +207,6 @@ def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (out - ref).norm().item() / (den if den > 0 else 1.0)
 
 
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def shuffled_tables(num_blocks: int, batch: int, blocks_per_seq: int, sets: int, device,
                     generator: torch.Generator | None = None) -> list[torch.Tensor]:
     """`sets` disjoint random block tables [batch, blocks_per_seq] int32 (shuffled, never in order)."""

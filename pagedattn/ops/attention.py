@@ -1,6 +1,7 @@
 """flash_attn_varlen_func over a paged KV cache: validation, tile choice, split-KV, launch."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -9,13 +10,11 @@ import torch
 
 from .. import envs
 from ..contract import CacheSpec, ContractError
-from ..dtypes import short
+from ..dtypes import CUTLASS_TYPE, FP8_FORMAT, short
 from ..registry import KernelSpec, UnsupportedError, get_kernel, register
 from .params import AttnParams, CombineParams
 
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
-_ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
-_FP8_ENUM = {"auto": "kNone", "fp8_e4m3": "kE4M3", "fp8_e5m2": "kE5M2"}
 LOG2E = 1.4426950408889634
 
 
@@ -65,7 +64,7 @@ class AttnFwdSpec(KernelSpec):
         return tile_config(self.head_dim, self.mode)
 
     def context(self) -> dict:
-        return {"Element": _ELEMENT[self.dtype], "kFp8": _FP8_ENUM[self.kv_cache_dtype],
+        return {"Element": CUTLASS_TYPE[self.dtype], "kFp8": FP8_FORMAT[self.kv_cache_dtype],
                 "kHeadDim": self.head_dim, **self.tiles}
 
     def dynamic_smem(self) -> int:
@@ -90,7 +89,7 @@ class CombineSpec(KernelSpec):
     dtype: str
 
     def context(self) -> dict:
-        return {"Element": _ELEMENT[self.dtype], "kWarps": self.WARPS}
+        return {"Element": CUTLASS_TYPE[self.dtype], "kWarps": self.WARPS}
 
 
 def kernel_head_dim(head_size: int) -> int:
@@ -131,7 +130,6 @@ class _Call:
     Hq: int
     Hkv: int
     D: int
-    total_q: int
     paged: bool
     kv_name: str
     k_strides: tuple
@@ -161,7 +159,7 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k
                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ContractError(f"q dtype {q.dtype} is not supported (fp16, bf16)")
-    total_q, Hq, D = q.shape
+    _, Hq, D = q.shape
     if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8:
         raise ContractError(f"q needs a contiguous head dim and strides that are multiples of 8 "
                             f"elements, got strides {q.stride()}")
@@ -249,7 +247,7 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k
         k_strides, v_strides = (ks[0], ks[1], ks[2]), (vs[0], vs[1], vs[2])
     else:      # [total_k, Hkv, D]
         k_strides, v_strides = (0, ks[0], ks[1]), (0, vs[0], vs[1])
-    return _Call(B, Hq, Hkv, D, total_q, paged, kv_name, k_strides, v_strides, num_blocks, block_size)
+    return _Call(B, Hq, Hkv, D, paged, kv_name, k_strides, v_strides, num_blocks, block_size)
 
 
 def check_tables(block_table, seqused_k, cu_seqlens_q, num_blocks, block_size, max_seqlen_q):
@@ -293,8 +291,13 @@ def choose_splits(num_splits: int, ctas: int, max_seqlen_k: int, spec: AttnFwdSp
     if sms is None:
         sms = _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
     capacity = sms * max(1, (227 * 1024) // max(spec.dynamic_smem(), 1))
-    # each split keeps at least two stages of keys
-    most = max(1, min(128, max_steps // 2))
+    return _best_splits(ctas, max_seqlen_k, max_steps, capacity)
+
+
+@functools.lru_cache(maxsize=4096)
+def _best_splits(ctas: int, max_seqlen_k: int, max_steps: int, capacity: int) -> int:
+    """Memoised: the search runs once per batch shape, not on every call."""
+    most = max(1, min(128, max_steps // 2))  # each split keeps at least two stages of keys
     return min(range(1, most + 1), key=lambda s: (split_cost(ctas, s, capacity, max_seqlen_k), s))
 
 

@@ -8,13 +8,10 @@ import torch
 
 from .. import envs
 from ..contract import CacheSpec, ContractError
-from ..dtypes import short
+from ..dtypes import CUDA_TYPE, FP8_FORMAT, short
 from ..registry import KernelSpec, get_kernel, register
 from .params import KvWriteParams
 
-_FP8_ENUM = {"auto": "kNone", "fp8_e4m3": "kE4M3", "fp8_e5m2": "kE5M2"}
-_CACHE_CPP = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float",
-              "fp8_e4m3": "uint8_t", "fp8_e5m2": "uint8_t"}
 
 
 @register
@@ -38,9 +35,9 @@ class KvWriteSpec(KernelSpec):
     def context(self) -> dict:
         cache = self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         return {
-            "Element": _CACHE_CPP[self.dtype],
-            "CacheElement": _CACHE_CPP[cache],
-            "kFp8": _FP8_ENUM[self.kv_cache_dtype],
+            "Element": CUDA_TYPE[self.dtype],
+            "CacheElement": CUDA_TYPE[cache],
+            "kFp8": FP8_FORMAT[self.kv_cache_dtype],
             "kSpan": "true" if self.path == "span" else "false",
         }
 

@@ -14,9 +14,9 @@ import torch
 
 from .. import envs
 from ..contract import CacheSpec, ContractError
-from ..dtypes import short
+from ..dtypes import CUDA_TYPE, FP8_FORMAT, short
 from ..registry import KernelSpec, get_kernel, register
-from .legacy_cache import CPP_ELEMENT, FP8_ENUM, check_scale, geometry
+from .legacy_cache import check_scale, geometry
 from .params import LegacyAttentionParams, LegacyReduceParams
 
 PARTITION_SIZE = 512          # tokens per v2 partition (vLLM's value)
@@ -50,8 +50,8 @@ class LegacyAttentionSpec(KernelSpec):
 
     def context(self) -> dict:
         cache = self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-        return {"Element": CPP_ELEMENT[self.dtype], "CacheElement": CPP_ELEMENT[cache],
-                "kFp8": FP8_ENUM[self.kv_cache_dtype], "kHeadDim": self.head_size,
+        return {"Element": CUDA_TYPE[self.dtype], "CacheElement": CUDA_TYPE[cache],
+                "kFp8": FP8_FORMAT[self.kv_cache_dtype], "kHeadDim": self.head_size,
                 "kBlockSize": self.block_size, "kThreads": THREADS}
 
 
@@ -69,7 +69,7 @@ class LegacyReduceSpec(KernelSpec):
     head_size: int = field(metadata={"prefix": "d"})
 
     def context(self) -> dict:
-        return {"Element": CPP_ELEMENT[self.dtype], "kHeadDim": self.head_size, "kThreads": THREADS}
+        return {"Element": CUDA_TYPE[self.dtype], "kHeadDim": self.head_size, "kThreads": THREADS}
 
 
 def num_partitions(max_seq_len: int) -> int:

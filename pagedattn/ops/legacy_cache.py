@@ -8,13 +8,11 @@ import torch
 
 from .. import envs
 from ..contract import CacheSpec, ContractError
-from ..dtypes import short
+from ..dtypes import CUDA_TYPE, FP8_FORMAT, short
 from ..registry import KernelSpec, get_kernel, register
 from .kv_write import check_new_tokens, check_slots
 from .params import LegacyCacheWriteParams
 
-FP8_ENUM = {"auto": "kNone", "fp8_e4m3": "kE4M3", "fp8_e5m2": "kE5M2"}
-CPP_ELEMENT = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp8_e4m3": "uint8_t", "fp8_e5m2": "uint8_t"}
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -36,8 +34,8 @@ class LegacyCacheWriteSpec(KernelSpec):
 
     def context(self) -> dict:
         cache = self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-        return {"Element": CPP_ELEMENT[self.dtype], "CacheElement": CPP_ELEMENT[cache],
-                "kFp8": FP8_ENUM[self.kv_cache_dtype]}
+        return {"Element": CUDA_TYPE[self.dtype], "CacheElement": CUDA_TYPE[cache],
+                "kFp8": FP8_FORMAT[self.kv_cache_dtype]}
 
 
 def geometry(spec: CacheSpec, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple:
