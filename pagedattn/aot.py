@@ -350,6 +350,8 @@ def plan(specs, archs) -> list[Job]:
     for spec in specs:
         kernel = get_kernel(spec)
         for arch in archs:
+            if not spec.supports_arch(arch):
+                continue
             key = cache_key(key_material(kernel.name, kernel.source, arch, options[arch]))
             jobs.append(Job(spec, kernel.name, arch, kernel.source, tuple(options[arch]), key))
     return jobs

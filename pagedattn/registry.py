@@ -54,6 +54,10 @@ class KernelSpec:
     def dynamic_smem(self) -> int:
         return 0
 
+    def supports_arch(self, arch: str) -> bool:
+        """False for a variant that uses instructions `arch` lacks (it is never compiled for it)."""
+        return True
+
     @classmethod
     def all_variants(cls):
         names = [f.name for f in dataclasses.fields(cls)]
@@ -136,6 +140,9 @@ class Kernel:
         return self._source
 
     def artifact(self, arch: str) -> Artifact:
+        if not self.spec.supports_arch(arch):
+            raise UnsupportedError(f"{self.name} needs instructions {arch} does not have; it is built "
+                                   "for sm_90a only")
         return kernel_cache().get(self.name, self.source, arch, debug=False,
                                   precompile_hint=precompile_command(self.spec, arch))
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
-# (info precompile bundle tests alltests sanitize overhead attnquick aotcheck ncu benchq bench-full demo).
+# (info precompile bundle tests alltests sanitize overhead attnquick decodesweep writesweep aotcheck ncu
+# benchq bench-full demo).
 # Logs and results go under $OUT; RESULTS.md and plots are regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
 set -uo pipefail
@@ -25,6 +26,7 @@ for stage in "$@"; do
     writesweep) python3 "$ROOT/perf/write_sweep.py" "$OUT/results" ;;
     benchwrite) python3 -m pagedattn.cli bench --suite write --quick --no-report --out "$OUT/results" ;;
     attnquick) python3 "$ROOT/perf/attn_quick.py" "$OUT/results" ;;
+    decodesweep) python3 "$ROOT/perf/decode_sweep.py" "$OUT/results" ${DECODE_CONFIGS:-} ;;
     bundle)    mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1
                export PAGEDATTN_AOT_DIR=/tmp/bundle
                python3 -c "import sys, pathlib; from pagedattn.codegen import bundle; sys.exit(0 if bundle.read_manifest(pathlib.Path('/tmp/bundle')) else 1)" \

@@ -93,12 +93,15 @@ def test_reference_empty_request_and_fp8():
 
 # ---------------------------------------------------------------- compilation (CPU)
 CI_SPECS = [AttnFwdSpec("bf16", "auto", 128, "decode"), AttnFwdSpec("bf16", "auto", 128, "prefill"),
-            AttnFwdSpec("fp16", "fp8_e4m3", 80, "decode"), CombineSpec("bf16")]
+            AttnFwdSpec("fp16", "fp8_e4m3", 80, "decode"), AttnFwdSpec("bf16", "auto", 128, "decode_bulk"),
+            AttnFwdSpec("fp16", "fp8_e5m2", 80, "decode_bulk"), CombineSpec("bf16")]
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 @pytest.mark.parametrize("spec", CI_SPECS, ids=variant_name)
 def test_attention_variants_compile(spec, arch):
+    if not spec.supports_arch(arch):
+        pytest.skip(f"{variant_name(spec)} is built for sm_90a only")
     k = Kernel(spec)
     res = compile_source(k.source, variant=k.name, arch=arch, options=nvrtc_options(arch, toolchain()))
     assert res.cubin[:4] == b"\x7fELF"
@@ -131,7 +134,7 @@ def _sample_grid(n, seed=0):
     axes = dict(dtype=[torch.float16, torch.bfloat16], D=[64, 80, 96, 128, 192, 256, 72],
                 layout=["NHD", "HND"], bs=[1, 8, 16, 32, 128, 256], heads=HEADS, causal=[False, True],
                 batch=["decode", "mixed", "prefill"], splits=[0, 1, 7], kv=KV, lse=[False, True],
-                out=[False, True])
+                out=[False, True], loader=["auto", "cp_async"])
     cases = []
     # every value of every axis at least 3 times, the rest random
     for name, values in axes.items():
@@ -148,7 +151,7 @@ def _sample_grid(n, seed=0):
 def _case_id(c):
     return (f"{str(c['dtype'])[6:]}-d{c['D']}-{c['layout']}-b{c['bs']}-h{c['heads'][0]}x{c['heads'][1]}-"
             f"{'causal' if c['causal'] else 'full'}-{c['batch']}-s{c['splits']}-{c['kv'][0]}-{c['kv'][1]}-"
-            f"{'lse' if c['lse'] else 'nolse'}-{'out' if c['out'] else 'noout'}")
+            f"{'lse' if c['lse'] else 'nolse'}-{'out' if c['out'] else 'noout'}-{c['loader']}")
 
 
 def _lengths(kind, rng):
@@ -165,9 +168,25 @@ def _lengths(kind, rng):
     return lq, lk
 
 
+@pytest.fixture
+def decode_loader(monkeypatch):
+    """decode_loader("cp_async") makes decode batches take the cp.async variant even on sm_90 (where
+    bulk copies are the default), so both loaders stay tested on one GPU."""
+    from pagedattn.ops import attention as attention_ops
+
+    def force(loader):
+        if loader == "cp_async":
+            monkeypatch.setattr(attention_ops, "bulk_copies_ok", lambda call, arch: False)
+        attention_ops._PLANS.clear()
+
+    yield force
+    attention_ops._PLANS.clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", _sample_grid(400), ids=_case_id)
-def test_attention_matches_reference(c):
+def test_attention_matches_reference(c, decode_loader):
+    decode_loader(c["loader"])
     rng = random.Random(_case_id(c))
     gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
     Hq, Hkv = c["heads"]

@@ -11,32 +11,42 @@ import torch
 from .. import envs
 from ..contract import CacheSpec, ContractError
 from ..dtypes import CUTLASS_TYPE, FP8_FORMAT, short
-from ..registry import KernelSpec, UnsupportedError, get_kernel, register
+from ..registry import KernelSpec, UnsupportedError, arch_for_device, get_kernel, register
 from .params import AttnParams, CombineParams
 
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 LOG2E = 1.4426950408889634
 
 
+MODES = ("decode", "decode_bulk", "prefill")
+
+
 def tile_config(head_dim: int, mode: str) -> dict:
-    """THE choice of tile sizes per (head dim, decode vs prefill). Decode packs few rows, so its warps
-    split the KV range (kWarpsN); prefill's warps split the rows (kWarpsM)."""
+    """THE choice of tile sizes per (head dim, mode). Decode packs few rows, so its warps split the KV
+    range (kWarpsN); prefill's warps split the rows (kWarpsM). decode_bulk is decode with each warp
+    filling its own ring by bulk copies (sm_90 only, see attn_traits.cuh)."""
     if mode == "decode":
-        # Measured on H200 (perf/results/history/attn_tile_sweep_*): decode is bound by warps per SM, so
-        # the smallest sub-tile and two stages (68 KiB at d128: three CTAs, 12 warps per SM) win.
-        return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=2, kMinBlocks=3)
+        # Measured on H200 (perf/results/history/attn_tile_sweep_*): with cp.async, decode is bound by
+        # warps per SM, so the smallest sub-tile and two stages (68 KiB at d128: three CTAs) win.
+        return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=2, kMinBlocks=3, kBulk=False)
+    if mode == "decode_bulk":
+        return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=3, kMinBlocks=2, kBulk=True)
     if head_dim <= 128:
-        return dict(kBlockM=128, kBlockN=64, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1)
-    return dict(kBlockM=64, kBlockN=32, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1)
+        return dict(kBlockM=128, kBlockN=64, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1, kBulk=False)
+    return dict(kBlockM=64, kBlockN=32, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1, kBulk=False)
 
 
 def smem_bytes(cfg: dict, head_dim: int, fp8: bool) -> int:
-    """Mirror of AttnTraits::kSmemBytes (attn_traits.cuh)."""
-    stage = cfg["kBlockN"] * cfg["kWarpsN"] * head_dim
+    """Mirror of AttnTraits::kSmemBytes (attn_traits.cuh); the rendered source static_asserts it."""
+    pitch = head_dim + 8 if cfg["kBulk"] else head_dim
+    stage_keys = cfg["kBlockN"] * cfg["kWarpsN"]
+    stage = stage_keys * pitch
     q = cfg["kBlockM"] * head_dim * 2
-    kv = (2 * cfg["kStages"] * stage + 2 * stage * 2) if fp8 else 2 * cfg["kStages"] * stage * 2
+    kv = (2 * cfg["kStages"] * stage_keys * head_dim + 2 * stage * 2) if fp8 else 2 * cfg["kStages"] * stage * 2
     epilogue = cfg["kWarpsN"] * cfg["kBlockM"] * (head_dim + 2) * 4
-    return max(q + kv, epilogue)
+    main = max(q + kv, epilogue)
+    barriers = 8 * cfg["kWarpsN"] * cfg["kStages"] if cfg["kBulk"] else 0
+    return -(-main // 8) * 8 + barriers
 
 
 @register
@@ -51,7 +61,7 @@ class AttnFwdSpec(KernelSpec):
         "dtype": ("fp16", "bf16"),
         "kv_cache_dtype": ("auto", "fp8_e4m3", "fp8_e5m2"),
         "head_dim": HEAD_DIMS,
-        "mode": ("decode", "prefill"),
+        "mode": MODES,
     }
 
     dtype: str
@@ -65,7 +75,10 @@ class AttnFwdSpec(KernelSpec):
 
     def context(self) -> dict:
         return {"Element": CUTLASS_TYPE[self.dtype], "kFp8": FP8_FORMAT[self.kv_cache_dtype],
-                "kHeadDim": self.head_dim, **self.tiles}
+                "kHeadDim": self.head_dim, "kSmemBytes": self.dynamic_smem(), **self.tiles}
+
+    def supports_arch(self, arch: str) -> bool:
+        return self.mode != "decode_bulk" or arch == "sm_90a"
 
     def dynamic_smem(self) -> int:
         return smem_bytes(self.tiles, self.head_dim, self.kv_cache_dtype != "auto")
@@ -310,7 +323,7 @@ def _sig(t):
 class _Plan:
     """What a call's tensor metadata decides, validated once and reused while it repeats."""
     __slots__ = ("call", "device", "dtype", "head_dim", "dbs", "dhs", "block_shift", "bt_stride",
-                 "bt_width", "_kernels")
+                 "bt_width", "decode_mode", "_kernels")
 
     def __init__(self, call: _Call, q, block_table, k_descale, v_descale):
         self.call = call
@@ -326,6 +339,7 @@ class _Plan:
         self.block_shift = bs.bit_length() - 1 if bs and bs & (bs - 1) == 0 else -1
         self.bt_stride = block_table.stride(0) if block_table is not None else 0
         self.bt_width = block_table.shape[1] if block_table is not None else 0
+        self.decode_mode = "decode_bulk" if bulk_copies_ok(call, arch_for_device(self.device)) else "decode"
         self._kernels: dict = {}
 
     def kernel(self, mode: str):
@@ -341,6 +355,14 @@ class _Plan:
         if hit is None:
             hit = self._kernels["combine"] = get_kernel(CombineSpec(self.dtype)).launcher(self.device)
         return hit
+
+
+def bulk_copies_ok(call: _Call, arch: str) -> bool:
+    """decode_bulk needs sm_90 and K/V rows that bulk copies can move: every row, and every stride
+    between rows and heads, a multiple of 16 bytes (bases are 16-byte aligned already)."""
+    width = 1 if call.kv_name != "auto" else 2
+    strides = (*call.k_strides, *call.v_strides, call.D)
+    return arch == "sm_90a" and all(x * width % 16 == 0 for x in strides)
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -397,7 +419,7 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
         return (out, lse) if return_softmax_lse else out
     group = call.Hq // call.Hkv
     rows = int(max_seqlen_q) * group
-    spec, launcher = plan.kernel("decode" if rows <= 16 else "prefill")
+    spec, launcher = plan.kernel(plan.decode_mode if rows <= 16 else "prefill")
     m_blocks = -(-rows // spec.tiles["kBlockM"])
     splits = choose_splits(int(num_splits), call.B * call.Hkv * m_blocks, int(max_seqlen_k), spec, plan.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(call.D)

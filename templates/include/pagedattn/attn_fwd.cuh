@@ -3,7 +3,8 @@
 // Grid: (num_seqs * num_kv_heads, m_blocks, num_splits). A CTA owns kBlockM packed rows of one
 // (request, kv head) (see attn_traits.cuh), and one split of the request's visible KV range.
 // Per stage of kStageKeys keys:
-//   1. cp.async the stage kStages-1 ahead; rows are located through PagedKV (block_table lives there);
+//   1. load the stage kStages-1 ahead (cp.async by the whole CTA, or bulk copies by each warp into
+//      its own ring, see attn_traits.cuh); rows are located through PagedKV (block_table lives there);
 //   2. fp8 caches: widen the stage to Element in shared memory (scales are folded in later);
 //   3. each warp group: S = Q K^T on its sub-tile, mask only if the sub-tile crosses the causal
 //      diagonal or the end of the sequence, online softmax, O += P V.
@@ -15,6 +16,7 @@
 #include "pagedattn/attn_params.cuh"
 #include "pagedattn/attn_traits.cuh"
 #include "pagedattn/async_copy.cuh"
+#include "pagedattn/bulk_copy.cuh"
 #include "pagedattn/paged_kv.cuh"
 #include "pagedattn/softmax.cuh"
 #include "pagedattn/softmax_merge.cuh"
@@ -101,7 +103,8 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   Element* smem_k = reinterpret_cast<Element*>(smem_kv);
   Element* smem_v = smem_k + (Traits::kIsFp8 ? 1 : kStages) * Traits::kSmemStageElems;
   uint8_t* raw_k = reinterpret_cast<uint8_t*>(smem_v + (Traits::kIsFp8 ? 1 : kStages) * Traits::kSmemStageElems);
-  uint8_t* raw_v = raw_k + kStages * Traits::kSmemStageElems;
+  uint8_t* raw_v = raw_k + kStages * Traits::kSmemStageRaw;
+  uint64_t* ring_bars = reinterpret_cast<uint64_t*>(smem + (Traits::kSmemMain + 7) / 8 * 8) + group_idx * kStages;
 
   // ---- this CTA's view of K/V history
   int64_t const kb = kCacheBytes;
@@ -165,6 +168,58 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     }
   };
 
+  // ---- bulk loader (Traits::kBulk): this warp's sub-tile of a step into one slot of its ring. Lane
+  // l moves row l % kBlockN of K (l < kBlockN) or V, one bulk copy per row; rows that must not be
+  // read are zero-filled by the lane instead. `phys` holds the lane rows' physical blocks, fetched
+  // one issue ahead so the table read never stalls the copy.
+  constexpr int kLaneRows = Traits::kBulk ? 2 * kBlockN / 32 : 1;
+  uint32_t const row_bytes = uint32_t(D) * kCacheBytes;
+  auto lane_key = [&](int step, int i) {
+    return step * kStageKeys + group_idx * kBlockN + (gtid + 32 * i) % kBlockN;
+  };
+  auto fetch_pages = [&](int step, int (&phys)[kLaneRows]) {
+    CUTE_UNROLL
+    for (int i = 0; i < kLaneRows; ++i) {
+      int const j = lane_key(step, i);
+      phys[i] = j < w.k_len ? kv.page(j) : 0;
+    }
+  };
+  auto slot_row = [&](int slot, int r) -> char* {  // r < kBlockN: K row r, else V row r - kBlockN
+    bool const is_v = r >= kBlockN;
+    int const row = r % kBlockN;
+    if constexpr (Traits::kIsFp8) {
+      return reinterpret_cast<char*>((is_v ? raw_v : raw_k) +
+                                     (slot * kStageKeys + group_idx * kBlockN + row) * kHeadDim);
+    } else {
+      return reinterpret_cast<char*>((is_v ? smem_v : smem_k) +
+                                     (slot * Traits::kWarpsN + group_idx) * Traits::kTileElems + row * Traits::kPitch);
+    }
+  };
+  auto issue_bulk = [&](int step, int slot, int const (&phys)[kLaneRows]) {
+    bool valid[kLaneRows];
+    char const* src[kLaneRows];
+    uint32_t rows_valid = 0;
+    CUTE_UNROLL
+    for (int i = 0; i < kLaneRows; ++i) {
+      int const j = lane_key(step, i);
+      char const *k_row = kv.k_base, *v_row = kv.v_base;
+      valid[i] = j < w.k_len && kv.rows(j, phys[i], k_row, v_row);
+      src[i] = gtid + 32 * i >= kBlockN ? v_row : k_row;
+      rows_valid += __popc(__ballot_sync(0xffffffffu, valid[i]));
+    }
+    if (gtid == 0) mbarrier_arrive_expect_tx(ring_bars + slot, rows_valid * row_bytes);
+    __syncwarp();
+    CUTE_UNROLL
+    for (int i = 0; i < kLaneRows; ++i) {
+      char* dst = slot_row(slot, gtid + 32 * i);
+      if (valid[i]) {
+        bulk_copy_g2s(dst, src[i], row_bytes, ring_bars + slot);
+      } else {
+        for (uint32_t b = 0; b < row_bytes; b += 16) *reinterpret_cast<uint4*>(dst + b) = make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+
   // ---- MMA setup (per warp group)
   typename Traits::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(gtid);
@@ -206,19 +261,57 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   }
   OnlineSoftmax<Traits::kRows> softmax;
 
-  // ---- mainloop: a kStages-deep cp.async pipeline over stages [step_begin, step_end)
+  // ---- mainloop: a kStages-deep pipeline over stages [step_begin, step_end)
   int const n_steps = w.step_end - w.step_begin;
+  int phys[kLaneRows];  // bulk: pages of the lane's rows in the next step to issue
+  if constexpr (Traits::kBulk) {
+    if (gtid == 0) {
+      for (int s = 0; s < kStages; ++s) mbarrier_init(ring_bars + s, 1);
+      mbarrier_init_fence();
+    }
+    if (D < kHeadDim) {  // columns [D, kHeadDim) of every ring row stay zero; bulk copies never touch them
+      for (int r = 0; r < kStages * 2 * kBlockN; ++r) {
+        char* row = slot_row(r / (2 * kBlockN), r % (2 * kBlockN));
+        for (int b = int(row_bytes) + 16 * gtid; b < kHeadDim * kCacheBytes; b += 16 * 32) {
+          *reinterpret_cast<uint4*>(row + b) = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+    __syncwarp();
+    if (n_steps > 0) fetch_pages(w.step_begin, phys);
+    for (int s = 0; s < kStages - 1 && s < n_steps; ++s) {
+      int next[kLaneRows];
+      if (s + 1 < n_steps) fetch_pages(w.step_begin + s + 1, next);
+      issue_bulk(w.step_begin + s, s, phys);
+      CUTE_UNROLL
+      for (int i = 0; i < kLaneRows; ++i) phys[i] = next[i];
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();  // Q landed for every thread; the only CTA-wide barrier before the epilogue
+  } else {
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < n_steps) load_stage(w.step_begin + s, s);
-    cp_async_commit();  // the Q loads ride in the first group
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < n_steps) load_stage(w.step_begin + s, s);
+      cp_async_commit();  // the Q loads ride in the first group
+    }
   }
   for (int it = 0; it < n_steps; ++it) {
     int const stage = it % kStages;
-    cp_async_wait<kStages - 2>();
-    __syncthreads();  // stage `it` landed for every thread; stage it-1 is free
-    if (it + kStages - 1 < n_steps) load_stage(w.step_begin + it + kStages - 1, (it + kStages - 1) % kStages);
-    cp_async_commit();
+    if constexpr (Traits::kBulk) {
+      mbarrier_wait(ring_bars + stage, uint32_t(it / kStages) & 1u);
+      __syncwarp();  // zero-filled rows of other lanes are visible; slot it-1 is free
+      int const ahead = it + kStages - 1;
+      if (ahead < n_steps) {
+        issue_bulk(w.step_begin + ahead, ahead % kStages, phys);
+        if (ahead + 1 < n_steps) fetch_pages(w.step_begin + ahead + 1, phys);
+      }
+    } else {
+      cp_async_wait<kStages - 2>();
+      __syncthreads();  // stage `it` landed for every thread; stage it-1 is free
+      if (it + kStages - 1 < n_steps) load_stage(w.step_begin + it + kStages - 1, (it + kStages - 1) % kStages);
+      cp_async_commit();
+    }
 
     Element* k_tile;
     Element* v_tile;

@@ -62,30 +62,32 @@ struct PagedKV {
   int32_t block_size, block_shift, num_blocks;
   int64_t first_row;           // non-paged: cu_seqlens_k[b]
 
-  // Sets the byte addresses of key j's K and V rows; false if the row must not be read.
-  __device__ __forceinline__ bool locate(int j, char const*& k_row, char const*& v_row) const {
-    int64_t blk_k, blk_v, row;
+  // Physical block holding key j (one block_table read); 0 when not paged. Reading it apart from
+  // rows() lets a caller fetch it well before it needs the addresses.
+  __device__ __forceinline__ int page(int j) const {
+    if (table == nullptr) return 0;
+    return table[block_shift >= 0 ? j >> block_shift : j / block_size];
+  }
+
+  // Sets the byte addresses of key j's K and V rows, given phys = page(j); false if the row must
+  // not be read.
+  __device__ __forceinline__ bool rows(int j, int phys, char const*& k_row, char const*& v_row) const {
     if (table == nullptr) {
       k_row = k_base + (first_row + j) * k_row_stride;
       v_row = v_base + (first_row + j) * v_row_stride;
       return true;
     }
-    int blk, off;
-    if (block_shift >= 0) {
-      blk = j >> block_shift;
-      off = j & (block_size - 1);
-    } else {
-      blk = j / block_size;
-      off = j - blk * block_size;
-    }
-    int const phys = table[blk];
+    int const off = block_shift >= 0 ? j & (block_size - 1) : j % block_size;
     bool const valid = phys >= 0 && phys < num_blocks;
-    row = valid ? phys : 0;
-    blk_k = row * k_block_stride + int64_t(off) * k_row_stride;
-    blk_v = row * v_block_stride + int64_t(off) * v_row_stride;
-    k_row = k_base + blk_k;
-    v_row = v_base + blk_v;
+    int64_t const row = valid ? phys : 0;
+    k_row = k_base + row * k_block_stride + int64_t(off) * k_row_stride;
+    v_row = v_base + row * v_block_stride + int64_t(off) * v_row_stride;
     return valid;
+  }
+
+  // Sets the byte addresses of key j's K and V rows; false if the row must not be read.
+  __device__ __forceinline__ bool locate(int j, char const*& k_row, char const*& v_row) const {
+    return rows(j, page(j), k_row, v_row);
   }
 };
 

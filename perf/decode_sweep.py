@@ -1,0 +1,96 @@
+"""Decode tile/loader sweep on the issue's decode shapes (Hq=32, Hkv=8, D=128, block 16, bf16 query).
+
+Each configuration runs in its own process (a kernel's tiles are fixed once it is built): the parent
+passes `--child kWarpsN,kStages,kMinBlocks[,bulk|cp]`, the child patches `tile_config` for decode
+variants, measures, and prints one JSON line. Writes <out>/decode_sweep_<gpu>_<date>.json.
+Usage: python perf/decode_sweep.py OUT_DIR [config ...]   (config e.g. 4,3,2,bulk)
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import date
+from pathlib import Path
+
+CASES = [("B=64 ctx=4096", 64, 4096, "auto"), ("B=64 ctx=4096 fp8", 64, 4096, "fp8_e4m3"),
+         ("B=16 ctx=4096", 16, 4096, "auto"), ("B=1 ctx=32768", 1, 32768, "auto")]
+DEFAULT_CONFIGS = ["4,2,3,cp", "4,3,2,bulk", "4,4,1,bulk", "4,6,1,bulk", "2,4,3,bulk", "2,6,2,bulk",
+                   "8,3,1,bulk"]
+
+
+def child(config: str):
+    import torch
+
+    import pagedattn
+    from pagedattn.ops import attention
+
+    from _timing import median_us
+    from attn_quick import decode_case
+
+    warps, stages, min_blocks, loader = (config.split(",") + ["bulk"])[:4]
+    base = attention.tile_config
+
+    def patched(head_dim, mode):
+        cfg = base(head_dim, mode)
+        if mode.startswith("decode"):
+            cfg.update(kWarpsN=int(warps), kStages=int(stages), kMinBlocks=int(min_blocks))
+        return cfg
+
+    attention.tile_config = patched
+    if loader == "cp":
+        attention.bulk_copies_ok = lambda call, arch: False
+    for name, B, ctx, kv in CASES:
+        q, kc, vc, table, cu_q, seq, s = decode_case(B, ctx, kv)
+        fn = lambda: pagedattn.flash_attn_varlen_func(  # noqa: E731
+            q, kc, vc, 1, cu_q, ctx, seqused_k=seq, block_table=table, kv_cache_dtype=kv,
+            k_descale=s, v_descale=s)
+        try:
+            us = median_us(fn)
+            kv_bytes = 2 * B * ctx * 8 * 128 * (2 if kv == "auto" else 1)
+            row = dict(config=config, case=name, us=us, kv_gbs=kv_bytes / us / 1e3)
+        except Exception as exc:  # noqa: BLE001
+            row = dict(config=config, case=name, error=str(exc)[:300])
+        print("ROW " + json.dumps(row), flush=True)
+        del q, kc, vc
+        torch.cuda.empty_cache()
+
+
+def main(out_dir: str, configs: list[str]):
+    import torch
+
+    from pagedattn.info import git_commit
+
+    from _timing import copy_ceiling_gbs
+
+    ceiling = copy_ceiling_gbs()
+    rows = []
+    for config in configs:
+        proc = subprocess.run([sys.executable, __file__, "--child", config], capture_output=True, text=True)
+        got = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+        if proc.returncode or not got:
+            got.append(dict(config=config, error=(proc.stderr or proc.stdout)[-600:]))
+        for r in got:
+            if "kv_gbs" in r:
+                r["frac_copy"] = r["kv_gbs"] / ceiling
+            rows.append(r)
+            print(f"{config:12s} {r.get('case', '-'):20s} " +
+                  (f"{r['us']:8.1f} us {r['kv_gbs']:6.0f} GB/s ({r['frac_copy']:.0%})" if "us" in r
+                   else f"ERROR {r.get('error', '')[-300:]}"), flush=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
+                commit=git_commit(), date=date.today().isoformat(), copy_ceiling_gbs=ceiling,
+                shape="Hq=32 Hkv=8 D=128 block 16 NHD, bf16 query, num_splits heuristic",
+                config_format="kWarpsN,kStages,kMinBlocks,loader")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"decode_sweep_{meta['gpu'].replace(' ', '_').lower()}_{meta['date'].replace('-', '')}.json"
+    path.write_text(json.dumps(dict(kind="decode_sweep", metadata=meta, results=rows), indent=1))
+    print(f"copy ceiling {ceiling:.0f} GB/s; wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        child(sys.argv[2])
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else "perf/results", sys.argv[2:] or DEFAULT_CONFIGS)
