@@ -66,7 +66,11 @@ def main(out_dir: str, configs: list[str]):
     ceiling = copy_ceiling_gbs()
     rows = []
     for config in configs:
-        proc = subprocess.run([sys.executable, __file__, "--child", config], capture_output=True, text=True)
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--child", config], capture_output=True, text=True,
+                                  timeout=300)
+        except subprocess.TimeoutExpired as exc:
+            proc = subprocess.CompletedProcess(exc.cmd, -9, exc.stdout or "", f"timed out after 300 s")
         got = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
         if proc.returncode or not got:
             got.append(dict(config=config, error=(proc.stderr or proc.stdout)[-600:]))
