@@ -98,7 +98,7 @@ def demo_specs():
 
     d = DEFAULT
     return [KvWriteSpec("bf16", "auto", "span"),
-            AttnFwdSpec("bf16", "auto", kernel_head_dim(d["head_size"]), "decode_bulk")]
+            AttnFwdSpec("bf16", "auto", kernel_head_dim(d["head_size"]), "decode_tma")]
 
 
 def run_cpu() -> int:

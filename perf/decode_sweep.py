@@ -1,9 +1,9 @@
 """Decode tile/loader sweep on the issue's decode shapes (Hq=32, Hkv=8, D=128, block 16, bf16 query).
 
 Each configuration runs in its own process (a kernel's tiles are fixed once it is built): the parent
-passes `--child kWarpsN,kStages,kMinBlocks[,bulk|cp]`, the child patches `tile_config` for decode
+passes `--child kWarpsN,kStages,kMinBlocks[,tma|cp]`, the child patches `tile_config` for decode
 variants, measures, and prints one JSON line. Writes <out>/decode_sweep_<gpu>_<date>.json.
-Usage: python perf/decode_sweep.py OUT_DIR [config ...]   (config e.g. 4,3,2,bulk)
+Usage: python perf/decode_sweep.py OUT_DIR [config ...]   (config e.g. 4,3,2,tma)
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 CASES = [("B=64 ctx=4096", 64, 4096, "auto"), ("B=64 ctx=4096 fp8", 64, 4096, "fp8_e4m3"),
          ("B=16 ctx=4096", 16, 4096, "auto"), ("B=1 ctx=32768", 1, 32768, "auto")]
-DEFAULT_CONFIGS = ["4,2,3,cp", "4,3,2,bulk", "4,4,1,bulk", "4,6,1,bulk", "2,4,3,bulk", "2,6,2,bulk",
-                   "8,3,1,bulk"]
+DEFAULT_CONFIGS = ["4,2,3,cp", "4,3,2,tma", "4,4,1,tma", "4,6,1,tma", "2,4,3,tma", "2,6,2,tma",
+                   "8,3,1,tma"]
 
 
 def child(config: str):
@@ -28,7 +28,7 @@ def child(config: str):
     from _timing import median_us
     from attn_quick import decode_case
 
-    warps, stages, min_blocks, loader = (config.split(",") + ["bulk"])[:4]
+    warps, stages, min_blocks, loader = (config.split(",") + ["tma"])[:4]
     base = attention.tile_config
 
     def patched(head_dim, mode):
@@ -39,7 +39,7 @@ def child(config: str):
 
     attention.tile_config = patched
     if loader == "cp":
-        attention.bulk_copies_ok = lambda call, arch: False
+        attention.tma_ok = lambda call, arch, head_dim: False
     for name, B, ctx, kv in CASES:
         q, kc, vc, table, cu_q, seq, s = decode_case(B, ctx, kv)
         fn = lambda: pagedattn.flash_attn_varlen_func(  # noqa: E731

@@ -93,8 +93,8 @@ def test_reference_empty_request_and_fp8():
 
 # ---------------------------------------------------------------- compilation (CPU)
 CI_SPECS = [AttnFwdSpec("bf16", "auto", 128, "decode"), AttnFwdSpec("bf16", "auto", 128, "prefill"),
-            AttnFwdSpec("fp16", "fp8_e4m3", 80, "decode"), AttnFwdSpec("bf16", "auto", 128, "decode_bulk"),
-            AttnFwdSpec("fp16", "fp8_e5m2", 80, "decode_bulk"), CombineSpec("bf16")]
+            AttnFwdSpec("fp16", "fp8_e4m3", 80, "decode"), AttnFwdSpec("bf16", "auto", 128, "decode_tma"),
+            AttnFwdSpec("fp16", "fp8_e5m2", 80, "decode_tma"), CombineSpec("bf16")]
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
@@ -171,12 +171,12 @@ def _lengths(kind, rng):
 @pytest.fixture
 def decode_loader(monkeypatch):
     """decode_loader("cp_async") makes decode batches take the cp.async variant even on sm_90 (where
-    bulk copies are the default), so both loaders stay tested on one GPU."""
+    TMA is the default for paged decode), so both loaders stay tested on one GPU."""
     from pagedattn.ops import attention as attention_ops
 
     def force(loader):
         if loader == "cp_async":
-            monkeypatch.setattr(attention_ops, "bulk_copies_ok", lambda call, arch: False)
+            monkeypatch.setattr(attention_ops, "tma_ok", lambda call, arch, head_dim: False)
         attention_ops._PLANS.clear()
 
     yield force

@@ -1,6 +1,7 @@
 """flash_attn_varlen_func over a paged KV cache: validation, tile choice, split-KV, launch."""
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from dataclasses import dataclass, field
@@ -18,34 +19,33 @@ HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 LOG2E = 1.4426950408889634
 
 
-MODES = ("decode", "decode_bulk", "prefill")
+MODES = ("decode", "decode_tma", "prefill")
 
 
 def tile_config(head_dim: int, mode: str) -> dict:
     """THE choice of tile sizes per (head dim, mode). Decode packs few rows, so its warps split the KV
-    range (kWarpsN); prefill's warps split the rows (kWarpsM). decode_bulk is decode with each warp
-    filling its own ring by bulk copies (sm_90 only, see attn_traits.cuh)."""
+    range (kWarpsN); prefill's warps split the rows (kWarpsM). decode_tma is decode with each warp
+    filling its own ring by TMA (sm_90, paged caches; see attn_traits.cuh)."""
     if mode == "decode":
         # Measured on H200 (perf/results/history/attn_tile_sweep_*): with cp.async, decode is bound by
         # warps per SM, so the smallest sub-tile and two stages (68 KiB at d128: three CTAs) win.
-        return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=2, kMinBlocks=3, kBulk=False)
-    if mode == "decode_bulk":
-        return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=3, kMinBlocks=2, kBulk=True)
+        return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=2, kMinBlocks=3, kTma=False)
+    if mode == "decode_tma":
+        return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=3, kMinBlocks=2, kTma=True)
     if head_dim <= 128:
-        return dict(kBlockM=128, kBlockN=64, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1, kBulk=False)
-    return dict(kBlockM=64, kBlockN=32, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1, kBulk=False)
+        return dict(kBlockM=128, kBlockN=64, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False)
+    return dict(kBlockM=64, kBlockN=32, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False)
 
 
 def smem_bytes(cfg: dict, head_dim: int, fp8: bool) -> int:
     """Mirror of AttnTraits::kSmemBytes (attn_traits.cuh); the rendered source static_asserts it."""
-    pitch = head_dim + 8 if cfg["kBulk"] else head_dim
     stage_keys = cfg["kBlockN"] * cfg["kWarpsN"]
-    stage = stage_keys * pitch
+    stage = stage_keys * head_dim
     q = cfg["kBlockM"] * head_dim * 2
     kv = (2 * cfg["kStages"] * stage_keys * head_dim + 2 * stage * 2) if fp8 else 2 * cfg["kStages"] * stage * 2
     epilogue = cfg["kWarpsN"] * cfg["kBlockM"] * (head_dim + 2) * 4
     main = max(q + kv, epilogue)
-    barriers = 8 * cfg["kWarpsN"] * cfg["kStages"] if cfg["kBulk"] else 0
+    barriers = 8 * cfg["kWarpsN"] * cfg["kStages"] if cfg["kTma"] else 0
     return -(-main // 8) * 8 + barriers
 
 
@@ -77,8 +77,13 @@ class AttnFwdSpec(KernelSpec):
         return {"Element": CUTLASS_TYPE[self.dtype], "kFp8": FP8_FORMAT[self.kv_cache_dtype],
                 "kHeadDim": self.head_dim, "kSmemBytes": self.dynamic_smem(), **self.tiles}
 
+    def check(self) -> None:
+        if self.mode == "decode_tma" and self.kv_cache_dtype == "auto" and self.head_dim % 64:
+            raise UnsupportedError(f"attn_fwd: mode=decode_tma needs head_dim a multiple of 64 for 16-bit "
+                                   f"caches (128-byte swizzled TMA boxes), got {self.head_dim}")
+
     def supports_arch(self, arch: str) -> bool:
-        return self.mode != "decode_bulk" or arch == "sm_90a"
+        return self.mode != "decode_tma" or arch == "sm_90a"
 
     def dynamic_smem(self) -> int:
         return smem_bytes(self.tiles, self.head_dim, self.kv_cache_dtype != "auto")
@@ -339,7 +344,7 @@ class _Plan:
         self.block_shift = bs.bit_length() - 1 if bs and bs & (bs - 1) == 0 else -1
         self.bt_stride = block_table.stride(0) if block_table is not None else 0
         self.bt_width = block_table.shape[1] if block_table is not None else 0
-        self.decode_mode = "decode_bulk" if bulk_copies_ok(call, arch_for_device(self.device)) else "decode"
+        self.decode_mode = "decode_tma" if tma_ok(call, arch_for_device(self.device), self.head_dim) else "decode"
         self._kernels: dict = {}
 
     def kernel(self, mode: str):
@@ -357,12 +362,60 @@ class _Plan:
         return hit
 
 
-def bulk_copies_ok(call: _Call, arch: str) -> bool:
-    """decode_bulk needs sm_90 and K/V rows that bulk copies can move: every row, and every stride
-    between rows and heads, a multiple of 16 bytes (bases are 16-byte aligned already)."""
-    width = 1 if call.kv_name != "auto" else 2
-    strides = (*call.k_strides, *call.v_strides, call.D)
-    return arch == "sm_90a" and all(x * width % 16 == 0 for x in strides)
+def tma_ok(call: _Call, arch: str, head_dim: int) -> bool:
+    """decode_tma needs sm_90, a paged cache whose pages hold whole 16-key sub-tiles, strides the
+    tensor map can describe (multiples of 16 bytes; bases are 16-byte aligned already) and, for 16-bit
+    caches, a compiled head dim that is a multiple of 64."""
+    fp8 = call.kv_name != "auto"
+    width = 1 if fp8 else 2
+    return (arch == "sm_90a" and call.paged and call.block_size % 16 == 0 and (fp8 or head_dim % 64 == 0)
+            and all(x * width % 16 == 0 for x in (*call.k_strides, *call.v_strides, call.D)))
+
+
+_TMA_DTYPE = {torch.float16: "FLOAT16", torch.bfloat16: "BFLOAT16"}
+_TMA_MAPS: dict[tuple, torch.Tensor] = {}
+
+
+def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tuple[torch.Tensor, int]:
+    """Device buffer holding the K and V CUtensorMaps (2 x 128 bytes) of a paged cache, and the
+    tensor-map dimension of the slot within a page. Encoded once per (cache, geometry) and cached.
+
+    Dimensions, innermost first, in increasing stride (the layouts differ only in the middle two):
+    NHD (d, head, slot, block), HND (d, slot, head, block). A box is one page's kBlockN=16 slots of
+    one head: 64 columns with 128-byte swizzle (16-bit caches), or the whole row (fp8, unswizzled)."""
+    key = (k.data_ptr(), v.data_ptr(), k.dtype, tuple(k.shape), call.k_strides, call.v_strides, head_dim)
+    hit = _TMA_MAPS.get(key)
+    if hit is not None:
+        return hit
+    from cuda.bindings import driver as drv
+
+    from ..codegen.load import check
+
+    fp8 = call.kv_name != "auto"
+    width = 1 if fp8 else 2
+    dtype = getattr(drv.CUtensorMapDataType, "CU_TENSOR_MAP_DATA_TYPE_" + ("UINT8" if fp8 else _TMA_DTYPE[k.dtype]))
+    swizzle = drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE if fp8 else \
+        drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
+    box_cols = head_dim if fp8 else 64
+    blocks, bs, heads = call.num_blocks, call.block_size, call.Hkv
+    maps = bytearray()
+    row_dim = 2
+    for t, (s_block, s_row, s_head) in ((k, call.k_strides), (v, call.v_strides)):
+        if s_head < s_row:    # NHD
+            dims, strides, box, row_dim = (call.D, heads, bs, blocks), (s_head, s_row, s_block), (box_cols, 1, 16, 1), 2
+        else:                 # HND
+            dims, strides, box, row_dim = (call.D, bs, heads, blocks), (s_row, s_head, s_block), (box_cols, 16, 1, 1), 1
+        tmap = check(drv.cuTensorMapEncodeTiled(
+            dtype, 4, t.data_ptr(), list(dims), [x * width for x in strides], list(box), [1, 1, 1, 1],
+            drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+            drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+        maps += ctypes.string_at(int(tmap.getPtr()), 128)
+    buf = torch.frombuffer(maps, dtype=torch.uint8).to(k.device)
+    if len(_TMA_MAPS) > 1024:
+        _TMA_MAPS.clear()
+    hit = _TMA_MAPS[key] = (buf, row_dim)
+    return hit
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -428,13 +481,14 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
         o_accum = torch.empty(splits, total_q, call.Hq, spec.head_dim, dtype=torch.float32, device=q.device)
         lse_accum = torch.empty(splits, call.Hq, total_q, dtype=torch.float32, device=q.device)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    maps, row_dim = tma_maps(k, v, call, spec.head_dim) if spec.mode == "decode_tma" else (None, 0)
     values = (
         q.data_ptr(), out.data_ptr(), ptr(lse), k.data_ptr(), v.data_ptr(), ptr(block_table),
         cu_seqlens_q.data_ptr(), ptr(seqused_k), ptr(cu_seqlens_k), ptr(k_descale), ptr(v_descale),
-        ptr(o_accum), ptr(lse_accum),
+        ptr(o_accum), ptr(lse_accum), ptr(maps),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *call.k_strides, *call.v_strides,
         plan.bt_stride, plan.bt_width, call.num_blocks, call.block_size, plan.block_shift, call.B, call.Hq,
-        call.Hkv, group, call.D, total_q, splits, int(bool(causal)), plan.dbs, plan.dhs, scale * LOG2E)
+        call.Hkv, group, call.D, total_q, splits, int(bool(causal)), plan.dbs, plan.dhs, row_dim, scale * LOG2E)
     launcher((call.B * call.Hkv, m_blocks, splits), (spec.threads, 1, 1), values)
     if splits > 1:
         rows_total = total_q * call.Hq

@@ -3,8 +3,8 @@
 // Grid: (num_seqs * num_kv_heads, m_blocks, num_splits). A CTA owns kBlockM packed rows of one
 // (request, kv head) (see attn_traits.cuh), and one split of the request's visible KV range.
 // Per stage of kStageKeys keys:
-//   1. load the stage kStages-1 ahead (cp.async by the whole CTA, or bulk copies by each warp into
-//      its own ring, see attn_traits.cuh); rows are located through PagedKV (block_table lives there);
+//   1. load the stage kStages-1 ahead (cp.async by the whole CTA, or TMA by each warp into its own
+//      ring, see attn_traits.cuh); rows are located through PagedKV (block_table lives there);
 //   2. fp8 caches: widen the stage to Element in shared memory (scales are folded in later);
 //   3. each warp group: S = Q K^T on its sub-tile, mask only if the sub-tile crosses the causal
 //      diagonal or the end of the sequence, online softmax, O += P V.
@@ -16,7 +16,7 @@
 #include "pagedattn/attn_params.cuh"
 #include "pagedattn/attn_traits.cuh"
 #include "pagedattn/async_copy.cuh"
-#include "pagedattn/bulk_copy.cuh"
+#include "pagedattn/tma_copy.cuh"
 #include "pagedattn/paged_kv.cuh"
 #include "pagedattn/softmax.cuh"
 #include "pagedattn/softmax_merge.cuh"
@@ -168,56 +168,72 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     }
   };
 
-  // ---- bulk loader (Traits::kBulk): this warp's sub-tile of a step into one slot of its ring. Lane
-  // l moves row l % kBlockN of K (l < kBlockN) or V, one bulk copy per row; rows that must not be
-  // read are zero-filled by the lane instead. `phys` holds the lane rows' physical blocks, fetched
-  // one issue ahead so the table read never stalls the copy.
-  constexpr int kLaneRows = Traits::kBulk ? 2 * kBlockN / 32 : 1;
-  uint32_t const row_bytes = uint32_t(D) * kCacheBytes;
-  auto lane_key = [&](int step, int i) {
-    return step * kStageKeys + group_idx * kBlockN + (gtid + 32 * i) % kBlockN;
-  };
-  auto fetch_pages = [&](int step, int (&phys)[kLaneRows]) {
-    CUTE_UNROLL
-    for (int i = 0; i < kLaneRows; ++i) {
-      int const j = lane_key(step, i);
-      phys[i] = j < w.k_len ? kv.page(j) : 0;
-    }
-  };
-  auto slot_row = [&](int slot, int r) -> char* {  // r < kBlockN: K row r, else V row r - kBlockN
-    bool const is_v = r >= kBlockN;
-    int const row = r % kBlockN;
+  // ---- TMA loader (Traits::kTma, paged caches whose block size is a multiple of kBlockN): lane 0
+  // copies this warp's sub-tile of a step -- kBlockN keys inside one page -- into one slot of its
+  // ring. `phys` is the sub-tile's page, read one issue ahead so the table never stalls the copy.
+  // Columns >= D arrive as zeros (the tensor map's first dimension is D). A sub-tile in a page
+  // outside [0, num_blocks) is zero-filled instead; one past the end is not loaded at all.
+  constexpr int kBoxCols = Traits::kIsFp8 ? kHeadDim : 64;      // TMA box: kBoxCols x kBlockN
+  constexpr int kTileBytes = kBlockN * kHeadDim * kCacheBytes;  // K (or V) bytes of a sub-tile
+  void const* k_map = p.tma_desc;
+  void const* v_map = static_cast<char const*>(p.tma_desc) + 128;
+  auto tile_key0 = [&](int step) { return step * kStageKeys + group_idx * kBlockN; };
+  auto fetch_page = [&](int step) { return tile_key0(step) < w.k_len ? kv.page(tile_key0(step)) : 0; };
+  auto slot_tiles = [&](int slot, char*& k_dst, char*& v_dst) {
     if constexpr (Traits::kIsFp8) {
-      return reinterpret_cast<char*>((is_v ? raw_v : raw_k) +
-                                     (slot * kStageKeys + group_idx * kBlockN + row) * kHeadDim);
+      k_dst = reinterpret_cast<char*>(raw_k + (slot * kStageKeys + group_idx * kBlockN) * kHeadDim);
+      v_dst = reinterpret_cast<char*>(raw_v + (slot * kStageKeys + group_idx * kBlockN) * kHeadDim);
     } else {
-      return reinterpret_cast<char*>((is_v ? smem_v : smem_k) +
-                                     (slot * Traits::kWarpsN + group_idx) * Traits::kTileElems + row * Traits::kPitch);
+      k_dst = reinterpret_cast<char*>(smem_k + (slot * Traits::kWarpsN + group_idx) * Traits::kTileElems);
+      v_dst = reinterpret_cast<char*>(smem_v + (slot * Traits::kWarpsN + group_idx) * Traits::kTileElems);
     }
   };
-  auto issue_bulk = [&](int step, int slot, int const (&phys)[kLaneRows]) {
-    bool valid[kLaneRows];
-    char const* src[kLaneRows];
-    uint32_t rows_valid = 0;
-    CUTE_UNROLL
-    for (int i = 0; i < kLaneRows; ++i) {
-      int const j = lane_key(step, i);
-      char const *k_row = kv.k_base, *v_row = kv.v_base;
-      valid[i] = j < w.k_len && kv.rows(j, phys[i], k_row, v_row);
-      src[i] = gtid + 32 * i >= kBlockN ? v_row : k_row;
-      rows_valid += __popc(__ballot_sync(0xffffffffu, valid[i]));
-    }
-    if (gtid == 0) mbarrier_arrive_expect_tx(ring_bars + slot, rows_valid * row_bytes);
-    __syncwarp();
-    CUTE_UNROLL
-    for (int i = 0; i < kLaneRows; ++i) {
-      char* dst = slot_row(slot, gtid + 32 * i);
-      if (valid[i]) {
-        bulk_copy_g2s(dst, src[i], row_bytes, ring_bars + slot);
-      } else {
-        for (uint32_t b = 0; b < row_bytes; b += 16) *reinterpret_cast<uint4*>(dst + b) = make_uint4(0, 0, 0, 0);
+  auto issue_tma = [&](int step, int slot, int phys) {
+    int const key0 = tile_key0(step);
+    bool const live = key0 < w.k_len;
+    bool const valid = live && phys >= 0 && phys < p.num_blocks;
+    char *k_dst, *v_dst;
+    slot_tiles(slot, k_dst, v_dst);
+    if (gtid == 0) {
+      mbarrier_arrive_expect_tx(ring_bars + slot, valid ? 2 * kTileBytes : 0);
+      if (valid) {
+        int const off = p.block_shift >= 0 ? key0 & (p.block_size - 1) : key0 % p.block_size;
+        int const c1 = p.tma_row_dim == 1 ? off : w.kv_head;
+        int const c2 = p.tma_row_dim == 1 ? w.kv_head : off;
+        CUTE_UNROLL
+        for (int c = 0; c < kHeadDim / kBoxCols; ++c) {
+          tma_load_4d(k_dst + c * kBlockN * kBoxCols * kCacheBytes, k_map, c * kBoxCols, c1, c2, phys, ring_bars + slot);
+          tma_load_4d(v_dst + c * kBlockN * kBoxCols * kCacheBytes, v_map, c * kBoxCols, c1, c2, phys, ring_bars + slot);
+        }
       }
     }
+    if (live && !valid) {
+      for (int b = 16 * gtid; b < kTileBytes; b += 16 * 32) {
+        *reinterpret_cast<uint4*>(k_dst + b) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(v_dst + b) = make_uint4(0, 0, 0, 0);
+      }
+      fence_proxy_async_smem();  // before a later TMA refills the slot
+    }
+  };
+  // V rows of a landed sub-tile at or past k_len (the page's unused slots) are zeroed: P is 0 there,
+  // but 0 * NaN is not.
+  auto clear_tail = [&](int slot, int key0) {
+    int const first = w.k_len - key0;
+    if (first <= 0 || first >= kBlockN) return;  // not loaded at all, or no row past the end
+    char *k_dst, *v_dst;
+    slot_tiles(slot, k_dst, v_dst);
+    constexpr int kRowChunks = kHeadDim * kCacheBytes / 16;
+    for (int c = gtid; c < (kBlockN - first) * kRowChunks; c += 32) {
+      int const r = first + c / kRowChunks, chunk = c % kRowChunks;
+      int b;
+      if constexpr (Traits::kIsFp8) {
+        b = r * kHeadDim + chunk * 16;
+      } else {
+        b = int(typename Traits::SmemLayoutKV{}(r, chunk * 8)) * 2;
+      }
+      *reinterpret_cast<uint4*>(v_dst + b) = make_uint4(0, 0, 0, 0);
+    }
+    fence_proxy_async_smem();  // before a later TMA refills the slot
   };
 
   // ---- MMA setup (per warp group)
@@ -263,28 +279,18 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
 
   // ---- mainloop: a kStages-deep pipeline over stages [step_begin, step_end)
   int const n_steps = w.step_end - w.step_begin;
-  int phys[kLaneRows];  // bulk: pages of the lane's rows in the next step to issue
-  if constexpr (Traits::kBulk) {
+  int phys = 0;  // TMA: page of the next sub-tile to issue
+  if constexpr (Traits::kTma) {
     if (gtid == 0) {
       for (int s = 0; s < kStages; ++s) mbarrier_init(ring_bars + s, 1);
       mbarrier_init_fence();
     }
-    if (D < kHeadDim) {  // columns [D, kHeadDim) of every ring row stay zero; bulk copies never touch them
-      for (int r = 0; r < kStages * 2 * kBlockN; ++r) {
-        char* row = slot_row(r / (2 * kBlockN), r % (2 * kBlockN));
-        for (int b = int(row_bytes) + 16 * gtid; b < kHeadDim * kCacheBytes; b += 16 * 32) {
-          *reinterpret_cast<uint4*>(row + b) = make_uint4(0, 0, 0, 0);
-        }
-      }
-    }
     __syncwarp();
-    if (n_steps > 0) fetch_pages(w.step_begin, phys);
+    if (n_steps > 0) phys = fetch_page(w.step_begin);
     for (int s = 0; s < kStages - 1 && s < n_steps; ++s) {
-      int next[kLaneRows];
-      if (s + 1 < n_steps) fetch_pages(w.step_begin + s + 1, next);
-      issue_bulk(w.step_begin + s, s, phys);
-      CUTE_UNROLL
-      for (int i = 0; i < kLaneRows; ++i) phys[i] = next[i];
+      int const next = s + 1 < n_steps ? fetch_page(w.step_begin + s + 1) : 0;
+      issue_tma(w.step_begin + s, s, phys);
+      phys = next;
     }
     cp_async_commit();
     cp_async_wait<0>();
@@ -298,13 +304,14 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   }
   for (int it = 0; it < n_steps; ++it) {
     int const stage = it % kStages;
-    if constexpr (Traits::kBulk) {
+    if constexpr (Traits::kTma) {
       mbarrier_wait(ring_bars + stage, uint32_t(it / kStages) & 1u);
-      __syncwarp();  // zero-filled rows of other lanes are visible; slot it-1 is free
+      clear_tail(stage, tile_key0(w.step_begin + it));
+      __syncwarp();  // zero-filled rows of every lane are visible; slot it-1 is free
       int const ahead = it + kStages - 1;
       if (ahead < n_steps) {
-        issue_bulk(w.step_begin + ahead, ahead % kStages, phys);
-        if (ahead + 1 < n_steps) fetch_pages(w.step_begin + ahead + 1, phys);
+        issue_tma(w.step_begin + ahead, ahead % kStages, phys);
+        if (ahead + 1 < n_steps) phys = fetch_page(w.step_begin + ahead + 1);
       }
     } else {
       cp_async_wait<kStages - 2>();

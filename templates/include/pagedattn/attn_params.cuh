@@ -20,6 +20,7 @@ struct AttnParams {
   float const* v_descale;
   float* o_accum;               // split-KV partial outputs [num_splits, total_q, Hq, D] fp32
   float* lse_accum;             // split-KV partial LSE [num_splits, Hq, total_q] fp32
+  void const* tma_desc;         // decode_tma: two CUtensorMaps (K, V) in global memory, or null
   int64_t q_row_stride, q_head_stride;
   int64_t o_row_stride, o_head_stride;
   int64_t k_block_stride, k_row_stride, k_head_stride;  // paged: block/page strides; varlen: token stride
@@ -36,6 +37,7 @@ struct AttnParams {
   int32_t num_splits;
   int32_t causal;
   int32_t descale_batch_stride, descale_head_stride;
+  int32_t tma_row_dim;          // decode_tma: tensor-map dimension of the slot in a page (1 HND, 2 NHD)
   float scale_log2;             // softmax_scale * log2(e) (k_descale is applied per CTA)
 };
 

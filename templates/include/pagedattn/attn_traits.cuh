@@ -7,12 +7,13 @@
 //   - the kWarpsN groups take different kBlockN-key sub-tiles of each stage (a split of the KV range
 //     inside the CTA) and merge their softmax states in the epilogue, as in decode, where M is small.
 //
-// Two ways to fill shared memory with K/V (kBulk):
+// Two ways to fill shared memory with K/V (kTma):
 //   - false: every thread cp.asyncs 16-byte chunks of a whole stage into swizzled tiles; the CTA
 //     syncs once per stage (sm_80 ... sm_90);
-//   - true (sm_90, decode): each warp owns a ring of kStages sub-tiles and fills it with one bulk copy
-//     (cp.async.bulk) per K or V row, completing on one mbarrier per slot; rows are padded by 16 bytes
-//     instead of swizzled. Warps never wait for each other inside the mainloop.
+//   - true (sm_90, paged decode): each warp owns a ring of kStages sub-tiles; one lane fills a slot
+//     with TMA tile copies (a sub-tile lies inside one cache page), completing on one mbarrier per
+//     slot. The TMA writes the same 128-byte-swizzled tiles the cp.async path builds (fp8: plain
+//     rows). Warps never wait for each other inside the mainloop.
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
@@ -25,7 +26,7 @@
 namespace pagedattn {
 
 template <class Element_, Fp8Format kFp8_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsM_,
-          int kWarpsN_, int kStages_, bool kBulk_ = false>
+          int kWarpsN_, int kStages_, bool kTma_ = false>
 struct AttnTraits {
   using Element = Element_;  // cutlass::half_t or cutlass::bfloat16_t: Q, O and both MMA operands
   static constexpr Fp8Format kFp8 = kFp8_;
@@ -38,8 +39,8 @@ struct AttnTraits {
   static constexpr int kBlockN = kBlockN_;    // keys of one warp group's sub-tile
   static constexpr int kWarpsM = kWarpsM_;
   static constexpr int kWarpsN = kWarpsN_;
-  static constexpr int kStages = kStages_;   // stages of the CTA (cp.async) or slots of each warp's ring (bulk)
-  static constexpr bool kBulk = kBulk_;
+  static constexpr int kStages = kStages_;   // stages of the CTA (cp.async) or slots of each warp's ring (TMA)
+  static constexpr bool kTma = kTma_;
   static constexpr int kGroupThreads = 32 * kWarpsM;
   static constexpr int kThreads = kGroupThreads * kWarpsN;
   static constexpr int kStageKeys = kBlockN * kWarpsN;
@@ -50,8 +51,8 @@ struct AttnTraits {
   static_assert(kBlockM % (16 * kWarpsM) == 0, "kBlockM must be a multiple of 16 * kWarpsM");
   static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16 (one MMA K step of P.V)");
   static_assert(kStages >= 2, "the K/V pipeline needs at least two stages");
-  static_assert(!kBulk || (kWarpsM == 1 && 2 * kBlockN % 32 == 0),
-                "bulk loading: one warp per group, whole K and V rows spread over its lanes");
+  static_assert(!kTma || (kWarpsM == 1 && (kIsFp8 || kHeadDim % 64 == 0)),
+                "TMA loading: one warp per group; 16-bit tiles in 64-column (128-byte) swizzle atoms");
 
   // Swizzled shared-memory tiles: 8-row atoms as wide as the head dim allows (64, 32 or 16 columns).
   static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : (kHeadDim % 32 == 0 ? 32 : 16);
@@ -62,13 +63,10 @@ struct AttnTraits {
                    cute::Stride<cute::Int<kBlockKSmem>, cute::_1>>{}));
   using SmemLayoutQ = decltype(cute::tile_to_shape(
       SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
-  // Bulk copies cannot swizzle: rows are padded by 16 bytes instead, so the 8 rows one ldmatrix reads
-  // start in 8 different 16-byte bank groups.
-  static constexpr int kPitch = kBulk ? kHeadDim + 8 : kHeadDim;  // Elements between K/V tile rows
-  using SmemLayoutKV = cute::conditional_t<
-      kBulk,
-      cute::Layout<cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>, cute::Stride<cute::Int<kPitch>, cute::_1>>,
-      decltype(cute::tile_to_shape(SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}))>;
+  // (kBlockN, kHeadDim) tiles are column blocks of kBlockKSmem columns, each kBlockN rows of swizzled
+  // 8-row atoms: exactly what a TMA box {64 columns, kBlockN rows} with 128-byte swizzle writes.
+  using SmemLayoutKV = decltype(cute::tile_to_shape(
+      SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
   // V seen as (d, key): the B operand of P.V, read with transposing ldmatrix.
   using SmemLayoutVt = decltype(cute::composition(
       SmemLayoutKV{},
@@ -84,9 +82,9 @@ struct AttnTraits {
 
   // Shared memory, bytes. fp8 caches land raw in per-stage byte buffers and are widened once per
   // stage into a single Element stage that the MMAs read.
-  static constexpr int kTileElems = kBlockN * kPitch;
+  static constexpr int kTileElems = kBlockN * kHeadDim;
   static constexpr int kSmemQ = kBlockM * kHeadDim * int(sizeof(Element));
-  // A stage (cp.async) or one ring slot of every warp (bulk) holds kStageKeys keys: kWarpsN tiles.
+  // A stage (cp.async) or one ring slot of every warp (TMA) holds kStageKeys keys: kWarpsN tiles.
   static constexpr int kSmemStageElems = kWarpsN * kTileElems;
   static constexpr int kSmemStageRaw = kStageKeys * kHeadDim;  // fp8 bytes, unpadded
   static constexpr int kSmemKV = kIsFp8
@@ -95,8 +93,8 @@ struct AttnTraits {
   static constexpr int kSmemEpilogue = kWarpsN * kBlockM * (kHeadDim + 2) * int(sizeof(float));
   static constexpr int kSmemMain =
       kSmemQ + kSmemKV > kSmemEpilogue ? kSmemQ + kSmemKV : kSmemEpilogue;
-  // bulk: one 8-byte mbarrier per (warp, slot), after everything the epilogue reuses
-  static constexpr int kSmemBarriers = kBulk ? 8 * kWarpsN * kStages : 0;
+  // TMA: one 8-byte mbarrier per (warp, slot), after everything the epilogue reuses
+  static constexpr int kSmemBarriers = kTma ? 8 * kWarpsN * kStages : 0;
   static constexpr int kSmemBytes = (kSmemMain + 7) / 8 * 8 + kSmemBarriers;
 };
 

@@ -1,6 +1,6 @@
-// Hopper (sm_90) bulk copies global -> shared that complete on an mbarrier, and the few mbarrier
+// Hopper (sm_90) TMA tile copies global -> shared that complete on an mbarrier, and the few mbarrier
 // operations a per-warp ring needs. Every function compiles to nothing below sm_90, where the
-// callers never reach them (attn_fwd dispatches on Traits::kBulk, which the host enables on sm_90 only).
+// callers never reach them (attn_fwd dispatches on Traits::kTma, which the host enables on sm_90 only).
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
@@ -42,13 +42,24 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase) {
 #endif
 }
 
-// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory; the
-// completion is counted on `bar`. The source is streamed once: L2 may evict it first.
-__device__ __forceinline__ void bulk_copy_g2s(void* smem, void const* gmem, uint32_t bytes, uint64_t* bar) {
+// Orders this thread's earlier generic-proxy writes to shared memory before later async-proxy
+// (TMA) accesses of the same bytes.
+__device__ __forceinline__ void fence_proxy_async_smem() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(cute::cast_smem_ptr_to_uint(smem)), "l"(gmem), "r"(bytes),
-                 "r"(cute::cast_smem_ptr_to_uint(bar)) : "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// One TMA box of a 4-D tensor map (a CUtensorMap the host encoded, in global memory) at coordinates
+// (c0 innermost ... c3) into shared memory; completion is counted on `bar`.
+__device__ __forceinline__ void tma_load_4d(void* smem, void const* tensor_map, int c0, int c1, int c2, int c3,
+                                            uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+      ::"r"(cute::cast_smem_ptr_to_uint(smem)), "l"(reinterpret_cast<uint64_t>(tensor_map)),
+        "r"(cute::cast_smem_ptr_to_uint(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 #endif
 }
 
