@@ -406,7 +406,9 @@ def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tu
         else:                 # HND
             dims, strides, box, row_dim = (call.D, bs, heads, blocks), (s_row, s_head, s_block), (box_cols, 16, 1, 1), 1
         tmap = check(drv.cuTensorMapEncodeTiled(
-            dtype, 4, t.data_ptr(), list(dims), [x * width for x in strides], list(box), [1, 1, 1, 1],
+            dtype, 4, t.data_ptr(), [drv.cuuint64_t(x) for x in dims],
+            [drv.cuuint64_t(x * width) for x in strides], [drv.cuuint32_t(x) for x in box],
+            [drv.cuuint32_t(1)] * 4,
             drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
             drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
