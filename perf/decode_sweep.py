@@ -31,8 +31,8 @@ def child(config: str):
     warps, stages, min_blocks, loader = (config.split(",") + ["tma"])[:4]
     base = attention.tile_config
 
-    def patched(head_dim, mode):
-        cfg = base(head_dim, mode)
+    def patched(head_dim, mode, fp8=False):
+        cfg = base(head_dim, mode, fp8)
         if mode.startswith("decode"):
             cfg.update(kWarpsN=int(warps), kStages=int(stages), kMinBlocks=int(min_blocks))
         return cfg

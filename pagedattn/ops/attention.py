@@ -22,7 +22,7 @@ LOG2E = 1.4426950408889634
 MODES = ("decode", "decode_tma", "prefill")
 
 
-def tile_config(head_dim: int, mode: str) -> dict:
+def tile_config(head_dim: int, mode: str, fp8: bool = False) -> dict:
     """THE choice of tile sizes per (head dim, mode). Decode packs few rows, so its warps split the KV
     range (kWarpsN); prefill's warps split the rows (kWarpsM). decode_tma is decode with each warp
     filling its own ring by TMA (sm_90, paged caches; see attn_traits.cuh)."""
@@ -31,6 +31,11 @@ def tile_config(head_dim: int, mode: str) -> dict:
         # warps per SM, so the smallest sub-tile and two stages (68 KiB at d128: three CTAs) win.
         return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=2, kMinBlocks=3, kTma=False)
     if mode == "decode_tma":
+        # Measured on H200 (perf/results/decode_sweep_*): 16-bit caches, two ring slots in flight per
+        # warp and two CTAs per SM; fp8 caches (more work per byte: widening) prefer more warps, three
+        # CTAs with one slot in flight each.
+        if fp8:
+            return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=2, kMinBlocks=3, kTma=True)
         return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=3, kMinBlocks=2, kTma=True)
     if head_dim <= 128:
         return dict(kBlockM=128, kBlockN=64, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False)
@@ -71,11 +76,14 @@ class AttnFwdSpec(KernelSpec):
 
     @property
     def tiles(self) -> dict:
-        return tile_config(self.head_dim, self.mode)
+        return tile_config(self.head_dim, self.mode, self.kv_cache_dtype != "auto")
 
     def context(self) -> dict:
+        tiles = dict(self.tiles)
+        # never promise more resident CTAs than shared memory allows: the register cap would be wasted
+        tiles["kMinBlocks"] = max(1, min(tiles["kMinBlocks"], (227 * 1024) // self.dynamic_smem()))
         return {"Element": CUTLASS_TYPE[self.dtype], "kFp8": FP8_FORMAT[self.kv_cache_dtype],
-                "kHeadDim": self.head_dim, "kSmemBytes": self.dynamic_smem(), **self.tiles}
+                "kHeadDim": self.head_dim, "kSmemBytes": self.dynamic_smem(), **tiles}
 
     def check(self) -> None:
         if self.mode == "decode_tma" and self.kv_cache_dtype == "auto" and self.head_dim % 64:
@@ -308,7 +316,13 @@ def choose_splits(num_splits: int, ctas: int, max_seqlen_k: int, spec: AttnFwdSp
     sms = _SM_COUNT.get(device)
     if sms is None:
         sms = _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    capacity = sms * max(1, (227 * 1024) // max(spec.dynamic_smem(), 1))
+    if spec.tiles["kTma"]:
+        # TMA decode streams at near the SM's bandwidth share with one CTA per SM; a second resident
+        # CTA adds little, so a wave is one CTA per SM (H200, perf/results/attn_quick_*: B=16 ctx 4096
+        # 96 us with 1 split vs 110 with 2; B=1 ctx 32768 78 us with 16 splits vs 83 with 32).
+        capacity = sms
+    else:
+        capacity = sms * max(1, (227 * 1024) // max(spec.dynamic_smem(), 1))
     return _best_splits(ctas, max_seqlen_k, max_steps, capacity)
 
 

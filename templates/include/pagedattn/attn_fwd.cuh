@@ -86,6 +86,9 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   constexpr int kThreads = Traits::kThreads, kStages = Traits::kStages, kStageKeys = Traits::kStageKeys;
   constexpr int kCacheBytes = Traits::kCacheBytes;
+  // TMA decode keeps Q's MMA fragments in registers (kHeadDim / 4 of them); the others reload them
+  // from shared memory for every K tile.
+  constexpr bool kQInRegs = Traits::kTma && kHeadDim <= 128;
 
   AttnWork w;
   if (!schedule<Traits>(p, w)) return;
@@ -295,6 +298,7 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();  // Q landed for every thread; the only CTA-wide barrier before the epilogue
+    if constexpr (kQInRegs) copy(s2r_q, tSsQ, tSrQ_view);  // Q stays in registers for the whole mainloop
   } else {
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
@@ -363,7 +367,7 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     if constexpr (kTwoChains) clear(acc_s_odd);
     CUTE_UNROLL
     for (int k = 0; k < size<2>(tSrQ); ++k) {
-      copy(s2r_q, tSsQ(_, _, k), tSrQ_view(_, _, k));
+      if constexpr (!kQInRegs) copy(s2r_q, tSsQ(_, _, k), tSrQ_view(_, _, k));
       copy(s2r_k, tSsK(_, _, k), tSrK_view(_, _, k));
       if (kTwoChains && k % 2 == 1) {
         cute::gemm(tiled_mma, tSrQ(_, _, k), tSrK(_, _, k), acc_s_odd);
