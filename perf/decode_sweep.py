@@ -1,7 +1,7 @@
 """Decode tile/loader sweep on the issue's decode shapes (Hq=32, Hkv=8, D=128, block 16, bf16 query).
 
 Each configuration runs in its own process (a kernel's tiles are fixed once it is built): the parent
-passes `--child kWarpsN,kStages,kMinBlocks[,tma|cp]`, the child patches `tile_config` for decode
+passes `--child kWarpsN,kStages,kMinBlocks[,tma|cp[,kBlockN]]`, the child patches `tile_config` for decode
 variants, measures, and prints one JSON line. Writes <out>/decode_sweep_<gpu>_<date>.json.
 Usage: python perf/decode_sweep.py OUT_DIR [config ...]   (config e.g. 4,3,2,tma)
 """
@@ -28,13 +28,13 @@ def child(config: str):
     from _timing import median_us
     from attn_quick import decode_case
 
-    warps, stages, min_blocks, loader = (config.split(",") + ["tma"])[:4]
+    warps, stages, min_blocks, loader, block_n = (config.split(",") + ["tma", "16"][len(config.split(",")) - 3:])[:5]
     base = attention.tile_config
 
     def patched(head_dim, mode, fp8=False):
         cfg = base(head_dim, mode, fp8)
         if mode.startswith("decode"):
-            cfg.update(kWarpsN=int(warps), kStages=int(stages), kMinBlocks=int(min_blocks))
+            cfg.update(kWarpsN=int(warps), kStages=int(stages), kMinBlocks=int(min_blocks), kBlockN=int(block_n))
         return cfg
 
     attention.tile_config = patched
@@ -84,7 +84,7 @@ def main(out_dir: str, configs: list[str]):
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
                 commit=git_commit(), date=date.today().isoformat(), copy_ceiling_gbs=ceiling,
                 shape="Hq=32 Hkv=8 D=128 block 16 NHD, bf16 query, num_splits heuristic",
-                config_format="kWarpsN,kStages,kMinBlocks,loader")
+                config_format="kWarpsN,kStages,kMinBlocks,loader,kBlockN")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"decode_sweep_{meta['gpu'].replace(' ', '_').lower()}_{meta['date'].replace('-', '')}.json"

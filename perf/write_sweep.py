@@ -1,5 +1,5 @@
 """Write-path CTA shape sweep at T=65536, H=8, D=128 (the issue's large case): packs per thread on the
-span path and warps per CTA on the head path, for NHD/HND x bf16/fp8_e4m3. Python-side only (the
+span path and warps per CTA on the head path, for NHD/HND x bf16/fp8_e4m3 x slots {random, pages}. Python-side only (the
 kernel handles any CTA size), so one compiled variant serves every point. Writes <out>/write_sweep_*.json."""
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ from pagedattn import CacheSpec
 from pagedattn.info import git_commit
 
 from _timing import copy_ceiling_gbs, median_us  # perf/ is on sys.path when run as a script
+from pagedattn.bench.write import page_slots
 from pagedattn.ops import kv_write
+
+VALUES = (1, 2, 4, 8)
 
 
 def main(out_dir):
@@ -28,18 +31,24 @@ def main(out_dir):
         for kv in ("auto", "fp8_e4m3"):
             spec = CacheSpec(T // 16 + 64, 16, H, D, torch.bfloat16 if kv == "auto" else torch.uint8, kv, layout)
             kc, vc = spec.allocate("cuda", fill=0.0)
-            slots = torch.randperm(spec.num_slots, device="cuda")[:T]
+            slot_sets = {"random": torch.randperm(spec.num_slots, device="cuda")[:T],
+                         "pages": page_slots(spec.num_blocks, T, "cuda")}
             s = torch.tensor([0.05], device="cuda") if kv != "auto" else None
             nbytes = 2 * T * H * D * 2 + 2 * T * H * D * (2 if kv == "auto" else 1) + T * 8
             knob = "SPAN_PACKS_PER_THREAD" if layout == "NHD" else "HEAD_WARPS"
-            for value in ((1, 2, 4, 8) if layout == "NHD" else (1, 2, 4, 8)):
-                setattr(kv_write, knob, value)
-                kv_write._PLANS.clear()
-                us = median_us(lambda: pagedattn.reshape_and_cache_flash(key, val, kc, vc, slots, kv, s, s), reps=40)
-                gbs = nbytes / us / 1e3
-                rows.append(dict(layout=layout, kv=kv, knob=knob, value=value, us=us, gbs=gbs,
-                                 frac_copy=gbs / copy_gbs))
-                print(f"{layout} {kv:9s} {knob}={value}: {us:7.1f} us {gbs:6.0f} GB/s {gbs / copy_gbs:.0%}", flush=True)
+            default = getattr(kv_write, knob)
+            for pattern, slots in slot_sets.items():
+                for value in VALUES:
+                    setattr(kv_write, knob, value)
+                    kv_write._PLANS.clear()
+                    us = median_us(lambda: pagedattn.reshape_and_cache_flash(key, val, kc, vc, slots, kv, s, s), reps=40)
+                    gbs = nbytes / us / 1e3
+                    rows.append(dict(layout=layout, kv=kv, slots=pattern, knob=knob, value=value, us=us, gbs=gbs,
+                                     frac_copy=gbs / copy_gbs))
+                    print(f"{layout} {kv:9s} {pattern:6s} {knob}={value}: {us:7.1f} us {gbs:6.0f} GB/s "
+                          f"{gbs / copy_gbs:.0%}", flush=True)
+            setattr(kv_write, knob, default)
+            kv_write._PLANS.clear()
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, commit=git_commit(),
                 date=date.today().isoformat(), copy_gbs=copy_gbs, T=T, H=H, D=D)
     out = Path(out_dir)

@@ -3,7 +3,9 @@
 Shapes (issue 3): H=8, D=128, bf16 inputs, T in {1, 16, 256, 4096, 65536}, NHD and HND caches,
 kv_cache_dtype auto (bf16 cache) and fp8_e4m3 (per-tensor scale), block size 16.
 bytes = K and V read + K and V written + slot ids (int64).
-The cache holds max(4T, 256 MiB worth of) slots and each call writes to random distinct slots.
+The cache holds max(4T, 256 MiB worth of) slots and each call writes to random distinct slots; T=65536
+is also measured with page-contiguous slots (case suffix /pages: whole 16-slot pages drawn at random,
+as a prefill fills its pages). Random slots scatter every head's row on its own (worst case for HND).
 Check (once per case, before timing): caches poisoned with NaN, ours on the full T, every written slot
 bit-exact against the reference's conversion (pagedattn.reference.quantize_fp8 for fp8), every other slot
 still NaN; and pagedattn.reference.reshape_and_cache_flash itself on the first 64 tokens, bit-exact.
@@ -23,6 +25,7 @@ from .common import Case, Ctx, Recorder, ceil_div, nan_fill_
 NAME = "write"
 H, D, BLOCK = 8, 128, 16
 TOKENS = (1, 16, 256, 4096, 65536)
+PAGED_TOKENS = (65536,)  # also measured with page-contiguous slots (params "slots": "pages")
 TINY_TOKENS = (1, 16, 40)
 KV_DTYPES = ("auto", "fp8_e4m3")
 LAYOUTS = ("NHD", "HND")
@@ -45,7 +48,18 @@ def cases(ctx: Ctx) -> list[Case]:
                           "D": D, "block_size": BLOCK, "input": "bf16", "scale": "tensor"}
                 out.append(Case(f"write/{layout}/{cache}/T{t}", NAME, params,
                                 lambda ctx, rec, p=params: run_case(ctx, rec, p)))
+                if t in PAGED_TOKENS:  # the same write as a prefill does it: whole pages, shuffled
+                    paged = {**params, "slots": "pages"}
+                    out.append(Case(f"write/{layout}/{cache}/T{t}/pages", NAME, paged,
+                                    lambda ctx, rec, p=paged: run_case(ctx, rec, p)))
     return out
+
+
+def page_slots(num_blocks: int, t: int, device) -> torch.Tensor:
+    """Slots of t tokens written the way a prefill writes them: consecutive slots filling whole
+    pages (BLOCK tokens each), the pages drawn at random from the cache."""
+    pages = torch.randperm(num_blocks, device=device)[: ceil_div(t, BLOCK)]
+    return (pages[:, None] * BLOCK + torch.arange(BLOCK, device=device)).flatten()[:t].contiguous()
 
 
 def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -82,7 +96,10 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
         sets = max(1, num_slots // t)
     keys = [torch.randn(t, H, D, dtype=in_dtype, device=dev) for _ in range(sets)]
     values = [torch.randn(t, H, D, dtype=in_dtype, device=dev) for _ in range(sets)]
-    slots = [torch.randperm(num_slots, device=dev)[:t].contiguous() for _ in range(sets)]
+    if p.get("slots") == "pages":
+        slots = [page_slots(num_blocks, t, dev) for _ in range(sets)]
+    else:
+        slots = [torch.randperm(num_slots, device=dev)[:t].contiguous() for _ in range(sets)]
     if fp8:
         amax = max(float(x.abs().amax()) for x in keys + values)
         k_scale = torch.tensor([amax / 448.0], dtype=torch.float32, device=dev)

@@ -171,17 +171,23 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     }
   };
 
-  // ---- TMA loader (Traits::kTma, paged caches whose block size is a multiple of kBlockN): lane 0
-  // copies this warp's sub-tile of a step -- kBlockN keys inside one page -- into one slot of its
-  // ring. `phys` is the sub-tile's page, read one issue ahead so the table never stalls the copy.
-  // Columns >= D arrive as zeros (the tensor map's first dimension is D). A sub-tile in a page
-  // outside [0, num_blocks) is zero-filled instead; one past the end is not loaded at all.
-  constexpr int kBoxCols = Traits::kIsFp8 ? kHeadDim : 64;      // TMA box: kBoxCols x kBlockN
-  constexpr int kTileBytes = kBlockN * kHeadDim * kCacheBytes;  // K (or V) bytes of a sub-tile
+  // ---- TMA loader (Traits::kTma, paged caches whose block size is a multiple of 16): this warp's
+  // sub-tile of a step is kBlockN / 16 chunks of 16 keys, each inside one cache page; lane q < kChunks
+  // copies chunk q into one slot of the warp's ring. `phys` (lane q: chunk q's page) is read one
+  // issue ahead so the table never stalls a copy. Columns >= D arrive as zeros (the tensor map's first
+  // dimension is D). A chunk in a page outside [0, num_blocks) is zero-filled instead; chunks past
+  // the end are not loaded (clear_tail zeroes their V rows once the slot has landed).
+  constexpr int kChunks = kBlockN / 16;
+  static_assert(!Traits::kTma || (kBlockN % 16 == 0 && kChunks <= 32), "TMA sub-tiles are 16-key chunks");
+  constexpr int kBoxCols = Traits::kIsFp8 ? kHeadDim : 64;       // TMA box: kBoxCols x 16 keys
+  constexpr int kChunkBytes = 16 * kHeadDim * kCacheBytes;       // K (or V) bytes of one chunk
   void const* k_map = p.tma_desc;
   void const* v_map = static_cast<char const*>(p.tma_desc) + 128;
   auto tile_key0 = [&](int step) { return step * kStageKeys + group_idx * kBlockN; };
-  auto fetch_page = [&](int step) { return tile_key0(step) < w.k_len ? kv.page(tile_key0(step)) : 0; };
+  auto fetch_page = [&](int step) {
+    int const j = tile_key0(step) + 16 * gtid;
+    return gtid < kChunks && j < w.k_len ? kv.page(j) : 0;
+  };
   auto slot_tiles = [&](int slot, char*& k_dst, char*& v_dst) {
     if constexpr (Traits::kIsFp8) {
       k_dst = reinterpret_cast<char*>(raw_k + (slot * kStageKeys + group_idx * kBlockN) * kHeadDim);
@@ -192,28 +198,36 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     }
   };
   auto issue_tma = [&](int step, int slot, int phys) {
-    int const key0 = tile_key0(step);
-    bool const live = key0 < w.k_len;
-    bool const valid = live && phys >= 0 && phys < p.num_blocks;
+    int const j = tile_key0(step) + 16 * gtid;  // this lane's chunk
+    bool const mine = gtid < kChunks && j < w.k_len;
+    bool const valid = mine && phys >= 0 && phys < p.num_blocks;
+    uint32_t const loads = __ballot_sync(0xffffffffu, valid);
+    uint32_t const bad = __ballot_sync(0xffffffffu, mine && !valid);
     char *k_dst, *v_dst;
     slot_tiles(slot, k_dst, v_dst);
-    if (gtid == 0) {
-      mbarrier_arrive_expect_tx(ring_bars + slot, valid ? 2 * kTileBytes : 0);
-      if (valid) {
-        int const off = p.block_shift >= 0 ? key0 & (p.block_size - 1) : key0 % p.block_size;
-        int const c1 = p.tma_row_dim == 1 ? off : w.kv_head;
-        int const c2 = p.tma_row_dim == 1 ? w.kv_head : off;
-        CUTE_UNROLL
-        for (int c = 0; c < kHeadDim / kBoxCols; ++c) {
-          tma_load_4d(k_dst + c * kBlockN * kBoxCols * kCacheBytes, k_map, c * kBoxCols, c1, c2, phys, ring_bars + slot);
-          tma_load_4d(v_dst + c * kBlockN * kBoxCols * kCacheBytes, v_map, c * kBoxCols, c1, c2, phys, ring_bars + slot);
-        }
+    if (gtid == 0) mbarrier_arrive_expect_tx(ring_bars + slot, __popc(loads) * 2 * kChunkBytes);
+    __syncwarp();
+    if (valid) {
+      int const off = p.block_shift >= 0 ? j & (p.block_size - 1) : j % p.block_size;
+      int const c1 = p.tma_row_dim == 1 ? off : w.kv_head;
+      int const c2 = p.tma_row_dim == 1 ? w.kv_head : off;
+      CUTE_UNROLL
+      for (int c = 0; c < kHeadDim / kBoxCols; ++c) {
+        int const dst = (c * kBlockN + 16 * gtid) * kBoxCols * kCacheBytes;
+        tma_load_4d(k_dst + dst, k_map, c * kBoxCols, c1, c2, phys, ring_bars + slot);
+        tma_load_4d(v_dst + dst, v_map, c * kBoxCols, c1, c2, phys, ring_bars + slot);
       }
     }
-    if (live && !valid) {
-      for (int b = 16 * gtid; b < kTileBytes; b += 16 * 32) {
-        *reinterpret_cast<uint4*>(k_dst + b) = make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(v_dst + b) = make_uint4(0, 0, 0, 0);
+    if (bad) {  // rare: zero-fill the chunks of corrupt pages, all lanes together
+      for (int q = 0; q < kChunks; ++q) {
+        if (!(bad >> q & 1u)) continue;
+        for (int c = 0; c < kHeadDim / kBoxCols; ++c) {
+          int const base = (c * kBlockN + 16 * q) * kBoxCols * kCacheBytes;
+          for (int b = 16 * gtid; b < 16 * kBoxCols * kCacheBytes; b += 16 * 32) {
+            *reinterpret_cast<uint4*>(k_dst + base + b) = make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4*>(v_dst + base + b) = make_uint4(0, 0, 0, 0);
+          }
+        }
       }
       fence_proxy_async_smem();  // before a later TMA refills the slot
     }
@@ -282,7 +296,7 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
 
   // ---- mainloop: a kStages-deep pipeline over stages [step_begin, step_end)
   int const n_steps = w.step_end - w.step_begin;
-  int phys = 0;  // TMA: page of the next sub-tile to issue
+  int phys = 0;  // TMA: page of this lane's chunk of the next sub-tile to issue
   if constexpr (Traits::kTma) {
     if (gtid == 0) {
       for (int s = 0; s < kStages; ++s) mbarrier_init(ring_bars + s, 1);

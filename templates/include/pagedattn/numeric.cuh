@@ -29,6 +29,20 @@ __device__ __forceinline__ uint8_t quantize_fp8(float x, float scale) {
   return __nv_cvt_float_to_fp8(__fdiv_rn(x, scale), __NV_SATFINITE, kind);
 }
 
+// x / scale, correctly rounded exactly as __fdiv_rn, from a reciprocal computed once per scale: a
+// multiply and two FMAs (Markstein's correction: with inv = RN(1/scale) and q0 = RN(x * inv), the
+// residual x - q0 * scale is exact in an FMA and RN(q0 + residual * inv) is the rounded quotient).
+// Non-finite results (x = +-inf, overflow, a zero scale) fall back to __fdiv_rn; quotients in the
+// float subnormal range may differ by an ulp, which no fp8 format can see (they all quantise to 0).
+// The sign of a zero quotient is kept from q0.
+__device__ __forceinline__ float div_by(float x, float scale, float inv_scale) {
+  float const q0 = __fmul_rn(x, inv_scale);
+  float const e = __fmaf_rn(-q0, scale, x);
+  float const q1 = __fmaf_rn(e, inv_scale, q0);
+  if (!isfinite(q1)) return __fdiv_rn(x, scale);
+  return __int_as_float(__float_as_int(q1) | (__float_as_int(q0) & int(0x80000000u)));
+}
+
 // Convert 16 bytes of input elements into the cache's element type.
 //   kFp8 == kNone: the cache holds the input type; packs are copied bit for bit.
 //   otherwise:     each element is quantised with one scale.
@@ -53,11 +67,18 @@ struct PackConvert {
     if constexpr (kFp8 == Fp8Format::kNone) {
       return in;
     } else {
+      // pairs through the fp8x2 conversion (cvt.rn.satfinite.*x2 on sm_89+): the same rounding and
+      // saturation as quantize_fp8, half the conversions
+      constexpr __nv_fp8_interpretation_t kind = kFp8 == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2;
+      float const inv = __frcp_rn(scale);
       Element const* x = reinterpret_cast<Element const*>(&in);
       OutPack out;
-      uint8_t* o = reinterpret_cast<uint8_t*>(&out);
+      __nv_fp8x2_storage_t* o = reinterpret_cast<__nv_fp8x2_storage_t*>(&out);
 #pragma unroll
-      for (int i = 0; i < kPack; ++i) o[i] = quantize_fp8<kFp8>(to_float(x[i]), scale);
+      for (int i = 0; i < kPack / 2; ++i) {
+        float2 const q = make_float2(div_by(to_float(x[2 * i]), scale, inv), div_by(to_float(x[2 * i + 1]), scale, inv));
+        o[i] = __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, kind);
+      }
       return out;
     }
   }
