@@ -54,8 +54,7 @@ def write_path(spec: CacheSpec) -> str:
 # 7.2 us with 4 (h200_sm90_20261130.json vs _write.json).
 MANY_TOKENS = 1024         # from here on, the many-token shapes below
 SPAN_PACKS_PER_THREAD = 4  # span path, many tokens: threads per tensor = packs / 4, whole warps
-HEAD_WARPS = 2             # head path, many tokens: warps per CTA, heads strided over them; each
-                           # thread keeps 4 heads' packs in flight (kv_write.cuh), so 2 warps cover H=8
+HEAD_WARPS = 4             # head path, many tokens: warps per CTA, heads strided over them
 
 
 def _threads(spec: CacheSpec, path: str, elem_bytes: int, many_tokens: bool) -> int:

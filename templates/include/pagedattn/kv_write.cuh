@@ -4,11 +4,8 @@
 //   kSpan  (NHD cache, one scale for all heads): the token's H*D elements are contiguous on both
 //          sides, so half the CTA copies K's whole span and the other half V's, in 16-byte packs,
 //          adjacent threads on adjacent packs.
-//   !kSpan (HND cache or per-head scales): heads strided over warps; lanes 0-15 copy a head's K
-//          packs and lanes 16-31 its V packs, with the head's own scale. When every pack is aligned,
-//          a thread loads its packs of kHeadBatch heads before converting and storing any of them,
-//          so several loads are in flight per thread (one head at a time waits out one memory
-//          latency per head).
+//   !kSpan (HND cache or per-head scales): a warp per head (heads strided over warps); lanes 0-15
+//          copy that head's K packs and lanes 16-31 its V packs, with the head's own scale.
 // A pack is 16 bytes of input; the conversion (identity or fp8 quantise) is applied per pack.
 // Unaligned bases take scalar steps up to the first aligned pack; the tail is scalar too.
 #pragma once
@@ -83,39 +80,7 @@ __device__ __forceinline__ void kv_write(KvWriteParams const& p) {
   } else {
     int const warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
     bool const is_v = lane >= 16;
-    int const H = p.cache.num_heads;
-    Element const* src = is_v ? value : key;
-    PagedCache<CacheElement> const& cache = is_v ? v_cache : k_cache;
-    CacheElement* dst0 = cache.slot_head(slot, 0);
-    using InPack = typename Cvt::InPack;
-    using OutPack = typename Cvt::OutPack;
-    bool const aligned = D % Cvt::kPack == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
-                         reinterpret_cast<uintptr_t>(dst0) % Cvt::kOutBytes == 0 &&
-                         (p.cache.head_stride * int64_t(sizeof(CacheElement))) % Cvt::kOutBytes == 0;
-    if (__all_sync(0xffffffffu, aligned)) {
-      constexpr int kHeadBatch = 4;
-      int const packs = D / Cvt::kPack;  // per head
-      for (int h0 = warp; h0 < H; h0 += num_warps * kHeadBatch) {
-        for (int pk = lane & 15; pk < packs; pk += 16) {
-          InPack in[kHeadBatch];
-#pragma unroll
-          for (int b = 0; b < kHeadBatch; ++b) {
-            int const h = h0 + b * num_warps;
-            if (h < H) in[b] = reinterpret_cast<InPack const*>(src + h * D)[pk];
-          }
-#pragma unroll
-          for (int b = 0; b < kHeadBatch; ++b) {
-            int const h = h0 + b * num_warps;
-            if (h >= H) continue;
-            float scale = 1.f;
-            if constexpr (kQuant) scale = (is_v ? p.v_scale : p.k_scale)[h * p.scale_stride];
-            reinterpret_cast<OutPack*>(dst0 + h * p.cache.head_stride)[pk] = Cvt::pack(in[b], scale);
-          }
-        }
-      }
-      return;
-    }
-    for (int h = warp; h < H; h += num_warps) {
+    for (int h = warp; h < p.cache.num_heads; h += num_warps) {
       float scale = 1.f;
       if constexpr (kQuant) scale = (is_v ? p.v_scale : p.k_scale)[h * p.scale_stride];
       copy_span<Cvt>((is_v ? value : key) + h * D, (is_v ? v_cache : k_cache).slot_head(slot, h), D,
