@@ -348,3 +348,41 @@ def test_split_heuristic_fills_whole_waves(monkeypatch):
     assert attention.choose_splits(7, 8, 40000, decode, 0) == 7
     prefill = AttnFwdSpec("bf16", "auto", 128, "prefill")
     assert attention.choose_splits(0, 4 * 8 * 128, 4096, prefill, 0) == 1
+    # TMA decode: a wave is one CTA per SM (measured on H200, see choose_splits)
+    tma = AttnFwdSpec("bf16", "auto", 128, "decode_tma")
+    pick = lambda B, ctx: attention.choose_splits(0, B * 8, ctx, tma, 0)  # noqa: E731
+    assert pick(64, 4096) == 1 and pick(16, 4096) == 1 and pick(1, 32768) == 16
+
+
+def _call_info(layout="NHD", kv="auto", D=128, bs=16, Hkv=8):
+    from pagedattn.ops.attention import _Call
+
+    spec = CacheSpec(8, bs, Hkv, D, torch.bfloat16 if kv == "auto" else torch.uint8, kv, layout)
+    k, _ = spec.allocate("cpu")
+    return _Call(2, 4 * Hkv, Hkv, D, True, kv, k.stride()[:3], k.stride()[:3], 8, bs)
+
+
+def test_tma_decode_dispatch_rules():
+    from pagedattn.ops.attention import tma_ok
+
+    assert tma_ok(_call_info("NHD"), "sm_90a", 128) and tma_ok(_call_info("HND"), "sm_90a", 128)
+    assert not tma_ok(_call_info("NHD"), "sm_80", 128)           # TMA is Hopper-only
+    assert not tma_ok(_call_info("NHD", bs=8), "sm_90a", 128)    # 16-key chunks must fit in a page
+    assert not tma_ok(_call_info("NHD", D=80), "sm_90a", 80)     # 16-bit tiles: 64-column swizzle atoms
+    assert tma_ok(_call_info("NHD", kv="fp8_e4m3", D=80), "sm_90a", 80)  # fp8 rows are unswizzled
+    assert not tma_ok(_call_info("NHD", kv="fp8_e4m3", D=72), "sm_90a", 80)  # 72-byte rows
+    with pytest.raises(UnsupportedError, match="decode_tma"):
+        AttnFwdSpec("bf16", "auto", 80, "decode_tma")
+    assert AttnFwdSpec("bf16", "fp8_e4m3", 80, "decode_tma").supports_arch("sm_90a")
+
+
+def test_tma_variants_are_hopper_only():
+    from pagedattn.aot import plan
+
+    spec = AttnFwdSpec("bf16", "auto", 128, "decode_tma")
+    assert not spec.supports_arch("sm_80") and spec.supports_arch("sm_90a")
+    assert [j.arch for j in plan([spec], ["sm_80", "sm_90a"])] == ["sm_90a"]
+    with pytest.raises(UnsupportedError, match="sm_90a"):
+        Kernel(spec).artifact("sm_80")
+    for mode in ("decode", "prefill"):  # the cp.async variants build for every arch
+        assert AttnFwdSpec("bf16", "auto", 128, mode).supports_arch("sm_80")
