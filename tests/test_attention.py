@@ -376,6 +376,19 @@ def test_tma_decode_dispatch_rules():
     assert AttnFwdSpec("bf16", "fp8_e4m3", 80, "decode_tma").supports_arch("sm_90a")
 
 
+def test_tma_maps_are_encoded_once_per_cache(monkeypatch):
+    from pagedattn.ops import attention
+
+    encoded = []
+    monkeypatch.setattr(attention, "tma_maps", lambda k, v, call, head_dim: encoded.append(k) or ("maps", 2))
+    plan = attention._Plan.__new__(attention._Plan)
+    plan.call, plan.head_dim, plan._tma = _call_info(), 128, {}
+    a, b = torch.zeros(4), torch.zeros(4)
+    assert plan.tma_maps(a, a) == ("maps", 2) and plan.tma_maps(a, a) == ("maps", 2)
+    plan.tma_maps(b, b)
+    assert len(encoded) == 2  # one per cache (an engine alternates one cache per layer)
+
+
 def test_tma_variants_are_hopper_only():
     from pagedattn.aot import plan
 

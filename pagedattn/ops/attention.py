@@ -342,7 +342,7 @@ def _sig(t):
 class _Plan:
     """What a call's tensor metadata decides, validated once and reused while it repeats."""
     __slots__ = ("call", "device", "dtype", "head_dim", "dbs", "dhs", "block_shift", "bt_stride",
-                 "bt_width", "decode_mode", "_kernels")
+                 "bt_width", "decode_mode", "_kernels", "_tma")
 
     def __init__(self, call: _Call, q, block_table, k_descale, v_descale):
         self.call = call
@@ -360,6 +360,7 @@ class _Plan:
         self.bt_width = block_table.shape[1] if block_table is not None else 0
         self.decode_mode = "decode_tma" if tma_ok(call, arch_for_device(self.device), self.head_dim) else "decode"
         self._kernels: dict = {}
+        self._tma: dict = {}
 
     def kernel(self, mode: str):
         """(spec, launcher) of the decode or prefill variant."""
@@ -367,6 +368,16 @@ class _Plan:
         if hit is None:
             spec = AttnFwdSpec(self.dtype, self.call.kv_name, self.head_dim, mode)
             hit = self._kernels[mode] = (spec, get_kernel(spec).launcher(self.device))
+        return hit
+
+    def tma_maps(self, k, v):
+        """tma_maps for this plan's geometry, per cache (an engine alternates one cache per layer)."""
+        key = (k.data_ptr(), v.data_ptr())
+        hit = self._tma.get(key)
+        if hit is None:
+            if len(self._tma) >= 512:
+                self._tma.clear()
+            hit = self._tma[key] = tma_maps(k, v, self.call, self.head_dim)
         return hit
 
     def combine(self):
@@ -387,20 +398,15 @@ def tma_ok(call: _Call, arch: str, head_dim: int) -> bool:
 
 
 _TMA_DTYPE = {torch.float16: "FLOAT16", torch.bfloat16: "BFLOAT16"}
-_TMA_MAPS: dict[tuple, torch.Tensor] = {}
 
 
 def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tuple[torch.Tensor, int]:
     """Device buffer holding the K and V CUtensorMaps (2 x 128 bytes) of a paged cache, and the
-    tensor-map dimension of the slot within a page. Encoded once per (cache, geometry) and cached.
+    tensor-map dimension of the slot within a page. `_Plan.tma_maps` keeps them per cache.
 
     Dimensions, innermost first, in increasing stride (the layouts differ only in the middle two):
     NHD (d, head, slot, block), HND (d, slot, head, block). A box is one page's kBlockN=16 slots of
     one head: 64 columns with 128-byte swizzle (16-bit caches), or the whole row (fp8, unswizzled)."""
-    key = (k.data_ptr(), v.data_ptr(), k.dtype, tuple(k.shape), call.k_strides, call.v_strides, head_dim)
-    hit = _TMA_MAPS.get(key)
-    if hit is not None:
-        return hit
     from cuda.bindings import driver as drv
 
     from ..codegen.load import check
@@ -427,11 +433,7 @@ def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tu
             drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
         maps += ctypes.string_at(int(tmap.getPtr()), 128)
-    buf = torch.frombuffer(maps, dtype=torch.uint8).to(k.device)
-    if len(_TMA_MAPS) > 1024:
-        _TMA_MAPS.clear()
-    hit = _TMA_MAPS[key] = (buf, row_dim)
-    return hit
+    return torch.frombuffer(maps, dtype=torch.uint8).to(k.device), row_dim
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -497,7 +499,7 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
         o_accum = torch.empty(splits, total_q, call.Hq, spec.head_dim, dtype=torch.float32, device=q.device)
         lse_accum = torch.empty(splits, call.Hq, total_q, dtype=torch.float32, device=q.device)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    maps, row_dim = tma_maps(k, v, call, spec.head_dim) if spec.mode == "decode_tma" else (None, 0)
+    maps, row_dim = plan.tma_maps(k, v) if spec.mode == "decode_tma" else (None, 0)
     values = (
         q.data_ptr(), out.data_ptr(), ptr(lse), k.data_ptr(), v.data_ptr(), ptr(block_table),
         cu_seqlens_q.data_ptr(), ptr(seqused_k), ptr(cu_seqlens_k), ptr(k_descale), ptr(v_descale),
