@@ -1,0 +1,117 @@
+"""The ctypes launcher against a stand-in libcuda (CPU): argument packing, per-thread buffers, and the
+wrong-context retry that leaves the caller's current context as it was. Needs a C compiler to build the
+stand-in; the real driver path is covered by the GPU tests (non-default stream, two threads)."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+import threading
+
+import pytest
+
+from pagedattn.codegen import launch
+from pagedattn.ops.params import KvWriteParams
+
+FAKE_DRIVER = r"""
+#include <string.h>
+static void* current = 0;
+static void* stack[16];
+static int depth = 0;
+static void* const kFuncCtx = (void*)0x1234;
+static unsigned long long keys[100000];
+static int launches = 0;
+static unsigned char last[512];
+static unsigned last_grid = 0;
+
+void fake_set_current(void* c) { current = c; }
+void* fake_current(void) { return current; }
+int fake_launches(void) { return launches; }
+unsigned long long fake_key(int i) { return keys[i]; }
+void fake_last(unsigned char* out, int n) { memcpy(out, last, n); }
+unsigned fake_last_grid(void) { return last_grid; }
+
+int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                   unsigned smem, void* stream, void** params, void** extra) {
+  if (current != kFuncCtx) return 201;  /* CUDA_ERROR_INVALID_CONTEXT */
+  memcpy(last, params[0], sizeof(last) < 256 ? sizeof(last) : 256);
+  memcpy(&keys[launches % 100000], params[0], 8);
+  last_grid = gx;
+  __atomic_fetch_add(&launches, 1, __ATOMIC_SEQ_CST);
+  return 0;
+}
+int cuCtxPushCurrent_v2(void* c) { stack[depth++] = current; current = c; return 0; }
+int cuCtxPopCurrent_v2(void** c) { if (c) *c = current; current = stack[--depth]; return 0; }
+"""
+
+
+@pytest.fixture
+def fake_driver(tmp_path, monkeypatch):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the stand-in driver")
+    src, lib = tmp_path / "fake_cuda.c", tmp_path / "libfake_cuda.so"
+    src.write_text(FAKE_DRIVER)
+    subprocess.run([cc, "-O1", "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
+    real = ctypes.PyDLL
+    monkeypatch.setattr(launch.ctypes, "PyDLL", lambda name, *a, **k: real(str(lib)))
+    monkeypatch.setattr(launch, "_driver", None)
+    monkeypatch.setattr(launch, "primary_context", lambda device: 0x1234)
+    fake = ctypes.CDLL(str(lib))
+    fake.fake_current.restype = ctypes.c_void_p
+    fake.fake_key.restype = ctypes.c_ulonglong
+    fake.fake_last_grid.restype = ctypes.c_uint
+    import torch
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0x7F00_0000_1000, raising=False)
+    yield fake
+    monkeypatch.setattr(launch, "_driver", None)
+
+
+def _values(key_ptr: int) -> tuple:
+    # KvWriteParams flattened: 7 pointers, 2 strides, CacheGeometry (4 i64 + 4 i32), 2 i32
+    return (key_ptr, 2, 3, 4, 5, 0, 0, 1024, 1024, 16384, 1024, 128, 4096, 256, 16, 8, 128, 0, 1)
+
+
+def test_launch_packs_params_like_the_compiler(fake_driver):
+    fake_driver.fake_set_current(ctypes.c_void_p(0x1234))
+    launcher = launch.Launcher(0xF00D, KvWriteParams, 0)
+    launcher((7, 1, 1), (256, 1, 1), _values(0xABCDEF))
+    assert fake_driver.fake_launches() == 1 and fake_driver.fake_last_grid() == 7
+    raw = (ctypes.c_ubyte * ctypes.sizeof(KvWriteParams))()
+    fake_driver.fake_last(raw, ctypes.sizeof(KvWriteParams))
+    got = KvWriteParams.from_buffer_copy(bytes(raw))
+    assert got.key == 0xABCDEF and got.value == 2 and got.key_stride == 1024
+    assert (got.cache.num_blocks, got.cache.block_size, got.cache.num_heads, got.cache.head_size) == (256, 16, 8, 128)
+    assert got.slot_is_int64 == 1
+
+
+def test_wrong_context_is_pushed_for_one_launch_and_restored(fake_driver):
+    launcher = launch.Launcher(0xF00D, KvWriteParams, 0)
+    for other in (0x0, 0x9999):  # no context yet, another device's context
+        fake_driver.fake_set_current(ctypes.c_void_p(other))
+        before = fake_driver.fake_launches()
+        launcher((1, 1, 1), (32, 1, 1), _values(0x1))
+        assert fake_driver.fake_launches() == before + 1
+        assert (fake_driver.fake_current() or 0) == other  # the caller's context is left as it was
+
+
+def test_threads_never_mix_their_params(fake_driver):
+    fake_driver.fake_set_current(ctypes.c_void_p(0x1234))
+    launcher = launch.Launcher(0xF00D, KvWriteParams, 0)
+    per_thread, threads = 2000, 4
+
+    def work(t):
+        for i in range(per_thread):
+            launcher((1, 1, 1), (32, 1, 1), _values((t << 32) | i))
+
+    # the stand-in's "current context" is process-wide, so every thread sees the right one
+    pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    n = fake_driver.fake_launches()
+    assert n == per_thread * threads
+    seen = {fake_driver.fake_key(i) for i in range(n)}
+    assert seen == {(t << 32) | i for t in range(threads) for i in range(per_thread)}
