@@ -141,8 +141,9 @@ class Kernel:
 
     def artifact(self, arch: str) -> Artifact:
         if not self.spec.supports_arch(arch):
+            built = ", ".join(a for a in SUPPORTED_ARCHS if self.spec.supports_arch(a))
             raise UnsupportedError(f"{self.name} needs instructions {arch} does not have; it is built "
-                                   "for sm_90a only")
+                                   f"for {built} only")
         return kernel_cache().get(self.name, self.source, arch, debug=False,
                                   precompile_hint=precompile_command(self.spec, arch))
 

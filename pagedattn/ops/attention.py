@@ -44,10 +44,9 @@ def tile_config(head_dim: int, mode: str, fp8: bool = False) -> dict:
 
 def smem_bytes(cfg: dict, head_dim: int, fp8: bool) -> int:
     """Mirror of AttnTraits::kSmemBytes (attn_traits.cuh); the rendered source static_asserts it."""
-    stage_keys = cfg["kBlockN"] * cfg["kWarpsN"]
-    stage = stage_keys * head_dim
+    stage = cfg["kBlockN"] * cfg["kWarpsN"] * head_dim
     q = cfg["kBlockM"] * head_dim * 2
-    kv = (2 * cfg["kStages"] * stage_keys * head_dim + 2 * stage * 2) if fp8 else 2 * cfg["kStages"] * stage * 2
+    kv = (2 * cfg["kStages"] * stage + 2 * stage * 2) if fp8 else 2 * cfg["kStages"] * stage * 2
     epilogue = cfg["kWarpsN"] * cfg["kBlockM"] * (head_dim + 2) * 4
     main = max(q + kv, epilogue)
     barriers = 8 * cfg["kWarpsN"] * cfg["kStages"] if cfg["kTma"] else 0
@@ -419,7 +418,6 @@ def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tu
     box_cols = head_dim if fp8 else 64
     blocks, bs, heads = call.num_blocks, call.block_size, call.Hkv
     maps = bytearray()
-    row_dim = 2
     for t, (s_block, s_row, s_head) in ((k, call.k_strides), (v, call.v_strides)):
         if s_head < s_row:    # NHD
             dims, strides, box, row_dim = (call.D, heads, bs, blocks), (s_head, s_row, s_block), (box_cols, 1, 16, 1), 2
