@@ -34,6 +34,11 @@ def tile_config(head_dim: int, mode: str, fp8: bool = False) -> dict:
         # Measured on H200 (perf/results/decode_sweep_*): 16-bit caches, two ring slots in flight per
         # warp and two CTAs per SM; fp8 caches (more work per byte: widening) prefer more warps, three
         # CTAs with one slot in flight each.
+        if fp8 and fp8_regs(head_dim, True):
+            # fp8 operands converted in registers (attn_fp8_regs.cuh): sub-tiles of 4096 / head_dim keys
+            # keep the 8 KiB slots of the 16-bit tiles
+            return dict(kBlockM=16, kBlockN=4096 // head_dim, kWarpsM=1, kWarpsN=4, kStages=3, kMinBlocks=2,
+                        kTma=True)
         if fp8:
             return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=2, kMinBlocks=3, kTma=True)
         return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=3, kMinBlocks=2, kTma=True)
@@ -42,11 +47,18 @@ def tile_config(head_dim: int, mode: str, fp8: bool = False) -> dict:
     return dict(kBlockM=64, kBlockN=32, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False)
 
 
+def fp8_regs(head_dim: int, tma: bool) -> bool:
+    """AttnTraits::kFp8Regs for an fp8 cache: TMA decode converts fp8 operands in registers when the
+    rows split into 128-byte swizzled blocks."""
+    return tma and head_dim % 128 == 0
+
+
 def smem_bytes(cfg: dict, head_dim: int, fp8: bool) -> int:
     """Mirror of AttnTraits::kSmemBytes (attn_traits.cuh); the rendered source static_asserts it."""
     stage = cfg["kBlockN"] * cfg["kWarpsN"] * head_dim
     q = cfg["kBlockM"] * head_dim * 2
-    kv = (2 * cfg["kStages"] * stage + 2 * stage * 2) if fp8 else 2 * cfg["kStages"] * stage * 2
+    elem_stages = (0 if fp8_regs(head_dim, cfg["kTma"]) else 1) if fp8 else cfg["kStages"]
+    kv = (2 * cfg["kStages"] * stage if fp8 else 0) + 2 * elem_stages * stage * 2
     epilogue = cfg["kWarpsN"] * cfg["kBlockM"] * (head_dim + 2) * 4
     main = max(q + kv, epilogue)
     barriers = 8 * cfg["kWarpsN"] * cfg["kStages"] if cfg["kTma"] else 0
@@ -405,7 +417,8 @@ def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tu
 
     Dimensions, innermost first, in increasing stride (the layouts differ only in the middle two):
     NHD (d, head, slot, block), HND (d, slot, head, block). A box is one page's kBlockN=16 slots of
-    one head: 64 columns with 128-byte swizzle (16-bit caches), or the whole row (fp8, unswizzled)."""
+    one head: 64 columns with 128-byte swizzle (16-bit caches), 128 columns with 128-byte swizzle (fp8
+    with a head dim that is a multiple of 128: fp8_regs), or the whole row (other fp8, unswizzled)."""
     from cuda.bindings import driver as drv
 
     from ..codegen.load import check
@@ -413,9 +426,10 @@ def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tu
     fp8 = call.kv_name != "auto"
     width = 1 if fp8 else 2
     dtype = getattr(drv.CUtensorMapDataType, "CU_TENSOR_MAP_DATA_TYPE_" + ("UINT8" if fp8 else _TMA_DTYPE[k.dtype]))
-    swizzle = drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE if fp8 else \
+    plain = fp8 and not fp8_regs(head_dim, True)
+    swizzle = drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE if plain else \
         drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
-    box_cols = head_dim if fp8 else 64
+    box_cols = head_dim if plain else (128 if fp8 else 64)
     blocks, bs, heads = call.num_blocks, call.block_size, call.Hkv
     maps = bytearray()
     for t, (s_block, s_row, s_head) in ((k, call.k_strides), (v, call.v_strides)):

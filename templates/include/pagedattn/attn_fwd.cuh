@@ -5,7 +5,8 @@
 // Per stage of kStageKeys keys:
 //   1. load the stage kStages-1 ahead (cp.async by the whole CTA, or TMA by each warp into its own
 //      ring, see attn_traits.cuh); rows are located through PagedKV (block_table lives there);
-//   2. fp8 caches: widen the stage to Element in shared memory (scales are folded in later);
+//   2. fp8 caches: widen the stage to Element in shared memory, or (kFp8Regs) convert each thread's
+//      MMA operands in registers (attn_fp8_regs.cuh); scales are folded in later;
 //   3. each warp group: S = Q K^T on its sub-tile, mask only if the sub-tile crosses the causal
 //      diagonal or the end of the sequence, online softmax, O += P V.
 // Epilogue: warp groups merge their (m, l, O) through shared memory; write O and LSE, or a split's
@@ -15,6 +16,7 @@
 #include "pagedattn/nvrtc_compat.cuh"
 #include "pagedattn/attn_params.cuh"
 #include "pagedattn/attn_traits.cuh"
+#include "pagedattn/attn_fp8_regs.cuh"
 #include "pagedattn/async_copy.cuh"
 #include "pagedattn/tma_copy.cuh"
 #include "pagedattn/paged_kv.cuh"
@@ -102,10 +104,11 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   Element* smem_q = reinterpret_cast<Element*>(smem);
   char* smem_kv = smem + Traits::kSmemQ;
   Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
-  // Element tiles the MMAs read: non-fp8, one per (stage, group); fp8, one per group (widened stage).
+  // Element tiles the MMAs read: non-fp8, one per (stage, group); fp8, one per group (widened stage)
+  // or none (kFp8Regs).
   Element* smem_k = reinterpret_cast<Element*>(smem_kv);
-  Element* smem_v = smem_k + (Traits::kIsFp8 ? 1 : kStages) * Traits::kSmemStageElems;
-  uint8_t* raw_k = reinterpret_cast<uint8_t*>(smem_v + (Traits::kIsFp8 ? 1 : kStages) * Traits::kSmemStageElems);
+  Element* smem_v = smem_k + Traits::kElemStages * Traits::kSmemStageElems;
+  uint8_t* raw_k = reinterpret_cast<uint8_t*>(smem_v + Traits::kElemStages * Traits::kSmemStageElems);
   uint8_t* raw_v = raw_k + kStages * Traits::kSmemStageRaw;
   uint64_t* ring_bars = reinterpret_cast<uint64_t*>(smem + (Traits::kSmemMain + 7) / 8 * 8) + group_idx * kStages;
 
@@ -179,7 +182,8 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   // the end are not loaded (clear_tail zeroes their V rows once the slot has landed).
   constexpr int kChunks = kBlockN / 16;
   static_assert(!Traits::kTma || (kBlockN % 16 == 0 && kChunks <= 32), "TMA sub-tiles are 16-key chunks");
-  constexpr int kBoxCols = Traits::kIsFp8 ? kHeadDim : 64;       // TMA box: kBoxCols x 16 keys
+  // TMA box: kBoxCols x 16 keys; 128-byte swizzled except fp8 rows not a multiple of 128 bytes
+  constexpr int kBoxCols = Traits::kFp8Regs ? 128 : (Traits::kIsFp8 ? kHeadDim : 64);
   constexpr int kChunkBytes = 16 * kHeadDim * kCacheBytes;       // K (or V) bytes of one chunk
   void const* k_map = p.tma_desc;
   void const* v_map = static_cast<char const*>(p.tma_desc) + 128;
@@ -243,8 +247,8 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     for (int c = gtid; c < (kBlockN - first) * kRowChunks; c += 32) {
       int const r = first + c / kRowChunks, chunk = c % kRowChunks;
       int b;
-      if constexpr (Traits::kIsFp8) {
-        b = r * kHeadDim + chunk * 16;
+      if constexpr (Traits::kIsFp8) {  // row r of each kBoxCols-column block (swizzling stays inside a row)
+        b = ((chunk * 16) / kBoxCols * kBlockN + r) * kBoxCols + (chunk * 16) % kBoxCols;
       } else {
         b = int(typename Traits::SmemLayoutKV{}(r, chunk * 8)) * 2;
       }
@@ -292,6 +296,11 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     scale_log2 *= p.k_descale[di];
     v_scale = p.v_descale[di];
   }
+  // kFp8Regs: fp16 MMAs; bf16 queries enter as q * 2^-8 (see attn_fp8_regs.cuh)
+  constexpr float kQScale = Traits::kIsBf16 ? 1.f / 256.f : 1.f;
+  if constexpr (Traits::kFp8Regs) scale_log2 *= 1.f / kQScale;
+  constexpr bool kFp8QRegs = Traits::kFp8Regs && kHeadDim <= 128;
+  uint32_t q_frag[kFp8QRegs ? kHeadDim / 16 : 1][4];
   OnlineSoftmax<Traits::kRows> softmax;
 
   // ---- mainloop: a kStages-deep pipeline over stages [step_begin, step_end)
@@ -312,7 +321,14 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();  // Q landed for every thread; the only CTA-wide barrier before the epilogue
-    if constexpr (kQInRegs) copy(s2r_q, tSsQ, tSrQ_view);  // Q stays in registers for the whole mainloop
+    if constexpr (Traits::kFp8Regs) {
+      if constexpr (kFp8QRegs) {
+        CUTE_UNROLL
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) fp8_regs_q<Element>(sQ, kk, gtid, kQScale, q_frag[kk]);
+      }
+    } else if constexpr (kQInRegs) {
+      copy(s2r_q, tSsQ, tSrQ_view);  // Q stays in registers for the whole mainloop
+    }
   } else {
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
@@ -336,6 +352,32 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
       __syncthreads();  // stage `it` landed for every thread; stage it-1 is free
       if (it + kStages - 1 < n_steps) load_stage(w.step_begin + it + kStages - 1, (it + kStages - 1) % kStages);
       cp_async_commit();
+    }
+
+    if constexpr (Traits::kFp8Regs) {
+      int const key0 = tile_key0(w.step_begin + it);
+      if (key0 >= w.k_len) continue;
+      uint8_t const* k_sub = raw_k + (stage * kStageKeys + group_idx * kBlockN) * kHeadDim;
+      uint8_t const* v_sub = raw_v + (stage * kStageKeys + group_idx * kBlockN) * kHeadDim;
+      Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      fp8_regs_qk<kHeadDim, kBlockN, Traits::kFp8>(k_sub, gtid, acc_s, [&](int kk, uint32_t (&a)[4]) {
+        if constexpr (kFp8QRegs) {
+          CUTE_UNROLL
+          for (int x = 0; x < 4; ++x) a[x] = q_frag[kk][x];
+        } else {
+          fp8_regs_q<Element>(sQ, kk, gtid, kQScale, a);
+        }
+      });
+      if (key0 + kBlockN > w.mask_from) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) {
+          int const r = (i % 4) / 2;
+          if (key0 + get<1>(tScS(i)) >= key_limit[r]) acc_s(i) = kNegInf;
+        }
+      }
+      softmax.update(acc_s, acc_o, scale_log2);
+      fp8_regs_pv<kHeadDim, kBlockN, Traits::kFp8>(v_sub, gtid, acc_s, acc_o);
+      continue;
     }
 
     Element* k_tile;
@@ -441,7 +483,8 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   }
   CUTE_UNROLL
   for (int i = 0; i < size(acc_o); ++i) {
-    o_smem[(group_idx * kBlockM + get<0>(tOcO(i))) * kHeadDim + get<1>(tOcO(i))] = acc_o(i);
+    int const col = Traits::kFp8Regs ? fp8_regs_column(get<1>(tOcO(i))) : int(get<1>(tOcO(i)));
+    o_smem[(group_idx * kBlockM + get<0>(tOcO(i))) * kHeadDim + col] = acc_o(i);
   }
   __syncthreads();
 

@@ -53,6 +53,10 @@ struct AttnTraits {
   static_assert(kStages >= 2, "the K/V pipeline needs at least two stages");
   static_assert(!kTma || (kWarpsM == 1 && (kIsFp8 || kHeadDim % 64 == 0)),
                 "TMA loading: one warp per group; 16-bit tiles in 64-column (128-byte) swizzle atoms");
+  // fp8 TMA decode with 128-byte rows per column block: the tiles land 128-byte swizzled and each
+  // thread converts its own MMA operands from fp8 in registers (attn_fp8_regs.cuh); no widened copy.
+  static constexpr bool kFp8Regs = kTma && kIsFp8 && kHeadDim % 128 == 0;
+  static_assert(!kFp8Regs || kBlockM == 16, "fp8 register operands: one 16-row MMA tile per warp");
 
   // Swizzled shared-memory tiles: 8-row atoms as wide as the head dim allows (64, 32 or 16 columns).
   static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : (kHeadDim % 32 == 0 ? 32 : 16);
@@ -80,16 +84,18 @@ struct AttnTraits {
   using SmemCopyAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
   using SmemCopyAtomT = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
 
-  // Shared memory, bytes. fp8 caches land raw in per-stage byte buffers and are widened once per
-  // stage into a single Element stage that the MMAs read.
+  // Shared memory, bytes. fp8 caches land raw in per-stage byte buffers; without kFp8Regs they are
+  // widened once per stage into a single Element stage that the MMAs read.
   static constexpr int kTileElems = kBlockN * kHeadDim;
   static constexpr int kSmemQ = kBlockM * kHeadDim * int(sizeof(Element));
   // A stage (cp.async) or one ring slot of every warp (TMA) holds kStageKeys keys: kWarpsN tiles.
   static constexpr int kSmemStageElems = kWarpsN * kTileElems;
   static constexpr int kSmemStageRaw = kStageKeys * kHeadDim;  // fp8 bytes, unpadded
-  static constexpr int kSmemKV = kIsFp8
-      ? 2 * kStages * kSmemStageRaw + 2 * kSmemStageElems * int(sizeof(Element))
-      : 2 * kStages * kSmemStageElems * int(sizeof(Element));
+  // Element stages the MMAs read through ldmatrix: one per stage (16-bit caches), one widened stage
+  // (fp8), none (fp8 in registers).
+  static constexpr int kElemStages = kFp8Regs ? 0 : (kIsFp8 ? 1 : kStages);
+  static constexpr int kSmemKV =
+      (kIsFp8 ? 2 * kStages * kSmemStageRaw : 0) + 2 * kElemStages * kSmemStageElems * int(sizeof(Element));
   static constexpr int kSmemEpilogue = kWarpsN * kBlockM * (kHeadDim + 2) * int(sizeof(float));
   static constexpr int kSmemMain =
       kSmemQ + kSmemKV > kSmemEpilogue ? kSmemQ + kSmemKV : kSmemEpilogue;
