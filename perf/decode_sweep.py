@@ -1,5 +1,6 @@
 """Decode tile/loader sweep on the issue's decode shapes (Hq=32, Hkv=8, D=128, block 16, bf16 query).
 
+Timing is the bench's (pagedattn.bench.timing.Timer: device time of calls queued back to back).
 Each configuration runs in its own process (a kernel's tiles are fixed once it is built): the parent
 passes `--child kWarpsN,kStages,kMinBlocks[,tma|cp[,kBlockN]]`, the child patches `tile_config` for decode
 variants, measures, and prints one JSON line. Writes <out>/decode_sweep_<gpu>_<date>.json.
@@ -13,8 +14,12 @@ import sys
 from datetime import date
 from pathlib import Path
 
-CASES = [("B=64 ctx=4096", 64, 4096, "auto"), ("B=64 ctx=4096 fp8", 64, 4096, "fp8_e4m3"),
-         ("B=16 ctx=4096", 16, 4096, "auto"), ("B=1 ctx=32768", 1, 32768, "auto")]
+# (name, B, ctx, kv cache dtype, num_splits); 0 = the heuristic
+CASES = [("B=64 ctx=4096", 64, 4096, "auto", 0), ("B=64 ctx=4096 fp8", 64, 4096, "fp8_e4m3", 0),
+         ("B=16 ctx=4096", 16, 4096, "auto", 0), ("B=1 ctx=32768", 1, 32768, "auto", 0),
+         ("B=1 ctx=32768 fp8", 1, 32768, "fp8_e4m3", 0)]
+# extra B=1 points with forced splits (SPLITS=8,16,32 in the environment)
+SPLIT_CASES = [("B=1 ctx=32768 splits={}", 1, 32768, "auto")]
 DEFAULT_CONFIGS = ["4,2,3,cp", "4,3,2,tma", "4,4,1,tma", "4,6,1,tma", "2,4,3,tma", "2,6,2,tma",
                    "8,3,1,tma"]
 
@@ -25,7 +30,10 @@ def child(config: str):
     import pagedattn
     from pagedattn.ops import attention
 
-    from _timing import median_us
+    import os
+
+    from pagedattn.bench.timing import Timer
+
     from attn_quick import decode_case
 
     warps, stages, min_blocks, loader, block_n = (config.split(",") + ["tma", "16"][len(config.split(",")) - 3:])[:5]
@@ -40,13 +48,17 @@ def child(config: str):
     attention.tile_config = patched
     if loader == "cp":
         attention.tma_ok = lambda call, arch, head_dim: False
-    for name, B, ctx, kv in CASES:
+    cases = list(CASES)
+    for n in filter(None, os.environ.get("SPLITS", "").split(",")):
+        cases += [(name.format(n), B, ctx, kv, int(n)) for name, B, ctx, kv in SPLIT_CASES]
+    timer = Timer(budget_s=0.2)  # the bench's method: device time of back-to-back calls
+    for name, B, ctx, kv, splits in cases:
         q, kc, vc, table, cu_q, seq, s = decode_case(B, ctx, kv)
-        fn = lambda: pagedattn.flash_attn_varlen_func(  # noqa: E731
+        fn = lambda k: pagedattn.flash_attn_varlen_func(  # noqa: E731
             q, kc, vc, 1, cu_q, ctx, seqused_k=seq, block_table=table, kv_cache_dtype=kv,
-            k_descale=s, v_descale=s)
+            k_descale=s, v_descale=s, num_splits=splits)
         try:
-            us = median_us(fn)
+            us = timer(fn).us
             kv_bytes = 2 * B * ctx * 8 * 128 * (2 if kv == "auto" else 1)
             row = dict(config=config, case=name, us=us, kv_gbs=kv_bytes / us / 1e3)
         except Exception as exc:  # noqa: BLE001
@@ -83,7 +95,8 @@ def main(out_dir: str, configs: list[str]):
                    else f"ERROR {r.get('error', '')[-300:]}"), flush=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
                 commit=git_commit(), date=date.today().isoformat(), copy_ceiling_gbs=ceiling,
-                shape="Hq=32 Hkv=8 D=128 block 16 NHD, bf16 query, num_splits heuristic",
+                shape="Hq=32 Hkv=8 D=128 block 16 NHD, bf16 query, num_splits heuristic unless named",
+                timing="pagedattn.bench.timing.Timer (back-to-back device time)",
                 config_format="kWarpsN,kStages,kMinBlocks,loader,kBlockN")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

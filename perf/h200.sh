@@ -34,7 +34,7 @@ for stage in "$@"; do
                  || python3 -m pagedattn.cli precompile --arch sm_90a --jobs 16 --out /tmp/bundle -q 2>&1 | tail -n 5 ;;
     aotcheck)  PAGEDATTN_DISABLE_JIT=1 python3 "$ROOT/perf/aot_check.py" ;;
     ncu)       for k in ${NCU_CASES:-decode}; do
-                 ncu --clock-control none --kernel-name attn_fwd_kernel --launch-skip 2 --launch-count 1 \
+                 ncu --clock-control none --kernel-name regex:"${NCU_KERNELS:-attn_fwd_kernel}" --launch-skip 2 --launch-count ${NCU_COUNT:-1} \
                      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
                      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
                      python3 "$ROOT/perf/profile_case.py" $k > "$OUT/ncu_$k.txt" 2>&1

@@ -6,17 +6,27 @@ import torch
 import pagedattn
 from pagedattn import CacheSpec
 
+# kind: (B, ctx, q_len, causal, kv cache dtype, num_splits)
+KINDS = {"decode": (64, 4096, 1, False, "auto", 1), "decode_fp8": (64, 4096, 1, False, "fp8_e4m3", 1),
+         "b1": (1, 32768, 1, False, "auto", 0), "prefill": (4, 4096, 4096, True, "auto", 1)}
 kind = sys.argv[1] if len(sys.argv) > 1 else "decode"
-B, ctx, q_len, causal = (64, 4096, 1, False) if kind == "decode" else (4, 4096, 4096, True)
+B, ctx, q_len, causal, kv, splits = KINDS[kind]
 nb = B * ctx // 16
-kc, vc = CacheSpec(nb + 8, 16, 8, 128, torch.bfloat16).allocate("cuda")
-kc.normal_()
-vc.normal_()
+fp8 = kv != "auto"
+kc, vc = CacheSpec(nb + 8, 16, 8, 128, torch.uint8 if fp8 else torch.bfloat16, kv).allocate("cuda")
+if fp8:
+    kc.random_(0, 0x70)
+    vc.random_(0, 0x70)
+else:
+    kc.normal_()
+    vc.normal_()
+s = torch.tensor([0.05], device="cuda") if fp8 else None
 table = torch.randperm(nb + 8, device="cuda")[:nb].view(B, -1).int()
 q = torch.randn(B * q_len, 32, 128, dtype=torch.bfloat16, device="cuda")
 cu_q = torch.arange(0, (B + 1) * q_len, q_len, dtype=torch.int32, device="cuda")
 seq = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
 for _ in range(4):
     pagedattn.flash_attn_varlen_func(q, kc, vc, q_len, cu_q, ctx, seqused_k=seq, block_table=table,
-                                     causal=causal, num_splits=1)
+                                     causal=causal, num_splits=splits, kv_cache_dtype=kv, k_descale=s,
+                                     v_descale=s)
 torch.cuda.synchronize()
