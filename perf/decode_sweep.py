@@ -4,7 +4,7 @@ Timing is the bench's (pagedattn.bench.timing.Timer: device time of calls queued
 Each configuration runs in its own process (a kernel's tiles are fixed once it is built): the parent
 passes `--child kWarpsN,kStages,kMinBlocks[,tma|cp[,kBlockN]]`, the child patches `tile_config` for decode
 variants, measures, and prints one JSON line. Writes <out>/decode_sweep_<gpu>_<date>.json.
-Usage: python perf/decode_sweep.py OUT_DIR [config ...]   (config e.g. 4,3,2,tma)
+Usage: python perf/decode_sweep.py OUT_DIR [config ...]   (config e.g. 4,3,2,tma, or default)
 """
 from __future__ import annotations
 
@@ -36,16 +36,18 @@ def child(config: str):
 
     from attn_quick import decode_case
 
-    warps, stages, min_blocks, loader, block_n = (config.split(",") + ["tma", "16"][len(config.split(",")) - 3:])[:5]
-    base = attention.tile_config
+    loader = "tma"
+    if config != "default":  # "default": tile_config as shipped
+        warps, stages, min_blocks, loader, block_n = (config.split(",") + ["tma", "16"][len(config.split(",")) - 3:])[:5]
+        base = attention.tile_config
 
-    def patched(head_dim, mode, fp8=False):
-        cfg = base(head_dim, mode, fp8)
-        if mode.startswith("decode"):
-            cfg.update(kWarpsN=int(warps), kStages=int(stages), kMinBlocks=int(min_blocks), kBlockN=int(block_n))
-        return cfg
+        def patched(head_dim, mode, fp8=False):
+            cfg = base(head_dim, mode, fp8)
+            if mode.startswith("decode"):
+                cfg.update(kWarpsN=int(warps), kStages=int(stages), kMinBlocks=int(min_blocks), kBlockN=int(block_n))
+            return cfg
 
-    attention.tile_config = patched
+        attention.tile_config = patched
     if loader == "cp":
         attention.tma_ok = lambda call, arch, head_dim: False
     cases = list(CASES)

@@ -176,8 +176,10 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
 
   // ---- TMA loader (Traits::kTma, paged caches whose block size is a multiple of 16): this warp's
   // sub-tile of a step is kBlockN / 16 chunks of 16 keys, each inside one cache page; lane q < kChunks
-  // copies chunk q into one slot of the warp's ring. `phys` (lane q: chunk q's page) is read one
-  // issue ahead so the table never stalls a copy. Columns >= D arrive as zeros (the tensor map's first
+  // copies chunk q into one slot of the warp's ring. Pages come from a window of block-table entries:
+  // one warp-wide load covers the next kWindow issues (lane L: chunk L % kChunks of issue L / kChunks)
+  // and is made a whole window before it is needed, so the table never stalls a copy, even with one
+  // warp per SM sub-partition (B=1 decode). Columns >= D arrive as zeros (the tensor map's first
   // dimension is D). A chunk in a page outside [0, num_blocks) is zero-filled instead; chunks past
   // the end are not loaded (clear_tail zeroes their V rows once the slot has landed).
   constexpr int kChunks = kBlockN / 16;
@@ -188,10 +190,8 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   void const* k_map = p.tma_desc;
   void const* v_map = static_cast<char const*>(p.tma_desc) + 128;
   auto tile_key0 = [&](int step) { return step * kStageKeys + group_idx * kBlockN; };
-  auto fetch_page = [&](int step) {
-    int const j = tile_key0(step) + 16 * gtid;
-    return gtid < kChunks && j < w.k_len ? kv.page(j) : 0;
-  };
+  constexpr int kWindow = 32 / kChunks;  // issues per page window
+  static_assert(!Traits::kTma || 32 % kChunks == 0, "a page window is one entry per lane");
   auto slot_tiles = [&](int slot, char*& k_dst, char*& v_dst) {
     if constexpr (Traits::kIsFp8) {
       k_dst = reinterpret_cast<char*>(raw_k + (slot * kStageKeys + group_idx * kBlockN) * kHeadDim);
@@ -305,19 +305,30 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
 
   // ---- mainloop: a kStages-deep pipeline over stages [step_begin, step_end)
   int const n_steps = w.step_end - w.step_begin;
-  int phys = 0;  // TMA: page of this lane's chunk of the next sub-tile to issue
+  // TMA page windows: lane L holds the page of chunk L % kChunks of issue (window start + L / kChunks)
+  auto fetch_window = [&](int i0) {
+    int const i = i0 + gtid / kChunks;
+    int const j = tile_key0(w.step_begin + i) + 16 * (gtid % kChunks);
+    return i < n_steps && j < w.k_len ? kv.page(j) : 0;
+  };
+  int win_cur = 0, win_next = 0;
+  auto issue = [&](int i) {  // the i-th sub-tile of this warp's range, into slot i % kStages
+    if (i % kWindow == 0 && i > 0) {
+      win_cur = win_next;
+      win_next = fetch_window(i + kWindow);
+    }
+    int const phys = __shfl_sync(0xffffffffu, win_cur, (i % kWindow) * kChunks + gtid % kChunks);
+    issue_tma(w.step_begin + i, i % kStages, phys);
+  };
   if constexpr (Traits::kTma) {
     if (gtid == 0) {
       for (int s = 0; s < kStages; ++s) mbarrier_init(ring_bars + s, 1);
       mbarrier_init_fence();
     }
     __syncwarp();
-    if (n_steps > 0) phys = fetch_page(w.step_begin);
-    for (int s = 0; s < kStages - 1 && s < n_steps; ++s) {
-      int const next = s + 1 < n_steps ? fetch_page(w.step_begin + s + 1) : 0;
-      issue_tma(w.step_begin + s, s, phys);
-      phys = next;
-    }
+    win_cur = fetch_window(0);
+    win_next = fetch_window(kWindow);
+    for (int s = 0; s < kStages - 1 && s < n_steps; ++s) issue(s);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();  // Q landed for every thread; the only CTA-wide barrier before the epilogue
@@ -343,10 +354,7 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
       clear_tail(stage, tile_key0(w.step_begin + it));
       __syncwarp();  // zero-filled rows of every lane are visible; slot it-1 is free
       int const ahead = it + kStages - 1;
-      if (ahead < n_steps) {
-        issue_tma(w.step_begin + ahead, ahead % kStages, phys);
-        if (ahead + 1 < n_steps) phys = fetch_page(w.step_begin + ahead + 1);
-      }
+      if (ahead < n_steps) issue(ahead);
     } else {
       cp_async_wait<kStages - 2>();
       __syncthreads();  // stage `it` landed for every thread; stage it-1 is free
