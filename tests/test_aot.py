@@ -433,7 +433,7 @@ def test_cli_errors_exit_2(capsys):
 def test_gpu_write_and_decode_run_from_bundle_with_jit_off(fresh_cache, monkeypatch, tmp_path):
     """Cache write + decode attention with PAGEDATTN_DISABLE_JIT=1: zero compiles. The bundle is
     $PAGEDATTN_TEST_BUNDLE when set (one built on the CPU machine and carried over: `pagedattn
-    precompile --arch sm_90a --ops kv_write,attn_fwd,split_combine --dtypes bf16 --kv-cache-dtypes
+    precompile --arch sm_90a --ops kv_write,attn_fwd --dtypes bf16 --kv-cache-dtypes
     auto --head-sizes 128 --out DIR`), else that command runs here first (NVRTC gives the same bytes
     on any host)."""
     import torch
@@ -446,7 +446,7 @@ def test_gpu_write_and_decode_run_from_bundle_with_jit_off(fresh_cache, monkeypa
     given = os.environ.get("PAGEDATTN_TEST_BUNDLE")
     folder = Path(given) if given else tmp_path / "bundle"
     if not given:
-        assert aot.main(["precompile", "-q", "--arch", arch, "--ops", "kv_write,attn_fwd,split_combine",
+        assert aot.main(["precompile", "-q", "--arch", arch, "--ops", "kv_write,attn_fwd",
                          "--dtypes", "bf16", "--kv-cache-dtypes", "auto", "--head-sizes", "128",
                          "--out", str(folder)]) == 0
     assert bundle.verify(folder).ok

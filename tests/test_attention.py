@@ -12,7 +12,7 @@ import pagedattn
 from pagedattn import CacheSpec, ContractError, reference
 from pagedattn.codegen.compile import compile_source, nvrtc_options
 from pagedattn.codegen.toolchain import toolchain
-from pagedattn.ops.attention import AttnFwdSpec, CombineSpec, flash_attn_varlen_func, kernel_head_dim
+from pagedattn.ops.attention import AttnFwdSpec, flash_attn_varlen_func, kernel_head_dim
 from pagedattn.registry import Kernel, UnsupportedError, variant_name
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -94,7 +94,7 @@ def test_reference_empty_request_and_fp8():
 # ---------------------------------------------------------------- compilation (CPU)
 CI_SPECS = [AttnFwdSpec("bf16", "auto", 128, "decode"), AttnFwdSpec("bf16", "auto", 128, "prefill"),
             AttnFwdSpec("fp16", "fp8_e4m3", 80, "decode"), AttnFwdSpec("bf16", "auto", 128, "decode_tma"),
-            AttnFwdSpec("fp16", "fp8_e5m2", 80, "decode_tma"), CombineSpec("bf16")]
+            AttnFwdSpec("fp16", "fp8_e5m2", 80, "decode_tma"), AttnFwdSpec("bf16", "fp8_e4m3", 128, "decode_tma")]
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
@@ -109,7 +109,7 @@ def test_attention_variants_compile(spec, arch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-@pytest.mark.parametrize("spec", [s for s in list(AttnFwdSpec.all_variants()) + list(CombineSpec.all_variants())
+@pytest.mark.parametrize("spec", [s for s in AttnFwdSpec.all_variants()
                                   if s not in CI_SPECS], ids=variant_name)
 def test_every_attention_variant_compiles(spec, arch):
     test_attention_variants_compile(spec, arch)

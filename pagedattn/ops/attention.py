@@ -13,7 +13,7 @@ from .. import envs
 from ..contract import CacheSpec, ContractError
 from ..dtypes import CUTLASS_TYPE, FP8_FORMAT, short
 from ..registry import KernelSpec, UnsupportedError, arch_for_device, get_kernel, register
-from .params import AttnParams, CombineParams
+from .params import AttnParams
 
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 LOG2E = 1.4426950408889634
@@ -110,23 +110,6 @@ class AttnFwdSpec(KernelSpec):
     @property
     def threads(self) -> int:
         return 32 * self.tiles["kWarpsM"] * self.tiles["kWarpsN"]
-
-
-@register
-@dataclass(frozen=True)
-class CombineSpec(KernelSpec):
-    """Split-KV combine: merges partial (O, LSE) rows in fp32 into the output dtype."""
-    FAMILY: ClassVar[str] = "split_combine"
-    TEMPLATE: ClassVar[str] = "split_combine.cu.j2"
-    ENTRY: ClassVar[str] = "split_combine_kernel"
-    PARAMS: ClassVar = CombineParams
-    SUPPORTED: ClassVar[dict] = {"dtype": ("fp16", "bf16")}
-    WARPS: ClassVar[int] = 4
-
-    dtype: str
-
-    def context(self) -> dict:
-        return {"Element": CUTLASS_TYPE[self.dtype], "kWarps": self.WARPS}
 
 
 def kernel_head_dim(head_size: int) -> int:
@@ -391,12 +374,6 @@ class _Plan:
             hit = self._tma[key] = tma_maps(k, v, self.call, self.head_dim)
         return hit
 
-    def combine(self):
-        hit = self._kernels.get("combine")
-        if hit is None:
-            hit = self._kernels["combine"] = get_kernel(CombineSpec(self.dtype)).launcher(self.device)
-        return hit
-
 
 def tma_ok(call: _Call, arch: str, head_dim: int) -> bool:
     """decode_tma needs sm_90, a paged cache whose pages hold whole 16-key sub-tiles, strides the
@@ -449,6 +426,21 @@ def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tu
 
 
 _PLANS: dict[tuple, _Plan] = {}
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def split_counters(device: int, n: int) -> torch.Tensor:
+    """Arrival counters of split-KV tiles (attn_fwd.cuh: the last split of a tile merges them all).
+    The last CTA zeroes its counter again, so the counters are zero between calls and one buffer per
+    (device, stream) serves every call on that stream. A capturing stream gets a fresh zeroed buffer
+    every call: the graph owns it, and its zero-fill is replayed with the graph."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=f"cuda:{device}")
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=f"cuda:{device}")
+    return buf
 
 
 def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None,
@@ -510,20 +502,15 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     if splits > 1:
         o_accum = torch.empty(splits, total_q, call.Hq, spec.head_dim, dtype=torch.float32, device=q.device)
         lse_accum = torch.empty(splits, call.Hq, total_q, dtype=torch.float32, device=q.device)
+    counters = split_counters(plan.device, call.B * call.Hkv * m_blocks) if splits > 1 else None
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     maps, row_dim = plan.tma_maps(k, v) if spec.mode == "decode_tma" else (None, 0)
     values = (
         q.data_ptr(), out.data_ptr(), ptr(lse), k.data_ptr(), v.data_ptr(), ptr(block_table),
         cu_seqlens_q.data_ptr(), ptr(seqused_k), ptr(cu_seqlens_k), ptr(k_descale), ptr(v_descale),
-        ptr(o_accum), ptr(lse_accum), ptr(maps),
+        ptr(o_accum), ptr(lse_accum), ptr(maps), ptr(counters),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *call.k_strides, *call.v_strides,
         plan.bt_stride, plan.bt_width, call.num_blocks, call.block_size, plan.block_shift, call.B, call.Hq,
         call.Hkv, group, call.D, total_q, splits, int(bool(causal)), plan.dbs, plan.dhs, row_dim, scale * LOG2E)
     launcher((call.B * call.Hkv, m_blocks, splits), (spec.threads, 1, 1), values)
-    if splits > 1:
-        rows_total = total_q * call.Hq
-        plan.combine()(
-            (-(-rows_total // CombineSpec.WARPS), 1, 1), (32 * CombineSpec.WARPS, 1, 1),
-            (o_accum.data_ptr(), lse_accum.data_ptr(), out.data_ptr(), ptr(lse), out.stride(0),
-             out.stride(1), spec.head_dim, total_q, call.Hq, call.D, splits))
     return (out, lse) if return_softmax_lse else out

@@ -31,7 +31,7 @@ KvWriteParams = _struct(
 AttnParams = _struct(
     "AttnParams",
     "q:p, out:p, lse:p, k:p, v:p, block_table:p, cu_seqlens_q:p, seqused_k:p, cu_seqlens_k:p,"
-    "k_descale:p, v_descale:p, o_accum:p, lse_accum:p, tma_desc:p,"
+    "k_descale:p, v_descale:p, o_accum:p, lse_accum:p, tma_desc:p, split_counters:p,"
     "q_row_stride:i64, q_head_stride:i64, o_row_stride:i64, o_head_stride:i64,"
     "k_block_stride:i64, k_row_stride:i64, k_head_stride:i64,"
     "v_block_stride:i64, v_row_stride:i64, v_head_stride:i64,"
@@ -39,11 +39,6 @@ AttnParams = _struct(
     "num_seqs:i32, num_q_heads:i32, num_kv_heads:i32, group:i32, head_size:i32, total_q:i32,"
     "num_splits:i32, causal:i32, descale_batch_stride:i32, descale_head_stride:i32, tma_row_dim:i32,"
     "scale_log2:f32")
-
-CombineParams = _struct(
-    "CombineParams",
-    "o_accum:p, lse_accum:p, out:p, lse:p, o_row_stride:i64, o_head_stride:i64,"
-    "o_accum_row:i32, total_q:i32, num_q_heads:i32, head_size:i32, num_splits:i32")
 
 # -- legacy path (legacy_*.cuh) ---------------------------------------------------------------------
 LegacyCacheGeometry = _struct(

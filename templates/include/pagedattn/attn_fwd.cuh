@@ -10,7 +10,8 @@
 //   3. each warp group: S = Q K^T on its sub-tile, mask only if the sub-tile crosses the causal
 //      diagonal or the end of the sequence, online softmax, O += P V.
 // Epilogue: warp groups merge their (m, l, O) through shared memory; write O and LSE, or a split's
-// partial (O, LSE) in fp32 for the combine kernel.
+// partial (O, LSE) in fp32. The last split of a tile to finish (arrival counter per tile) merges
+// the partials into O and LSE (split_combine.cuh).
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
@@ -22,6 +23,7 @@
 #include "pagedattn/paged_kv.cuh"
 #include "pagedattn/softmax.cuh"
 #include "pagedattn/softmax_merge.cuh"
+#include "pagedattn/split_combine.cuh"
 
 namespace pagedattn {
 
@@ -534,6 +536,31 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
       }
       if (col == 0) p.lse_accum[(int64_t(w.split) * p.num_q_heads + head) * p.total_q + token] = total.lse();
     }
+  }
+  if (!split_out) return;
+
+  // ---- split-KV: the last CTA of this tile to arrive merges every split's partials
+  __shared__ int is_last;
+  __threadfence();  // this CTA's partials are visible device-wide before it is counted
+  __syncthreads();
+  if (tidx == 0) {
+    int* counter = p.split_counters + (int64_t(blockIdx.x) * gridDim.y + blockIdx.y);
+    is_last = atomicAdd(counter, 1) == p.num_splits - 1;
+    if (is_last) *counter = 0;  // all splits arrived: zero again for the next call on this stream
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();  // the other splits' partials, counted before us, are visible to every thread
+  int64_t const part_stride = int64_t(p.total_q) * p.num_q_heads * kHeadDim;
+  for (int m = tidx / 32; m < kBlockM; m += kThreads / 32) {  // a warp per row
+    int const R = w.row0 + m, i = R / p.group, g = R - i * p.group;
+    if (i >= w.q_len) break;
+    int const token = w.q_start + i, head = w.kv_head * p.group + g;
+    combine_split_row<Element>(
+        p.o_accum + (int64_t(token) * p.num_q_heads + head) * kHeadDim, part_stride,
+        p.lse_accum + int64_t(head) * p.total_q + token, int64_t(p.num_q_heads) * p.total_q,
+        static_cast<Element*>(p.out) + int64_t(token) * p.o_row_stride + int64_t(head) * p.o_head_stride,
+        p.lse != nullptr ? p.lse + int64_t(head) * p.total_q + token : nullptr, D, p.num_splits, tidx % 32);
   }
 }
 

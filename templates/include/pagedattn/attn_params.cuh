@@ -1,5 +1,5 @@
 // Parameters of the paged FlashAttention forward kernel and its split-KV combine.
-// Mirrored field for field by pagedattn/ops/params.py (AttnParams, CombineParams).
+// Mirrored field for field by pagedattn/ops/params.py (AttnParams).
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
@@ -21,6 +21,7 @@ struct AttnParams {
   float* o_accum;               // split-KV partial outputs [num_splits, total_q, Hq, D] fp32
   float* lse_accum;             // split-KV partial LSE [num_splits, Hq, total_q] fp32
   void const* tma_desc;         // decode_tma: two CUtensorMaps (K, V) in global memory, or null
+  int32_t* split_counters;      // split-KV: one arrival counter per (blockIdx.x, blockIdx.y), zero between calls
   int64_t q_row_stride, q_head_stride;
   int64_t o_row_stride, o_head_stride;
   int64_t k_block_stride, k_row_stride, k_head_stride;  // paged: block/page strides; varlen: token stride
@@ -39,16 +40,6 @@ struct AttnParams {
   int32_t descale_batch_stride, descale_head_stride;
   int32_t tma_row_dim;          // decode_tma: tensor-map dimension of the slot in a page (1 HND, 2 NHD)
   float scale_log2;             // softmax_scale * log2(e) (k_descale is applied per CTA)
-};
-
-struct CombineParams {
-  float const* o_accum;         // [num_splits, total_q, Hq, D]
-  float const* lse_accum;       // [num_splits, Hq, total_q]
-  void* out;                    // [total_q, Hq, D]
-  float* lse;                   // [Hq, total_q] or null
-  int64_t o_row_stride, o_head_stride;
-  int32_t o_accum_row;          // fp32 elements per partial row (the attention variant's kHeadDim)
-  int32_t total_q, num_q_heads, head_size, num_splits;
 };
 
 }  // namespace pagedattn
