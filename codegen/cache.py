@@ -48,12 +48,12 @@ class Artifact:
 
 def key_material(variant: str, source: str, arch: str, options: list[str]) -> dict:
     """Everything a cubin depends on. Include paths are left out (machine-specific) and
-    replaced by the header packages' versions and a digest of our own headers."""
+    replaced by the header packages' versions and a digest of the shipped headers the source includes."""
     tc = toolchain()
     return {
         "variant": variant,
         "source_sha256": hashlib.sha256(source.encode()).hexdigest(),
-        "headers_sha256": headers_digest(),
+        "headers_sha256": headers_digest(source),
         "toolchain": tc.fingerprint(),
         "options": [o for o in options if not o.startswith("-I")],
         "arch": arch,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -34,13 +35,32 @@ def render(template: str, **context) -> str:
     return _env().get_template(template).render(**context)
 
 
-@functools.lru_cache(maxsize=1)
-def headers_digest() -> str:
-    """sha256 over every shipped .cuh, so an edited header changes every cache key."""
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=None)
+def _includes_of(rel: str) -> tuple[str, ...]:
+    """Quoted includes of one shipped header that resolve to shipped headers (relative paths)."""
+    text = (include_root() / rel).read_text()
+    return tuple(i for i in _INCLUDE.findall(text) if (include_root() / i).is_file())
+
+
+@functools.lru_cache(maxsize=4096)
+def headers_digest(source: str) -> str:
+    """sha256 over the shipped headers a source includes, directly or through other shipped headers
+    (quoted includes found under include_root()), so editing a header changes the cache keys of
+    exactly the kernels that compile it."""
     import hashlib
 
+    seen: set[str] = set()
+    todo = [i for i in _INCLUDE.findall(source) if (include_root() / i).is_file()]
+    while todo:
+        rel = todo.pop()
+        if rel not in seen:
+            seen.add(rel)
+            todo.extend(_includes_of(rel))
     h = hashlib.sha256()
-    for path in sorted(include_root().rglob("*.cuh")):
-        h.update(path.relative_to(include_root()).as_posix().encode())
-        h.update(path.read_bytes())
+    for rel in sorted(seen):
+        h.update(rel.encode())
+        h.update((include_root() / rel).read_bytes())
     return h.hexdigest()

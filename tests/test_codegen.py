@@ -199,3 +199,30 @@ def test_params_layout_asserts_render():
 
     text = layout_asserts(KvWriteParams, "Params")
     assert f"sizeof(Params) == {ctypes.sizeof(KvWriteParams)}" in text
+
+
+def test_headers_digest_covers_exactly_the_included_headers(tmp_path, monkeypatch):
+    """A cache key changes when a header the source includes (directly or through another shipped
+    header) changes, and only then."""
+    from pagedattn.codegen import render as render_mod
+
+    root = tmp_path / "include"
+    (root / "lib").mkdir(parents=True)
+    (root / "lib/a.cuh").write_text('#include "lib/b.cuh"\n#include <cuda_fp16.h>\n')
+    (root / "lib/b.cuh").write_text("// b\n")
+    (root / "lib/c.cuh").write_text("// c\n")
+    monkeypatch.setattr(render_mod, "include_root", lambda: root)
+
+    def digest(source):
+        render_mod.headers_digest.cache_clear()
+        render_mod._includes_of.cache_clear()
+        return render_mod.headers_digest(source)
+
+    src = '#include "lib/a.cuh"\nextern "C" __global__ void k() {}\n'
+    before = digest(src)
+    (root / "lib/c.cuh").write_text("// c edited\n")
+    assert digest(src) == before  # not included
+    (root / "lib/b.cuh").write_text("// b edited\n")
+    assert digest(src) != before  # included through a.cuh
+    render_mod.headers_digest.cache_clear()
+    render_mod._includes_of.cache_clear()
