@@ -14,13 +14,18 @@ for layout in ("NHD", "HND"):
         slots = torch.tensor([0, -1, 63, 64, 2**40, -2**40, 5, 17, 3], device="cuda")
         s = torch.ones(4 if spec.scale == "head" else 1, device="cuda")
         pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots, kv, s, s)
+        # aligned D=128 rows (the flat path where the host picks it) with the same corrupt slots
+        spec = CacheSpec(4, 16, 4, 128, dtype, kv, layout, "head" if layout == "HND" else "tensor")
+        kc, vc = spec.allocate("cuda", fill=float("nan"))
+        key = torch.randn(9, 4, 128, dtype=torch.bfloat16, device="cuda")
+        pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots, kv, s, s)
 torch.cuda.synchronize()
 print("sanitize cases done")
 
 # attention: corrupt block ids, seqused_k beyond the table, fp8 with D % 16 == 8, split-KV
 from pagedattn.ops.attention import flash_attn_varlen_func  # noqa: E402
 
-for kv, D in (("auto", 128), ("fp8_e4m3", 72)):
+for kv, D in (("auto", 128), ("fp8_e4m3", 72), ("fp8_e4m3", 128)):  # fp8 d128: register operands on sm_90
     spec = CacheSpec(6, 16, 2, D, torch.bfloat16 if kv == "auto" else torch.uint8, kv, "HND")
     kc, vc = spec.allocate("cuda", fill=0.5)
     table = torch.tensor([[0, 5, 10**6], [-3, 2, 1]], dtype=torch.int32, device="cuda")
