@@ -1,6 +1,15 @@
-"""Write-path CTA shape sweep at T=65536, H=8, D=128 (the issue's large case): packs per thread on the
-span path and warps per CTA on the head path, for NHD/HND x bf16/fp8_e4m3 x slots {random, pages}. Python-side only (the
-kernel handles any CTA size), so one compiled variant serves every point. Writes <out>/write_sweep_*.json."""
+"""Write-path sweep (issue 3): the one-CTA-per-token paths (span/head, at their defaults) against the flat
+path at packs per thread {1, 2, 4} x threads per CTA {64, 128, 256, 512}, and the library's defaults,
+at T=65536 (also with page-contiguous slots) and T=256, H=8, D=128, bf16 input, block size 16, for
+NHD/HND x {bf16 cache, fp8_e4m3 per-tensor scale, fp8_e4m3 per-head scales}. The path and CTA shape
+are forced through the module constants of pagedattn.ops.kv_write (FLAT_FOR, FLAT_ITEMS[_FEW],
+FLAT_THREADS[_FEW]); both are launch-time choices (packs per thread up to the compiled FLAT_MAX_ITEMS),
+so one variant per dtype serves every point. Timed as the bench suite times (pagedattn.bench.timing.
+Timer: device time per call, the host kept ahead; inputs rotated through enough sets to miss L2 at
+T=256). One line per point, a summary per config; writes <out>/write_sweep_*.json.
+What to read: frac_copy at T=65536 (goal >= 0.80 for HND and fp8; NHD bf16 >= 0.90) and us at T=256
+(goal <= 6 us) of flat against old, to set FLAT_FOR / FLAT_MIN_TOKENS / FLAT_ITEMS[_FEW] /
+FLAT_THREADS[_FEW] (the T=65536 rows for the plain names, T=256 for _FEW)."""
 from __future__ import annotations
 
 import json
@@ -14,47 +23,123 @@ import pagedattn
 from pagedattn import CacheSpec
 from pagedattn.info import git_commit
 
-from _timing import copy_ceiling_gbs, median_us  # perf/ is on sys.path when run as a script
+from _timing import copy_ceiling_gbs  # perf/ is on sys.path when run as a script
+from pagedattn.bench.timing import Timer, rotation_sets
 from pagedattn.bench.write import page_slots
 from pagedattn.ops import kv_write
 
-VALUES = (1, 2, 4, 8)
+H, D, BLOCK = 8, 128, 16
+TOKENS = (65536, 256)
+CONFIGS = [  # (layout, kv_cache_dtype, scale)
+    ("NHD", "auto", "tensor"), ("NHD", "fp8_e4m3", "tensor"), ("NHD", "fp8_e4m3", "head"),
+    ("HND", "auto", "tensor"), ("HND", "fp8_e4m3", "tensor"), ("HND", "fp8_e4m3", "head"),
+]
+ITEMS = (1, 2, 4)  # <= FLAT_MAX_ITEMS
+THREADS = (64, 128, 256, 512)
+TIMER = Timer(budget_s=0.1)
+L2_BYTES = 60 * 2**20  # H200 (rotation at T=256 only: T=65536 is far larger)
+KNOBS = ("FLAT_FOR", "FLAT_MIN_TOKENS", "FLAT_ITEMS", "FLAT_ITEMS_FEW", "FLAT_THREADS", "FLAT_THREADS_FEW")
+ALL = frozenset((layout, kind) for layout in ("NHD", "HND") for kind in ("copy", "fp8", "fp8_head"))
+
+
+def _force(path: str, items: int | None = None, threads: int | None = None, defaults=None) -> None:
+    """Make every following write take `path` ("old": span/head; "flat") with this CTA shape, or
+    ("default") whatever the module's defaults choose."""
+    if path == "default":
+        for k, v in defaults.items():
+            setattr(kv_write, k, v)
+        kv_write._PLANS.clear()
+        return
+    kv_write.FLAT_FOR = ALL if path == "flat" else frozenset()
+    kv_write.FLAT_MIN_TOKENS = 1
+    if items is not None:
+        kv_write.FLAT_ITEMS = kv_write.FLAT_ITEMS_FEW = items
+    if threads is not None:
+        kv_write.FLAT_THREADS = kv_write.FLAT_THREADS_FEW = threads
+    kv_write._PLANS.clear()
+
+
+def _ran(path: str) -> str:
+    """The path the last write really took (from its cached plan)."""
+    (plan,) = kv_write._PLANS.values()
+    took = "flat" if plan.base is None else plan.base_spec.path
+    assert path == "default" or (took == "flat") == (path == "flat"), f"forced {path}, ran {took}"
+    return took
 
 
 def main(out_dir):
-    T, H, D = 65536, 8, 128
     copy_gbs = copy_ceiling_gbs()
-    key = torch.randn(T, H, D, dtype=torch.bfloat16, device="cuda")
-    val = torch.randn_like(key)
+    defaults = {k: getattr(kv_write, k) for k in KNOBS}
     rows = []
-    for layout in ("NHD", "HND"):
-        for kv in ("auto", "fp8_e4m3"):
-            spec = CacheSpec(T // 16 + 64, 16, H, D, torch.bfloat16 if kv == "auto" else torch.uint8, kv, layout)
-            kc, vc = spec.allocate("cuda", fill=0.0)
-            slot_sets = {"random": torch.randperm(spec.num_slots, device="cuda")[:T],
-                         "pages": page_slots(spec.num_blocks, T, "cuda")}
-            s = torch.tensor([0.05], device="cuda") if kv != "auto" else None
-            nbytes = 2 * T * H * D * 2 + 2 * T * H * D * (2 if kv == "auto" else 1) + T * 8
-            knob = "SPAN_PACKS_PER_THREAD" if layout == "NHD" else "HEAD_WARPS"
-            default = getattr(kv_write, knob)
-            for pattern, slots in slot_sets.items():
-                for value in VALUES:
-                    setattr(kv_write, knob, value)
-                    kv_write._PLANS.clear()
-                    us = median_us(lambda: pagedattn.reshape_and_cache_flash(key, val, kc, vc, slots, kv, s, s), reps=40)
-                    gbs = nbytes / us / 1e3
-                    rows.append(dict(layout=layout, kv=kv, slots=pattern, knob=knob, value=value, us=us, gbs=gbs,
-                                     frac_copy=gbs / copy_gbs))
-                    print(f"{layout} {kv:9s} {pattern:6s} {knob}={value}: {us:7.1f} us {gbs:6.0f} GB/s "
-                          f"{gbs / copy_gbs:.0%}", flush=True)
-            setattr(kv_write, knob, default)
-            kv_write._PLANS.clear()
+    try:
+        for layout, kv, scale in CONFIGS:
+            fp8 = kv != "auto"
+            elem_c = 1 if fp8 else 2
+            for T in TOKENS:
+                # a cache of at least 256 MiB, as the bench suite sizes it (T=256 not L2-resident)
+                num_blocks = -(-max(4 * T, 256 * 2**20 // (H * D * elem_c)) // BLOCK)
+                spec = CacheSpec(num_blocks, BLOCK, H, D, torch.uint8 if fp8 else torch.bfloat16, kv,
+                                 layout, scale)
+                kc, vc = spec.allocate("cuda", fill=0.0)
+                nbytes = 2 * T * H * D * 2 + 2 * T * H * D * elem_c + T * 8
+                sets = rotation_sets(nbytes, L2_BYTES)
+                keys = [torch.randn(T, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(sets)]
+                vals = [torch.randn_like(keys[0]) for _ in range(sets)]
+                s = torch.rand(1 if scale == "tensor" else H, device="cuda") + 0.05 if fp8 else None
+                slot_sets = {"random": [torch.randperm(spec.num_slots, device="cuda")[:T] for _ in range(sets)]}
+                if T >= 4096:
+                    slot_sets["pages"] = [page_slots(spec.num_blocks, T, "cuda") for _ in range(sets)]
+                points = [("default", None, None), ("old", None, None)] + [("flat", i, t) for i in ITEMS
+                                                                           for t in THREADS]
+                for pattern, slots in slot_sets.items():
+                    def call(k, slots=slots):
+                        pagedattn.reshape_and_cache_flash(keys[k], vals[k], kc, vc, slots[k], kv, s, s)
+                    for path, items, threads in points:
+                        if pattern == "pages" and path == "flat" and items != defaults["FLAT_ITEMS"]:
+                            continue  # pages: old vs flat at the default packs per thread only
+                        _force(path, items, threads, defaults)
+                        call(0)
+                        took = _ran(path)
+                        us = TIMER(call, sets).us
+                        gbs = nbytes / us / 1e3
+                        rows.append(dict(layout=layout, kv=kv, scale=scale, T=T, slots=pattern, path=took,
+                                         default=path == "default",
+                                         items=items, threads=threads, us=us, gbs=gbs, frac_copy=gbs / copy_gbs,
+                                         sets=sets))
+                        shape = (f"items={items} threads={threads:3d}" if path == "flat" else
+                                 "library default    " if path == "default" else "old path, defaults ")
+                        print(f"T={T:5d} {layout} {kv:9s} {scale:6s} {pattern:6s} {took:4s} {shape}: {us:8.2f} us "
+                              f"{gbs:6.0f} GB/s {gbs / copy_gbs:4.0%}", flush=True)
+                kc = vc = keys = vals = None  # free before the next config
+                torch.cuda.empty_cache()
+    finally:
+        for k, v in defaults.items():
+            setattr(kv_write, k, v)
+        kv_write._PLANS.clear()
+    _summary(rows)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, commit=git_commit(),
-                date=date.today().isoformat(), copy_gbs=copy_gbs, T=T, H=H, D=D)
+                date=date.today().isoformat(), copy_gbs=copy_gbs, H=H, D=D, block_size=BLOCK,
+                tokens=list(TOKENS), defaults={k: sorted(v) if isinstance(v, frozenset) else v
+                                                for k, v in defaults.items()})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"write_sweep_h200_{meta['date'].replace('-', '')}.json").write_text(
         json.dumps(dict(kind="write_sweep", metadata=meta, results=rows), indent=1))
+
+
+def _summary(rows):
+    """Per config and T (random slots): the old path, the best flat point, and what the defaults run."""
+    print("\nsummary (random slots): old path | best flat | library default")
+    keys = sorted({(r["layout"], r["kv"], r["scale"], r["T"]) for r in rows}, key=lambda k: (-k[3], k))
+    for k in keys:
+        pts = [r for r in rows if (r["layout"], r["kv"], r["scale"], r["T"]) == k and r["slots"] == "random"]
+        old = next(r for r in pts if not r["default"] and r["path"] != "flat")
+        best = min((r for r in pts if not r["default"] and r["path"] == "flat"), key=lambda r: r["us"])
+        dflt = next(r for r in pts if r["default"])
+        print(f"T={k[3]:5d} {k[0]} {k[1]:9s} {k[2]:6s} {old['path']:4s} {old['us']:8.2f} us {old['frac_copy']:4.0%}"
+              f" | flat items={best['items']} threads={best['threads']:3d} {best['us']:8.2f} us "
+              f"{best['frac_copy']:4.0%} | {dflt['path']:4s} {dflt['us']:8.2f} us {dflt['frac_copy']:4.0%}",
+              flush=True)
 
 
 if __name__ == "__main__":

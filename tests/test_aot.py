@@ -42,7 +42,7 @@ def built(tmp_path_factory):
                                                           "kv_cache_dtypes": ["auto", "fp8_e4m3"]}
                                ).specs, [ARCH])
     summary = aot.precompile(jobs, out, n_jobs=2, progress=False)
-    assert summary.compiled == 4 and not summary.failed, summary
+    assert summary.compiled == 6 and not summary.failed, summary
     return out, summary
 
 
@@ -102,7 +102,7 @@ def test_manifest(built):
     assert "nvidia-cutlass" in m["packages"]
     names = sorted(v["name"] for v in m["variants"])
     assert names == sorted(f"kv_write_bf16_{kv}_{p}" for kv in ("auto", "fp8e4m3")
-                           for p in ("span", "head"))
+                           for p in ("span", "head", "flat"))
     for v in m["variants"]:
         assert v["arch"] == ARCH and v["family"] == "kv_write"
         assert not Path(v["file"]).is_absolute() and v["file"].startswith("kernels/")
@@ -114,7 +114,7 @@ def test_manifest(built):
         # the key is the one the run-time lookup computes
         assert aot.plan([spec], [ARCH])[0].key == v["key"]
     assert str(out) not in (out / "manifest.json").read_text()   # relocatable: no absolute paths
-    assert summary.bundle_kernels == 4 and summary.bundle_bytes == sum(v["size"] for v in m["variants"])
+    assert summary.bundle_kernels == 6 and summary.bundle_bytes == sum(v["size"] for v in m["variants"])
 
 
 def test_rerun_compiles_nothing(built, capsys):
@@ -122,7 +122,7 @@ def test_rerun_compiles_nothing(built, capsys):
     before = (out / "manifest.json").stat().st_mtime_ns
     assert precompile(*SMALL, "--out", out) == 0
     text = capsys.readouterr().out
-    assert "compiled 0, already present 4, failed 0" in text
+    assert "compiled 0, already present 6, failed 0" in text
     assert (out / "manifest.json").stat().st_mtime_ns == before     # not even rewritten
 
 
@@ -140,7 +140,7 @@ def test_rerun_rebuilds_only_missing_corrupt_or_stale(bundle_copy, capsys):
     assert "1 kernel(s) were built from other kernel sources" in capsys.readouterr().out
     jobs = aot.plan([_spec(v) for v in m["variants"]], [ARCH])
     summary = aot.precompile(jobs, bundle_copy, n_jobs=1, progress=False)
-    assert (summary.compiled, summary.present, summary.failed) == (3, 1, [])
+    assert (summary.compiled, summary.present, summary.failed) == (3, 3, [])
     after = _manifest(bundle_copy)
     assert sorted(v["key"] for v in after["variants"]) == sorted(
         [stale_key] + [v["key"] for v in m["variants"] if v is not stale])   # stale one replaced
@@ -182,7 +182,7 @@ def test_failed_variant_does_not_stop_others(bundle_copy, monkeypatch, capsys):
     assert "this_is_not_cuda" in log.read_text() and log.with_suffix(".cu").is_file()
     names = {v["name"] for v in _manifest(bundle_copy)["variants"]}
     assert "kv_write_fp16_auto_head" in names and "kv_write_fp16_auto_span" not in names
-    assert len(names) == 5 and bundle.verify(bundle_copy).ok
+    assert len(names) == 7 and bundle.verify(bundle_copy).ok
 
 
 # -- run time ------------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ def test_corrupt_artifact_found_by_bundle_verify_and_cache_verify(bundle_copy, f
                                                                    monkeypatch, capsys,
                                                                    pagedattn_log):
     assert aot.main(["bundle", "verify", str(bundle_copy)]) == 0
-    assert "4 kernels checked, 0 corrupt" in capsys.readouterr().out
+    assert "6 kernels checked, 0 corrupt" in capsys.readouterr().out
     victim = _manifest(bundle_copy)["variants"][2]
     path = bundle_copy / victim["file"]
     data = bytearray(path.read_bytes())
@@ -305,18 +305,18 @@ def test_dry_run_lists_the_matrix(built, capsys):
     assert precompile("--ops", "kv_write", "--preset", "default", "--dry-run") == 0
     lines = capsys.readouterr().out.splitlines()
     rows = [line.split() for line in lines if line.startswith("kv_write_")]
-    assert len(rows) == 12 and all(r[1] == ARCH and r[2] == "compile" for r in rows)
+    assert len(rows) == 18 and all(r[1] == ARCH and r[2] == "compile" for r in rows)
     assert {r[0] for r in rows} == {f"kv_write_{d}_{kv}_{p}" for d in ("fp16", "bf16")
-                                   for kv in ("auto", "fp8e4m3", "fp8e5m2") for p in ("span", "head")}
-    assert lines[-1] == (f"dry run: 12 kernels (12 variants of kv_write x 1 arch: {ARCH}); "
-                         "0 present, 12 to compile")
+                                   for kv in ("auto", "fp8e4m3", "fp8e5m2") for p in ("span", "head", "flat")}
+    assert lines[-1] == (f"dry run: 18 kernels (18 variants of kv_write x 1 arch: {ARCH}); "
+                         "0 present, 18 to compile")
     # against an existing bundle: what it holds is marked, nothing is written
     before = sorted(p.name for p in out.rglob("*"))
     assert aot.main(["precompile", "--arch", "sm_80,sm_90a", "--ops", "kv_write", "--dtypes", "bf16",
                      "--dry-run", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert sum(line.endswith(" present") for line in text.splitlines()) == 4
-    assert text.strip().endswith("4 present, 8 to compile")
+    assert sum(line.endswith(" present") for line in text.splitlines()) == 6
+    assert text.strip().endswith("6 present, 12 to compile")
     assert sorted(p.name for p in out.rglob("*")) == before
 
 
@@ -333,7 +333,7 @@ def test_model_config_narrows_dtype_and_head_size(fake_family, config, dtype, ca
     sel = aot.select(model_configs=[config])
     kv = [s for s in sel.specs if s.FAMILY == "kv_write"]
     fake = [s for s in sel.specs if s.FAMILY == "fake_attn"]
-    assert {s.dtype for s in kv} == {dtype} and len(kv) == 6        # all cache dtypes, both paths
+    assert {s.dtype for s in kv} == {dtype} and len(kv) == 9        # all cache dtypes, all 3 paths
     assert {(s.dtype, s.head_dim) for s in fake} == {(dtype, 128)} and len(fake) == 4
     # explicit flags win over the config
     sel = aot.select(model_configs=[config], filters={"dtypes": ["fp32"]}, ops=["kv_write"])
@@ -342,7 +342,7 @@ def test_model_config_narrows_dtype_and_head_size(fake_family, config, dtype, ca
     assert precompile("--model-config", config, "--ops", "kv_write", "--dry-run") == 0
     text = capsys.readouterr().out
     assert text.startswith(f"model {config.name}:") and f"dtype={dtype}" in text
-    assert "6 kernels" in text
+    assert "9 kernels" in text
 
 
 def test_two_model_configs_give_the_union(fake_family):
@@ -355,11 +355,11 @@ def test_filters_map_onto_fields_by_name(fake_family):
     fake = [s for s in sel.specs if s.FAMILY == "fake_attn"]
     assert {(s.dtype, s.head_dim, s.layout) for s in fake} == {("bf16", 64, "HND"), ("bf16", 256, "HND")}
     kv = [s for s in sel.specs if s.FAMILY == "kv_write"]       # no head_dim / layout fields
-    assert len(kv) == 6 and {s.dtype for s in kv} == {"bf16"}
+    assert len(kv) == 9 and {s.dtype for s in kv} == {"bf16"}
     # kv_write alone: --head-sizes narrows nothing, and says so
     sel = aot.select(ops=["kv_write"], filters={"head_sizes": ["128"], "kv_cache_dtypes": ["fp8"]})
     assert any("--head-sizes" in n for n in sel.notes)
-    assert {s.kv_cache_dtype for s in sel.specs} == {"fp8_e4m3"} and len(sel.specs) == 6
+    assert {s.kv_cache_dtype for s in sel.specs} == {"fp8_e4m3"} and len(sel.specs) == 9
 
 
 def test_preset_is_quietly_intersected(fake_family):
@@ -376,7 +376,7 @@ def test_preset_is_quietly_intersected(fake_family):
     ({"filters": {"head_sizes": ["72"]}, "ops": ["fake_attn"]}, "--head-sizes: 72 not supported"),
     ({"ops": ["attn_nope"]}, "unknown family attn_nope"),
     ({"preset": "huge"}, "known presets: default"),
-    ({"variants": ["kv_write:dtype=bf16 kv_cache_dtype=auto"]}, "missing path (one of span, head)"),
+    ({"variants": ["kv_write:dtype=bf16 kv_cache_dtype=auto"]}, "missing path (one of span, head, flat)"),
     ({"variants": ["kv_write:dtype=bf16 kv_cache_dtype=auto path=diag"]}, "path='diag'"),
     ({"variants": ["kv_write:dtype=bf16 kv_cache_dtype=auto path=span"], "ops": ["kv_write"]},
      "do not combine"),

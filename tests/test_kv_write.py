@@ -9,8 +9,9 @@ import pagedattn
 from pagedattn import CacheSpec, ContractError, reference
 from pagedattn.codegen.compile import compile_source, nvrtc_options
 from pagedattn.codegen.toolchain import toolchain
+from pagedattn.ops import kv_write
 from pagedattn.ops.kv_write import KvWriteSpec
-from pagedattn.registry import Kernel, variant_name
+from pagedattn.registry import Kernel, get_kernel, variant_name
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -65,12 +66,91 @@ def test_reference_fp8_e5m2_per_tensor_float8_storage():
 
 
 # ---------------------------------------------------------------- every variant compiles (CPU)
+def test_every_path_is_a_variant():
+    paths = {s.path for s in KvWriteSpec.all_variants()}
+    assert paths == {"span", "head", "flat"}
+    flat = Kernel(KvWriteSpec("bf16", "fp8_e4m3", "flat")).source
+    assert f"kv_write_flat<__nv_bfloat16, uint8_t, pagedattn::Fp8Format::kE4M3, {kv_write.FLAT_MAX_ITEMS}>" in flat
+    assert f"__launch_bounds__({kv_write.FLAT_MAX_THREADS})" in flat
+    assert "kv_write<__half, __half, pagedattn::Fp8Format::kNone, true>" in Kernel(
+        KvWriteSpec("fp16", "auto", "span")).source
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 @pytest.mark.parametrize("spec", list(KvWriteSpec.all_variants()), ids=variant_name)
 def test_every_write_variant_compiles(spec, arch):
     k = Kernel(spec)
     res = compile_source(k.source, variant=k.name, arch=arch, options=nvrtc_options(arch, toolchain()))
     assert res.cubin[:4] == b"\x7fELF"
+
+
+# ---------------------------------------------------------------- path choice (CPU)
+ALL_FLAT = frozenset(itertools.product(("NHD", "HND"), ("copy", "fp8", "fp8_head")))  # FLAT_FOR: always
+
+
+def _spec(layout="NHD", kv="auto", scale="tensor", D=128, dtype=torch.bfloat16, H=8):
+    return CacheSpec(64, 16, H, D, dtype if kv == "auto" else torch.uint8, kv, layout, scale)
+
+
+@pytest.mark.parametrize("layout,kv,scale,want", [
+    ("NHD", "auto", "tensor", "flat"),
+    ("HND", "auto", "tensor", "flat"),
+    ("NHD", "fp8_e4m3", "tensor", "span"),   # the default FLAT_FOR leaves NHD fp8 with one scale on span
+    ("HND", "fp8_e5m2", "tensor", "flat"),
+    ("NHD", "fp8_e5m2", "head", "flat"),
+    ("HND", "fp8_e4m3", "head", "flat"),
+])
+def test_write_path_default(layout, kv, scale, want):
+    assert kv_write.write_path(_spec(layout, kv, scale), 2, 65536, aligned=True) == want
+    assert kv_write.write_path(_spec(layout, kv, scale), 2, 256, aligned=True) == want
+
+
+def test_write_path_falls_back(monkeypatch):
+    hnd = _spec("HND")
+    assert kv_write.write_path(hnd, 2, 100, aligned=False) == "head"                # unaligned rows
+    assert kv_write.write_path(_spec("HND", D=36), 2, 100, aligned=True) == "head"  # 72-byte rows
+    assert kv_write.write_path(_spec("HND", D=36), 4, 100, aligned=True) == "flat"  # fp32: 144 bytes
+    assert kv_write.write_path(_spec("NHD", "fp8_e4m3", D=36), 2, 100, True) == "span"
+    assert kv_write.write_path(_spec("NHD", "fp8_e4m3", "head", D=36), 2, 100, True) == "head"
+    assert kv_write.write_path(hnd, 2, 1 << 30, aligned=True) == "head"             # beyond the token field
+    monkeypatch.setattr(kv_write, "FLAT_MIN_TOKENS", 1024)
+    assert kv_write.write_path(hnd, 2, 1023, aligned=True) == "head"
+    assert kv_write.write_path(hnd, 2, 1024, aligned=True) == "flat"
+    monkeypatch.setattr(kv_write, "FLAT_FOR", frozenset())
+    assert kv_write.write_path(hnd, 2, 4096, aligned=True) == "head"
+    assert kv_write.write_path(_spec("NHD"), 2, 4096, aligned=True) == "span"
+    monkeypatch.setattr(kv_write, "FLAT_FOR", ALL_FLAT)
+    assert kv_write.write_path(_spec("NHD", "fp8_e4m3"), 2, 4096, aligned=True) == "flat"
+    assert kv_write.write_kind(_spec("NHD", "fp8_e4m3", "head")) == ("NHD", "fp8_head")
+
+
+def test_rows_aligned():
+    x = torch.zeros(4 * 8 * 64 + 8, dtype=torch.float16)
+    base = x[(-x.data_ptr() % 16) // 2:]  # 16-byte aligned start
+    key = base[:4 * 8 * 64].view(4, 8, 64)
+    assert kv_write.rows_aligned(key, key)
+    assert not kv_write.rows_aligned(key, base[1:1 + 4 * 8 * 64].view(4, 8, 64))   # base pointer
+    qkv = torch.zeros(4, 3 * 8 + 1, 64, dtype=torch.float16)[:, :8]                # token stride
+    assert (qkv.stride(0) * 2) % 16 == 0 and kv_write.rows_aligned(qkv, qkv)
+    odd = torch.zeros(4 * (8 * 64 + 4), dtype=torch.float16)
+    odd = odd[(-odd.data_ptr() % 16) // 2:][:4 * (8 * 64 + 4)].view(4, 8 * 64 + 4)[:, :8 * 64].view(4, 8, 64)
+    assert odd.stride(0) == 8 * 64 + 4 and not kv_write.rows_aligned(odd, odd)
+
+
+@pytest.mark.parametrize("T,token_packs", [(1, 256), (3, 18), (37, 72), (1023, 256), (1024, 256),
+                                           (65536, 256), (5000, 1000), (777, 9)])
+@pytest.mark.parametrize("many,few", [((4, 256), (2, 128)), ((3, 96), (1, 32)), ((4, 512), (4, 64))])
+def test_flat_shape_covers_every_pack(T, token_packs, many, few):
+    """Every pack is some thread's, and the kernel's items = ceil(packs / grid threads) never exceeds
+    what the host asked for."""
+    items, want_threads = many if T >= kv_write.MANY_TOKENS else few
+    grid, block = kv_write._flat_shape(T, token_packs, many, few)
+    threads, packs = block[0], T * token_packs
+    assert threads % 32 == 0 and 32 <= threads <= want_threads and grid[1:] == (1, 1) and block[1:] == (1, 1)
+    assert threads == min(want_threads, -(-packs // (32 * items)) * 32) or threads == 32
+    assert (grid[0] - 1) * threads * items < packs <= grid[0] * threads * items
+    kernel_items = -(-packs // (grid[0] * threads))
+    assert 1 <= kernel_items <= items and grid[0] * threads * kernel_items >= packs
 
 
 # ---------------------------------------------------------------- the kernel (GPU)
@@ -108,9 +188,19 @@ def _id(case):
     return f"{layout}-{str(dtype)[6:]}-{kv}-{scale}-d{D}-b{bs}-{source}-{'pad' if pad else 'nopad'}"
 
 
+@pytest.fixture(params=["base", "flat"])
+def force_path(request, monkeypatch):
+    """base: every write takes span/head; flat: every write whose rows are aligned takes flat (the
+    others, e.g. source=unaligned, must fall back to span/head)."""
+    monkeypatch.setattr(kv_write, "FLAT_FOR", ALL_FLAT if request.param == "flat" else frozenset())
+    monkeypatch.setattr(kv_write, "FLAT_MIN_TOKENS", 1)
+    monkeypatch.setattr(kv_write, "_PLANS", {})
+    return request.param
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GRID, ids=_id)
-def test_write_matches_reference_bitwise(case):
+def test_write_matches_reference_bitwise(case, force_path):
     layout, dtype, kv, scale, D, bs, source, pad = case
     gen = torch.Generator("cuda").manual_seed(hash(_id(case)) % 2**31)
     H, T = 4, 37
@@ -142,6 +232,12 @@ def test_write_matches_reference_bitwise(case):
     kc2, vc2 = spec.allocate("cuda", fill=float("nan"))
     pagedattn.reshape_and_cache_flash(key, value, kc2, vc2, slots, kv, ks, vs)
     assert torch.equal(bits(kc2), bits(kc)) and torch.equal(bits(vc2), bits(vc))
+    # the forced path is the one that ran (unaligned rows fall back to span/head)
+    (plan,) = kv_write._PLANS.values()
+    if force_path == "flat" and source != "unaligned":
+        assert plan.flat is not None and plan.base is None
+    else:
+        assert plan.base is not None
 
 
 @pytest.mark.gpu
@@ -159,7 +255,86 @@ def test_write_float8_storage_and_int32_slots(storage):
     assert torch.equal(bits(kc), bits(rk)) and torch.equal(bits(vc), bits(rv))
 
 
+def _check_against_reference(spec, key, value, slots, kv, ks, vs):
+    kc, vc = spec.allocate("cuda", fill=float("nan"))
+    rk, rv = kc.clone(), vc.clone()
+    pagedattn.reshape_and_cache_flash(key, value, kc, vc, slots, kv, ks, vs)
+    reference.reshape_and_cache_flash(key, value, rk, rv, slots, kv, ks, vs)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(kc), bits(rk)) and torch.equal(bits(vc), bits(rv))
+    written = torch.zeros(spec.num_slots, dtype=torch.bool, device="cuda")
+    s = slots.long()
+    written[s[s >= 0]] = True
+    unwritten = kc[(~written).view(spec.num_blocks, spec.block_size)]
+    assert (unwritten.view(torch.uint8) == 0x7F).all() if kv != "auto" else unwritten.isnan().all()
+
+
+@pytest.fixture
+def max_items(request, monkeypatch):
+    """Re-render the flat variants with kItems = FLAT_MAX_ITEMS = request.param (and back afterwards)."""
+    monkeypatch.setattr(kv_write, "FLAT_MAX_ITEMS", request.param)
+    monkeypatch.setattr(kv_write, "_PLANS", {})
+    get_kernel.cache_clear()
+    yield request.param
+    get_kernel.cache_clear()
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("max_items", [4, 3], indirect=True)
+@pytest.mark.parametrize("items", [1, 2, 4])
+@pytest.mark.parametrize("threads", [32, 96, 512])
+@pytest.mark.parametrize("layout,kv,scale", [("NHD", "auto", "tensor"), ("HND", "auto", "tensor"),
+                                             ("HND", "fp8_e4m3", "head"), ("NHD", "fp8_e5m2", "head")])
+@pytest.mark.parametrize("T,H,D,dtype", [(1, 1, 64, torch.bfloat16), (5, 3, 72, torch.float16),
+                                         (1500, 3, 80, torch.bfloat16), (4099, 8, 128, torch.bfloat16),
+                                         (2000, 2, 36, torch.float32)])
+def test_flat_many_tokens(max_items, items, threads, layout, kv, scale, T, H, D, dtype, monkeypatch):
+    """Flat with kItems 4 and 3, packs per thread 1, 2 and 4 (capped at kItems), CTAs of 1, 3 and 16
+    warps: token counts below and above MANY_TOKENS, odd H, rows of 9 and 10 packs."""
+    monkeypatch.setattr(kv_write, "FLAT_FOR", ALL_FLAT)
+    monkeypatch.setattr(kv_write, "FLAT_MIN_TOKENS", 1)
+    for name in ("FLAT_ITEMS", "FLAT_ITEMS_FEW"):
+        monkeypatch.setattr(kv_write, name, items)
+    for name in ("FLAT_THREADS", "FLAT_THREADS_FEW"):
+        monkeypatch.setattr(kv_write, name, threads)
+    gen = torch.Generator("cuda").manual_seed(T * 7 + threads)
+    bs = 16
+    spec = CacheSpec(-(-2 * T // bs) + 1, bs, H, D, dtype if kv == "auto" else torch.uint8, kv, layout, scale)
+    assert kv_write.write_path(spec, torch.empty(0, dtype=dtype).element_size(), T, True) == "flat"
+    key, value = make_inputs(T, H, D, dtype, "strided", True, gen)
+    slots = torch.randperm(spec.num_slots, device="cuda", generator=gen)[:T]
+    slots[torch.rand(T, device="cuda", generator=gen) < 0.2] = -1
+    ks = vs = None
+    if kv != "auto":
+        n = 1 if scale == "tensor" else H
+        ks = torch.rand(n, device="cuda", generator=gen) + 0.05
+        vs = torch.rand(n, device="cuda", generator=gen) + 0.05
+    _check_against_reference(spec, key, value, slots, kv, ks, vs)
+    _check_against_reference(spec, key, value, slots.int(), kv, ks, vs)  # int32 slot ids
+    assert len(kv_write._PLANS) == 2 and all(p.base is None for p in kv_write._PLANS.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,offset", [(36, 0), (64, 1), (64, 0)])
+def test_flat_fallback_rows_not_aligned(D, offset, monkeypatch):
+    """bf16 D=36 (72-byte rows) and an unaligned base take span/head, aligned ones flat; the same plan
+    serves calls whose base pointers differ in alignment."""
+    monkeypatch.setattr(kv_write, "FLAT_FOR", ALL_FLAT)
+    monkeypatch.setattr(kv_write, "_PLANS", {})
+    T, H = 300, 4
+    spec = CacheSpec(32, 16, H, D, torch.bfloat16, "auto", "HND")
+    flat = torch.randn(2 * T * H * D + 16, dtype=torch.bfloat16, device="cuda")
+    for off in (offset, 0, offset):  # one cached plan, alignment decided per call
+        key = flat[off:off + T * H * D].view(T, H, D)
+        value = flat[T * H * D + off:2 * T * H * D + off].view(T, H, D)
+        _check_against_reference(spec, key, value, torch.randperm(spec.num_slots, device="cuda")[:T],
+                                 "auto", None, None)
+    (plan,) = kv_write._PLANS.values()
+    assert (plan.flat is None) == (D == 36) and (plan.base is not None) == (D == 36 or offset == 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("force_path")
 def test_corrupt_slot_is_never_written():
     spec = CacheSpec(4, 16, 2, 64, torch.float16)
     kc, vc = spec.allocate("cuda", fill=float("nan"))

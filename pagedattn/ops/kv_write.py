@@ -25,12 +25,12 @@ class KvWriteSpec(KernelSpec):
     SUPPORTED: ClassVar[dict] = {
         "dtype": ("fp16", "bf16", "fp32"),
         "kv_cache_dtype": ("auto", "fp8_e4m3", "fp8_e5m2"),
-        "path": ("span", "head"),
+        "path": ("span", "head", "flat"),
     }
 
     dtype: str
     kv_cache_dtype: str
-    path: str   # span: NHD + one scale; head: HND or per-head scales
+    path: str   # span: NHD + one scale; head: HND or per-head scales; flat: any, rows 16-byte aligned
 
     def context(self) -> dict:
         cache = self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
@@ -38,17 +38,17 @@ class KvWriteSpec(KernelSpec):
             "Element": CUDA_TYPE[self.dtype],
             "CacheElement": CUDA_TYPE[cache],
             "kFp8": FP8_FORMAT[self.kv_cache_dtype],
+            "path": self.path,
             "kSpan": "true" if self.path == "span" else "false",
+            "kItems": FLAT_MAX_ITEMS,
+            "max_threads": FLAT_MAX_THREADS if self.path == "flat" else 1024,
         }
 
 
-def write_path(spec: CacheSpec) -> str:
-    return "span" if spec.layout == "NHD" and (spec.scale == "tensor" or not spec.is_fp8) else "head"
-
-
-# CTA shape. A CTA writes one token and spends most of its short life waiting (the slot id, then the
-# K/V packs). With many tokens, small CTAs with several packs per thread -- many CTAs per SM -- keep
-# more bytes in flight; with few tokens the GPU is far from full and one pack per thread finishes first.
+# CTA shape of span/head. A CTA writes one token and spends most of its short life waiting (the slot
+# id, then the K/V packs). With many tokens, small CTAs with several packs per thread -- many CTAs per
+# SM -- keep more bytes in flight; with few tokens the GPU is far from full and one pack per thread
+# finishes first.
 # Measured on H200, H=8 D=128 bf16 NHD: T=65536 1 pack/thread 79 % of copy, 4 packs 90 %
 # (perf/results/h200_sm90_20261130_write.json, history/write_sweep_*.json); T=256 5.8 us with 1 pack,
 # 7.2 us with 4 (h200_sm90_20261130.json vs _write.json).
@@ -56,13 +56,88 @@ MANY_TOKENS = 1024         # from here on, the many-token shapes below
 SPAN_PACKS_PER_THREAD = 4  # span path, many tokens: threads per tensor = packs / 4, whole warps
 HEAD_WARPS = 4             # head path, many tokens: warps per CTA, heads strided over them
 
+# The flat path (kv_write.cuh): no CTA per token; each thread takes `items` 16-byte packs of the flat
+# (token, K/V, head, pack) space and issues all their loads before any store. Which writes take it is
+# the table FLAT_FOR of (layout, kind) pairs, kind "copy" (cache dtype = input dtype), "fp8" (one
+# scale) or "fp8_head" (per-head scales); perf/write_sweep.py (stage writesweep) measures each pair
+# both ways. Whatever the table says, flat needs every head row 16-byte aligned (D * element size %
+# 16 == 0, key/value base pointers and token strides multiples of 16 bytes); other writes take
+# span/head, as do writes of fewer than FLAT_MIN_TOKENS tokens.
+# Measured on H200 (write_sweep, H=8 D=128 bf16 input, block 16, random slots; fraction of the copy
+# ceiling at T=65536, us at T=256), old path -> flat at the defaults below:
+#   NHD copy     92 % -> 92 %, 5.76 -> 5.57 us      HND copy     79 % -> 93 %, 5.76 -> 5.60 us
+#   NHD fp8      73 % -> 60 %, 5.82 -> 5.95 us      HND fp8      44 % -> 60 %, 6.18 -> 5.98 us
+#   NHD fp8_head 44 % -> 60 %, 6.14 -> 5.95 us      HND fp8_head 44 % -> 60 %, 6.21 -> 5.98 us
+# so NHD fp8 with one scale stays on span (its CTA shares one slot and one scale over 4 packs per
+# thread; flat's fp8 is bound by the conversion's instructions, not by memory). Packs per thread: 4
+# from MANY_TOKENS on (2: 48 %, 1: 39 % for fp8; copy 93 / 87 / 57 %); 1 below (fp8 at T=256: 2 packs
+# 6.3 us, 1 pack 5.95). Threads per CTA matter little (64-256 within 1 %, except fp8 with 4 packs:
+# 256 threads 60 %, 64-128 55 %; 512 is worse everywhere).
+FLAT_FOR = frozenset({("NHD", "copy"), ("NHD", "fp8_head"),
+                      ("HND", "copy"), ("HND", "fp8"), ("HND", "fp8_head")})
+FLAT_MIN_TOKENS = 1
+FLAT_MAX_ITEMS = 4         # kItems compiled into the flat variants: they run 1, 2 or this many packs
+                           # per thread (changing it at run time: clear registry.get_kernel too)
+FLAT_ITEMS = 4             # packs per thread from MANY_TOKENS tokens on (run time; others round up)
+FLAT_ITEMS_FEW = 1         # below MANY_TOKENS
+FLAT_THREADS = 256         # threads per CTA from MANY_TOKENS tokens on
+FLAT_THREADS_FEW = 128     # below MANY_TOKENS
+FLAT_MAX_THREADS = 512     # __launch_bounds__ of the flat variants
+_FLAT_MAX_TOKENS = (1 << 30) - 1   # the token count travels in slot_is_int64's upper bits (kv_write.cuh)
+_MAX_GRID = (1 << 31) - 1
+
+
+def base_path(spec: CacheSpec) -> str:
+    """The one-CTA-per-token path a write takes when it does not take flat."""
+    return "span" if spec.layout == "NHD" and (spec.scale == "tensor" or not spec.is_fp8) else "head"
+
+
+def write_kind(spec: CacheSpec) -> tuple[str, str]:
+    """The (layout, kind) entry of FLAT_FOR that a write of this cache falls under."""
+    kind = "copy" if not spec.is_fp8 else "fp8_head" if spec.scale == "head" else "fp8"
+    return spec.layout, kind
+
+
+def flat_tokens(spec: CacheSpec, elem_bytes: int) -> range:
+    """Token counts for which a write of this cache and input element size takes the flat path
+    (empty when FLAT_FOR does not name it or its head rows cannot be 16-byte aligned)."""
+    if write_kind(spec) not in FLAT_FOR or spec.head_size * elem_bytes % 16:
+        return range(0)
+    token_packs = 2 * spec.num_kv_heads * spec.head_size * elem_bytes // 16
+    # grid <= 2^31 - 1 even for CTAs of one warp and one pack per thread
+    return range(max(FLAT_MIN_TOKENS, 1), min(_FLAT_MAX_TOKENS, _MAX_GRID * 32 // token_packs) + 1)
+
+
+def rows_aligned(key, value) -> bool:
+    """Every (token, head) row of key and value starts on 16 bytes (given D * element size % 16 == 0)."""
+    return not any((t.data_ptr() | t.stride(0) * t.element_size()) & 15 for t in (key, value))
+
+
+def write_path(spec: CacheSpec, elem_bytes: int, num_tokens: int, aligned: bool) -> str:
+    """The one place a write's path is chosen: flat when flat_tokens() admits the token count and the
+    rows are aligned (rows_aligned), else base_path. (_Plan/_launch apply exactly this, split into
+    the part fixed by tensor metadata and the per-call part: token count and base pointers.)"""
+    if aligned and num_tokens in flat_tokens(spec, elem_bytes):
+        return "flat"
+    return base_path(spec)
+
 
 def _threads(spec: CacheSpec, path: str, elem_bytes: int, many_tokens: bool) -> int:
+    """Threads per CTA of span/head."""
     if path == "head":
         return 32 * min(spec.num_kv_heads, HEAD_WARPS if many_tokens else 8)
     packs = -(-spec.num_kv_heads * spec.head_size * elem_bytes // 16)  # per tensor
     per_tensor = -(-packs // SPAN_PACKS_PER_THREAD) if many_tokens else packs
     return 2 * min(max(32, -(-per_tensor // 32) * 32), 512)
+
+
+def _flat_shape(num_tokens: int, token_packs: int, many: tuple[int, int], few: tuple[int, int]):
+    """(grid, block) of a flat launch; many/few: (items, threads) from MANY_TOKENS tokens on / below.
+    Whole warps, no more threads than packs / items; the kernel reads items back from the grid size."""
+    items, threads = many if num_tokens >= MANY_TOKENS else few
+    packs = num_tokens * token_packs
+    threads = max(32, min(threads, -(-packs // (32 * items)) * 32))
+    return (-(-packs // (threads * items)), 1, 1), (threads, 1, 1)
 
 
 def _check_scale(name, scale, spec: CacheSpec, device) -> int:
@@ -143,21 +218,42 @@ def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
 
 class _Plan:
     """Everything about a call that depends only on tensor metadata: validated once, reused."""
-    __slots__ = ("spec", "launcher", "block_few", "block_many", "tail", "is_fp8", "num_slots")
+    __slots__ = ("spec", "device", "base_spec", "base", "block_few", "block_many", "flat", "flat_tokens",
+                 "flat_shape", "tail", "is_fp8", "num_slots", "slot64")
 
-    def __init__(self, spec: CacheSpec, key, key_cache, slot_mapping, scale_stride):
-        path = write_path(spec)
+    def __init__(self, spec: CacheSpec, key, value, key_cache, slot_mapping, scale_stride):
+        elem = key.element_size()
+        dtype = short(key.dtype)
         self.spec = spec
-        self.launcher = get_kernel(KvWriteSpec(short(key.dtype), spec.kv_cache_dtype, path)).launcher(
-            key_cache.device.index)
-        self.block_few = (_threads(spec, path, key.element_size(), False), 1, 1)
-        self.block_many = (_threads(spec, path, key.element_size(), True), 1, 1)
+        self.device = key_cache.device.index
+        # the span/head variant: loaded on first use (a flat-only workload never compiles it)
+        self.base_spec = KvWriteSpec(dtype, spec.kv_cache_dtype, base_path(spec))
+        self.base = None
+        self.block_few = (_threads(spec, self.base_spec.path, elem, False), 1, 1)
+        self.block_many = (_threads(spec, self.base_spec.path, elem, True), 1, 1)
+        # write_path, metadata part: the token range (empty: never flat) with the token strides'
+        # alignment folded in; _launch checks the count and the base pointers.
+        strides_ok = not any(t.stride(0) * elem % 16 for t in (key, value))
+        self.flat_tokens = flat_tokens(spec, elem) if strides_ok else range(0)
+        self.flat = None
+        if self.flat_tokens:
+            self.flat = get_kernel(KvWriteSpec(dtype, spec.kv_cache_dtype, "flat")).launcher(self.device)
+        # token_packs, (items, threads) with many / few tokens
+        self.flat_shape = (2 * spec.num_kv_heads * spec.head_size * elem // 16,
+                           (min(FLAT_ITEMS, FLAT_MAX_ITEMS), FLAT_THREADS),
+                           (min(FLAT_ITEMS_FEW, FLAT_MAX_ITEMS), FLAT_THREADS_FEW))
         bs, ps, hs, _ = key_cache.stride()
-        # Params after the 7 pointers: strides, CacheGeometry, scale_stride, slot_is_int64
+        # Params after the 7 pointers: strides, CacheGeometry, scale_stride (slot_is_int64 per call)
         self.tail = (bs, ps, hs, spec.num_slots, spec.num_blocks, spec.block_size, spec.num_kv_heads,
-                     spec.head_size, scale_stride, int(slot_mapping.dtype == torch.int64))
+                     spec.head_size, scale_stride)
         self.is_fp8 = spec.is_fp8
         self.num_slots = spec.num_slots
+        self.slot64 = int(slot_mapping.dtype == torch.int64)
+
+    def base_launcher(self):
+        if self.base is None:
+            self.base = get_kernel(self.base_spec).launcher(self.device)
+        return self.base
 
 
 def write_with_spec(spec: CacheSpec, key, value, key_cache, value_cache, slot_mapping,
@@ -167,7 +263,7 @@ def write_with_spec(spec: CacheSpec, key, value, key_cache, value_cache, slot_ma
     if key_cache.device.type != "cuda":
         raise ContractError("reshape_and_cache_flash runs on CUDA tensors; for CPU tensors use "
                             "pagedattn.reference.reshape_and_cache_flash")
-    plan = _Plan(spec, key, key_cache, slot_mapping, scale_stride)
+    plan = _Plan(spec, key, value, key_cache, slot_mapping, scale_stride)
     _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
             validate)
 
@@ -178,11 +274,16 @@ def _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_s
         check_slots(slot_mapping, plan.num_slots)
     if num_tokens == 0:
         return
-    plan.launcher(
-        (num_tokens, 1, 1), plan.block_many if num_tokens >= MANY_TOKENS else plan.block_few,
-        (key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-         slot_mapping.data_ptr(), k_scale.data_ptr() if plan.is_fp8 else 0,
-         v_scale.data_ptr() if plan.is_fp8 else 0, key.stride(0), value.stride(0)) + plan.tail)
+    kp, vp = key.data_ptr(), value.data_ptr()
+    head = (kp, vp, key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
+            k_scale.data_ptr() if plan.is_fp8 else 0, v_scale.data_ptr() if plan.is_fp8 else 0,
+            key.stride(0), value.stride(0)) + plan.tail
+    if num_tokens in plan.flat_tokens and not (kp | vp) & 15:  # write_path == "flat"
+        grid, block = _flat_shape(num_tokens, *plan.flat_shape)
+        plan.flat(grid, block, head + ((num_tokens << 1) | plan.slot64,))
+        return
+    plan.base_launcher()((num_tokens, 1, 1), plan.block_many if num_tokens >= MANY_TOKENS else plan.block_few,
+                         head + (plan.slot64,))
 
 
 def _scale_sig(t):
@@ -230,7 +331,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     if key_cache.device.type != "cuda":
         raise ContractError("reshape_and_cache_flash runs on CUDA tensors; for CPU tensors use "
                             "pagedattn.reference.reshape_and_cache_flash")
-    plan = _Plan(spec, key, key_cache, slot_mapping, scale_stride)
+    plan = _Plan(spec, key, value, key_cache, slot_mapping, scale_stride)
     if len(_PLANS) > 256:
         _PLANS.clear()
     _PLANS[sig] = plan
