@@ -20,7 +20,7 @@ for stage in "$@"; do
     alltests)  python3 -m pytest -q -ra -p no:cacheprovider "$ROOT/tests" 2>&1 | tail -n 60 | tee "$OUT/all_tests.log" ;;
     sanitize)  compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" 2>&1 | tail -n 30 ;;
     overhead)  python3 "$ROOT/perf/launch_overhead.py" "$OUT/results" ;;
-    precompile) python3 -m pagedattn.cli precompile --arch sm_90a --ops "${PRECOMPILE_OPS:-attn_fwd,kv_write}" --jobs 16 --out /tmp/bundle -q 2>&1 | tail -n 15
+    precompile) python3 -m pagedattn.cli precompile --arch sm_90a --ops "${PRECOMPILE_OPS:-attn_fwd,kv_write}" ${PRECOMPILE_ARGS:-} --jobs 16 --out /tmp/bundle -q 2>&1 | tail -n 15
                export PAGEDATTN_AOT_DIR=/tmp/bundle ;;
     aot16)     python3 "$ROOT/perf/aot_precompile.py" --arch sm_90a --jobs 16 --output "$OUT/results/aot_precompile_cpu16.json" 2>&1 | tail -n 5 ;;
     writesweep) python3 "$ROOT/perf/write_sweep.py" "$OUT/results" ;;
