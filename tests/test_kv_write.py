@@ -112,7 +112,7 @@ def test_write_path_falls_back(monkeypatch):
     assert kv_write.write_path(_spec("HND", D=36), 4, 100, aligned=True) == "flat"  # fp32: 144 bytes
     assert kv_write.write_path(_spec("NHD", "fp8_e4m3", D=36), 2, 100, True) == "span"
     assert kv_write.write_path(_spec("NHD", "fp8_e4m3", "head", D=36), 2, 100, True) == "head"
-    assert kv_write.write_path(hnd, 2, 1 << 30, aligned=True) == "head"             # beyond the token field
+    assert kv_write.write_path(hnd, 2, 1 << 30, aligned=True) == "head"             # beyond a 1-D grid
     monkeypatch.setattr(kv_write, "FLAT_MIN_TOKENS", 1024)
     assert kv_write.write_path(hnd, 2, 1023, aligned=True) == "head"
     assert kv_write.write_path(hnd, 2, 1024, aligned=True) == "flat"

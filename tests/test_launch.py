@@ -69,8 +69,8 @@ def fake_driver(tmp_path, monkeypatch):
 
 
 def _values(key_ptr: int) -> tuple:
-    # KvWriteParams flattened: 7 pointers, 2 strides, CacheGeometry (4 i64 + 4 i32), 2 i32
-    return (key_ptr, 2, 3, 4, 5, 0, 0, 1024, 1024, 16384, 1024, 128, 4096, 256, 16, 8, 128, 0, 1)
+    # KvWriteParams flattened: 7 pointers, 2 strides, CacheGeometry (4 i64 + 4 i32), 3 i32
+    return (key_ptr, 2, 3, 4, 5, 0, 0, 1024, 1024, 16384, 1024, 128, 4096, 256, 16, 8, 128, 0, 1, 7)
 
 
 def test_launch_packs_params_like_the_compiler(fake_driver):
@@ -83,7 +83,7 @@ def test_launch_packs_params_like_the_compiler(fake_driver):
     got = KvWriteParams.from_buffer_copy(bytes(raw))
     assert got.key == 0xABCDEF and got.value == 2 and got.key_stride == 1024
     assert (got.cache.num_blocks, got.cache.block_size, got.cache.num_heads, got.cache.head_size) == (256, 16, 8, 128)
-    assert got.slot_is_int64 == 1
+    assert got.slot_is_int64 == 1 and got.num_tokens == 7
 
 
 def test_wrong_context_is_pushed_for_one_launch_and_restored(fake_driver):

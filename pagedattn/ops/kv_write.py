@@ -83,7 +83,6 @@ FLAT_ITEMS_FEW = 1         # below MANY_TOKENS
 FLAT_THREADS = 256         # threads per CTA from MANY_TOKENS tokens on
 FLAT_THREADS_FEW = 128     # below MANY_TOKENS
 FLAT_MAX_THREADS = 512     # __launch_bounds__ of the flat variants
-_FLAT_MAX_TOKENS = (1 << 30) - 1   # the token count travels in slot_is_int64's upper bits (kv_write.cuh)
 _MAX_GRID = (1 << 31) - 1
 
 
@@ -105,7 +104,7 @@ def flat_tokens(spec: CacheSpec, elem_bytes: int) -> range:
         return range(0)
     token_packs = 2 * spec.num_kv_heads * spec.head_size * elem_bytes // 16
     # grid <= 2^31 - 1 even for CTAs of one warp and one pack per thread
-    return range(max(FLAT_MIN_TOKENS, 1), min(_FLAT_MAX_TOKENS, _MAX_GRID * 32 // token_packs) + 1)
+    return range(max(FLAT_MIN_TOKENS, 1), min(_MAX_GRID, _MAX_GRID * 32 // token_packs) + 1)  # int32 num_tokens
 
 
 def rows_aligned(key, value) -> bool:
@@ -243,7 +242,7 @@ class _Plan:
                            (min(FLAT_ITEMS, FLAT_MAX_ITEMS), FLAT_THREADS),
                            (min(FLAT_ITEMS_FEW, FLAT_MAX_ITEMS), FLAT_THREADS_FEW))
         bs, ps, hs, _ = key_cache.stride()
-        # Params after the 7 pointers: strides, CacheGeometry, scale_stride (slot_is_int64 per call)
+        # Params after the 7 pointers: strides, CacheGeometry, scale_stride (slot_is_int64, num_tokens per call)
         self.tail = (bs, ps, hs, spec.num_slots, spec.num_blocks, spec.block_size, spec.num_kv_heads,
                      spec.head_size, scale_stride)
         self.is_fp8 = spec.is_fp8
@@ -280,10 +279,10 @@ def _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_s
             key.stride(0), value.stride(0)) + plan.tail
     if num_tokens in plan.flat_tokens and not (kp | vp) & 15:  # write_path == "flat"
         grid, block = _flat_shape(num_tokens, *plan.flat_shape)
-        plan.flat(grid, block, head + ((num_tokens << 1) | plan.slot64,))
+        plan.flat(grid, block, head + (plan.slot64, num_tokens))
         return
     plan.base_launcher()((num_tokens, 1, 1), plan.block_many if num_tokens >= MANY_TOKENS else plan.block_few,
-                         head + (plan.slot64,))
+                         head + (plan.slot64, num_tokens))
 
 
 def _scale_sig(t):

@@ -25,7 +25,8 @@ CacheGeometry = _struct(
 KvWriteParams = _struct(
     "KvWriteParams",
     "key:p, value:p, key_cache:p, value_cache:p, slot_mapping:p, k_scale:p, v_scale:p,"
-    "key_stride:i64, value_stride:i64, cache:CacheGeometry, scale_stride:i32, slot_is_int64:i32",
+    "key_stride:i64, value_stride:i64, cache:CacheGeometry, scale_stride:i32, slot_is_int64:i32,"
+    "num_tokens:i32",
     CacheGeometry=CacheGeometry)
 
 AttnParams = _struct(

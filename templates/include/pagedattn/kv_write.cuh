@@ -46,12 +46,12 @@ struct KvWriteParams {
   int64_t value_stride;
   CacheGeometry cache;
   int32_t scale_stride;       // 0: one scale, 1: per head
-  int32_t slot_is_int64;      // bit 0: slot_mapping is int64 (else int32). The flat path also reads
-                              // the token count from the bits above: (num_tokens << 1) | is_int64
+  int32_t slot_is_int64;      // slot_mapping is int64 (else int32)
+  int32_t num_tokens;         // tokens to write (the flat path's extent; span/head launch one CTA per token)
 };
 
 __device__ __forceinline__ int64_t load_slot(KvWriteParams const& p, int64_t token) {
-  return (p.slot_is_int64 & 1) ? __ldg(static_cast<int64_t const*>(p.slot_mapping) + token)
+  return p.slot_is_int64 ? __ldg(static_cast<int64_t const*>(p.slot_mapping) + token)
                                : int64_t(__ldg(static_cast<int32_t const*>(p.slot_mapping) + token));
 }
 
@@ -229,7 +229,7 @@ __device__ __forceinline__ void kv_write_flat_items(KvWriteParams const& p, int6
 template <class Element, class CacheElement, Fp8Format kFp8, int kMaxItems>
 __device__ __forceinline__ void kv_write_flat(KvWriteParams const& p) {
   static_assert(kMaxItems >= 2, "kMaxItems: 2 or more");
-  int64_t const num_tokens = int64_t(uint32_t(p.slot_is_int64) >> 1);
+  int64_t const num_tokens = p.num_tokens;
   int64_t const packs = num_tokens * (2 * p.cache.num_heads * p.cache.head_size /
                                       PackConvert<Element, CacheElement, kFp8>::kPack);
   int64_t const grid_threads = int64_t(gridDim.x) * blockDim.x;
