@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
-# (info precompile bundle tests alltests sanitize overhead attnquick decodesweep writesweep aotcheck ncu
+# (info precompile bundle tests alltests sanitize overhead attnquick decodesweep writesweep writequick aotcheck ncu
 # benchq bench-full demo).
 # Logs and results go under $OUT; RESULTS.md and plots are regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
@@ -24,6 +24,7 @@ for stage in "$@"; do
                export PAGEDATTN_AOT_DIR=/tmp/bundle ;;
     aot16)     python3 "$ROOT/perf/aot_precompile.py" --arch sm_90a --jobs 16 --output "$OUT/results/aot_precompile_cpu16.json" 2>&1 | tail -n 5 ;;
     writesweep) python3 "$ROOT/perf/write_sweep.py" "$OUT/results" ;;
+    writequick) WRITE_SWEEP_QUICK=1 python3 "$ROOT/perf/write_sweep.py" "$OUT/results" ;;
     benchwrite) python3 -m pagedattn.cli bench --suite write --quick --no-report --out "$OUT/results" ;;
     attnquick) python3 "$ROOT/perf/attn_quick.py" "$OUT/results" ;;
     decodesweep) python3 "$ROOT/perf/decode_sweep.py" "$OUT/results" ${DECODE_CONFIGS:-} ;;

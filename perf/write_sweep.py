@@ -13,6 +13,7 @@ FLAT_THREADS[_FEW] (the T=65536 rows for the plain names, T=256 for _FEW)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from datetime import date
 from pathlib import Path
@@ -35,6 +36,7 @@ CONFIGS = [  # (layout, kv_cache_dtype, scale)
     ("HND", "auto", "tensor"), ("HND", "fp8_e4m3", "tensor"), ("HND", "fp8_e4m3", "head"),
 ]
 ITEMS = (1, 2, 4)  # <= FLAT_MAX_ITEMS
+QUICK = bool(os.environ.get("WRITE_SWEEP_QUICK"))  # default, old path and the default flat shape only
 THREADS = (64, 128, 256, 512)
 TIMER = Timer(budget_s=0.1)
 L2_BYTES = 60 * 2**20  # H200 (rotation at T=256 only: T=65536 is far larger)
@@ -87,10 +89,14 @@ def main(out_dir):
                 vals = [torch.randn_like(keys[0]) for _ in range(sets)]
                 s = torch.rand(1 if scale == "tensor" else H, device="cuda") + 0.05 if fp8 else None
                 slot_sets = {"random": [torch.randperm(spec.num_slots, device="cuda")[:T] for _ in range(sets)]}
-                if T >= 4096:
+                if T >= 4096 and not QUICK:
                     slot_sets["pages"] = [page_slots(spec.num_blocks, T, "cuda") for _ in range(sets)]
-                points = [("default", None, None), ("old", None, None)] + [("flat", i, t) for i in ITEMS
-                                                                           for t in THREADS]
+                flat_points = [(i, t) for i in ITEMS for t in THREADS]
+                if QUICK:  # the library's own flat shape for this T only
+                    many = T >= kv_write.MANY_TOKENS
+                    flat_points = [(defaults["FLAT_ITEMS" if many else "FLAT_ITEMS_FEW"],
+                                    defaults["FLAT_THREADS" if many else "FLAT_THREADS_FEW"])]
+                points = [("default", None, None), ("old", None, None)] + [("flat", i, t) for i, t in flat_points]
                 for pattern, slots in slot_sets.items():
                     def call(k, slots=slots):
                         pagedattn.reshape_and_cache_flash(keys[k], vals[k], kc, vc, slots[k], kv, s, s)

@@ -35,12 +35,17 @@ __device__ __forceinline__ uint8_t quantize_fp8(float x, float scale) {
 // Non-finite results (x = +-inf, overflow, a zero scale) fall back to __fdiv_rn; quotients in the
 // float subnormal range may differ by an ulp, which no fp8 format can see (they all quantise to 0).
 // The sign of a zero quotient is kept from q0.
-__device__ __forceinline__ float div_by(float x, float scale, float inv_scale) {
+// div_by_fast is the finite case alone (no branch): a non-finite result means "ask __fdiv_rn".
+__device__ __forceinline__ float div_by_fast(float x, float scale, float inv_scale) {
   float const q0 = __fmul_rn(x, inv_scale);
   float const e = __fmaf_rn(-q0, scale, x);
   float const q1 = __fmaf_rn(e, inv_scale, q0);
-  if (!isfinite(q1)) return __fdiv_rn(x, scale);
   return __int_as_float(__float_as_int(q1) | (__float_as_int(q0) & int(0x80000000u)));
+}
+
+__device__ __forceinline__ float div_by(float x, float scale, float inv_scale) {
+  float const q = div_by_fast(x, scale, inv_scale);
+  return isfinite(q) ? q : __fdiv_rn(x, scale);
 }
 
 // Convert 16 bytes of input elements into the cache's element type.
@@ -63,21 +68,45 @@ struct PackConvert {
     }
   }
 
-  __device__ __forceinline__ static OutPack pack(InPack in, float scale) {
+  // 1 / scale for pack(): compute it once per scale, not once per pack.
+  __device__ __forceinline__ static float inverse(float scale) {
+    if constexpr (kFp8 == Fp8Format::kNone) {
+      return 1.f;
+    } else {
+      return __frcp_rn(scale);
+    }
+  }
+
+  __device__ __forceinline__ static OutPack pack(InPack in, float scale) { return pack(in, scale, inverse(scale)); }
+
+  // inv = inverse(scale). The quotients of a pack are computed without a branch; only a pack with a
+  // non-finite one (x = +-inf, overflow, a zero scale: rare) takes __fdiv_rn for all its elements,
+  // which gives the same fp8 values (div_by). One branch per pack, not per element, keeps the
+  // pack's eight independent quotients in one straight-line block.
+  __device__ __forceinline__ static OutPack pack(InPack in, float scale, float inv) {
     if constexpr (kFp8 == Fp8Format::kNone) {
       return in;
     } else {
       // pairs through the fp8x2 conversion (cvt.rn.satfinite.*x2 on sm_89+): the same rounding and
       // saturation as quantize_fp8, half the conversions
       constexpr __nv_fp8_interpretation_t kind = kFp8 == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2;
-      float const inv = __frcp_rn(scale);
       Element const* x = reinterpret_cast<Element const*>(&in);
+      float q[kPack];
+      bool finite = true;
+#pragma unroll
+      for (int i = 0; i < kPack; ++i) {
+        q[i] = div_by_fast(to_float(x[i]), scale, inv);
+        finite &= isfinite(q[i]);
+      }
+      if (!finite) {
+#pragma unroll
+        for (int i = 0; i < kPack; ++i) q[i] = __fdiv_rn(to_float(x[i]), scale);
+      }
       OutPack out;
       __nv_fp8x2_storage_t* o = reinterpret_cast<__nv_fp8x2_storage_t*>(&out);
 #pragma unroll
       for (int i = 0; i < kPack / 2; ++i) {
-        float2 const q = make_float2(div_by(to_float(x[2 * i]), scale, inv), div_by(to_float(x[2 * i + 1]), scale, inv));
-        o[i] = __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, kind);
+        o[i] = __nv_cvt_float2_to_fp8x2(make_float2(q[2 * i], q[2 * i + 1]), __NV_SATFINITE, kind);
       }
       return out;
     }
