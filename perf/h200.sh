@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
-# (info precompile bundle tests alltests sanitize overhead attnquick decodesweep writesweep writequick aotcheck ncu
+# (info precompile bundle tests alltests sanitize overhead attnquick decodesweep writesweep writequick aotcheck ncu benchdw
 # benchq bench-full demo).
 # Logs and results go under $OUT; RESULTS.md and plots are regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
@@ -42,6 +42,7 @@ for stage in "$@"; do
                  grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued" "$OUT/ncu_$k.txt" | head -20
                done ;;
     benchq)    python3 -m pagedattn.cli bench --suite all --quick --no-flex --no-report --out "$OUT/results" ;;
+    benchdw)   python3 -m pagedattn.cli bench --suite decode,write --quick --no-flex --no-report --out "$OUT/results" ;;
     bench-full) python3 -m pagedattn.cli bench --suite all --no-report --out "$OUT/results" ;;
     demo)      python3 -m pagedattn.demo ;;
     *)         echo "unknown stage $stage" ;;
