@@ -29,7 +29,7 @@
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
-#include "pagedattn/numeric.cuh"
+#include "pagedattn/quantize.cuh"
 #include "pagedattn/paged_kv.cuh"
 
 namespace pagedattn {
@@ -147,7 +147,7 @@ __device__ __forceinline__ void kv_write_flat_items(KvWriteParams const& p, int6
   constexpr bool kQuant = kFp8 != Fp8Format::kNone;
 
   // one scale for all heads: loaded first, in flight with everything else
-  float k_scale = 1.f, v_scale = 1.f, k_inv = 1.f, v_inv = 1.f;
+  float k_scale = 1.f, v_scale = 1.f;
   if constexpr (kQuant) {
     if (p.scale_stride == 0) {
       k_scale = __ldg(p.k_scale);
@@ -207,29 +207,17 @@ __device__ __forceinline__ void kv_write_flat_items(KvWriteParams const& p, int6
   }
   int const bs = p.cache.block_size;
   int const block_shift = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
-  if constexpr (kQuant) {
-    if (p.scale_stride == 0) {
-      k_inv = Cvt::inverse(k_scale);
-      v_inv = Cvt::inverse(v_scale);
-    }
-  }
 
   // 2. convert and store. slot < 0 (padding, or past the last token) and slot >= num_slots: skipped.
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
     if (slot[i] < 0 || slot[i] >= p.cache.num_slots) continue;
-    float inv = 1.f;
     if constexpr (kQuant) {
-      if (p.scale_stride == 0) {
-        scale[i] = is_v[i] ? v_scale : k_scale;
-        inv = is_v[i] ? v_inv : k_inv;
-      } else {
-        inv = Cvt::inverse(scale[i]);
-      }
+      if (p.scale_stride == 0) scale[i] = is_v[i] ? v_scale : k_scale;
     }
     CacheElement* dst = static_cast<CacheElement*>(is_v[i] ? p.value_cache : p.key_cache) +
                         slot_head_offset(p.cache, block_shift, slot[i], head[i]);
-    reinterpret_cast<OutPack*>(dst)[pk[i]] = Cvt::pack(in[i], scale[i], inv);
+    reinterpret_cast<OutPack*>(dst)[pk[i]] = Cvt::pack_serial(in[i], scale[i]);  // fewest registers
   }
 }
 

@@ -2,13 +2,13 @@
 // of the legacy layout (legacy_paged_cache.cuh).
 //
 // The unit of work is one 16-byte K chunk: x elements of one head. A thread converts the chunk's
-// input (one or two 16-byte packs, via numeric.cuh's PackConvert) and stores it as one 16-byte K
+// input (one or two 16-byte packs, via quantize.cuh's PackConvert) and stores it as one 16-byte K
 // chunk; it converts the same x elements of V and stores them one by one, block_size apart (V rows
 // are contiguous in tokens, not in d). Inputs whose rows are not 16-byte aligned take a scalar path.
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
-#include "pagedattn/numeric.cuh"
+#include "pagedattn/quantize.cuh"
 #include "pagedattn/legacy_paged_cache.cuh"
 
 namespace pagedattn {

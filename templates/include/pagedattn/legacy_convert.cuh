@@ -1,5 +1,5 @@
 // Reading cache elements as float, and writing float results back as the output element type.
-// The legacy reader's counterpart of numeric.cuh's PackConvert (which quantises on the write side).
+// The legacy reader's counterpart of quantize.cuh's PackConvert (which quantises on the write side).
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
