@@ -12,8 +12,9 @@
 //     syncs once per stage (sm_80 ... sm_90);
 //   - true (sm_90, paged decode): each warp owns a ring of kStages sub-tiles; one lane fills a slot
 //     with TMA tile copies (a sub-tile lies inside one cache page), completing on one mbarrier per
-//     slot. The TMA writes the same 128-byte-swizzled tiles the cp.async path builds (fp8: plain
-//     rows). Warps never wait for each other inside the mainloop.
+//     slot. The TMA writes the same 128-byte-swizzled tiles the cp.async path builds (fp8: 128-byte
+//     swizzled rows of 128 columns when kFp8Regs, else plain rows). Warps never wait for each other
+//     inside the mainloop.
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
