@@ -41,11 +41,22 @@ def main(out_dir="perf/results"):
     pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots)
     launcher = pagedattn.get_kernel(KvWriteSpec("bf16", "auto", "span")).launcher(0)
     values = (key.data_ptr(), key.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), 0, 0,
-              1024, 1024, *kc.stride()[:3], spec.num_slots, 16, 16, 8, 128, 0, 1)
+              1024, 1024, *kc.stride()[:3], spec.num_slots, 16, 16, 8, 128, 0, 1, 1)
+    # decode of 4 requests over 64 keys each (Hq=32, Hkv=8): the public attention op's host cost
+    q = torch.randn(4, 32, 128, dtype=torch.bfloat16, device="cuda")
+    table = torch.arange(16, dtype=torch.int32, device="cuda").view(4, 4)
+    cu_q = torch.arange(5, dtype=torch.int32, device="cuda")
+    seq = torch.full((4,), 64, dtype=torch.int32, device="cuda")
+
+    def attend(splits):
+        return pagedattn.flash_attn_varlen_func(q, kc, vc, 1, cu_q, 64, seqused_k=seq, block_table=table,
+                                                num_splits=splits)
     results = {
         "raw_launcher_us": per_call_us(lambda: launcher((1, 1, 1), (256, 1, 1), values)),
         "reshape_and_cache_flash_us": per_call_us(
             lambda: pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots)),
+        "flash_attn_decode_us": per_call_us(lambda: attend(1), n=5000),
+        "flash_attn_decode_split4_us": per_call_us(lambda: attend(4), n=5000),
         "torch_empty_like_us": per_call_us(lambda: torch.empty_like(key)),
         "torch_add_us": per_call_us(lambda: key.add(key)),
     }
