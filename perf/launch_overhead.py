@@ -42,14 +42,15 @@ def main(out_dir="perf/results"):
     launcher = pagedattn.get_kernel(KvWriteSpec("bf16", "auto", "span")).launcher(0)
     values = (key.data_ptr(), key.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), 0, 0,
               1024, 1024, *kc.stride()[:3], spec.num_slots, 16, 16, 8, 128, 0, 1, 1)
-    # decode of 4 requests over 64 keys each (Hq=32, Hkv=8): the public attention op's host cost
+    # decode of 4 requests over 256 keys each (Hq=32, Hkv=8): the public attention op's host cost
+    ak, av = CacheSpec(64, 16, 8, 128, torch.bfloat16).allocate("cuda", fill=0.0)
     q = torch.randn(4, 32, 128, dtype=torch.bfloat16, device="cuda")
-    table = torch.arange(16, dtype=torch.int32, device="cuda").view(4, 4)
+    table = torch.arange(64, dtype=torch.int32, device="cuda").view(4, 16)
     cu_q = torch.arange(5, dtype=torch.int32, device="cuda")
-    seq = torch.full((4,), 64, dtype=torch.int32, device="cuda")
+    seq = torch.full((4,), 256, dtype=torch.int32, device="cuda")
 
     def attend(splits):
-        return pagedattn.flash_attn_varlen_func(q, kc, vc, 1, cu_q, 64, seqused_k=seq, block_table=table,
+        return pagedattn.flash_attn_varlen_func(q, ak, av, 1, cu_q, 256, seqused_k=seq, block_table=table,
                                                 num_splits=splits)
     results = {
         "raw_launcher_us": per_call_us(lambda: launcher((1, 1, 1), (256, 1, 1), values)),
