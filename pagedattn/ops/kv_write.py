@@ -69,7 +69,8 @@ HEAD_WARPS = 4             # head path, many tokens: warps per CTA, heads stride
 #   NHD fp8      73 % -> 60 %, 5.82 -> 5.95 us      HND fp8      44 % -> 60 %, 6.18 -> 5.98 us
 #   NHD fp8_head 44 % -> 60 %, 6.14 -> 5.95 us      HND fp8_head 44 % -> 60 %, 6.21 -> 5.98 us
 # so NHD fp8 with one scale stays on span (its CTA shares one slot and one scale over 4 packs per
-# thread; flat's fp8 is bound by the conversion's instructions, not by memory). Packs per thread: 4
+# thread; flat's fp8 is bound by the conversion's instructions, not by memory). Since then span/head
+# quantise with one branch per pack (quantize.cuh): NHD fp8 span 75 % in the bench at cec3bcd. Packs per thread: 4
 # from MANY_TOKENS on (2: 48 %, 1: 39 % for fp8; copy 93 / 87 / 57 %); 1 below (fp8 at T=256: 2 packs
 # 6.3 us, 1 pack 5.95). Threads per CTA matter little (64-256 within 1 %, except fp8 with 4 packs:
 # 256 threads 60 %, 64-128 55 %; 512 is worse everywhere).
