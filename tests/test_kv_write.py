@@ -216,18 +216,7 @@ def test_write_matches_reference_bitwise(case, force_path):
         n = 1 if scale == "tensor" else H
         ks = torch.rand(n, device="cuda", generator=gen) + 0.05
         vs = torch.rand(n, device="cuda", generator=gen) + 0.05
-    kc, vc = spec.allocate("cuda", fill=float("nan"))
-    rk, rv = kc.clone(), vc.clone()
-    pagedattn.reshape_and_cache_flash(key, value, kc, vc, slots, kv, ks, vs)
-    reference.reshape_and_cache_flash(key, value, rk, rv, slots, kv, ks, vs)
-    torch.cuda.synchronize()
-    assert torch.equal(bits(kc), bits(rk)) and torch.equal(bits(vc), bits(rv))
-    # every slot that was not written is still poisoned
-    written = torch.zeros(spec.num_slots, dtype=torch.bool, device="cuda")
-    written[slots[slots >= 0]] = True
-    unwritten = kc[(~written).view(num_blocks, bs)]  # [n, H, D] whatever the layout
-    nan = unwritten.view(torch.uint8) == 0x7F if kv != "auto" else unwritten.isnan()
-    assert nan.all()
+    kc, vc = _check_against_reference(spec, key, value, slots, kv, ks, vs)
     # rerun: bit-identical
     kc2, vc2 = spec.allocate("cuda", fill=float("nan"))
     pagedattn.reshape_and_cache_flash(key, value, kc2, vc2, slots, kv, ks, vs)
@@ -256,6 +245,8 @@ def test_write_float8_storage_and_int32_slots(storage):
 
 
 def _check_against_reference(spec, key, value, slots, kv, ks, vs):
+    """Write into NaN-poisoned caches; written slots must equal the reference bit for bit and every
+    other slot must still be poisoned. Returns the written caches."""
     kc, vc = spec.allocate("cuda", fill=float("nan"))
     rk, rv = kc.clone(), vc.clone()
     pagedattn.reshape_and_cache_flash(key, value, kc, vc, slots, kv, ks, vs)
@@ -265,8 +256,9 @@ def _check_against_reference(spec, key, value, slots, kv, ks, vs):
     written = torch.zeros(spec.num_slots, dtype=torch.bool, device="cuda")
     s = slots.long()
     written[s[s >= 0]] = True
-    unwritten = kc[(~written).view(spec.num_blocks, spec.block_size)]
+    unwritten = kc[(~written).view(spec.num_blocks, spec.block_size)]  # [n, H, D] whatever the layout
     assert (unwritten.view(torch.uint8) == 0x7F).all() if kv != "auto" else unwritten.isnan().all()
+    return kc, vc
 
 
 @pytest.fixture
