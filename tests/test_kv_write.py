@@ -211,11 +211,7 @@ def test_write_matches_reference_bitwise(case, force_path):
     slots = torch.randperm(spec.num_slots, device="cuda", generator=gen)[:T]
     if pad:
         slots[torch.rand(T, device="cuda", generator=gen) < 0.3] = -1
-    ks = vs = None
-    if kv != "auto":
-        n = 1 if scale == "tensor" else H
-        ks = torch.rand(n, device="cuda", generator=gen) + 0.05
-        vs = torch.rand(n, device="cuda", generator=gen) + 0.05
+    ks, vs = _random_scales(kv, scale, H, gen)
     kc, vc = _check_against_reference(spec, key, value, slots, kv, ks, vs)
     # rerun: bit-identical
     kc2, vc2 = spec.allocate("cuda", fill=float("nan"))
@@ -242,6 +238,14 @@ def test_write_float8_storage_and_int32_slots(storage):
     spec.write(key, value, kc, vc, slots, s, s)  # through the contract object
     reference.reshape_and_cache_flash(key, value, rk, rv, slots, kv, s, s)
     assert torch.equal(bits(kc), bits(rk)) and torch.equal(bits(vc), bits(rv))
+
+
+def _random_scales(kv, scale, H, gen):
+    """(k_scale, v_scale) for an fp8 cache: [1] or [H] in [0.05, 1.05); (None, None) for "auto"."""
+    if kv == "auto":
+        return None, None
+    n = 1 if scale == "tensor" else H
+    return (torch.rand(n, device="cuda", generator=gen) + 0.05, torch.rand(n, device="cuda", generator=gen) + 0.05)
 
 
 def _check_against_reference(spec, key, value, slots, kv, ks, vs):
@@ -296,11 +300,7 @@ def test_flat_many_tokens(max_items, items, threads, layout, kv, scale, T, H, D,
     key, value = make_inputs(T, H, D, dtype, "strided", True, gen)
     slots = torch.randperm(spec.num_slots, device="cuda", generator=gen)[:T]
     slots[torch.rand(T, device="cuda", generator=gen) < 0.2] = -1
-    ks = vs = None
-    if kv != "auto":
-        n = 1 if scale == "tensor" else H
-        ks = torch.rand(n, device="cuda", generator=gen) + 0.05
-        vs = torch.rand(n, device="cuda", generator=gen) + 0.05
+    ks, vs = _random_scales(kv, scale, H, gen)
     _check_against_reference(spec, key, value, slots, kv, ks, vs)
     _check_against_reference(spec, key, value, slots.int(), kv, ks, vs)  # int32 slot ids
     assert len(kv_write._PLANS) == 2 and all(p.base is None for p in kv_write._PLANS.values())
