@@ -140,6 +140,16 @@ class Launcher:
 
             check((driver.CUresult(err),), "cuLaunchKernel")
 
+    def max_active_blocks(self, threads: int) -> int:
+        """CTAs of `threads` threads (with this launcher's dynamic shared memory) that fit on one SM at
+        once (the driver's occupancy calculator)."""
+        from cuda.bindings import driver
+
+        from .load import make_current
+        make_current(self._device)
+        return int(check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self._func.value, threads, self._smem),
+                         "cuOccupancyMaxActiveBlocksPerMultiprocessor"))
+
     def _launch_in_own_context(self, args) -> int:
         drv = self._driver
         err = drv.push(self._ctx)

@@ -5,10 +5,14 @@ Each configuration runs in its own process (a kernel's tiles are fixed once it i
 passes `--child kWarpsN,kStages,kMinBlocks[,tma|cp[,kBlockN]]`, the child patches `tile_config` for decode
 variants, measures, and prints one JSON line. Writes <out>/decode_sweep_<gpu>_<date>.json.
 Usage: python perf/decode_sweep.py OUT_DIR [config ...]   (config e.g. 4,3,2,tma, or default)
+       python perf/decode_sweep.py --precompile ROOT config ...  (no GPU needed: sm_90a kernels of each
+       config into ROOT/cfg_*; DECODE_SWEEP_AOT=ROOT makes the children load them)
+Environment: SPLITS=8,16,32 adds forced-split B=1 points; CASES_ONLY="B=1 ctx=32768;B=16 ctx=4096" keeps those.
 """
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from datetime import date
@@ -24,17 +28,22 @@ DEFAULT_CONFIGS = ["4,2,3,cp", "4,3,2,tma", "4,4,1,tma", "4,6,1,tma", "2,4,3,tma
                    "8,3,1,tma"]
 
 
-def child(config: str):
-    import torch
+def _cases() -> list:
+    """CASES, then the forced-split B=1 points of SPLITS; CASES_ONLY="name;name" keeps those names."""
+    cases = list(CASES)
+    for n in filter(None, os.environ.get("SPLITS", "").split(",")):
+        cases += [(name.format(n), B, ctx, kv, int(n)) for name, B, ctx, kv in SPLIT_CASES]
+    only = [x for x in os.environ.get("CASES_ONLY", "").split(";") if x]
+    return [c for c in cases if not only or c[0] in only or c[0].startswith("B=1 ctx=32768 splits")]
 
-    import pagedattn
+
+def _aot_dir(root: str, config: str) -> Path:
+    return Path(root) / ("cfg_" + config.replace(",", "_"))
+
+
+def _patch(config: str) -> str:
+    """Patch tile_config for decode variants as `config` says; returns the loader ("tma" or "cp")."""
     from pagedattn.ops import attention
-
-    import os
-
-    from pagedattn.bench.timing import Timer
-
-    from attn_quick import decode_case
 
     loader = "tma"
     if config != "default":  # "default": tile_config as shipped
@@ -50,9 +59,37 @@ def child(config: str):
         attention.tile_config = patched
     if loader == "cp":
         attention.tma_ok = lambda call, arch, head_dim: False
-    cases = list(CASES)
-    for n in filter(None, os.environ.get("SPLITS", "").split(",")):
-        cases += [(name.format(n), B, ctx, kv, int(n)) for name, B, ctx, kv in SPLIT_CASES]
+    return loader
+
+
+def precompile_child(root: str, config: str):
+    """Build the sm_90a decode kernels this config's cases need into an AOT bundle of its own
+    (on a machine without a GPU: the device then loads them instead of compiling)."""
+    from pagedattn import aot
+    from pagedattn.ops.attention import AttnFwdSpec
+
+    loader = _patch(config)
+    mode = "decode_tma" if loader == "tma" else "decode"
+    specs = [AttnFwdSpec("bf16", kv, 128, mode) for kv in sorted({c[3] for c in _cases()})]
+    summary = aot.precompile(aot.plan(specs, ["sm_90a"]), _aot_dir(root, config), n_jobs=1, progress=False)
+    print(config, summary.compiled, "compiled", len(summary.failed), "failed", flush=True)
+
+
+def child(config: str):
+    root = os.environ.get("DECODE_SWEEP_AOT")
+    if root and _aot_dir(root, config).is_dir():  # kernels precompiled for this config (--precompile)
+        os.environ["PAGEDATTN_AOT_DIR"] = ":".join(filter(None, [str(_aot_dir(root, config)),
+                                                                 os.environ.get("PAGEDATTN_AOT_DIR", "")]))
+    import torch
+
+    import pagedattn
+
+    from pagedattn.bench.timing import Timer
+
+    from attn_quick import decode_case
+
+    _patch(config)
+    cases = _cases()
     timer = Timer(budget_s=0.2)  # the bench's method: device time of back-to-back calls
     for name, B, ctx, kv, splits in cases:
         q, kc, vc, table, cu_q, seq, s = decode_case(B, ctx, kv)
@@ -111,5 +148,10 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         child(sys.argv[2])
+    elif len(sys.argv) > 2 and sys.argv[1] == "--precompile":  # --precompile ROOT config ...
+        for cfg in sys.argv[3:]:
+            subprocess.run([sys.executable, __file__, "--precompile-child", sys.argv[2], cfg], check=False)
+    elif len(sys.argv) > 2 and sys.argv[1] == "--precompile-child":
+        precompile_child(sys.argv[2], sys.argv[3])
     else:
         main(sys.argv[1] if len(sys.argv) > 1 else "perf/results", sys.argv[2:] or DEFAULT_CONFIGS)

@@ -28,6 +28,7 @@ from _timing import copy_ceiling_gbs  # perf/ is on sys.path when run as a scrip
 from pagedattn.bench.timing import Timer, rotation_sets
 from pagedattn.bench.write import page_slots
 from pagedattn.ops import kv_write
+from pagedattn.registry import get_kernel
 
 H, D, BLOCK = 8, 128, 16
 TOKENS = (65536, 256)
@@ -40,17 +41,24 @@ QUICK = bool(os.environ.get("WRITE_SWEEP_QUICK"))  # default, old path and the d
 THREADS = (64, 128, 256, 512)
 TIMER = Timer(budget_s=0.1)
 L2_BYTES = 60 * 2**20  # H200 (rotation at T=256 only: T=65536 is far larger)
-KNOBS = ("FLAT_FOR", "FLAT_MIN_TOKENS", "FLAT_ITEMS", "FLAT_ITEMS_FEW", "FLAT_THREADS", "FLAT_THREADS_FEW")
+KNOBS = ("FLAT_FOR", "FLAT_MIN_TOKENS", "FLAT_ITEMS", "FLAT_ITEMS_FEW", "FLAT_THREADS", "FLAT_THREADS_FEW",
+         "FLAT_STREAM_WAVES", "FLAT_STREAM_ITEMS")
+# Streaming points (fp8 configs, many tokens): WRITE_SWEEP_STREAM="1x4,2x4,1x2" = (resident waves x packs per
+# batch) of the capped grid, at the default packs per thread and threads; every other flat point runs
+# the one-shot schedule (FLAT_STREAM_WAVES = 0). Empty: one-shot and default points only.
+STREAMS = [tuple(int(v) for v in x.split("x")) for x in os.environ.get("WRITE_SWEEP_STREAM", "").split(",") if x]
 ALL = frozenset((layout, kind) for layout in ("NHD", "HND") for kind in ("copy", "fp8", "fp8_head"))
 
 
-def _force(path: str, items: int | None = None, threads: int | None = None, defaults=None) -> None:
+def _force(path: str, items: int | None = None, threads: int | None = None, defaults=None,
+           stream: tuple[int, int] | None = None) -> None:
     """Make every following write take `path` ("old": span/head; "flat") with this CTA shape, or
     ("default") whatever the module's defaults choose."""
     if path == "default":
         for k, v in defaults.items():
             setattr(kv_write, k, v)
         kv_write._PLANS.clear()
+        get_kernel.cache_clear()
         return
     kv_write.FLAT_FOR = ALL if path == "flat" else frozenset()
     kv_write.FLAT_MIN_TOKENS = 1
@@ -58,7 +66,9 @@ def _force(path: str, items: int | None = None, threads: int | None = None, defa
         kv_write.FLAT_ITEMS = kv_write.FLAT_ITEMS_FEW = items
     if threads is not None:
         kv_write.FLAT_THREADS = kv_write.FLAT_THREADS_FEW = threads
+    kv_write.FLAT_STREAM_WAVES, kv_write.FLAT_STREAM_ITEMS = stream if stream else (0, defaults["FLAT_STREAM_ITEMS"])
     kv_write._PLANS.clear()
+    get_kernel.cache_clear()  # a variant's source depends on FLAT_STREAM_ITEMS
 
 
 def _ran(path: str) -> str:
@@ -96,23 +106,27 @@ def main(out_dir):
                     many = T >= kv_write.MANY_TOKENS
                     flat_points = [(defaults["FLAT_ITEMS" if many else "FLAT_ITEMS_FEW"],
                                     defaults["FLAT_THREADS" if many else "FLAT_THREADS_FEW"])]
-                points = [("default", None, None), ("old", None, None)] + [("flat", i, t) for i, t in flat_points]
+                points = [("default", None, None, None), ("old", None, None, None)] + \
+                    [("flat", i, t, None) for i, t in flat_points]
+                if fp8 and T >= kv_write.MANY_TOKENS:
+                    points += [("flat", defaults["FLAT_ITEMS"], defaults["FLAT_THREADS"], st) for st in STREAMS]
                 for pattern, slots in slot_sets.items():
                     def call(k, slots=slots):
                         pagedattn.reshape_and_cache_flash(keys[k], vals[k], kc, vc, slots[k], kv, s, s)
-                    for path, items, threads in points:
+                    for path, items, threads, stream in points:
                         if pattern == "pages" and path == "flat" and items != defaults["FLAT_ITEMS"]:
                             continue  # pages: old vs flat at the default packs per thread only
-                        _force(path, items, threads, defaults)
+                        _force(path, items, threads, defaults, stream)
                         call(0)
                         took = _ran(path)
                         us = TIMER(call, sets).us
                         gbs = nbytes / us / 1e3
                         rows.append(dict(layout=layout, kv=kv, scale=scale, T=T, slots=pattern, path=took,
                                          default=path == "default",
-                                         items=items, threads=threads, us=us, gbs=gbs, frac_copy=gbs / copy_gbs,
+                                         items=items, threads=threads, stream=stream, us=us, gbs=gbs, frac_copy=gbs / copy_gbs,
                                          sets=sets))
-                        shape = (f"items={items} threads={threads:3d}" if path == "flat" else
+                        shape = (f"items={items} threads={threads:3d}" + (f" stream={stream[0]}x{stream[1]}" if stream else "")
+                                 if path == "flat" else
                                  "library default    " if path == "default" else "old path, defaults ")
                         print(f"T={T:5d} {layout} {kv:9s} {scale:6s} {pattern:6s} {took:4s} {shape}: {us:8.2f} us "
                               f"{gbs:6.0f} GB/s {gbs / copy_gbs:4.0%}", flush=True)
@@ -143,7 +157,8 @@ def _summary(rows):
         best = min((r for r in pts if not r["default"] and r["path"] == "flat"), key=lambda r: r["us"])
         dflt = next(r for r in pts if r["default"])
         print(f"T={k[3]:5d} {k[0]} {k[1]:9s} {k[2]:6s} {old['path']:4s} {old['us']:8.2f} us {old['frac_copy']:4.0%}"
-              f" | flat items={best['items']} threads={best['threads']:3d} {best['us']:8.2f} us "
+              f" | flat items={best['items']} threads={best['threads']:3d}"
+              f"{' stream=%dx%d' % tuple(best['stream']) if best.get('stream') else ''} {best['us']:8.2f} us "
               f"{best['frac_copy']:4.0%} | {dflt['path']:4s} {dflt['us']:8.2f} us {dflt['frac_copy']:4.0%}",
               flush=True)
 

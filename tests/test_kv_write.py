@@ -70,7 +70,10 @@ def test_every_path_is_a_variant():
     paths = {s.path for s in KvWriteSpec.all_variants()}
     assert paths == {"span", "head", "flat"}
     flat = Kernel(KvWriteSpec("bf16", "fp8_e4m3", "flat")).source
-    assert f"kv_write_flat<__nv_bfloat16, uint8_t, pagedattn::Fp8Format::kE4M3, {kv_write.FLAT_MAX_ITEMS}>" in flat
+    assert (f"kv_write_flat<__nv_bfloat16, uint8_t, pagedattn::Fp8Format::kE4M3, {kv_write.FLAT_MAX_ITEMS}, "
+            f"{kv_write.FLAT_STREAM_ITEMS}>") in flat  # fp8: with the streaming body
+    copy = Kernel(KvWriteSpec("bf16", "auto", "flat")).source
+    assert f"kv_write_flat<__nv_bfloat16, __nv_bfloat16, pagedattn::Fp8Format::kNone, {kv_write.FLAT_MAX_ITEMS}, 0>" in copy
     assert f"__launch_bounds__({kv_write.FLAT_MAX_THREADS})" in flat
     assert "kv_write<__half, __half, pagedattn::Fp8Format::kNone, true>" in Kernel(
         KvWriteSpec("fp16", "auto", "span")).source
@@ -151,6 +154,8 @@ def test_flat_shape_covers_every_pack(T, token_packs, many, few):
     assert (grid[0] - 1) * threads * items < packs <= grid[0] * threads * items
     kernel_items = -(-packs // (grid[0] * threads))
     assert 1 <= kernel_items <= items and grid[0] * threads * kernel_items >= packs
+    capped, _ = kv_write._flat_shape(T, token_packs, many, few, stream_ctas=7)
+    assert capped[0] == (min(grid[0], 7) if T >= kv_write.MANY_TOKENS else grid[0])
 
 
 # ---------------------------------------------------------------- the kernel (GPU)
@@ -304,6 +309,36 @@ def test_flat_many_tokens(max_items, items, threads, layout, kv, scale, T, H, D,
     _check_against_reference(spec, key, value, slots, kv, ks, vs)
     _check_against_reference(spec, key, value, slots.int(), kv, ks, vs)  # int32 slot ids
     assert len(kv_write._PLANS) == 2 and all(p.base is None for p in kv_write._PLANS.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("waves", [1, 0.02])
+@pytest.mark.parametrize("stream_items", [4, 2])
+@pytest.mark.parametrize("layout,kv,scale", [("NHD", "fp8_e4m3", "tensor"), ("HND", "fp8_e4m3", "head"),
+                                             ("HND", "fp8_e5m2", "tensor")])
+@pytest.mark.parametrize("T,H,D,dtype", [(1500, 3, 80, torch.bfloat16), (4099, 8, 128, torch.bfloat16),
+                                         (2000, 2, 32, torch.float32), (1024, 1, 64, torch.float16)])
+def test_flat_streaming(waves, stream_items, layout, kv, scale, T, H, D, dtype, monkeypatch, request):
+    """The streaming schedule (a grid capped at `waves` resident waves: 1, or a few CTAs so that every
+    thread loops over many batches), batches of 4 and 2 packs, against the reference bit for bit."""
+    monkeypatch.setattr(kv_write, "FLAT_FOR", ALL_FLAT)
+    monkeypatch.setattr(kv_write, "FLAT_MIN_TOKENS", 1)
+    monkeypatch.setattr(kv_write, "FLAT_STREAM_WAVES", waves)
+    monkeypatch.setattr(kv_write, "FLAT_STREAM_ITEMS", stream_items)
+    monkeypatch.setattr(kv_write, "_PLANS", {})
+    get_kernel.cache_clear()  # the variant's source depends on FLAT_STREAM_ITEMS
+    request.addfinalizer(get_kernel.cache_clear)
+    gen = torch.Generator("cuda").manual_seed(T * 3 + stream_items)
+    bs = 16
+    spec = CacheSpec(-(-2 * T // bs) + 1, bs, H, D, torch.uint8, kv, layout, scale)
+    key, value = make_inputs(T, H, D, dtype, "strided", True, gen)
+    slots = torch.randperm(spec.num_slots, device="cuda", generator=gen)[:T]
+    slots[torch.rand(T, device="cuda", generator=gen) < 0.2] = -1
+    ks, vs = _random_scales(kv, scale, H, gen)
+    _check_against_reference(spec, key, value, slots, kv, ks, vs)
+    (plan,) = kv_write._PLANS.values()
+    token_packs, (items, threads), _, cap = plan.flat_shape
+    assert plan.base is None and 0 < cap < -(-T * token_packs // (items * threads)), "should stream"
 
 
 @pytest.mark.gpu

@@ -41,6 +41,7 @@ class KvWriteSpec(KernelSpec):
             "path": self.path,
             "kSpan": "true" if self.path == "span" else "false",
             "kItems": FLAT_MAX_ITEMS,
+            "kStreamItems": stream_items(self.kv_cache_dtype) if self.path == "flat" else 0,
             "max_threads": FLAT_MAX_THREADS if self.path == "flat" else 1024,
         }
 
@@ -84,6 +85,21 @@ FLAT_ITEMS_FEW = 1         # below MANY_TOKENS
 FLAT_THREADS = 256         # threads per CTA from MANY_TOKENS tokens on
 FLAT_THREADS_FEW = 128     # below MANY_TOKENS
 FLAT_MAX_THREADS = 512     # __launch_bounds__ of the flat variants
+# Streaming schedule of the flat path (kv_write.cuh, kStream): from MANY_TOKENS tokens on, the writes
+# of these kinds get a grid capped at FLAT_STREAM_WAVES resident waves (occupancy calculator), so each
+# thread loops over batches of FLAT_MAX_ITEMS packs and loads batch i + 1 while it converts batch i.
+# It is for fp8, whose conversion otherwise stalls the loads (one-shot flat: 60 % of copy at T=65536).
+# The streaming body is compiled only into the variants these kinds use (its registers would lower
+# the occupancy of every schedule of the variant: ptxas sizes a kernel for its largest body).
+FLAT_STREAM_FOR = frozenset({"fp8", "fp8_head"})
+FLAT_STREAM_WAVES = 1
+FLAT_STREAM_ITEMS = 4      # packs per batch (two batches in registers)
+
+
+def stream_items(kv_cache_dtype: str) -> int:
+    """Batch size of the streaming body compiled into the flat variant of this kv_cache_dtype (0: none)."""
+    kinds = {"copy"} if kv_cache_dtype == "auto" else {"fp8", "fp8_head"}
+    return FLAT_STREAM_ITEMS if kinds & FLAT_STREAM_FOR and FLAT_STREAM_WAVES > 0 else 0
 _MAX_GRID = (1 << 31) - 1
 
 
@@ -131,13 +147,20 @@ def _threads(spec: CacheSpec, path: str, elem_bytes: int, many_tokens: bool) -> 
     return 2 * min(max(32, -(-per_tensor // 32) * 32), 512)
 
 
-def _flat_shape(num_tokens: int, token_packs: int, many: tuple[int, int], few: tuple[int, int]):
+def _flat_shape(num_tokens: int, token_packs: int, many: tuple[int, int], few: tuple[int, int],
+                stream_ctas: int = 0):
     """(grid, block) of a flat launch; many/few: (items, threads) from MANY_TOKENS tokens on / below.
-    Whole warps, no more threads than packs / items; the kernel reads items back from the grid size."""
-    items, threads = many if num_tokens >= MANY_TOKENS else few
+    Whole warps, no more threads than packs / items; the kernel reads items back from the grid size.
+    stream_ctas > 0 (many tokens only): the grid is capped there, and a cap below packs / (items *
+    threads) makes the kernel stream (see FLAT_STREAM_FOR)."""
+    many_tokens = num_tokens >= MANY_TOKENS
+    items, threads = many if many_tokens else few
     packs = num_tokens * token_packs
     threads = max(32, min(threads, -(-packs // (32 * items)) * 32))
-    return (-(-packs // (threads * items)), 1, 1), (threads, 1, 1)
+    grid = -(-packs // (threads * items))
+    if many_tokens and stream_ctas > 0:
+        grid = min(grid, stream_ctas)
+    return (grid, 1, 1), (threads, 1, 1)
 
 
 def _check_scale(name, scale, spec: CacheSpec, device) -> int:
@@ -220,6 +243,7 @@ class _Plan:
     """Everything about a call that depends only on tensor metadata: validated once, reused."""
     __slots__ = ("spec", "device", "base_spec", "base", "block_few", "block_many", "flat", "flat_tokens",
                  "flat_shape", "tail", "is_fp8", "num_slots", "slot64")
+    _SMS: ClassVar[dict] = {}
 
     def __init__(self, spec: CacheSpec, key, value, key_cache, slot_mapping, scale_stride):
         elem = key.element_size()
@@ -238,10 +262,17 @@ class _Plan:
         self.flat = None
         if self.flat_tokens:
             self.flat = get_kernel(KvWriteSpec(dtype, spec.kv_cache_dtype, "flat")).launcher(self.device)
-        # token_packs, (items, threads) with many / few tokens
+        # token_packs, (items, threads) with many / few tokens, the streaming grid cap (0: none)
+        stream_ctas = 0
+        if (self.flat is not None and write_kind(spec)[1] in FLAT_STREAM_FOR
+                and stream_items(spec.kv_cache_dtype) > 0):
+            sms = self._SMS.get(self.device)
+            if sms is None:
+                sms = self._SMS[self.device] = torch.cuda.get_device_properties(self.device).multi_processor_count
+            stream_ctas = max(1, int(sms * self.flat.max_active_blocks(FLAT_THREADS) * FLAT_STREAM_WAVES))
         self.flat_shape = (2 * spec.num_kv_heads * spec.head_size * elem // 16,
                            (min(FLAT_ITEMS, FLAT_MAX_ITEMS), FLAT_THREADS),
-                           (min(FLAT_ITEMS_FEW, FLAT_MAX_ITEMS), FLAT_THREADS_FEW))
+                           (min(FLAT_ITEMS_FEW, FLAT_MAX_ITEMS), FLAT_THREADS_FEW), stream_ctas)
         bs, ps, hs, _ = key_cache.stride()
         # Params after the 7 pointers: strides, CacheGeometry, scale_stride (slot_is_int64, num_tokens per call)
         self.tail = (bs, ps, hs, spec.num_slots, spec.num_blocks, spec.block_size, spec.num_kv_heads,

@@ -133,17 +133,108 @@ __device__ __forceinline__ int64_t slot_head_offset(CacheGeometry const& g, int 
   return block * g.block_stride + offset * g.page_stride + int64_t(head) * g.head_stride;
 }
 
-// One thread's kItems packs of the flat path, kItems exact (a compile-time count: the loops unroll
-// into straight-line code and the compiler issues every load up front). The CTA covers packs
-// [blockIdx.x, blockIdx.x + 1) * blockDim.x * kItems.
-// A pack index is kept as mixed-radix digits (token, row = K/V * H + head, pack in row): the thread's
-// first pack and the step blockDim.x are split once (the only divisions), each further item adds the
-// step's digits with carries -- the integer work per pack stays small next to the fp8 conversion.
-template <class Element, class CacheElement, Fp8Format kFp8, int kItems>
+// q = n / d for n < 2^63, d < 2^31: 32-bit when n fits (the common case; a 64-bit division is a long
+// subroutine, on the critical path of a short write).
+__device__ __forceinline__ int64_t div_small(int64_t n, int d) {
+  return (n >> 32) == 0 ? int64_t(uint32_t(n) / uint32_t(d)) : n / d;
+}
+
+// A position in the flat pack space as mixed-radix digits (token, row = K/V * H + head, pack in row),
+// and a fixed step between a thread's packs in the same digits: the start and the step are split
+// once (the only divisions), each advance adds the step's digits with carries -- the integer work per
+// pack stays small next to the fp8 conversion.
+struct FlatCursor {
+  int64_t token;
+  int row, pack;
+  int step_tokens, step_rows, step_packs;
+  int rows, row_packs;
+
+  __device__ __forceinline__ FlatCursor(int64_t first, int step, int rows_, int row_packs_)
+      : rows(rows_), row_packs(row_packs_) {
+    int const token_packs = rows * row_packs;
+    token = div_small(first, token_packs);
+    int const rest = int(first - token * token_packs);
+    row = rest / row_packs;
+    pack = rest - row * row_packs;
+    step_tokens = step / token_packs;
+    int const step_rest = step - step_tokens * token_packs;
+    step_rows = step_rest / row_packs;
+    step_packs = step_rest - step_rows * row_packs;
+  }
+
+  __device__ __forceinline__ void advance() {
+    pack += step_packs;
+    int carry = pack >= row_packs;
+    pack -= carry ? row_packs : 0;
+    row += step_rows + carry;
+    carry = row >= rows;
+    row -= carry ? rows : 0;
+    token += step_tokens + carry;
+  }
+};
+
+// One 16-byte input pack of the flat path between its load and its store.
+template <class Cvt>
+struct FlatItem {
+  typename Cvt::InPack in;
+  int64_t slot;  // < 0: nothing to store (padding, or past the last token)
+  float scale;   // per-head scales only (one scale: loaded once per thread)
+  int row, pack;
+};
+
+// Issue the loads of the pack at `cur` (slot id, per-head scale, input pack): nothing waits on them here.
+template <class Cvt, bool kQuant, class Element>
+__device__ __forceinline__ void flat_load(KvWriteParams const& p, FlatCursor const& cur, int64_t num_tokens,
+                                          FlatItem<Cvt>& it) {
+  int const H = p.cache.num_heads;
+  it.row = cur.row;
+  it.pack = cur.pack;
+  it.slot = -1;
+  it.scale = 1.f;
+  it.in = typename Cvt::InPack{};
+  if (cur.token < num_tokens) {
+    bool const is_v = cur.row >= H;
+    int const head = is_v ? cur.row - H : cur.row;
+    it.slot = load_slot(p, cur.token);
+    if constexpr (kQuant) {
+      if (p.scale_stride != 0) it.scale = __ldg((is_v ? p.v_scale : p.k_scale) + head);
+    }
+    Element const* src = static_cast<Element const*>(is_v ? p.value : p.key) +
+                         cur.token * (is_v ? p.value_stride : p.key_stride) + head * p.cache.head_size;
+    it.in = __ldg(reinterpret_cast<typename Cvt::InPack const*>(src) + cur.pack);
+  }
+}
+
+// Convert and store one loaded pack. slot < 0 and slot >= num_slots (corrupt) are skipped.
+template <class Cvt, bool kQuant, class CacheElement>
+__device__ __forceinline__ void flat_store(KvWriteParams const& p, int block_shift, float k_scale, float v_scale,
+                                           FlatItem<Cvt> const& it) {
+  if (it.slot < 0 || it.slot >= p.cache.num_slots) return;
+  int const H = p.cache.num_heads;
+  bool const is_v = it.row >= H;
+  float scale = it.scale;
+  if constexpr (kQuant) {
+    if (p.scale_stride == 0) scale = is_v ? v_scale : k_scale;
+  }
+  CacheElement* dst = static_cast<CacheElement*>(is_v ? p.value_cache : p.key_cache) +
+                      slot_head_offset(p.cache, block_shift, it.slot, is_v ? it.row - H : it.row);
+  reinterpret_cast<typename Cvt::OutPack*>(dst)[it.pack] = Cvt::pack_serial(it.in, scale);  // fewest registers
+}
+
+// The flat path (see the top of the file), one thread's packs. Two schedules, both over the same
+// cursor:
+//   kStream == false: kItems packs, kItems exact. The CTA covers packs
+//       [blockIdx.x, blockIdx.x + 1) * blockDim.x * kItems, thread t its packs t, t + blockDim.x, ...;
+//       every load is issued before the first store (straight-line code, all kItems in flight).
+//   kStream == true: a grid that does not cover the packs (the host caps it near one resident wave):
+//       thread g of the grid takes packs g, g + grid threads, ... in batches of kItems, and issues the
+//       loads of batch i + 1 before it converts and stores batch i (two register buffers, ping-pong).
+//       Loads stay in flight while the fp8 conversion runs, where the one-shot schedule alternates
+//       "all waiting" and "all converting".
+template <class Element, class CacheElement, Fp8Format kFp8, int kItems, bool kStream>
 __device__ __forceinline__ void kv_write_flat_items(KvWriteParams const& p, int64_t num_tokens) {
   using Cvt = PackConvert<Element, CacheElement, kFp8>;
-  using InPack = typename Cvt::InPack;
-  using OutPack = typename Cvt::OutPack;
+  using Item = FlatItem<Cvt>;
   constexpr bool kQuant = kFp8 != Fp8Format::kNone;
 
   // one scale for all heads: loaded first, in flight with everything else
@@ -154,93 +245,72 @@ __device__ __forceinline__ void kv_write_flat_items(KvWriteParams const& p, int6
       v_scale = __ldg(p.v_scale);
     }
   }
-
-  int const H = p.cache.num_heads, D = p.cache.head_size;
-  int const row_packs = D / Cvt::kPack;  // packs per head row (D * sizeof(Element) % 16 == 0)
-  int const rows = 2 * H;                 // K's H head rows, then V's
-  int const token_packs = rows * row_packs;
-
-  // digits of the thread's first pack, and of the step between its items
-  int64_t const first = int64_t(blockIdx.x) * blockDim.x * kItems;
-  int64_t token = first / token_packs;
-  int rest = int(first - token * token_packs) + int(threadIdx.x);  // < token_packs + blockDim.x
-  token += rest / token_packs;
-  rest %= token_packs;
-  int row = rest / row_packs, pack = rest - row * row_packs;
-  int const step_tokens = int(blockDim.x) / token_packs;
-  int const step_rest = int(blockDim.x) - step_tokens * token_packs;
-  int const step_rows = step_rest / row_packs, step_packs = step_rest - step_rows * row_packs;
-
-  int64_t slot[kItems];
-  int head[kItems], pk[kItems];
-  bool is_v[kItems];
-  InPack in[kItems];
-  float scale[kItems];
-
-  // 1. every load: slot ids, per-head scales and K/V packs, all independent of each other.
-#pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    if (i > 0) {  // + blockDim.x packs
-      pack += step_packs;
-      int carry = pack >= row_packs;
-      pack -= carry ? row_packs : 0;
-      row += step_rows + carry;
-      carry = row >= rows;
-      row -= carry ? rows : 0;
-      token += step_tokens + carry;
-    }
-    is_v[i] = row >= H;
-    head[i] = is_v[i] ? row - H : row;
-    pk[i] = pack;
-    slot[i] = -1;
-    scale[i] = 1.f;
-    in[i] = InPack{};
-    if (token < num_tokens) {  // past the last token: nothing to read or write
-      slot[i] = load_slot(p, token);
-      if constexpr (kQuant) {
-        if (p.scale_stride != 0) scale[i] = __ldg((is_v[i] ? p.v_scale : p.k_scale) + head[i]);
-      }
-      Element const* src = static_cast<Element const*>(is_v[i] ? p.value : p.key) +
-                           token * (is_v[i] ? p.value_stride : p.key_stride) + head[i] * D;
-      in[i] = __ldg(reinterpret_cast<InPack const*>(src) + pack);
-    }
-  }
+  int const rows = 2 * p.cache.num_heads;                 // K's H head rows, then V's
+  int const row_packs = p.cache.head_size / Cvt::kPack;  // D * sizeof(Element) % 16 == 0
   int const bs = p.cache.block_size;
   int const block_shift = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
 
-  // 2. convert and store. slot < 0 (padding, or past the last token) and slot >= num_slots: skipped.
+  if constexpr (!kStream) {
+    FlatCursor cur(int64_t(blockIdx.x) * blockDim.x * kItems + threadIdx.x, int(blockDim.x), rows, row_packs);
+    Item it[kItems];
 #pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    if (slot[i] < 0 || slot[i] >= p.cache.num_slots) continue;
-    if constexpr (kQuant) {
-      if (p.scale_stride == 0) scale[i] = is_v[i] ? v_scale : k_scale;
+    for (int i = 0; i < kItems; ++i) {
+      if (i > 0) cur.advance();
+      flat_load<Cvt, kQuant, Element>(p, cur, num_tokens, it[i]);
     }
-    CacheElement* dst = static_cast<CacheElement*>(is_v[i] ? p.value_cache : p.key_cache) +
-                        slot_head_offset(p.cache, block_shift, slot[i], head[i]);
-    reinterpret_cast<OutPack*>(dst)[pk[i]] = Cvt::pack_serial(in[i], scale[i]);  // fewest registers
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) flat_store<Cvt, kQuant, CacheElement>(p, block_shift, k_scale, v_scale, it[i]);
+  } else {
+    FlatCursor cur(int64_t(blockIdx.x) * blockDim.x + threadIdx.x, int(gridDim.x * blockDim.x), rows, row_packs);
+    Item a[kItems], b[kItems];
+    auto load = [&](Item (&batch)[kItems]) {
+#pragma unroll
+      for (int i = 0; i < kItems; ++i) {
+        flat_load<Cvt, kQuant, Element>(p, cur, num_tokens, batch[i]);
+        cur.advance();
+      }
+    };
+    auto store = [&](Item const (&batch)[kItems]) {
+#pragma unroll
+      for (int i = 0; i < kItems; ++i) flat_store<Cvt, kQuant, CacheElement>(p, block_shift, k_scale, v_scale, batch[i]);
+    };
+    load(a);
+    while (true) {  // cur: the first pack not loaded yet
+      bool more = cur.token < num_tokens;
+      if (more) load(b);
+      store(a);
+      if (!more) break;
+      more = cur.token < num_tokens;
+      if (more) load(a);
+      store(b);
+      if (!more) break;
+    }
   }
 }
 
-// The flat path (see the top of the file). Launch: any blockDim.x <= 512 that is a multiple of 32, and a
-// 1-D grid of ceil(packs / (items * blockDim.x)) CTAs for some items in [1, kMaxItems], packs =
-// num_tokens * 2 * H * D / kPack. The kernel reads items back as ceil(packs / (gridDim.x * blockDim.x))
-// and runs the body compiled for 1, 2 or kMaxItems packs per thread (the smallest that is enough; any
-// count >= items covers every pack, CTAs past the end find no token). So the host picks the packs per
-// thread at launch: fewer with few tokens, to spread them over more threads.
-template <class Element, class CacheElement, Fp8Format kFp8, int kMaxItems>
+// The flat path's entry. Launch: any blockDim.x <= 512 that is a multiple of 32 and a 1-D grid. With
+// packs = num_tokens * 2 * H * D / kPack and `items` = ceil(packs / (gridDim.x * blockDim.x)) (the
+// kernel compares, it does not divide), the body compiled for 1, 2 or kMaxItems packs per thread runs
+// (the smallest that is enough; CTAs past the end find no token), and a grid too small for kMaxItems
+// takes the streaming schedule (compiled when kStreamItems > 0: its batch size; the host caps the grid
+// only for such variants; without it the grid must cover the packs). So the host picks the schedule at launch through the grid size: fewer
+// packs per thread with few tokens, a capped grid (stream) or one CTA per kMaxItems * blockDim packs.
+template <class Element, class CacheElement, Fp8Format kFp8, int kMaxItems, int kStreamItems>
 __device__ __forceinline__ void kv_write_flat(KvWriteParams const& p) {
   static_assert(kMaxItems >= 2, "kMaxItems: 2 or more");
+  static_assert(kStreamItems >= 0, "kStreamItems: 0 (no streaming body) or the packs per batch");
   int64_t const num_tokens = p.num_tokens;
   int64_t const packs = num_tokens * (2 * p.cache.num_heads * p.cache.head_size /
                                       PackConvert<Element, CacheElement, kFp8>::kPack);
-  int64_t const grid_threads = int64_t(gridDim.x) * blockDim.x;
-  int64_t const items = (packs + grid_threads - 1) / grid_threads;  // the same in every thread
-  if (items <= 1) {
-    kv_write_flat_items<Element, CacheElement, kFp8, 1>(p, num_tokens);
-  } else if (kMaxItems > 2 && items > 2) {
-    kv_write_flat_items<Element, CacheElement, kFp8, kMaxItems>(p, num_tokens);
-  } else {
-    kv_write_flat_items<Element, CacheElement, kFp8, 2>(p, num_tokens);
+  int64_t const grid_threads = int64_t(gridDim.x) * blockDim.x;  // the same in every thread
+  if (packs <= grid_threads) {
+    kv_write_flat_items<Element, CacheElement, kFp8, 1, false>(p, num_tokens);
+  } else if (packs <= 2 * grid_threads) {
+    kv_write_flat_items<Element, CacheElement, kFp8, 2, false>(p, num_tokens);
+  } else if (kStreamItems == 0 || packs <= kMaxItems * grid_threads) {
+    kv_write_flat_items<Element, CacheElement, kFp8, kMaxItems, false>(p, num_tokens);
+  } else if constexpr (kStreamItems > 0) {
+    kv_write_flat_items<Element, CacheElement, kFp8, kStreamItems, true>(p, num_tokens);
   }
 }
 
