@@ -37,7 +37,7 @@ for stage in "$@"; do
     ncu)       for k in ${NCU_CASES:-decode}; do
                  ncu --clock-control none --kernel-name regex:"${NCU_KERNELS:-attn_fwd_kernel}" --launch-skip 2 --launch-count ${NCU_COUNT:-1} \
                      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-                     --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+                     --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis ${NCU_EXTRA:-} \
                      python3 "$ROOT/perf/profile_case.py" $k > "$OUT/ncu_$k.txt" 2>&1
                  grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued" "$OUT/ncu_$k.txt" | head -20
                done ;;

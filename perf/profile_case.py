@@ -1,4 +1,5 @@
-"""One attention case, launched a few times, for `ncu` (perf/h200.sh stage `ncu`)."""
+"""One attention case (or, with kind write_<NHD|HND>_<auto|fp8_e4m3>, one cache write), launched a few
+times, for `ncu` (perf/h200.sh stage `ncu`)."""
 import sys
 
 import torch
@@ -10,6 +11,18 @@ from pagedattn import CacheSpec
 KINDS = {"decode": (64, 4096, 1, False, "auto", 1), "decode_fp8": (64, 4096, 1, False, "fp8_e4m3", 1),
          "b1": (1, 32768, 1, False, "auto", 0), "prefill": (4, 4096, 4096, True, "auto", 1)}
 kind = sys.argv[1] if len(sys.argv) > 1 else "decode"
+if kind.startswith("write"):  # write_<layout>_<kv>: T=65536 H=8 D=128 bf16 input, random slots, one scale
+    _, layout, kvw = kind.split("_", 2)
+    T = 65536
+    spec = CacheSpec(4 * T // 16, 16, 8, 128, torch.uint8 if kvw != "auto" else torch.bfloat16, kvw, layout)
+    kc, vc = spec.allocate("cuda")
+    k, v = (torch.randn(T, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    slots = torch.randperm(spec.num_slots, device="cuda")[:T]
+    s = torch.tensor([0.05], device="cuda")
+    for _ in range(4):
+        pagedattn.reshape_and_cache_flash(k, v, kc, vc, slots, kvw, s, s)
+    torch.cuda.synchronize()
+    sys.exit(0)
 B, ctx, q_len, causal, kv, splits = KINDS[kind]
 nb = B * ctx // 16
 fp8 = kv != "auto"

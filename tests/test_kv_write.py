@@ -71,7 +71,7 @@ def test_every_path_is_a_variant():
     assert paths == {"span", "head", "flat"}
     flat = Kernel(KvWriteSpec("bf16", "fp8_e4m3", "flat")).source
     assert (f"kv_write_flat<__nv_bfloat16, uint8_t, pagedattn::Fp8Format::kE4M3, {kv_write.FLAT_MAX_ITEMS}, "
-            f"{kv_write.FLAT_STREAM_ITEMS}>") in flat  # fp8: with the streaming body
+            f"{kv_write.stream_items('fp8_e4m3')}>") in flat  # the streaming body when it is on for fp8
     copy = Kernel(KvWriteSpec("bf16", "auto", "flat")).source
     assert f"kv_write_flat<__nv_bfloat16, __nv_bfloat16, pagedattn::Fp8Format::kNone, {kv_write.FLAT_MAX_ITEMS}, 0>" in copy
     assert f"__launch_bounds__({kv_write.FLAT_MAX_THREADS})" in flat
@@ -338,7 +338,9 @@ def test_flat_streaming(waves, stream_items, layout, kv, scale, T, H, D, dtype, 
     _check_against_reference(spec, key, value, slots, kv, ks, vs)
     (plan,) = kv_write._PLANS.values()
     token_packs, (items, threads), _, cap = plan.flat_shape
-    assert plan.base is None and 0 < cap < -(-T * token_packs // (items * threads)), "should stream"
+    assert plan.base is None and cap > 0
+    if waves < 1:  # a few CTAs: every thread loops over many batches
+        assert cap < -(-T * token_packs // (items * threads)), "should stream"
 
 
 @pytest.mark.gpu

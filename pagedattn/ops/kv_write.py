@@ -88,11 +88,13 @@ FLAT_MAX_THREADS = 512     # __launch_bounds__ of the flat variants
 # Streaming schedule of the flat path (kv_write.cuh, kStream): from MANY_TOKENS tokens on, the writes
 # of these kinds get a grid capped at FLAT_STREAM_WAVES resident waves (occupancy calculator), so each
 # thread loops over batches of FLAT_MAX_ITEMS packs and loads batch i + 1 while it converts batch i.
-# It is for fp8, whose conversion otherwise stalls the loads (one-shot flat: 60 % of copy at T=65536).
+# Meant for fp8, whose conversion was thought to stall the loads; measured on H200 (write_sweep at
+# 2af0687, HND/NHD fp8 T=65536) it loses: one-shot 60 % of copy, streaming 47 % (batches of 4, 112
+# registers) and 54 % (batches of 2). So it is off (FLAT_STREAM_WAVES = 0) and kept for the sweep.
 # The streaming body is compiled only into the variants these kinds use (its registers would lower
 # the occupancy of every schedule of the variant: ptxas sizes a kernel for its largest body).
 FLAT_STREAM_FOR = frozenset({"fp8", "fp8_head"})
-FLAT_STREAM_WAVES = 1
+FLAT_STREAM_WAVES = 0
 FLAT_STREAM_ITEMS = 4      # packs per batch (two batches in registers)
 
 

@@ -206,19 +206,27 @@ __device__ __forceinline__ void flat_load(KvWriteParams const& p, FlatCursor con
 }
 
 // Convert and store one loaded pack. slot < 0 and slot >= num_slots (corrupt) are skipped.
+// k_scale/v_scale and their inverses: the one scale of each (when p.scale_stride == 0).
 template <class Cvt, bool kQuant, class CacheElement>
-__device__ __forceinline__ void flat_store(KvWriteParams const& p, int block_shift, float k_scale, float v_scale,
+__device__ __forceinline__ void flat_store(KvWriteParams const& p, int block_shift, float2 k_scale, float2 v_scale,
                                            FlatItem<Cvt> const& it) {
   if (it.slot < 0 || it.slot >= p.cache.num_slots) return;
   int const H = p.cache.num_heads;
   bool const is_v = it.row >= H;
-  float scale = it.scale;
+  float scale = 1.f, inv = 1.f;
   if constexpr (kQuant) {
-    if (p.scale_stride == 0) scale = is_v ? v_scale : k_scale;
+    if (p.scale_stride == 0) {
+      float2 const one = is_v ? v_scale : k_scale;
+      scale = one.x;
+      inv = one.y;
+    } else {
+      scale = it.scale;
+      inv = Cvt::inverse(scale);
+    }
   }
   CacheElement* dst = static_cast<CacheElement*>(is_v ? p.value_cache : p.key_cache) +
                       slot_head_offset(p.cache, block_shift, it.slot, is_v ? it.row - H : it.row);
-  reinterpret_cast<typename Cvt::OutPack*>(dst)[it.pack] = Cvt::pack_serial(it.in, scale);  // fewest registers
+  reinterpret_cast<typename Cvt::OutPack*>(dst)[it.pack] = Cvt::pack(it.in, scale, inv);
 }
 
 // The flat path (see the top of the file), one thread's packs. Two schedules, both over the same
@@ -237,14 +245,22 @@ __device__ __forceinline__ void kv_write_flat_items(KvWriteParams const& p, int6
   using Item = FlatItem<Cvt>;
   constexpr bool kQuant = kFp8 != Fp8Format::kNone;
 
-  // one scale for all heads: loaded first, in flight with everything else
-  float k_scale = 1.f, v_scale = 1.f;
+  // one scale for all heads (and its inverse, once): loaded first, in flight with everything else
+  float2 k_scale{1.f, 1.f}, v_scale{1.f, 1.f};
   if constexpr (kQuant) {
     if (p.scale_stride == 0) {
-      k_scale = __ldg(p.k_scale);
-      v_scale = __ldg(p.v_scale);
+      k_scale.x = __ldg(p.k_scale);
+      v_scale.x = __ldg(p.v_scale);
     }
   }
+  auto invert = [&] {  // after the loads are issued
+    if constexpr (kQuant) {
+      if (p.scale_stride == 0) {
+        k_scale.y = Cvt::inverse(k_scale.x);
+        v_scale.y = Cvt::inverse(v_scale.x);
+      }
+    }
+  };
   int const rows = 2 * p.cache.num_heads;                 // K's H head rows, then V's
   int const row_packs = p.cache.head_size / Cvt::kPack;  // D * sizeof(Element) % 16 == 0
   int const bs = p.cache.block_size;
@@ -258,6 +274,7 @@ __device__ __forceinline__ void kv_write_flat_items(KvWriteParams const& p, int6
       if (i > 0) cur.advance();
       flat_load<Cvt, kQuant, Element>(p, cur, num_tokens, it[i]);
     }
+    invert();
 #pragma unroll
     for (int i = 0; i < kItems; ++i) flat_store<Cvt, kQuant, CacheElement>(p, block_shift, k_scale, v_scale, it[i]);
   } else {
@@ -275,6 +292,7 @@ __device__ __forceinline__ void kv_write_flat_items(KvWriteParams const& p, int6
       for (int i = 0; i < kItems; ++i) flat_store<Cvt, kQuant, CacheElement>(p, block_shift, k_scale, v_scale, batch[i]);
     };
     load(a);
+    invert();
     while (true) {  // cur: the first pack not loaded yet
       bool more = cur.token < num_tokens;
       if (more) load(b);
