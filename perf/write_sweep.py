@@ -42,16 +42,20 @@ THREADS = (64, 128, 256, 512)
 TIMER = Timer(budget_s=0.1)
 L2_BYTES = 60 * 2**20  # H200 (rotation at T=256 only: T=65536 is far larger)
 KNOBS = ("FLAT_FOR", "FLAT_MIN_TOKENS", "FLAT_ITEMS", "FLAT_ITEMS_FEW", "FLAT_THREADS", "FLAT_THREADS_FEW",
-         "FLAT_STREAM_WAVES", "FLAT_STREAM_ITEMS")
+         "FLAT_STREAM_WAVES", "FLAT_STREAM_ITEMS", "FLAT_MAX_ITEMS", "SPAN_PACKS_PER_THREAD")
 # Streaming points (fp8 configs, many tokens): WRITE_SWEEP_STREAM="1x4,2x4,1x2" = (resident waves x packs per
 # batch) of the capped grid, at the default packs per thread and threads; every other flat point runs
 # the one-shot schedule (FLAT_STREAM_WAVES = 0). Empty: one-shot and default points only.
+# WRITE_SWEEP_MAX_ITEMS=8: compile the flat variants with kItems = 8 (FLAT_MAX_ITEMS) and add one-shot points
+# of 8 packs per thread. WRITE_SWEEP_SPAN="2,8": the span path (NHD, one scale) also at these packs per thread.
+MAX_ITEMS = int(os.environ.get("WRITE_SWEEP_MAX_ITEMS", "0"))
+SPAN_PACKS = [int(x) for x in os.environ.get("WRITE_SWEEP_SPAN", "").split(",") if x]
 STREAMS = [tuple(int(v) for v in x.split("x")) for x in os.environ.get("WRITE_SWEEP_STREAM", "").split(",") if x]
 ALL = frozenset((layout, kind) for layout in ("NHD", "HND") for kind in ("copy", "fp8", "fp8_head"))
 
 
 def _force(path: str, items: int | None = None, threads: int | None = None, defaults=None,
-           stream: tuple[int, int] | None = None) -> None:
+           stream: tuple[int, int] | None = None, span: int | None = None) -> None:
     """Make every following write take `path` ("old": span/head; "flat") with this CTA shape, or
     ("default") whatever the module's defaults choose."""
     if path == "default":
@@ -67,6 +71,8 @@ def _force(path: str, items: int | None = None, threads: int | None = None, defa
     if threads is not None:
         kv_write.FLAT_THREADS = kv_write.FLAT_THREADS_FEW = threads
     kv_write.FLAT_STREAM_WAVES, kv_write.FLAT_STREAM_ITEMS = stream if stream else (0, defaults["FLAT_STREAM_ITEMS"])
+    kv_write.FLAT_MAX_ITEMS = max(MAX_ITEMS, defaults["FLAT_MAX_ITEMS"]) if items and items > 4 else defaults["FLAT_MAX_ITEMS"]
+    kv_write.SPAN_PACKS_PER_THREAD = span or defaults["SPAN_PACKS_PER_THREAD"]
     kv_write._PLANS.clear()
     get_kernel.cache_clear()  # a variant's source depends on FLAT_STREAM_ITEMS
 
@@ -106,28 +112,33 @@ def main(out_dir):
                     many = T >= kv_write.MANY_TOKENS
                     flat_points = [(defaults["FLAT_ITEMS" if many else "FLAT_ITEMS_FEW"],
                                     defaults["FLAT_THREADS" if many else "FLAT_THREADS_FEW"])]
-                points = [("default", None, None, None), ("old", None, None, None)] + \
-                    [("flat", i, t, None) for i, t in flat_points]
+                points = [("default", None, None, None, None), ("old", None, None, None, None)] + \
+                    [("flat", i, t, None, None) for i, t in flat_points]
                 if fp8 and T >= kv_write.MANY_TOKENS:
-                    points += [("flat", defaults["FLAT_ITEMS"], defaults["FLAT_THREADS"], st) for st in STREAMS]
+                    points += [("flat", defaults["FLAT_ITEMS"], defaults["FLAT_THREADS"], st, None) for st in STREAMS]
+                    if MAX_ITEMS > 4:
+                        points += [("flat", MAX_ITEMS, t, None, None) for t in (128, 256)]
+                    if layout == "NHD" and scale == "tensor":
+                        points += [("old", None, None, None, sp) for sp in SPAN_PACKS]
                 for pattern, slots in slot_sets.items():
                     def call(k, slots=slots):
                         pagedattn.reshape_and_cache_flash(keys[k], vals[k], kc, vc, slots[k], kv, s, s)
-                    for path, items, threads, stream in points:
+                    for path, items, threads, stream, span in points:
                         if pattern == "pages" and path == "flat" and items != defaults["FLAT_ITEMS"]:
                             continue  # pages: old vs flat at the default packs per thread only
-                        _force(path, items, threads, defaults, stream)
+                        _force(path, items, threads, defaults, stream, span)
                         call(0)
                         took = _ran(path)
                         us = TIMER(call, sets).us
                         gbs = nbytes / us / 1e3
                         rows.append(dict(layout=layout, kv=kv, scale=scale, T=T, slots=pattern, path=took,
                                          default=path == "default",
-                                         items=items, threads=threads, stream=stream, us=us, gbs=gbs, frac_copy=gbs / copy_gbs,
+                                         items=items, threads=threads, stream=stream, span_packs=span, us=us, gbs=gbs, frac_copy=gbs / copy_gbs,
                                          sets=sets))
                         shape = (f"items={items} threads={threads:3d}" + (f" stream={stream[0]}x{stream[1]}" if stream else "")
                                  if path == "flat" else
-                                 "library default    " if path == "default" else "old path, defaults ")
+                                 "library default    " if path == "default" else
+                                 f"old path, span packs/thread {span}" if span else "old path, defaults ")
                         print(f"T={T:5d} {layout} {kv:9s} {scale:6s} {pattern:6s} {took:4s} {shape}: {us:8.2f} us "
                               f"{gbs:6.0f} GB/s {gbs / copy_gbs:4.0%}", flush=True)
                 kc = vc = keys = vals = None  # free before the next config

@@ -23,6 +23,17 @@ __device__ __forceinline__ void combine_split_row(float const* part, int64_t par
                                                   int64_t lse_stride, Element* out, float* lse_out,
                                                   int head_size, int num_splits, int lane) {
   constexpr int kMaxChunks = 8;  // splits <= 256 (choose_splits caps them there)
+  constexpr int kBatch = 16;     // partial rows in flight per lane
+  // the first batch of partial rows (columns lane * 4 ..) is loaded with the LSEs: one round trip less
+  float4 first[kBatch];
+  {
+    bool const active = lane * 4 < head_size;
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      first[u] = active && u < num_splits ? __ldcg(reinterpret_cast<float4 const*>(part + u * part_stride + lane * 4))
+                                          : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
   // the merged LSE, in natural-log units: max, then the sum of exp(lse_s - max) over splits
   float lse_mine[kMaxChunks];
   int const chunks = (num_splits + 31) / 32;
@@ -58,19 +69,21 @@ __device__ __forceinline__ void combine_split_row(float const* part, int64_t par
     for (int c = 0; c < kMaxChunks; ++c) {
       if (c >= chunks) break;
       int const n = min(32, num_splits - 32 * c);
-      for (int j0 = 0; j0 < n; j0 += 8) {  // eight loads in flight, then their sums in split order
-        float4 o[8];
-        float wgt[8];
+      for (int j0 = 0; j0 < n; j0 += kBatch) {  // kBatch loads in flight, then their sums in split order
+        float4 o[kBatch];
+        float wgt[kBatch];
+        bool const preloaded = d0 == 0 && c == 0 && j0 == 0;
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
+        for (int u = 0; u < kBatch; ++u) {
           int const j = min(j0 + u, n - 1);
           float const w_j = __shfl_sync(0xffffffffu, w_mine[c], j);
           wgt[u] = j0 + u < n ? w_j : 0.f;
-          o[u] = active ? __ldcg(reinterpret_cast<float4 const*>(part + (32 * c + j) * part_stride + d))
-                        : make_float4(0.f, 0.f, 0.f, 0.f);
+          o[u] = preloaded ? first[u]
+                 : active  ? __ldcg(reinterpret_cast<float4 const*>(part + (32 * c + j) * part_stride + d))
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
+        for (int u = 0; u < kBatch; ++u) {
           if (wgt[u] != 0.f) {  // an empty split adds nothing (and never a NaN)
             acc.x += wgt[u] * o[u].x;
             acc.y += wgt[u] * o[u].y;
