@@ -313,14 +313,16 @@ def test_flat_many_tokens(max_items, items, threads, layout, kv, scale, T, H, D,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("waves", [1, 0.02])
-@pytest.mark.parametrize("stream_items", [4, 2])
+@pytest.mark.parametrize("stream_items", [4, 2, 1])
 @pytest.mark.parametrize("layout,kv,scale", [("NHD", "fp8_e4m3", "tensor"), ("HND", "fp8_e4m3", "head"),
                                              ("HND", "fp8_e5m2", "tensor")])
 @pytest.mark.parametrize("T,H,D,dtype", [(1500, 3, 80, torch.bfloat16), (4099, 8, 128, torch.bfloat16),
-                                         (2000, 2, 32, torch.float32), (1024, 1, 64, torch.float16)])
+                                         (2000, 2, 32, torch.float32), (1024, 1, 64, torch.float16),
+                                         (1100, 2, 72, torch.bfloat16)])
 def test_flat_streaming(waves, stream_items, layout, kv, scale, T, H, D, dtype, monkeypatch, request):
     """The streaming schedule (a grid capped at `waves` resident waves: 1, or a few CTAs so that every
-    thread loops over many batches), batches of 4 and 2 packs, against the reference bit for bit."""
+    thread loops over many batches), batches of 4, 2 and 1 items, items of two packs (rows of 10, 16 and
+    8 packs) and of one (D=72 bf16: 9 packs), against the reference bit for bit."""
     monkeypatch.setattr(kv_write, "FLAT_FOR", ALL_FLAT)
     monkeypatch.setattr(kv_write, "FLAT_MIN_TOKENS", 1)
     monkeypatch.setattr(kv_write, "FLAT_STREAM_WAVES", waves)

@@ -71,7 +71,9 @@ HEAD_WARPS = 4             # head path, many tokens: warps per CTA, heads stride
 #   NHD fp8_head 44 % -> 60 %, 6.14 -> 5.95 us      HND fp8_head 44 % -> 60 %, 6.21 -> 5.98 us
 # so NHD fp8 with one scale stays on span (its CTA shares one slot and one scale over 4 packs per
 # thread; flat's fp8 is bound by the conversion's instructions, not by memory). Since then span/head
-# quantise with one branch per pack (quantize.cuh): NHD fp8 span 75 % in the bench at cec3bcd. Packs per thread: 4
+# quantise with one branch per pack (quantize.cuh): NHD fp8 span 75 % in the bench at cec3bcd; with
+# the branchless per-element quotient (e0eb45b) span is at 78-79 % and one-shot flat fp8 at 54 % (60 % with
+# a branch per element), and fp8 flat writes of many tokens stream (below). Packs per thread: 4
 # from MANY_TOKENS on (2: 48 %, 1: 39 % for fp8; copy 93 / 87 / 57 %); 1 below (fp8 at T=256: 2 packs
 # 6.3 us, 1 pack 5.95). Threads per CTA matter little (64-256 within 1 %, except fp8 with 4 packs:
 # 256 threads 60 %, 64-128 55 %; 512 is worse everywhere).
@@ -87,15 +89,20 @@ FLAT_THREADS_FEW = 128     # below MANY_TOKENS
 FLAT_MAX_THREADS = 512     # __launch_bounds__ of the flat variants
 # Streaming schedule of the flat path (kv_write.cuh, kStream): from MANY_TOKENS tokens on, the writes
 # of these kinds get a grid capped at FLAT_STREAM_WAVES resident waves (occupancy calculator), so each
-# thread loops over batches of FLAT_MAX_ITEMS packs and loads batch i + 1 while it converts batch i.
-# Meant for fp8, whose conversion was thought to stall the loads; measured on H200 (write_sweep at
-# 2af0687, HND/NHD fp8 T=65536) it loses: one-shot 60 % of copy, streaming 47 % (batches of 4, 112
-# registers) and 54 % (batches of 2). So it is off (FLAT_STREAM_WAVES = 0) and kept for the sweep.
-# The streaming body is compiled only into the variants these kinds use (its registers would lower
-# the occupancy of every schedule of the variant: ptxas sizes a kernel for its largest body).
+# thread loops over batches of FLAT_STREAM_ITEMS packs and loads batch i + 1 while it converts batch i:
+# the per-thread setup (cursor divisions, scale loads, inverses) is paid once, not once per 4 packs.
+# fp8 only: copies are at ~92 % of copy one-shot. The body is compiled only into the variants these
+# kinds use (its registers would lower the occupancy of every schedule of the variant: ptxas sizes a
+# kernel for its largest body).
+# Measured on H200 (write_sweep, T=65536 H=8 D=128 bf16 input, fraction of copy; perf/results/history/
+# write_sweep_h200_{branchless_e0eb45b,items8_5cf134a}.json), one-shot 4 packs/thread -> streaming:
+#   HND fp8 54 -> 63 %, HND fp8_head 54 -> 61 %, NHD fp8_head 54 -> 62 %   (NHD fp8 stays on span: 78 %)
+# Batches of 4 (115 registers) run at 55 %, one-shot 8 packs/thread at 35 %. ncu of the one-shot HND fp8
+# write (perf/results/ncu/ncu_write_HND_fp8_e0eb45b.txt): issue slots 70 % busy, DRAM 47 %: the
+# flat path is bound by instructions (about 240 per 16-byte pack, of which the conversion is 70).
 FLAT_STREAM_FOR = frozenset({"fp8", "fp8_head"})
-FLAT_STREAM_WAVES = 0
-FLAT_STREAM_ITEMS = 4      # packs per batch (two batches in registers)
+FLAT_STREAM_WAVES = 1
+FLAT_STREAM_ITEMS = 2      # packs per batch (two batches in registers)
 
 
 def stream_items(kv_cache_dtype: str) -> int:

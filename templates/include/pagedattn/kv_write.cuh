@@ -19,6 +19,9 @@
 //          and stores. span/head instead wait for the slot id, then load one pack per lane, then
 //          store, head after head: with many tokens that latency chain, not the scattered
 //          destinations, is what limits them (random and page-contiguous slots measure the same).
+//          With many tokens the host may instead cap the grid near one resident wave: then each
+//          thread streams over its packs in batches, loading batch i + 1 before converting batch i
+//          (kv_write_flat_items, kStream; used for fp8, whose per-thread setup is then paid once).
 //          Needs every head row 16-byte aligned (D * sizeof(Element) % 16 == 0, aligned base pointers
 //          and token strides); the host falls back to span/head otherwise. Indices that can exceed
 //          2^31 (pack index, token * stride, slot * strides) are 64-bit.
@@ -173,25 +176,28 @@ struct FlatCursor {
   }
 };
 
-// One 16-byte input pack of the flat path between its load and its store.
-template <class Cvt>
+// kVec consecutive 16-byte input packs of one head row (an "item" of the flat path) between their load
+// and their store. kVec = 2 shares the slot id, the addresses and the cursor step between two packs and
+// stores an fp8 item with one 16-byte store.
+template <class Cvt, int kVec>
 struct FlatItem {
-  typename Cvt::InPack in;
+  typename Cvt::InPack in[kVec];
   int64_t slot;  // < 0: nothing to store (padding, or past the last token)
   float scale;   // per-head scales only (one scale: loaded once per thread)
-  int row, pack;
+  int row, unit; // head row (K/V * H + head) and item index within it
 };
 
-// Issue the loads of the pack at `cur` (slot id, per-head scale, input pack): nothing waits on them here.
-template <class Cvt, bool kQuant, class Element>
+// Issue the loads of the item at `cur` (slot id, per-head scale, input packs): nothing waits on them here.
+template <class Cvt, bool kQuant, class Element, int kVec>
 __device__ __forceinline__ void flat_load(KvWriteParams const& p, FlatCursor const& cur, int64_t num_tokens,
-                                          FlatItem<Cvt>& it) {
+                                          FlatItem<Cvt, kVec>& it) {
   int const H = p.cache.num_heads;
   it.row = cur.row;
-  it.pack = cur.pack;
+  it.unit = cur.pack;
   it.slot = -1;
   it.scale = 1.f;
-  it.in = typename Cvt::InPack{};
+#pragma unroll
+  for (int v = 0; v < kVec; ++v) it.in[v] = typename Cvt::InPack{};
   if (cur.token < num_tokens) {
     bool const is_v = cur.row >= H;
     int const head = is_v ? cur.row - H : cur.row;
@@ -201,15 +207,18 @@ __device__ __forceinline__ void flat_load(KvWriteParams const& p, FlatCursor con
     }
     Element const* src = static_cast<Element const*>(is_v ? p.value : p.key) +
                          cur.token * (is_v ? p.value_stride : p.key_stride) + head * p.cache.head_size;
-    it.in = __ldg(reinterpret_cast<typename Cvt::InPack const*>(src) + cur.pack);
+    auto const* packs = reinterpret_cast<typename Cvt::InPack const*>(src) + cur.pack * kVec;
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) it.in[v] = __ldg(packs + v);
   }
 }
 
-// Convert and store one loaded pack. slot < 0 and slot >= num_slots (corrupt) are skipped.
+// Convert and store one loaded item. slot < 0 and slot >= num_slots (corrupt) are skipped.
 // k_scale/v_scale and their inverses: the one scale of each (when p.scale_stride == 0).
-template <class Cvt, bool kQuant, class CacheElement>
+template <class Cvt, bool kQuant, class CacheElement, int kVec>
 __device__ __forceinline__ void flat_store(KvWriteParams const& p, int block_shift, float2 k_scale, float2 v_scale,
-                                           FlatItem<Cvt> const& it) {
+                                           FlatItem<Cvt, kVec> const& it) {
+  using OutPack = typename Cvt::OutPack;
   if (it.slot < 0 || it.slot >= p.cache.num_slots) return;
   int const H = p.cache.num_heads;
   bool const is_v = it.row >= H;
@@ -226,7 +235,18 @@ __device__ __forceinline__ void flat_store(KvWriteParams const& p, int block_shi
   }
   CacheElement* dst = static_cast<CacheElement*>(is_v ? p.value_cache : p.key_cache) +
                       slot_head_offset(p.cache, block_shift, it.slot, is_v ? it.row - H : it.row);
-  reinterpret_cast<typename Cvt::OutPack*>(dst)[it.pack] = Cvt::pack(it.in, scale, inv);
+  constexpr int kItemOutBytes = kVec * int(sizeof(OutPack));
+  if constexpr (kItemOutBytes <= 16) {  // one store for the item (fp8 pairs: 16 bytes)
+    using ItemOut = typename Bytes<kItemOutBytes>::type;
+    ItemOut out;
+    OutPack* o = reinterpret_cast<OutPack*>(&out);
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) o[v] = Cvt::pack(it.in[v], scale, inv);
+    reinterpret_cast<ItemOut*>(dst)[it.unit] = out;
+  } else {
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) reinterpret_cast<OutPack*>(dst)[it.unit * kVec + v] = Cvt::pack(it.in[v], scale, inv);
+  }
 }
 
 // The flat path (see the top of the file), one thread's packs. Two schedules, both over the same
@@ -239,10 +259,10 @@ __device__ __forceinline__ void flat_store(KvWriteParams const& p, int block_shi
 //       loads of batch i + 1 before it converts and stores batch i (two register buffers, ping-pong).
 //       Loads stay in flight while the fp8 conversion runs, where the one-shot schedule alternates
 //       "all waiting" and "all converting".
-template <class Element, class CacheElement, Fp8Format kFp8, int kItems, bool kStream>
+template <class Element, class CacheElement, Fp8Format kFp8, int kItems, bool kStream, int kVec = 1>
 __device__ __forceinline__ void kv_write_flat_items(KvWriteParams const& p, int64_t num_tokens) {
   using Cvt = PackConvert<Element, CacheElement, kFp8>;
-  using Item = FlatItem<Cvt>;
+  using Item = FlatItem<Cvt, kVec>;
   constexpr bool kQuant = kFp8 != Fp8Format::kNone;
 
   // one scale for all heads (and its inverse, once): loaded first, in flight with everything else
@@ -262,7 +282,8 @@ __device__ __forceinline__ void kv_write_flat_items(KvWriteParams const& p, int6
     }
   };
   int const rows = 2 * p.cache.num_heads;                 // K's H head rows, then V's
-  int const row_packs = p.cache.head_size / Cvt::kPack;  // D * sizeof(Element) % 16 == 0
+  // items per head row (D * sizeof(Element) % 16 == 0; kVec = 2 only when the packs pair up)
+  int const row_packs = p.cache.head_size / (Cvt::kPack * kVec);
   int const bs = p.cache.block_size;
   int const block_shift = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
 
@@ -272,24 +293,24 @@ __device__ __forceinline__ void kv_write_flat_items(KvWriteParams const& p, int6
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
       if (i > 0) cur.advance();
-      flat_load<Cvt, kQuant, Element>(p, cur, num_tokens, it[i]);
+      flat_load<Cvt, kQuant, Element, kVec>(p, cur, num_tokens, it[i]);
     }
     invert();
 #pragma unroll
-    for (int i = 0; i < kItems; ++i) flat_store<Cvt, kQuant, CacheElement>(p, block_shift, k_scale, v_scale, it[i]);
+    for (int i = 0; i < kItems; ++i) flat_store<Cvt, kQuant, CacheElement, kVec>(p, block_shift, k_scale, v_scale, it[i]);
   } else {
     FlatCursor cur(int64_t(blockIdx.x) * blockDim.x + threadIdx.x, int(gridDim.x * blockDim.x), rows, row_packs);
     Item a[kItems], b[kItems];
     auto load = [&](Item (&batch)[kItems]) {
 #pragma unroll
       for (int i = 0; i < kItems; ++i) {
-        flat_load<Cvt, kQuant, Element>(p, cur, num_tokens, batch[i]);
+        flat_load<Cvt, kQuant, Element, kVec>(p, cur, num_tokens, batch[i]);
         cur.advance();
       }
     };
     auto store = [&](Item const (&batch)[kItems]) {
 #pragma unroll
-      for (int i = 0; i < kItems; ++i) flat_store<Cvt, kQuant, CacheElement>(p, block_shift, k_scale, v_scale, batch[i]);
+      for (int i = 0; i < kItems; ++i) flat_store<Cvt, kQuant, CacheElement, kVec>(p, block_shift, k_scale, v_scale, batch[i]);
     };
     load(a);
     invert();
@@ -328,7 +349,16 @@ __device__ __forceinline__ void kv_write_flat(KvWriteParams const& p) {
   } else if (kStreamItems == 0 || packs <= kMaxItems * grid_threads) {
     kv_write_flat_items<Element, CacheElement, kFp8, kMaxItems, false>(p, num_tokens);
   } else if constexpr (kStreamItems > 0) {
-    kv_write_flat_items<Element, CacheElement, kFp8, kStreamItems, true>(p, num_tokens);
+    // items of two packs where head rows have an even number of packs and every cache row starts on a
+    // multiple of the item's output (fp8: one 16-byte store each; the host checks the base pointers)
+    using Cvt = PackConvert<Element, CacheElement, kFp8>;
+    int64_t const strides = (p.cache.block_stride | p.cache.page_stride | p.cache.head_stride) *
+                            int64_t(sizeof(CacheElement));
+    if ((p.cache.head_size / Cvt::kPack) % 2 == 0 && strides % (2 * sizeof(typename Cvt::OutPack)) == 0) {
+      kv_write_flat_items<Element, CacheElement, kFp8, kStreamItems, true, 2>(p, num_tokens);
+    } else {
+      kv_write_flat_items<Element, CacheElement, kFp8, kStreamItems, true, 1>(p, num_tokens);
+    }
   }
 }
 
