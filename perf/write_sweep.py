@@ -50,6 +50,7 @@ KNOBS = ("FLAT_FOR", "FLAT_MIN_TOKENS", "FLAT_ITEMS", "FLAT_ITEMS_FEW", "FLAT_TH
 # of 8 packs per thread. WRITE_SWEEP_SPAN="2,8": the span path (NHD, one scale) also at these packs per thread.
 MAX_ITEMS = int(os.environ.get("WRITE_SWEEP_MAX_ITEMS", "0"))
 SPAN_PACKS = [int(x) for x in os.environ.get("WRITE_SWEEP_SPAN", "").split(",") if x]
+# A third number is the threads per CTA of that point ("1x1x128"; default FLAT_THREADS).
 STREAMS = [tuple(int(v) for v in x.split("x")) for x in os.environ.get("WRITE_SWEEP_STREAM", "").split(",") if x]
 ALL = frozenset((layout, kind) for layout in ("NHD", "HND") for kind in ("copy", "fp8", "fp8_head"))
 
@@ -115,7 +116,8 @@ def main(out_dir):
                 points = [("default", None, None, None, None), ("old", None, None, None, None)] + \
                     [("flat", i, t, None, None) for i, t in flat_points]
                 if fp8 and T >= kv_write.MANY_TOKENS:
-                    points += [("flat", defaults["FLAT_ITEMS"], defaults["FLAT_THREADS"], st, None) for st in STREAMS]
+                    points += [("flat", defaults["FLAT_ITEMS"], st[2] if len(st) > 2 else defaults["FLAT_THREADS"],
+                                st[:2], None) for st in STREAMS]
                     if MAX_ITEMS > 4:
                         points += [("flat", MAX_ITEMS, t, None, None) for t in (128, 256)]
                     if layout == "NHD" and scale == "tensor":

@@ -102,7 +102,7 @@ FLAT_MAX_THREADS = 512     # __launch_bounds__ of the flat variants
 # flat path is bound by instructions (about 240 per 16-byte pack, of which the conversion is 70).
 FLAT_STREAM_FOR = frozenset({"fp8", "fp8_head"})
 FLAT_STREAM_WAVES = 1
-FLAT_STREAM_ITEMS = 2      # packs per batch (two batches in registers)
+FLAT_STREAM_ITEMS = 1      # items per batch (two batches in registers; an item is two packs where rows pair up)
 
 
 def stream_items(kv_cache_dtype: str) -> int:

@@ -542,18 +542,23 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   // ---- split-KV: the last CTA of this tile to arrive merges every split's partials. The flag lives
   // in the (now free) dynamic shared memory: static shared memory would push a variant whose dynamic
   // size is exactly the 48 KiB default over the launch limit.
+  // Release/acquire through thread 0 (bar.sync orders every thread's partials before its fence, and
+  // its fence after the counter before every thread's reads): one gpu-scope fence on each side, not a
+  // sequentially consistent fence per thread.
   int* is_last = reinterpret_cast<int*>(smem);
-  __threadfence();  // this CTA's partials are visible device-wide before it is counted
-  __syncthreads();  // ... and every thread is done reading the epilogue's shared memory
+  __syncthreads();  // every thread's partials are written and the epilogue's shared memory is read
   if (tidx == 0) {
     int* counter = p.split_counters + (int64_t(blockIdx.x) * gridDim.y + blockIdx.y);
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");  // this CTA's partials before its arrival
     bool const last = atomicAdd(counter, 1) == p.num_splits - 1;
-    if (last) *counter = 0;  // all splits arrived: zero again for the next call on this stream
+    if (last) {
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");  // the other splits' partials before our reads
+      *counter = 0;  // all splits arrived: zero again for the next call on this stream
+    }
     *is_last = last;
   }
   __syncthreads();
   if (!*is_last) return;
-  __threadfence();  // the other splits' partials, counted before us, are visible to every thread
   int64_t const part_stride = int64_t(p.total_q) * p.num_q_heads * kHeadDim;
   for (int m = tidx / 32; m < kBlockM; m += kThreads / 32) {  // a warp per row
     int const R = w.row0 + m, i = R / p.group, g = R - i * p.group;
