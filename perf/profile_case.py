@@ -11,14 +11,17 @@ from pagedattn import CacheSpec
 KINDS = {"decode": (64, 4096, 1, False, "auto", 1), "decode_fp8": (64, 4096, 1, False, "fp8_e4m3", 1),
          "b1": (1, 32768, 1, False, "auto", 0), "prefill": (4, 4096, 4096, True, "auto", 1)}
 kind = sys.argv[1] if len(sys.argv) > 1 else "decode"
-if kind.startswith("write"):  # write_<layout>_<kv>: T=65536 H=8 D=128 bf16 input, random slots, one scale
+if kind.startswith("write"):  # write_<layout>_<kv>[_head]: T=65536 H=8 D=128 bf16 input, random slots
     _, layout, kvw = kind.split("_", 2)
+    per_head = kvw.endswith("_head")
+    kvw = kvw.removesuffix("_head")
     T = 65536
-    spec = CacheSpec(4 * T // 16, 16, 8, 128, torch.uint8 if kvw != "auto" else torch.bfloat16, kvw, layout)
+    spec = CacheSpec(4 * T // 16, 16, 8, 128, torch.uint8 if kvw != "auto" else torch.bfloat16, kvw, layout,
+                     "head" if per_head else "tensor")
     kc, vc = spec.allocate("cuda")
     k, v = (torch.randn(T, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     slots = torch.randperm(spec.num_slots, device="cuda")[:T]
-    s = torch.tensor([0.05], device="cuda")
+    s = torch.full((8 if per_head else 1,), 0.05, device="cuda")
     for _ in range(4):
         pagedattn.reshape_and_cache_flash(k, v, kc, vc, slots, kvw, s, s)
     torch.cuda.synchronize()

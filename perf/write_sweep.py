@@ -51,7 +51,8 @@ KNOBS = ("FLAT_FOR", "FLAT_MIN_TOKENS", "FLAT_ITEMS", "FLAT_ITEMS_FEW", "FLAT_TH
 MAX_ITEMS = int(os.environ.get("WRITE_SWEEP_MAX_ITEMS", "0"))
 SPAN_PACKS = [int(x) for x in os.environ.get("WRITE_SWEEP_SPAN", "").split(",") if x]
 # A third number is the threads per CTA of that point ("1x1x128"; default FLAT_THREADS).
-STREAMS = [tuple(int(v) for v in x.split("x")) for x in os.environ.get("WRITE_SWEEP_STREAM", "").split(",") if x]
+STREAMS = [tuple(float(v) if i == 0 else int(v) for i, v in enumerate(x.split("x")))
+           for x in os.environ.get("WRITE_SWEEP_STREAM", "").split(",") if x]
 ALL = frozenset((layout, kind) for layout in ("NHD", "HND") for kind in ("copy", "fp8", "fp8_head"))
 
 
@@ -137,7 +138,7 @@ def main(out_dir):
                                          default=path == "default",
                                          items=items, threads=threads, stream=stream, span_packs=span, us=us, gbs=gbs, frac_copy=gbs / copy_gbs,
                                          sets=sets))
-                        shape = (f"items={items} threads={threads:3d}" + (f" stream={stream[0]}x{stream[1]}" if stream else "")
+                        shape = (f"items={items} threads={threads:3d}" + (f" stream={stream[0]:g}x{stream[1]}" if stream else "")
                                  if path == "flat" else
                                  "library default    " if path == "default" else
                                  f"old path, span packs/thread {span}" if span else "old path, defaults ")
@@ -171,7 +172,7 @@ def _summary(rows):
         dflt = next(r for r in pts if r["default"])
         print(f"T={k[3]:5d} {k[0]} {k[1]:9s} {k[2]:6s} {old['path']:4s} {old['us']:8.2f} us {old['frac_copy']:4.0%}"
               f" | flat items={best['items']} threads={best['threads']:3d}"
-              f"{' stream=%dx%d' % tuple(best['stream']) if best.get('stream') else ''} {best['us']:8.2f} us "
+              f"{' stream=%gx%d' % tuple(best['stream']) if best.get('stream') else ''} {best['us']:8.2f} us "
               f"{best['frac_copy']:4.0%} | {dflt['path']:4s} {dflt['us']:8.2f} us {dflt['frac_copy']:4.0%}",
               flush=True)
 
