@@ -42,13 +42,16 @@ THREADS = (64, 128, 256, 512)
 TIMER = Timer(budget_s=0.1)
 L2_BYTES = 60 * 2**20  # H200 (rotation at T=256 only: T=65536 is far larger)
 KNOBS = ("FLAT_FOR", "FLAT_MIN_TOKENS", "FLAT_ITEMS", "FLAT_ITEMS_FEW", "FLAT_THREADS", "FLAT_THREADS_FEW",
-         "FLAT_STREAM_WAVES", "FLAT_STREAM_ITEMS", "FLAT_MAX_ITEMS", "SPAN_PACKS_PER_THREAD")
+         "FLAT_STREAM_WAVES", "FLAT_STREAM_ITEMS", "FLAT_MAX_ITEMS", "SPAN_PACKS_PER_THREAD",
+         "FLAT_STREAM_MIN_BLOCKS")
 # Streaming points (fp8 configs, many tokens): WRITE_SWEEP_STREAM="1x4,2x4,1x2" = (resident waves x packs per
 # batch) of the capped grid, at the default packs per thread and threads; every other flat point runs
 # the one-shot schedule (FLAT_STREAM_WAVES = 0). Empty: one-shot and default points only.
 # WRITE_SWEEP_MAX_ITEMS=8: compile the flat variants with kItems = 8 (FLAT_MAX_ITEMS) and add one-shot points
 # of 8 packs per thread. WRITE_SWEEP_SPAN="2,8": the span path (NHD, one scale) also at these packs per thread.
 MAX_ITEMS = int(os.environ.get("WRITE_SWEEP_MAX_ITEMS", "0"))
+# WRITE_SWEEP_MINB="0,4,6": the default streaming shape again with FLAT_STREAM_MIN_BLOCKS at these values
+MIN_BLOCKS = [int(x) for x in os.environ.get("WRITE_SWEEP_MINB", "").split(",") if x]
 SPAN_PACKS = [int(x) for x in os.environ.get("WRITE_SWEEP_SPAN", "").split(",") if x]
 # A third number is the threads per CTA of that point ("1x1x128"; default FLAT_THREADS).
 STREAMS = [tuple(float(v) if i == 0 else int(v) for i, v in enumerate(x.split("x")))
@@ -57,7 +60,7 @@ ALL = frozenset((layout, kind) for layout in ("NHD", "HND") for kind in ("copy",
 
 
 def _force(path: str, items: int | None = None, threads: int | None = None, defaults=None,
-           stream: tuple[int, int] | None = None, span: int | None = None) -> None:
+           stream: tuple | None = None, span: int | None = None) -> None:
     """Make every following write take `path` ("old": span/head; "flat") with this CTA shape, or
     ("default") whatever the module's defaults choose."""
     if path == "default":
@@ -72,7 +75,8 @@ def _force(path: str, items: int | None = None, threads: int | None = None, defa
         kv_write.FLAT_ITEMS = kv_write.FLAT_ITEMS_FEW = items
     if threads is not None:
         kv_write.FLAT_THREADS = kv_write.FLAT_THREADS_FEW = threads
-    kv_write.FLAT_STREAM_WAVES, kv_write.FLAT_STREAM_ITEMS = stream if stream else (0, defaults["FLAT_STREAM_ITEMS"])
+    kv_write.FLAT_STREAM_WAVES, kv_write.FLAT_STREAM_ITEMS = stream[:2] if stream else (0, defaults["FLAT_STREAM_ITEMS"])
+    kv_write.FLAT_STREAM_MIN_BLOCKS = stream[2] if stream and len(stream) > 2 else defaults["FLAT_STREAM_MIN_BLOCKS"]
     kv_write.FLAT_MAX_ITEMS = max(MAX_ITEMS, defaults["FLAT_MAX_ITEMS"]) if items and items > 4 else defaults["FLAT_MAX_ITEMS"]
     kv_write.SPAN_PACKS_PER_THREAD = span or defaults["SPAN_PACKS_PER_THREAD"]
     kv_write._PLANS.clear()
@@ -119,6 +123,9 @@ def main(out_dir):
                 if fp8 and T >= kv_write.MANY_TOKENS:
                     points += [("flat", defaults["FLAT_ITEMS"], st[2] if len(st) > 2 else defaults["FLAT_THREADS"],
                                 st[:2], None) for st in STREAMS]
+                    points += [("flat", defaults["FLAT_ITEMS"], defaults["FLAT_THREADS"],
+                                (defaults["FLAT_STREAM_WAVES"], defaults["FLAT_STREAM_ITEMS"], mb), None)
+                               for mb in MIN_BLOCKS]
                     if MAX_ITEMS > 4:
                         points += [("flat", MAX_ITEMS, t, None, None) for t in (128, 256)]
                     if layout == "NHD" and scale == "tensor":
@@ -138,7 +145,8 @@ def main(out_dir):
                                          default=path == "default",
                                          items=items, threads=threads, stream=stream, span_packs=span, us=us, gbs=gbs, frac_copy=gbs / copy_gbs,
                                          sets=sets))
-                        shape = (f"items={items} threads={threads:3d}" + (f" stream={stream[0]:g}x{stream[1]}" if stream else "")
+                        shape = (f"items={items} threads={threads:3d}" + (f" stream={stream[0]:g}x{stream[1]}" + (f" minblocks={stream[2]}" if len(stream) > 2 else "")
+                                                            if stream else "")
                                  if path == "flat" else
                                  "library default    " if path == "default" else
                                  f"old path, span packs/thread {span}" if span else "old path, defaults ")
@@ -172,7 +180,7 @@ def _summary(rows):
         dflt = next(r for r in pts if r["default"])
         print(f"T={k[3]:5d} {k[0]} {k[1]:9s} {k[2]:6s} {old['path']:4s} {old['us']:8.2f} us {old['frac_copy']:4.0%}"
               f" | flat items={best['items']} threads={best['threads']:3d}"
-              f"{' stream=%gx%d' % tuple(best['stream']) if best.get('stream') else ''} {best['us']:8.2f} us "
+              f"{' stream=%gx%d' % tuple(best['stream'][:2]) if best.get('stream') else ''} {best['us']:8.2f} us "
               f"{best['frac_copy']:4.0%} | {dflt['path']:4s} {dflt['us']:8.2f} us {dflt['frac_copy']:4.0%}",
               flush=True)
 

@@ -70,11 +70,12 @@ def test_every_path_is_a_variant():
     paths = {s.path for s in KvWriteSpec.all_variants()}
     assert paths == {"span", "head", "flat"}
     flat = Kernel(KvWriteSpec("bf16", "fp8_e4m3", "flat")).source
-    assert (f"kv_write_flat<__nv_bfloat16, uint8_t, pagedattn::Fp8Format::kE4M3, {kv_write.FLAT_MAX_ITEMS}, "
+    assert (f"kv_write_flat<__nv_bfloat16, uint8_t, pagedattn::Fp8Format::kE4M3, {kv_write.flat_max_items('fp8_e4m3')}, "
             f"{kv_write.stream_items('fp8_e4m3')}>") in flat  # the streaming body when it is on for fp8
     copy = Kernel(KvWriteSpec("bf16", "auto", "flat")).source
     assert f"kv_write_flat<__nv_bfloat16, __nv_bfloat16, pagedattn::Fp8Format::kNone, {kv_write.FLAT_MAX_ITEMS}, 0>" in copy
-    assert f"__launch_bounds__({kv_write.FLAT_MAX_THREADS})" in flat
+    assert f"__launch_bounds__({kv_write.FLAT_MAX_THREADS})" in copy
+    assert f"__launch_bounds__({kv_write.flat_bounds('fp8_e4m3')})" in flat
     assert "kv_write<__half, __half, pagedattn::Fp8Format::kNone, true>" in Kernel(
         KvWriteSpec("fp16", "auto", "span")).source
 

@@ -40,9 +40,9 @@ class KvWriteSpec(KernelSpec):
             "kFp8": FP8_FORMAT[self.kv_cache_dtype],
             "path": self.path,
             "kSpan": "true" if self.path == "span" else "false",
-            "kItems": FLAT_MAX_ITEMS,
+            "kItems": flat_max_items(self.kv_cache_dtype),
             "kStreamItems": stream_items(self.kv_cache_dtype) if self.path == "flat" else 0,
-            "max_threads": FLAT_MAX_THREADS if self.path == "flat" else 1024,
+            "launch_bounds": (flat_bounds(self.kv_cache_dtype) if self.path == "flat" else "1024"),
         }
 
 
@@ -105,10 +105,35 @@ FLAT_STREAM_WAVES = 1
 FLAT_STREAM_ITEMS = 1      # items per batch (two batches in registers; an item is two packs where rows pair up)
 
 
+# Variants with the streaming body are built for occupancy: one-shot bodies of at most
+# FLAT_STREAM_ONESHOT_ITEMS packs (more streams), CTAs of at most FLAT_STREAM_MAX_THREADS threads and
+# __launch_bounds__ asking for FLAT_STREAM_MIN_BLOCKS of them per SM (48 registers: 62.5 % occupancy,
+# against 50 % at the 64 registers the one-shot 4-pack body takes).
+FLAT_STREAM_ONESHOT_ITEMS = 2
+FLAT_STREAM_MAX_THREADS = 256
+FLAT_STREAM_MIN_BLOCKS = 5
+
+
 def stream_items(kv_cache_dtype: str) -> int:
     """Batch size of the streaming body compiled into the flat variant of this kv_cache_dtype (0: none)."""
     kinds = {"copy"} if kv_cache_dtype == "auto" else {"fp8", "fp8_head"}
     return FLAT_STREAM_ITEMS if kinds & FLAT_STREAM_FOR and FLAT_STREAM_WAVES > 0 else 0
+
+
+def flat_max_items(kv_cache_dtype: str) -> int:
+    """kItems of the flat variant: the most packs per thread of its one-shot schedule."""
+    return min(FLAT_MAX_ITEMS, FLAT_STREAM_ONESHOT_ITEMS) if stream_items(kv_cache_dtype) else FLAT_MAX_ITEMS
+
+
+def flat_max_threads(kv_cache_dtype: str) -> int:
+    return FLAT_STREAM_MAX_THREADS if stream_items(kv_cache_dtype) else FLAT_MAX_THREADS
+
+
+def flat_bounds(kv_cache_dtype: str) -> str:
+    """__launch_bounds__ arguments of the flat variant."""
+    if stream_items(kv_cache_dtype) and FLAT_STREAM_MIN_BLOCKS:
+        return f"{FLAT_STREAM_MAX_THREADS}, {FLAT_STREAM_MIN_BLOCKS}"
+    return str(flat_max_threads(kv_cache_dtype))
 _MAX_GRID = (1 << 31) - 1
 
 
@@ -278,10 +303,12 @@ class _Plan:
             sms = self._SMS.get(self.device)
             if sms is None:
                 sms = self._SMS[self.device] = torch.cuda.get_device_properties(self.device).multi_processor_count
-            stream_ctas = max(1, int(sms * self.flat.max_active_blocks(FLAT_THREADS) * FLAT_STREAM_WAVES))
+            threads = min(FLAT_THREADS, flat_max_threads(spec.kv_cache_dtype))
+            stream_ctas = max(1, int(sms * self.flat.max_active_blocks(threads) * FLAT_STREAM_WAVES))
+        cap = flat_max_threads(spec.kv_cache_dtype)
         self.flat_shape = (2 * spec.num_kv_heads * spec.head_size * elem // 16,
-                           (min(FLAT_ITEMS, FLAT_MAX_ITEMS), FLAT_THREADS),
-                           (min(FLAT_ITEMS_FEW, FLAT_MAX_ITEMS), FLAT_THREADS_FEW), stream_ctas)
+                           (min(FLAT_ITEMS, FLAT_MAX_ITEMS), min(FLAT_THREADS, cap)),
+                           (min(FLAT_ITEMS_FEW, FLAT_MAX_ITEMS), min(FLAT_THREADS_FEW, cap)), stream_ctas)
         bs, ps, hs, _ = key_cache.stride()
         # Params after the 7 pointers: strides, CacheGeometry, scale_stride (slot_is_int64, num_tokens per call)
         self.tail = (bs, ps, hs, spec.num_slots, spec.num_blocks, spec.block_size, spec.num_kv_heads,
