@@ -19,6 +19,18 @@ for layout in ("NHD", "HND"):
         kc, vc = spec.allocate("cuda", fill=float("nan"))
         key = torch.randn(9, 4, 128, dtype=torch.bfloat16, device="cuda")
         pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots, kv, s, s)
+# many tokens: the streaming fp8 schedule (items of two packs at D=128, of one at D=72), corrupt slots mixed in
+for layout in ("NHD", "HND"):
+    for D in (128, 72):
+        T = 3000
+        spec = CacheSpec(T // 16 + 4, 16, 4, D, torch.uint8, "fp8_e5m2", layout, "head")
+        kc, vc = spec.allocate("cuda", fill=float("nan"))
+        key = torch.randn(T, 4, D, dtype=torch.bfloat16, device="cuda")
+        slots = torch.randperm(spec.num_slots, device="cuda")[:T]
+        slots[::97] = 2**40
+        slots[1::89] = spec.num_slots
+        s = torch.ones(4, device="cuda")
+        pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots, "fp8_e5m2", s, s)
 torch.cuda.synchronize()
 print("sanitize cases done")
 

@@ -69,7 +69,7 @@ HEAD_WARPS = 4             # head path, many tokens: warps per CTA, heads stride
 #   NHD copy     92 % -> 92 %, 5.76 -> 5.57 us      HND copy     79 % -> 93 %, 5.76 -> 5.60 us
 #   NHD fp8      73 % -> 60 %, 5.82 -> 5.95 us      HND fp8      44 % -> 60 %, 6.18 -> 5.98 us
 #   NHD fp8_head 44 % -> 60 %, 6.14 -> 5.95 us      HND fp8_head 44 % -> 60 %, 6.21 -> 5.98 us
-# so NHD fp8 with one scale stays on span (its CTA shares one slot and one scale over 4 packs per
+# so NHD fp8 with one scale stayed on span until the streaming schedule (below) passed it (its CTA shares one slot and one scale over 4 packs per
 # thread; flat's fp8 is bound by the conversion's instructions, not by memory). Since then span/head
 # quantise with one branch per pack (quantize.cuh): NHD fp8 span 75 % in the bench at cec3bcd; with
 # the branchless per-element quotient (e0eb45b) span is at 78-79 % and one-shot flat fp8 at 54 % (60 % with
@@ -77,7 +77,7 @@ HEAD_WARPS = 4             # head path, many tokens: warps per CTA, heads stride
 # from MANY_TOKENS on (2: 48 %, 1: 39 % for fp8; copy 93 / 87 / 57 %); 1 below (fp8 at T=256: 2 packs
 # 6.3 us, 1 pack 5.95). Threads per CTA matter little (64-256 within 1 %, except fp8 with 4 packs:
 # 256 threads 60 %, 64-128 55 %; 512 is worse everywhere).
-FLAT_FOR = frozenset({("NHD", "copy"), ("NHD", "fp8_head"),
+FLAT_FOR = frozenset({("NHD", "copy"), ("NHD", "fp8"), ("NHD", "fp8_head"),
                       ("HND", "copy"), ("HND", "fp8"), ("HND", "fp8_head")})
 FLAT_MIN_TOKENS = 1
 FLAT_MAX_ITEMS = 4         # kItems compiled into the flat variants: they run 1, 2 or this many packs
@@ -105,13 +105,16 @@ FLAT_STREAM_WAVES = 1
 FLAT_STREAM_ITEMS = 1      # items per batch (two batches in registers; an item is two packs where rows pair up)
 
 
-# Variants with the streaming body are built for occupancy: one-shot bodies of at most
-# FLAT_STREAM_ONESHOT_ITEMS packs (more streams), CTAs of at most FLAT_STREAM_MAX_THREADS threads and
-# __launch_bounds__ asking for FLAT_STREAM_MIN_BLOCKS of them per SM (48 registers: 62.5 % occupancy,
-# against 50 % at the 64 registers the one-shot 4-pack body takes).
+# Variants with the streaming body: one-shot bodies of at most FLAT_STREAM_ONESHOT_ITEMS packs (more
+# streams), CTAs of at most FLAT_STREAM_MAX_THREADS threads, __launch_bounds__ asking for
+# FLAT_STREAM_MIN_BLOCKS of them per SM (4: 64 registers). Measured on H200 at 8813aaf (write_sweep,
+# T=65536, perf/results/history/write_sweep_h200_minblocks_8813aaf.json), fraction of copy:
+#   min blocks 4 (or none):  NHD fp8 87 %, NHD fp8_head 90 %, HND fp8 82 %, HND fp8_head 84 %
+#   min blocks 5 (48 regs, spills): 76-83 %;  min blocks 6 (40 regs): 58 %
+# (span, the old NHD fp8 path: 78 %; with one-shot 4-pack bodies in the same variant, a72ae13: HND fp8 78 %).
 FLAT_STREAM_ONESHOT_ITEMS = 2
 FLAT_STREAM_MAX_THREADS = 256
-FLAT_STREAM_MIN_BLOCKS = 5
+FLAT_STREAM_MIN_BLOCKS = 4
 
 
 def stream_items(kv_cache_dtype: str) -> int:

@@ -3,12 +3,12 @@
 // Three paths, chosen per variant (host side: pagedattn/ops/kv_write.py, write_path):
 //   kSpan  (NHD cache, one scale for all heads): one CTA per token. The token's H*D elements are
 //          contiguous on both sides, so half the CTA copies K's whole span and the other half V's,
-//          in 16-byte packs, adjacent threads on adjacent packs. Kept for NHD fp8 with one scale
-//          (fastest there: one slot id and one scale serve each thread's 4 packs) and as a fallback.
+//          in 16-byte packs, adjacent threads on adjacent packs. Kept as the NHD fallback where flat
+//          cannot run (unaligned rows).
 //   head   (HND cache or per-head scales): one CTA per token, a warp per head (heads strided over
 //          warps); lanes 0-15 copy that head's K packs and lanes 16-31 its V packs, with the head's
 //          own scale. Kept as the fallback where flat cannot run (unaligned rows).
-//   flat   (the writes the host's table FLAT_FOR names: by default all but NHD fp8 with one scale):
+//   flat   (the writes the host's table FLAT_FOR names: by default all of them):
 //          no CTA per token.
 //          The work is the flat index space of 16-byte input packs, token-major: (token, K/V, head,
 //          pack within the head row). A CTA takes items * blockDim consecutive packs, thread t its
