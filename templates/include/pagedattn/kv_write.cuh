@@ -142,10 +142,11 @@ __device__ __forceinline__ int64_t div_small(int64_t n, int d) {
   return (n >> 32) == 0 ? int64_t(uint32_t(n) / uint32_t(d)) : n / d;
 }
 
-// A position in the flat pack space as mixed-radix digits (token, row = K/V * H + head, pack in row),
-// and a fixed step between a thread's packs in the same digits: the start and the step are split
-// once (the only divisions), each advance adds the step's digits with carries -- the integer work per
-// pack stays small next to the fp8 conversion.
+// A position in the flat space as mixed-radix digits (token, row = K/V * H + head, unit in row; a unit
+// is one pack, or kVec packs for the streaming items below: row_packs then counts units), and a fixed
+// step between a thread's units in the same digits: the start and the step are split once (the only
+// divisions), each advance adds the step's digits with carries -- the integer work per unit stays
+// small next to the fp8 conversion.
 struct FlatCursor {
   int64_t token;
   int row, pack;
