@@ -324,6 +324,8 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   };
   if constexpr (Traits::kTma) {
     if (gtid == 0) {
+      tma_prefetch_map(k_map);  // in flight with the page-window loads below
+      tma_prefetch_map(v_map);
       for (int s = 0; s < kStages; ++s) mbarrier_init(ring_bars + s, 1);
       mbarrier_init_fence();
     }

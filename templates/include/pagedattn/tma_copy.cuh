@@ -50,6 +50,14 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 #endif
 }
 
+// Start fetching a tensor map (in global memory) into the descriptor cache, so that the first copy
+// does not wait for it behind the other loads of the prologue.
+__device__ __forceinline__ void tma_prefetch_map(void const* tensor_map) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tensor_map)) : "memory");
+#endif
+}
+
 // One TMA box of a 4-D tensor map (a CUtensorMap the host encoded, in global memory) at coordinates
 // (c0 innermost ... c3) into shared memory; completion is counted on `bar`.
 __device__ __forceinline__ void tma_load_4d(void* smem, void const* tensor_map, int c0, int c1, int c2, int c3,
