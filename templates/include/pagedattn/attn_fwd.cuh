@@ -94,6 +94,23 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   // from shared memory for every K tile.
   constexpr bool kQInRegs = Traits::kTma && kHeadDim <= 128;
 
+  // TMA decode: the first block-table windows are read only after seqused_k arrives (they start where
+  // this split starts). Guess that start from the table's capacity (exact for the longest requests,
+  // e.g. equal-length decode batches) and pull those table lines into L2 now, in flight with
+  // schedule()'s loads; a wrong guess costs a few L2 lines.
+  if constexpr (Traits::kTma) {
+    if (p.block_table != nullptr && threadIdx.x < 8) {
+      int const b = blockIdx.x / p.num_kv_heads;
+      int const capacity = p.max_blocks_per_seq * p.block_size;
+      int const steps = (capacity + kStageKeys - 1) / kStageKeys;
+      int const first = int(blockIdx.z) * ((steps + p.num_splits - 1) / p.num_splits) * kStageKeys / p.block_size;
+      int const entry = first + 32 * int(threadIdx.x);  // 8 lines of 32 entries: the first two windows
+      if (entry < p.max_blocks_per_seq) {
+        int32_t const* line = p.block_table + int64_t(b) * p.bt_stride + entry;
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line));
+      }
+    }
+  }
   AttnWork w;
   if (!schedule<Traits>(p, w)) return;
 
