@@ -292,7 +292,8 @@ def max_items(request, monkeypatch):
                                          (2000, 2, 36, torch.float32)])
 def test_flat_many_tokens(max_items, items, threads, layout, kv, scale, T, H, D, dtype, monkeypatch):
     """Flat with kItems 4 and 3, packs per thread 1, 2 and 4 (capped at kItems), CTAs of 1, 3 and 16
-    warps: token counts below and above MANY_TOKENS, odd H, rows of 9 and 10 packs."""
+    warps (fp8 variants cap CTAs at FLAT_STREAM_MAX_THREADS and stream their many-token writes): token
+    counts below and above MANY_TOKENS, odd H, rows of 9 and 10 packs."""
     monkeypatch.setattr(kv_write, "FLAT_FOR", ALL_FLAT)
     monkeypatch.setattr(kv_write, "FLAT_MIN_TOKENS", 1)
     for name in ("FLAT_ITEMS", "FLAT_ITEMS_FEW"):
