@@ -98,6 +98,14 @@ def register(cls: type[KernelSpec]) -> type[KernelSpec]:
     return cls
 
 
+@functools.cache
+def sm_count(device: int) -> int:
+    """Streaming multiprocessors of a CUDA device (launch-shape heuristics size grids by it)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def arch_for_device(device: int | None) -> str:
     """NVRTC target for a CUDA device (or PAGEDATTN_ARCH): the newest supported arch the device runs."""
     override = envs.arch_override()

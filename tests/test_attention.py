@@ -373,7 +373,7 @@ def test_bad_input_is_a_clear_error(name):
 def test_split_heuristic_fills_whole_waves(monkeypatch):
     from pagedattn.ops import attention
 
-    monkeypatch.setitem(attention._SM_COUNT, 0, 132)
+    monkeypatch.setattr(attention, "sm_count", lambda device: 132)
     decode = AttnFwdSpec("bf16", "auto", 128, "decode")
     pick = lambda B, ctx: attention.choose_splits(0, B * 8, ctx, decode, 0)  # noqa: E731
     assert pick(64, 4096) == 3          # 512 CTAs on 396 slots would leave a 29 % second wave

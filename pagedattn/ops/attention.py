@@ -12,7 +12,7 @@ import torch
 from .. import envs
 from ..contract import CacheSpec, ContractError
 from ..dtypes import CUTLASS_TYPE, FP8_FORMAT, short
-from ..registry import KernelSpec, UnsupportedError, arch_for_device, get_kernel, register
+from ..registry import KernelSpec, UnsupportedError, arch_for_device, get_kernel, register, sm_count
 from .params import AttnParams
 
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
@@ -288,7 +288,6 @@ def check_tables(block_table, seqused_k, cu_seqlens_q, num_blocks, block_size, m
                                 f"[0, {num_blocks})")
 
 
-_SM_COUNT: dict[int, int] = {}
 
 
 def split_cost(ctas: int, splits: int, capacity: int, keys: int, fixed_keys: int = 128) -> float:
@@ -307,9 +306,7 @@ def choose_splits(num_splits: int, ctas: int, max_seqlen_k: int, spec: AttnFwdSp
     max_steps = max(1, -(-max_seqlen_k // stage_keys))
     if num_splits > 0:
         return max(1, min(num_splits, max_steps, 256))
-    sms = _SM_COUNT.get(device)
-    if sms is None:
-        sms = _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     if spec.tiles["kTma"]:
         # TMA decode streams at near the SM's bandwidth share with one CTA per SM; a second resident
         # CTA adds little, so a wave is one CTA per SM (H200, perf/results/attn_quick_*: B=16 ctx 4096

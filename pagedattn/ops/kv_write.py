@@ -9,7 +9,7 @@ import torch
 from .. import envs
 from ..contract import CacheSpec, ContractError
 from ..dtypes import CUDA_TYPE, FP8_FORMAT, short
-from ..registry import KernelSpec, get_kernel, register
+from ..registry import KernelSpec, get_kernel, register, sm_count
 from .params import KvWriteParams
 
 
@@ -69,14 +69,10 @@ HEAD_WARPS = 4             # head path, many tokens: warps per CTA, heads stride
 #   NHD copy     92 % -> 92 %, 5.76 -> 5.57 us      HND copy     79 % -> 93 %, 5.76 -> 5.60 us
 #   NHD fp8      73 % -> 60 %, 5.82 -> 5.95 us      HND fp8      44 % -> 60 %, 6.18 -> 5.98 us
 #   NHD fp8_head 44 % -> 60 %, 6.14 -> 5.95 us      HND fp8_head 44 % -> 60 %, 6.21 -> 5.98 us
-# so NHD fp8 with one scale stayed on span until the streaming schedule (below) passed it (its CTA shares one slot and one scale over 4 packs per
-# thread; flat's fp8 is bound by the conversion's instructions, not by memory). Since then span/head
-# quantise with one branch per pack (quantize.cuh): NHD fp8 span 75 % in the bench at cec3bcd; with
-# the branchless per-element quotient (e0eb45b) span is at 78-79 % and one-shot flat fp8 at 54 % (60 % with
-# a branch per element), and fp8 flat writes of many tokens stream (below). Packs per thread: 4
-# from MANY_TOKENS on (2: 48 %, 1: 39 % for fp8; copy 93 / 87 / 57 %); 1 below (fp8 at T=256: 2 packs
-# 6.3 us, 1 pack 5.95). Threads per CTA matter little (64-256 within 1 %, except fp8 with 4 packs:
-# 256 threads 60 %, 64-128 55 %; 512 is worse everywhere).
+# so NHD fp8 with one scale stayed on span (one slot and one scale per CTA) until the streaming schedule
+# below passed it. Packs per thread: 4 from MANY_TOKENS on (2: 48 %, 1: 39 % for one-shot fp8; copy
+# 93 / 87 / 57 %); 1 below (fp8 at T=256: 2 packs 6.3 us, 1 pack 5.95). Threads per CTA matter little
+# (64-256 within 1 %; 512 is worse everywhere).
 FLAT_FOR = frozenset({("NHD", "copy"), ("NHD", "fp8"), ("NHD", "fp8_head"),
                       ("HND", "copy"), ("HND", "fp8"), ("HND", "fp8_head")})
 FLAT_MIN_TOKENS = 1
@@ -87,31 +83,25 @@ FLAT_ITEMS_FEW = 1         # below MANY_TOKENS
 FLAT_THREADS = 256         # threads per CTA from MANY_TOKENS tokens on
 FLAT_THREADS_FEW = 128     # below MANY_TOKENS
 FLAT_MAX_THREADS = 512     # __launch_bounds__ of the flat variants
-# Streaming schedule of the flat path (kv_write.cuh, kStream): from MANY_TOKENS tokens on, the writes
-# of these kinds get a grid capped at FLAT_STREAM_WAVES resident waves (occupancy calculator), so each
-# thread loops over batches of FLAT_STREAM_ITEMS packs and loads batch i + 1 while it converts batch i:
-# the per-thread setup (cursor divisions, scale loads, inverses) is paid once, not once per 4 packs.
-# fp8 only: copies are at ~92 % of copy one-shot. The body is compiled only into the variants these
-# kinds use (its registers would lower the occupancy of every schedule of the variant: ptxas sizes a
-# kernel for its largest body).
-# Measured on H200 (write_sweep, T=65536 H=8 D=128 bf16 input, fraction of copy; perf/results/history/
-# write_sweep_h200_{branchless_e0eb45b,items8_5cf134a}.json), one-shot 4 packs/thread -> streaming:
-#   HND fp8 54 -> 63 %, HND fp8_head 54 -> 61 %, NHD fp8_head 54 -> 62 %   (NHD fp8 stays on span: 78 %)
-# Batches of 4 (115 registers) run at 55 %, one-shot 8 packs/thread at 35 %. ncu of the one-shot HND fp8
-# write (perf/results/ncu/ncu_write_HND_fp8_e0eb45b.txt): issue slots 70 % busy, DRAM 47 %: the
-# flat path is bound by instructions (about 240 per 16-byte pack, of which the conversion is 70).
+# Streaming schedule of the flat path (kv_write.cuh, kStream), fp8 only: from MANY_TOKENS tokens on,
+# the writes of the kinds in FLAT_STREAM_FOR get a grid capped at FLAT_STREAM_WAVES resident waves
+# (occupancy calculator); each thread loops over batches of FLAT_STREAM_ITEMS items (an item: two packs
+# of one head row where rows pair up, one 16-byte fp8 store) and loads batch i + 1 while it converts
+# batch i, so the per-thread setup (cursor divisions, scale loads, inverses) is paid once.
+# Why: ncu of the one-shot HND fp8 write (perf/results/ncu/ncu_write_HND_fp8_e0eb45b.txt) showed
+# issue slots 70 % busy and DRAM 47 %: about 240 instructions per 16-byte pack, 70 of them conversion.
+# The streaming body is compiled only into the variants of these kinds, and those variants are built
+# for occupancy: one-shot bodies of at most FLAT_STREAM_ONESHOT_ITEMS packs (more streams), CTAs of at
+# most FLAT_STREAM_MAX_THREADS threads, __launch_bounds__ asking for FLAT_STREAM_MIN_BLOCKS CTAs per SM
+# (ptxas sizes a kernel for its largest body). Measured on H200 (write_sweep, T=65536, fraction of
+# copy; perf/results/history/write_sweep_h200_*):
+#   one-shot, 4 packs/thread (e0eb45b):         fp8 54 % in every layout/scale (NHD fp8 span 78 %)
+#   streaming, batches of 1 item, min blocks 4:  NHD fp8 87, NHD fp8_head 90, HND fp8 82, HND fp8_head 84 %
+#   worse: min blocks 5 (48 registers, spills) 76-83 %, min blocks 6 58 %; one-pack items 61-65 %;
+#          batches of 2 items 68-72 %, of 4 items 55-60 %; one-shot 8 packs/thread 35 %
 FLAT_STREAM_FOR = frozenset({"fp8", "fp8_head"})
 FLAT_STREAM_WAVES = 1
-FLAT_STREAM_ITEMS = 1      # items per batch (two batches in registers; an item is two packs where rows pair up)
-
-
-# Variants with the streaming body: one-shot bodies of at most FLAT_STREAM_ONESHOT_ITEMS packs (more
-# streams), CTAs of at most FLAT_STREAM_MAX_THREADS threads, __launch_bounds__ asking for
-# FLAT_STREAM_MIN_BLOCKS of them per SM (4: 64 registers). Measured on H200 at 8813aaf (write_sweep,
-# T=65536, perf/results/history/write_sweep_h200_minblocks_8813aaf.json), fraction of copy:
-#   min blocks 4 (or none):  NHD fp8 87 %, NHD fp8_head 90 %, HND fp8 82 %, HND fp8_head 84 %
-#   min blocks 5 (48 regs, spills): 76-83 %;  min blocks 6 (40 regs): 58 %
-# (span, the old NHD fp8 path: 78 %; with one-shot 4-pack bodies in the same variant, a72ae13: HND fp8 78 %).
+FLAT_STREAM_ITEMS = 1
 FLAT_STREAM_ONESHOT_ITEMS = 2
 FLAT_STREAM_MAX_THREADS = 256
 FLAT_STREAM_MIN_BLOCKS = 4
@@ -137,6 +127,8 @@ def flat_bounds(kv_cache_dtype: str) -> str:
     if stream_items(kv_cache_dtype) and FLAT_STREAM_MIN_BLOCKS:
         return f"{FLAT_STREAM_MAX_THREADS}, {FLAT_STREAM_MIN_BLOCKS}"
     return str(flat_max_threads(kv_cache_dtype))
+
+
 _MAX_GRID = (1 << 31) - 1
 
 
@@ -280,7 +272,6 @@ class _Plan:
     """Everything about a call that depends only on tensor metadata: validated once, reused."""
     __slots__ = ("spec", "device", "base_spec", "base", "block_few", "block_many", "flat", "flat_tokens",
                  "flat_shape", "tail", "is_fp8", "num_slots", "slot64")
-    _SMS: ClassVar[dict] = {}
 
     def __init__(self, spec: CacheSpec, key, value, key_cache, slot_mapping, scale_stride):
         elem = key.element_size()
@@ -303,9 +294,7 @@ class _Plan:
         stream_ctas = 0
         if (self.flat is not None and write_kind(spec)[1] in FLAT_STREAM_FOR
                 and stream_items(spec.kv_cache_dtype) > 0):
-            sms = self._SMS.get(self.device)
-            if sms is None:
-                sms = self._SMS[self.device] = torch.cuda.get_device_properties(self.device).multi_processor_count
+            sms = sm_count(self.device)
             threads = min(FLAT_THREADS, flat_max_threads(spec.kv_cache_dtype))
             stream_ctas = max(1, int(sms * self.flat.max_active_blocks(threads) * FLAT_STREAM_WAVES))
         cap = flat_max_threads(spec.kv_cache_dtype)
