@@ -18,15 +18,18 @@ from pagedattn.info import git_commit
 from _timing import copy_ceiling_gbs, median_us  # perf/ is on sys.path when run as a script
 
 
-def decode_case(B, ctx, kv="auto", Hq=32, Hkv=8, D=128, bs=16, q_len=1):
+def decode_case(B, ctx, kv="auto", Hq=32, Hkv=8, D=128, bs=16, q_len=1, layout="NHD", table_order="random"):
+    """Inputs of one decode case; table_order "random" (a shuffled table over the whole cache) or
+    "seq" (request b owns consecutive pages, in order: the unpaged access pattern)."""
     nb = B * (ctx // bs) + 8
-    spec = CacheSpec(nb, bs, Hkv, D, torch.bfloat16 if kv == "auto" else torch.uint8, kv)
+    spec = CacheSpec(nb, bs, Hkv, D, torch.bfloat16 if kv == "auto" else torch.uint8, kv, layout)
     kc, vc = spec.allocate("cuda")
     if kv == "auto":
         kc.normal_(); vc.normal_()
     else:
         kc.view(torch.uint8).random_(0, 0x70); vc.view(torch.uint8).random_(0, 0x70)
-    table = torch.randperm(nb, device="cuda")[: B * (ctx // bs)].view(B, -1).int()
+    order = torch.randperm(nb, device="cuda") if table_order == "random" else torch.arange(nb, device="cuda")
+    table = order[: B * (ctx // bs)].view(B, -1).int()
     q = torch.randn(B * q_len, Hq, D, dtype=torch.bfloat16, device="cuda")
     cu_q = torch.arange(0, (B + 1) * q_len, q_len, dtype=torch.int32, device="cuda")
     seq = torch.full((B,), ctx, dtype=torch.int32, device="cuda")

@@ -7,7 +7,9 @@ variants, measures, and prints one JSON line. Writes <out>/decode_sweep_<gpu>_<d
 Usage: python perf/decode_sweep.py OUT_DIR [config ...]   (config e.g. 4,3,2,tma, or default)
        python perf/decode_sweep.py --precompile ROOT config ...  (no GPU needed: sm_90a kernels of each
        config into ROOT/cfg_*; DECODE_SWEEP_AOT=ROOT makes the children load them)
-Environment: SPLITS=8,16,32 adds forced-split B=1 points; CASES_ONLY="B=1 ctx=32768;B=16 ctx=4096" keeps those.
+Environment: SPLITS=8,16,32 adds forced-split B=1 points; CASES_ONLY="B=1 ctx=32768;B=16 ctx=4096" keeps those;
+VARIANTS="HND;seq;splits=2" adds B=64 ctx=4096 bf16 points with the HND layout, a page-ordered table
+(request b owns consecutive pages: the unpaged access pattern) or forced splits.
 """
 from __future__ import annotations
 
@@ -33,8 +35,11 @@ def _cases() -> list:
     cases = list(CASES)
     for n in filter(None, os.environ.get("SPLITS", "").split(",")):
         cases += [(name.format(n), B, ctx, kv, int(n)) for name, B, ctx, kv in SPLIT_CASES]
+    for v in filter(None, os.environ.get("VARIANTS", "").split(";")):
+        cases.append((f"B=64 ctx=4096 {v}", 64, 4096, "auto", int(v[7:]) if v.startswith("splits=") else 0))
     only = [x for x in os.environ.get("CASES_ONLY", "").split(";") if x]
-    return [c for c in cases if not only or c[0] in only or c[0].startswith("B=1 ctx=32768 splits")]
+    return [c for c in cases if not only or c[0] in only or c[0].startswith("B=1 ctx=32768 splits")
+            or c[0].startswith("B=64 ctx=4096 ") and c[0][14:] in os.environ.get("VARIANTS", "").split(";")]
 
 
 def _aot_dir(root: str, config: str) -> Path:
@@ -92,7 +97,9 @@ def child(config: str):
     cases = _cases()
     timer = Timer(budget_s=0.2)  # the bench's method: device time of back-to-back calls
     for name, B, ctx, kv, splits in cases:
-        q, kc, vc, table, cu_q, seq, s = decode_case(B, ctx, kv)
+        words = name.split()
+        q, kc, vc, table, cu_q, seq, s = decode_case(B, ctx, kv, layout="HND" if "HND" in words else "NHD",
+                                                     table_order="seq" if "seq" in words else "random")
         fn = lambda k: pagedattn.flash_attn_varlen_func(  # noqa: E731
             q, kc, vc, 1, cu_q, ctx, seqused_k=seq, block_table=table, kv_cache_dtype=kv,
             k_descale=s, v_descale=s, num_splits=splits)
