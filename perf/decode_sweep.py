@@ -9,7 +9,8 @@ Usage: python perf/decode_sweep.py OUT_DIR [config ...]   (config e.g. 4,3,2,tma
        config into ROOT/cfg_*; DECODE_SWEEP_AOT=ROOT makes the children load them)
 Environment: SPLITS=8,16,32 adds forced-split B=1 points; CASES_ONLY="B=1 ctx=32768;B=16 ctx=4096" keeps those;
 VARIANTS="HND;seq;splits=2" adds B=64 ctx=4096 bf16 points with the HND layout, a page-ordered table
-(request b owns consecutive pages: the unpaged access pattern) or forced splits.
+(request b owns consecutive pages: the unpaged access pattern) or forced splits; TMA_PROMOTION=NONE|L2_64B|
+L2_128B|L2_256B sets the tensor maps' L2 promotion (attention.TMA_L2_PROMOTION).
 """
 from __future__ import annotations
 
@@ -94,6 +95,9 @@ def child(config: str):
     from attn_quick import decode_case
 
     _patch(config)
+    if os.environ.get("TMA_PROMOTION"):
+        from pagedattn.ops import attention
+        attention.TMA_L2_PROMOTION = os.environ["TMA_PROMOTION"]
     cases = _cases()
     timer = Timer(budget_s=0.2)  # the bench's method: device time of back-to-back calls
     for name, B, ctx, kv, splits in cases:
@@ -107,6 +111,8 @@ def child(config: str):
             us = timer(fn).us
             kv_bytes = 2 * B * ctx * 8 * 128 * (2 if kv == "auto" else 1)
             row = dict(config=config, case=name, us=us, kv_gbs=kv_bytes / us / 1e3)
+            if os.environ.get("TMA_PROMOTION"):
+                row["tma_promotion"] = os.environ["TMA_PROMOTION"]
         except Exception as exc:  # noqa: BLE001
             row = dict(config=config, case=name, error=str(exc)[:300])
         print("ROW " + json.dumps(row), flush=True)

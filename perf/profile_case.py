@@ -1,5 +1,6 @@
 """One attention case (or, with kind write_<NHD|HND>_<auto|fp8_e4m3>, one cache write), launched a few
-times, for `ncu` (perf/h200.sh stage `ncu`)."""
+times, for `ncu` (perf/h200.sh stage `ncu`). Kind decode_cudnn runs the peer instead: torch SDPA's cuDNN
+backend on an unpaged copy of the decode case (NCU_KERNELS=sdpa|fprop|fmha)."""
 import sys
 
 import torch
@@ -26,7 +27,8 @@ if kind.startswith("write"):  # write_<layout>_<kv>[_head]: T=65536 H=8 D=128 bf
         pagedattn.reshape_and_cache_flash(k, v, kc, vc, slots, kvw, s, s)
     torch.cuda.synchronize()
     sys.exit(0)
-B, ctx, q_len, causal, kv, splits = KINDS[kind]
+peer = kind.endswith("_cudnn")
+B, ctx, q_len, causal, kv, splits = KINDS[kind.removesuffix("_cudnn")]
 nb = B * ctx // 16
 fp8 = kv != "auto"
 kc, vc = CacheSpec(nb + 8, 16, 8, 128, torch.uint8 if fp8 else torch.bfloat16, kv).allocate("cuda")
@@ -41,6 +43,18 @@ table = torch.randperm(nb + 8, device="cuda")[:nb].view(B, -1).int()
 q = torch.randn(B * q_len, 32, 128, dtype=torch.bfloat16, device="cuda")
 cu_q = torch.arange(0, (B + 1) * q_len, q_len, dtype=torch.int32, device="cuda")
 seq = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+if peer:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kk = kc[table.long()].reshape(B, ctx, 8, 128).transpose(1, 2)
+    vv = vc[table.long()].reshape(B, ctx, 8, 128).transpose(1, 2)
+    qq = q.view(B, q_len, 32, 128).transpose(1, 2)
+    torch.cuda.synchronize()
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        for _ in range(4):
+            torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True, is_causal=causal and q_len > 1)
+    torch.cuda.synchronize()
+    sys.exit(0)
 for _ in range(4):
     pagedattn.flash_attn_varlen_func(q, kc, vc, q_len, cu_q, ctx, seqused_k=seq, block_table=table,
                                      causal=causal, num_splits=splits, kv_cache_dtype=kv, k_descale=s,

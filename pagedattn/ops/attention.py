@@ -383,6 +383,9 @@ def tma_ok(call: _Call, arch: str, head_dim: int) -> bool:
 
 
 _TMA_DTYPE = {torch.float16: "FLOAT16", torch.bfloat16: "BFLOAT16"}
+# L2 promotion of the K/V tensor maps (CU_TENSOR_MAP_L2_PROMOTION_<this>): NONE, L2_64B, L2_128B, L2_256B.
+# A 16-bit head row is 256 bytes in two 128-byte boxes; perf/decode_sweep.py varies it (TMA_PROMOTION).
+TMA_L2_PROMOTION = "L2_256B"
 
 
 def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tuple[torch.Tensor, int]:
@@ -416,7 +419,7 @@ def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tu
             [drv.cuuint64_t(x * width) for x in strides], [drv.cuuint32_t(x) for x in box],
             [drv.cuuint32_t(1)] * 4,
             drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-            drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            getattr(drv.CUtensorMapL2promotion, "CU_TENSOR_MAP_L2_PROMOTION_" + TMA_L2_PROMOTION),
             drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
         maps += ctypes.string_at(int(tmap.getPtr()), 128)
     return torch.frombuffer(maps, dtype=torch.uint8).to(k.device), row_dim
