@@ -384,8 +384,10 @@ def tma_ok(call: _Call, arch: str, head_dim: int) -> bool:
 
 _TMA_DTYPE = {torch.float16: "FLOAT16", torch.bfloat16: "BFLOAT16"}
 # L2 promotion of the K/V tensor maps (CU_TENSOR_MAP_L2_PROMOTION_<this>): NONE, L2_64B, L2_128B, L2_256B.
-# A 16-bit head row is 256 bytes in two 128-byte boxes; perf/decode_sweep.py varies it (TMA_PROMOTION).
-TMA_L2_PROMOTION = "L2_256B"
+# Boxes are 128 bytes wide. Measured on H200 (perf/results/history/decode_sweep_h200_promotion_64b556a):
+# 256-byte promotion cost 6 % of decode bandwidth (B=64 ctx 4096: 269.7 us against 254.0 with 128 bytes,
+# 254.2 with none; ncu: 26 % L2 "hits" on lines promoted while in flight, DRAM at 83 % against 90 %).
+TMA_L2_PROMOTION = "L2_128B"
 
 
 def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tuple[torch.Tensor, int]:
