@@ -94,7 +94,8 @@ def test_reference_empty_request_and_fp8():
 # ---------------------------------------------------------------- compilation (CPU)
 CI_SPECS = [AttnFwdSpec("bf16", "auto", 128, "decode"), AttnFwdSpec("bf16", "auto", 128, "prefill"),
             AttnFwdSpec("fp16", "fp8_e4m3", 80, "decode"), AttnFwdSpec("bf16", "auto", 128, "decode_tma"),
-            AttnFwdSpec("fp16", "fp8_e5m2", 80, "decode_tma"), AttnFwdSpec("bf16", "fp8_e4m3", 128, "decode_tma")]
+            AttnFwdSpec("fp16", "fp8_e5m2", 80, "decode_tma"), AttnFwdSpec("bf16", "fp8_e4m3", 128, "decode_tma"),
+            AttnFwdSpec("bf16", "auto", 128, "prefill_wgmma")]
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])

@@ -19,13 +19,18 @@ HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 LOG2E = 1.4426950408889634
 
 
-MODES = ("decode", "decode_tma", "prefill")
+MODES = ("decode", "decode_tma", "prefill", "prefill_wgmma")
 
 
 def tile_config(head_dim: int, mode: str, fp8: bool = False) -> dict:
     """THE choice of tile sizes per (head dim, mode). Decode packs few rows, so its warps split the KV
     range (kWarpsN); prefill's warps split the rows (kWarpsM). decode_tma is decode with each warp
-    filling its own ring by TMA (sm_90, paged caches; see attn_traits.cuh)."""
+    filling its own ring by TMA (sm_90, paged caches; see attn_traits.cuh); prefill_wgmma is prefill
+    with warpgroup MMAs (sm_90a, 16-bit caches, head dims that are multiples of 64)."""
+    return dict(kWgmma=mode == "prefill_wgmma", **_tiles(head_dim, mode, fp8))
+
+
+def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
     if mode == "decode":
         # Measured on H200 (perf/results/history/attn_tile_sweep_*): with cp.async, decode is bound by
         # warps per SM, so the smallest sub-tile and two stages (68 KiB at d128: three CTAs) win.
@@ -42,6 +47,10 @@ def tile_config(head_dim: int, mode: str, fp8: bool = False) -> dict:
         if fp8:
             return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=2, kMinBlocks=3, kTma=True)
         return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=3, kMinBlocks=2, kTma=True)
+    if mode == "prefill_wgmma":
+        # two warpgroups of 64 rows; 128-key stages up to d128 (160 KiB of shared memory at d128)
+        return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1, kStages=2,
+                    kMinBlocks=1, kTma=False)
     if head_dim <= 128:
         return dict(kBlockM=128, kBlockN=64, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False)
     return dict(kBlockM=64, kBlockN=32, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False)
@@ -100,9 +109,12 @@ class AttnFwdSpec(KernelSpec):
         if self.mode == "decode_tma" and self.kv_cache_dtype == "auto" and self.head_dim % 64:
             raise UnsupportedError(f"attn_fwd: mode=decode_tma needs head_dim a multiple of 64 for 16-bit "
                                    f"caches (128-byte swizzled TMA boxes), got {self.head_dim}")
+        if self.mode == "prefill_wgmma" and (self.kv_cache_dtype != "auto" or self.head_dim % 64):
+            raise UnsupportedError(f"attn_fwd: mode=prefill_wgmma needs a 16-bit cache and head_dim a multiple "
+                                   f"of 64 (128-byte swizzled tiles), got {self.kv_cache_dtype}, {self.head_dim}")
 
     def supports_arch(self, arch: str) -> bool:
-        return self.mode != "decode_tma" or arch == "sm_90a"
+        return self.mode not in ("decode_tma", "prefill_wgmma") or arch == "sm_90a"
 
     def dynamic_smem(self) -> int:
         return smem_bytes(self.tiles, self.head_dim, self.kv_cache_dtype != "auto")
@@ -333,7 +345,7 @@ def _sig(t):
 class _Plan:
     """What a call's tensor metadata decides, validated once and reused while it repeats."""
     __slots__ = ("call", "device", "dtype", "head_dim", "dbs", "dhs", "block_shift", "bt_stride",
-                 "bt_width", "decode_mode", "_kernels", "_tma")
+                 "bt_width", "decode_mode", "prefill_mode", "_kernels", "_tma")
 
     def __init__(self, call: _Call, q, block_table, k_descale, v_descale):
         self.call = call
@@ -349,7 +361,9 @@ class _Plan:
         self.block_shift = bs.bit_length() - 1 if bs and bs & (bs - 1) == 0 else -1
         self.bt_stride = block_table.stride(0) if block_table is not None else 0
         self.bt_width = block_table.shape[1] if block_table is not None else 0
-        self.decode_mode = "decode_tma" if tma_ok(call, arch_for_device(self.device), self.head_dim) else "decode"
+        arch = arch_for_device(self.device)
+        self.decode_mode = "decode_tma" if tma_ok(call, arch, self.head_dim) else "decode"
+        self.prefill_mode = "prefill_wgmma" if wgmma_ok(call, arch, self.head_dim) else "prefill"
         self._kernels: dict = {}
         self._tma: dict = {}
 
@@ -380,6 +394,11 @@ def tma_ok(call: _Call, arch: str, head_dim: int) -> bool:
     width = 1 if fp8 else 2
     return (arch == "sm_90a" and call.paged and call.block_size % 16 == 0 and (fp8 or head_dim % 64 == 0)
             and all(x * width % 16 == 0 for x in (*call.k_strides, *call.v_strides, call.D)))
+
+
+def wgmma_ok(call: _Call, arch: str, head_dim: int) -> bool:
+    """prefill_wgmma: sm_90a, a 16-bit cache, a compiled head dim that is a multiple of 64."""
+    return arch == "sm_90a" and call.kv_name == "auto" and head_dim % 64 == 0
 
 
 _TMA_DTYPE = {torch.float16: "FLOAT16", torch.bfloat16: "BFLOAT16"}
@@ -496,7 +515,7 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
         return (out, lse) if return_softmax_lse else out
     group = call.Hq // call.Hkv
     rows = int(max_seqlen_q) * group
-    spec, launcher = plan.kernel(plan.decode_mode if rows <= 16 else "prefill")
+    spec, launcher = plan.kernel(plan.decode_mode if rows <= 16 else plan.prefill_mode)
     m_blocks = -(-rows // spec.tiles["kBlockM"])
     splits = choose_splits(int(num_splits), call.B * call.Hkv * m_blocks, int(max_seqlen_k), spec, plan.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(call.D)

@@ -24,6 +24,9 @@
 #include "pagedattn/softmax.cuh"
 #include "pagedattn/softmax_merge.cuh"
 #include "pagedattn/split_combine.cuh"
+#if PAGEDATTN_WGMMA
+#include "pagedattn/attn_wgmma.cuh"
+#endif
 
 namespace pagedattn {
 
@@ -276,38 +279,6 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     fence_proxy_async_smem();  // before a later TMA refills the slot
   };
 
-  // ---- MMA setup (per warp group)
-  typename Traits::TiledMma tiled_mma;
-  auto thr_mma = tiled_mma.get_thread_slice(gtid);
-  Tensor sK0 = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});
-  Tensor sVt0 = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutVt{});
-  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);     // (MMA, kMmaM, kHeadDim/16)
-  Tensor tSrK = thr_mma.partition_fragment_B(sK0);    // (MMA, kBlockN/8, kHeadDim/16)
-  Tensor tOrVt = thr_mma.partition_fragment_B(sVt0);  // (MMA, kHeadDim/8, kBlockN/16)
-  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, kMmaM, kHeadDim/8)
-  clear(acc_o);
-
-  auto s2r_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
-  auto s2r_q_thr = s2r_q.get_thread_slice(gtid);
-  Tensor tSsQ = s2r_q_thr.partition_S(sQ);
-  Tensor tSrQ_view = s2r_q_thr.retile_D(tSrQ);
-  auto s2r_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
-  auto s2r_k_thr = s2r_k.get_thread_slice(gtid);
-  Tensor tSrK_view = s2r_k_thr.retile_D(tSrK);
-  auto s2r_v = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, tiled_mma);
-  auto s2r_v_thr = s2r_v.get_thread_slice(gtid);
-  Tensor tOrVt_view = s2r_v_thr.retile_D(tOrVt);
-
-  // Row coordinates of this thread's accumulator rows, and the keys each row may see.
-  Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-  int key_limit[Traits::kRows];
-#pragma unroll
-  for (int r = 0; r < Traits::kRows; ++r) {
-    int const m = get<0>(tScS(2 * (r % 2), r / 2, 0));
-    int const qi = (w.row0 + m) / p.group;
-    key_limit[r] = p.causal ? cute::min(w.k_len, w.k_len - w.q_len + qi + 1) : w.k_len;
-  }
-
   float scale_log2 = p.scale_log2;
   float v_scale = 1.f;
   if constexpr (Traits::kIsFp8) {
@@ -315,279 +286,378 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     scale_log2 *= p.k_descale[di];
     v_scale = p.v_descale[di];
   }
-  // kFp8Regs: fp16 MMAs; bf16 queries enter as q * 2^-8 (see attn_fp8_regs.cuh)
-  constexpr float kQScale = Traits::kIsBf16 ? 1.f / 256.f : 1.f;
-  if constexpr (Traits::kFp8Regs) scale_log2 *= 1.f / kQScale;
-  constexpr bool kFp8QRegs = Traits::kFp8Regs && kHeadDim <= 128;
-  uint32_t q_frag[kFp8QRegs ? kHeadDim / 16 : 1][4];
-  OnlineSoftmax<Traits::kRows> softmax;
 
-  // ---- mainloop: a kStages-deep pipeline over stages [step_begin, step_end)
-  int const n_steps = w.step_end - w.step_begin;
-  // TMA page windows: lane L holds the page of chunk L % kChunks of issue (window start + L / kChunks)
-  auto fetch_window = [&](int i0) {
-    int const i = i0 + gtid / kChunks;
-    int const j = tile_key0(w.step_begin + i) + 16 * (gtid % kChunks);
-    return i < n_steps && j < w.k_len ? kv.page(j) : 0;
-  };
-  int win_cur = 0, win_next = 0;
-  auto issue = [&](int i) {  // the i-th sub-tile of this warp's range, into slot i % kStages
-    if (i % kWindow == 0 && i > 0) {
-      win_cur = win_next;
-      win_next = fetch_window(i + kWindow);
-    }
-    int const phys = __shfl_sync(0xffffffffu, win_cur, (i % kWindow) * kChunks + gtid % kChunks);
-    issue_tma(w.step_begin + i, i % kStages, phys);
-  };
-  if constexpr (Traits::kTma) {
-    if (gtid == 0) {
-      tma_prefetch_map(k_map);  // in flight with the page-window loads below
-      tma_prefetch_map(v_map);
-      for (int s = 0; s < kStages; ++s) mbarrier_init(ring_bars + s, 1);
-      mbarrier_init_fence();
-    }
-    __syncwarp();
-    win_cur = fetch_window(0);
-    win_next = fetch_window(kWindow);
-    for (int s = 0; s < kStages - 1 && s < n_steps; ++s) issue(s);
-    cp_async_commit();
+  // ---- epilogue: merge warp groups through shared memory, then write O and LSE. acc_o and tOcO
+  // (its coordinates) are either mainloop's accumulator; softmax holds its rows' (m, l).
+  auto write_out = [&](auto const& acc_o, auto const& softmax, auto const& tOcO) {
     cp_async_wait<0>();
-    __syncthreads();  // Q landed for every thread; the only CTA-wide barrier before the epilogue
-    if constexpr (Traits::kFp8Regs) {
-      if constexpr (kFp8QRegs) {
-        CUTE_UNROLL
-        for (int kk = 0; kk < kHeadDim / 16; ++kk) fp8_regs_q<Element>(sQ, kk, gtid, kQScale, q_frag[kk]);
+    __syncthreads();  // all K/V reads done: shared memory is reused
+    float* o_smem = reinterpret_cast<float*>(smem);                 // [kWarpsN][kBlockM][kHeadDim]
+    float* m_smem = o_smem + Traits::kWarpsN * kBlockM * kHeadDim;  // [kWarpsN][kBlockM]
+    float* l_smem = m_smem + Traits::kWarpsN * kBlockM;
+#pragma unroll
+    for (int r = 0; r < Traits::kRows; ++r) {
+      SoftmaxPartial const st = softmax.row_state(r);
+      int const m = get<0>(tOcO(2 * (r % 2), r / 2, 0));
+      if (gtid % 4 == 0) {
+        m_smem[group_idx * kBlockM + m] = st.m;
+        l_smem[group_idx * kBlockM + m] = st.l;
       }
-    } else if constexpr (kQInRegs) {
-      copy(s2r_q, tSsQ, tSrQ_view);  // Q stays in registers for the whole mainloop
     }
-  } else {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_o); ++i) {
+      int const col = Traits::kFp8Regs ? fp8_regs_column(get<1>(tOcO(i))) : int(get<1>(tOcO(i)));
+      o_smem[(group_idx * kBlockM + get<0>(tOcO(i))) * kHeadDim + col] = acc_o(i);
+    }
+    __syncthreads();
+
+    bool const split_out = p.num_splits > 1;
+    constexpr int kVec = 8;  // columns per thread step: 16 bytes of Element, 32 of fp32
+    for (int c = tidx; c < kBlockM * (kHeadDim / kVec); c += kThreads) {
+      int const m = c / (kHeadDim / kVec), col = (c % (kHeadDim / kVec)) * kVec;
+      int const R = w.row0 + m, i = R / p.group, g = R - i * p.group;
+      if (i >= w.q_len || col >= D) continue;
+      SoftmaxPartial total = SoftmaxPartial::empty();
+      for (int gi = 0; gi < Traits::kWarpsN; ++gi) {
+        total = softmax_combine(total, {m_smem[gi * kBlockM + m], l_smem[gi * kBlockM + m]});
+      }
+      float acc[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
+      for (int gi = 0; gi < Traits::kWarpsN; ++gi) {
+        float const wgt = softmax_merge_weight<false>({m_smem[gi * kBlockM + m], l_smem[gi * kBlockM + m]}, total);
+        if (wgt == 0.f) continue;
+        float const* src = o_smem + (gi * kBlockM + m) * kHeadDim + col;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[e] += wgt * src[e];
+      }
+      int const token = w.q_start + i, head = w.kv_head * p.group + g;
+      if (!split_out) {
+        Element outv[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) outv[e] = Element(acc[e] * v_scale);
+        Element* dst = static_cast<Element*>(p.out) + int64_t(token) * p.o_row_stride +
+                       int64_t(head) * p.o_head_stride + col;
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<uint4 const*>(outv);
+        if (col == 0 && p.lse != nullptr) p.lse[int64_t(head) * p.total_q + token] = total.lse();
+      } else {
+        float* dst = p.o_accum + ((int64_t(w.split) * p.total_q + token) * p.num_q_heads + head) * kHeadDim + col;
+#pragma unroll
+        for (int e = 0; e < kVec; e += 4) {
+          *reinterpret_cast<float4*>(dst + e) =
+              make_float4(acc[e] * v_scale, acc[e + 1] * v_scale, acc[e + 2] * v_scale, acc[e + 3] * v_scale);
+        }
+        if (col == 0) p.lse_accum[(int64_t(w.split) * p.num_q_heads + head) * p.total_q + token] = total.lse();
+      }
+    }
+    if (!split_out) return;
+
+    // ---- split-KV: the last CTA of this tile to arrive merges every split's partials. The flag lives
+    // in the (now free) dynamic shared memory: static shared memory would push a variant whose dynamic
+    // size is exactly the 48 KiB default over the launch limit.
+    // Release/acquire through thread 0 (bar.sync orders every thread's partials before its fence, and
+    // its fence after the counter before every thread's reads): one gpu-scope fence on each side, not a
+    // sequentially consistent fence per thread.
+    int* is_last = reinterpret_cast<int*>(smem);
+    __syncthreads();  // every thread's partials are written and the epilogue's shared memory is read
+    if (tidx == 0) {
+      int* counter = p.split_counters + (int64_t(blockIdx.x) * gridDim.y + blockIdx.y);
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");  // this CTA's partials before its arrival
+      bool const last = atomicAdd(counter, 1) == p.num_splits - 1;
+      if (last) {
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");  // the other splits' partials before our reads
+        *counter = 0;  // all splits arrived: zero again for the next call on this stream
+      }
+      *is_last = last;
+    }
+    __syncthreads();
+    if (!*is_last) return;
+    int64_t const part_stride = int64_t(p.total_q) * p.num_q_heads * kHeadDim;
+    for (int m = tidx / 32; m < kBlockM; m += kThreads / 32) {  // a warp per row
+      int const R = w.row0 + m, i = R / p.group, g = R - i * p.group;
+      if (i >= w.q_len) break;
+      int const token = w.q_start + i, head = w.kv_head * p.group + g;
+      combine_split_row<Element>(
+          p.o_accum + (int64_t(token) * p.num_q_heads + head) * kHeadDim, part_stride,
+          p.lse_accum + int64_t(head) * p.total_q + token, int64_t(p.num_q_heads) * p.total_q,
+          static_cast<Element*>(p.out) + int64_t(token) * p.o_row_stride + int64_t(head) * p.o_head_stride,
+          p.lse != nullptr ? p.lse + int64_t(head) * p.total_q + token : nullptr, D, p.num_splits, tidx % 32);
+    }
+  };
+
+  if constexpr (Traits::kWgmma) {
+#if PAGEDATTN_WGMMA
+    // ---- sm_90a prefill: warpgroup MMAs over the same cp.async pipeline (attn_wgmma.cuh)
+    using Tiles = WgmmaTiles<Traits>;
+    typename Tiles::TiledMmaQK mma_qk;
+    typename Tiles::TiledMmaPV mma_pv;
+    auto thr_qk = mma_qk.get_thread_slice(tidx);
+    auto thr_pv = mma_pv.get_thread_slice(tidx);
+    Tensor tSrQ = thr_qk.partition_fragment_A(make_tensor(make_smem_ptr(smem_q), typename Tiles::SmemLayoutQ{}));
+    Tensor acc_o = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    clear(acc_o);
+    // flat (4, 1, columns / 8) views of the accumulators for OnlineSoftmax (see attn_wgmma.cuh)
+    Tensor o_rows = make_tensor(acc_o.data(), Layout<Shape<_4, _1, Int<kHeadDim / 8>>>{});
+    Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    int key_limit[2];  // rows g and g + 8 of this thread's warp
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      int const qi = (w.row0 + int(get<0>(tScS(2 * r)))) / p.group;
+      key_limit[r] = p.causal ? cute::min(w.k_len, w.k_len - w.q_len + qi + 1) : w.k_len;
+    }
+    OnlineSoftmax<2> softmax;
+
+    int const n_steps = w.step_end - w.step_begin;
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
       if (s < n_steps) load_stage(w.step_begin + s, s);
       cp_async_commit();  // the Q loads ride in the first group
     }
-  }
-  for (int it = 0; it < n_steps; ++it) {
-    int const stage = it % kStages;
-    if constexpr (Traits::kTma) {
-      mbarrier_wait(ring_bars + stage, uint32_t(it / kStages) & 1u);
-      clear_tail(stage, tile_key0(w.step_begin + it));
-      __syncwarp();  // zero-filled rows of every lane are visible; slot it-1 is free
-      int const ahead = it + kStages - 1;
-      if (ahead < n_steps) issue(ahead);
-    } else {
+    for (int it = 0; it < n_steps; ++it) {
+      int const stage = it % kStages;
       cp_async_wait<kStages - 2>();
-      __syncthreads();  // stage `it` landed for every thread; stage it-1 is free
+      fence_proxy_async_smem();  // this thread's cp.async bytes, visible to the wgmma (async proxy) reads
+      __syncthreads();           // stage `it` landed for every thread; stage it-1 is free
       if (it + kStages - 1 < n_steps) load_stage(w.step_begin + it + kStages - 1, (it + kStages - 1) % kStages);
       cp_async_commit();
-    }
 
-    if constexpr (Traits::kFp8Regs) {
-      int const key0 = tile_key0(w.step_begin + it);
-      if (key0 >= w.k_len) continue;
-      uint8_t const* k_sub = raw_k + (stage * kStageKeys + group_idx * kBlockN) * kHeadDim;
-      uint8_t const* v_sub = raw_v + (stage * kStageKeys + group_idx * kBlockN) * kHeadDim;
-      Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      fp8_regs_qk<kHeadDim, kBlockN, Traits::kFp8>(k_sub, gtid, acc_s, [&](int kk, uint32_t (&a)[4]) {
-        if constexpr (kFp8QRegs) {
-          CUTE_UNROLL
-          for (int x = 0; x < 4; ++x) a[x] = q_frag[kk][x];
-        } else {
-          fp8_regs_q<Element>(sQ, kk, gtid, kQScale, a);
-        }
-      });
+      Tensor sK = make_tensor(make_smem_ptr(smem_k + stage * Traits::kTileElems), typename Tiles::SmemLayoutK{});
+      Tensor sVt = make_tensor(make_smem_ptr(smem_v + stage * Traits::kTileElems), typename Tiles::SmemLayoutVt{});
+      Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      wgmma_gemm<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(sK), acc_s);
+
+      int const key0 = (w.step_begin + it) * kBlockN;
       if (key0 + kBlockN > w.mask_from) {
         CUTE_UNROLL
         for (int i = 0; i < size(acc_s); ++i) {
-          int const r = (i % 4) / 2;
+          if (key0 + int(get<1>(tScS(i))) >= key_limit[(i % 4) / 2]) acc_s(i) = kNegInf;
+        }
+      }
+      Tensor s_rows = make_tensor(acc_s.data(), Layout<Shape<_4, _1, Int<kBlockN / 8>>>{});
+      softmax.update(s_rows, o_rows, scale_log2);
+
+      typename Tiles::FragP tOrP;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) tOrP(i) = Element(acc_s(i));
+      wgmma_gemm<false>(mma_pv, tOrP, thr_pv.partition_fragment_B(sVt), acc_o);
+    }
+    write_out(o_rows, softmax, thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+#else
+    static_assert(!Traits::kWgmma, "wgmma variants are rendered with PAGEDATTN_WGMMA defined");
+#endif
+  } else {
+    // ---- MMA setup (per warp group)
+    typename Traits::TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(gtid);
+    Tensor sK0 = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});
+    Tensor sVt0 = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutVt{});
+    Tensor tSrQ = thr_mma.partition_fragment_A(sQ);     // (MMA, kMmaM, kHeadDim/16)
+    Tensor tSrK = thr_mma.partition_fragment_B(sK0);    // (MMA, kBlockN/8, kHeadDim/16)
+    Tensor tOrVt = thr_mma.partition_fragment_B(sVt0);  // (MMA, kHeadDim/8, kBlockN/16)
+    Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, kMmaM, kHeadDim/8)
+    clear(acc_o);
+
+    auto s2r_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+    auto s2r_q_thr = s2r_q.get_thread_slice(gtid);
+    Tensor tSsQ = s2r_q_thr.partition_S(sQ);
+    Tensor tSrQ_view = s2r_q_thr.retile_D(tSrQ);
+    auto s2r_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+    auto s2r_k_thr = s2r_k.get_thread_slice(gtid);
+    Tensor tSrK_view = s2r_k_thr.retile_D(tSrK);
+    auto s2r_v = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, tiled_mma);
+    auto s2r_v_thr = s2r_v.get_thread_slice(gtid);
+    Tensor tOrVt_view = s2r_v_thr.retile_D(tOrVt);
+
+    // Row coordinates of this thread's accumulator rows, and the keys each row may see.
+    Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    int key_limit[Traits::kRows];
+#pragma unroll
+    for (int r = 0; r < Traits::kRows; ++r) {
+      int const m = get<0>(tScS(2 * (r % 2), r / 2, 0));
+      int const qi = (w.row0 + m) / p.group;
+      key_limit[r] = p.causal ? cute::min(w.k_len, w.k_len - w.q_len + qi + 1) : w.k_len;
+    }
+
+    // kFp8Regs: fp16 MMAs; bf16 queries enter as q * 2^-8 (see attn_fp8_regs.cuh)
+    constexpr float kQScale = Traits::kIsBf16 ? 1.f / 256.f : 1.f;
+    if constexpr (Traits::kFp8Regs) scale_log2 *= 1.f / kQScale;
+    constexpr bool kFp8QRegs = Traits::kFp8Regs && kHeadDim <= 128;
+    uint32_t q_frag[kFp8QRegs ? kHeadDim / 16 : 1][4];
+    OnlineSoftmax<Traits::kRows> softmax;
+
+    // ---- mainloop: a kStages-deep pipeline over stages [step_begin, step_end)
+    int const n_steps = w.step_end - w.step_begin;
+    // TMA page windows: lane L holds the page of chunk L % kChunks of issue (window start + L / kChunks)
+    auto fetch_window = [&](int i0) {
+      int const i = i0 + gtid / kChunks;
+      int const j = tile_key0(w.step_begin + i) + 16 * (gtid % kChunks);
+      return i < n_steps && j < w.k_len ? kv.page(j) : 0;
+    };
+    int win_cur = 0, win_next = 0;
+    auto issue = [&](int i) {  // the i-th sub-tile of this warp's range, into slot i % kStages
+      if (i % kWindow == 0 && i > 0) {
+        win_cur = win_next;
+        win_next = fetch_window(i + kWindow);
+      }
+      int const phys = __shfl_sync(0xffffffffu, win_cur, (i % kWindow) * kChunks + gtid % kChunks);
+      issue_tma(w.step_begin + i, i % kStages, phys);
+    };
+    if constexpr (Traits::kTma) {
+      if (gtid == 0) {
+        tma_prefetch_map(k_map);  // in flight with the page-window loads below
+        tma_prefetch_map(v_map);
+        for (int s = 0; s < kStages; ++s) mbarrier_init(ring_bars + s, 1);
+        mbarrier_init_fence();
+      }
+      __syncwarp();
+      win_cur = fetch_window(0);
+      win_next = fetch_window(kWindow);
+      for (int s = 0; s < kStages - 1 && s < n_steps; ++s) issue(s);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();  // Q landed for every thread; the only CTA-wide barrier before the epilogue
+      if constexpr (Traits::kFp8Regs) {
+        if constexpr (kFp8QRegs) {
+          CUTE_UNROLL
+          for (int kk = 0; kk < kHeadDim / 16; ++kk) fp8_regs_q<Element>(sQ, kk, gtid, kQScale, q_frag[kk]);
+        }
+      } else if constexpr (kQInRegs) {
+        copy(s2r_q, tSsQ, tSrQ_view);  // Q stays in registers for the whole mainloop
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < kStages - 1; ++s) {
+        if (s < n_steps) load_stage(w.step_begin + s, s);
+        cp_async_commit();  // the Q loads ride in the first group
+      }
+    }
+    for (int it = 0; it < n_steps; ++it) {
+      int const stage = it % kStages;
+      if constexpr (Traits::kTma) {
+        mbarrier_wait(ring_bars + stage, uint32_t(it / kStages) & 1u);
+        clear_tail(stage, tile_key0(w.step_begin + it));
+        __syncwarp();  // zero-filled rows of every lane are visible; slot it-1 is free
+        int const ahead = it + kStages - 1;
+        if (ahead < n_steps) issue(ahead);
+      } else {
+        cp_async_wait<kStages - 2>();
+        __syncthreads();  // stage `it` landed for every thread; stage it-1 is free
+        if (it + kStages - 1 < n_steps) load_stage(w.step_begin + it + kStages - 1, (it + kStages - 1) % kStages);
+        cp_async_commit();
+      }
+
+      if constexpr (Traits::kFp8Regs) {
+        int const key0 = tile_key0(w.step_begin + it);
+        if (key0 >= w.k_len) continue;
+        uint8_t const* k_sub = raw_k + (stage * kStageKeys + group_idx * kBlockN) * kHeadDim;
+        uint8_t const* v_sub = raw_v + (stage * kStageKeys + group_idx * kBlockN) * kHeadDim;
+        Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        fp8_regs_qk<kHeadDim, kBlockN, Traits::kFp8>(k_sub, gtid, acc_s, [&](int kk, uint32_t (&a)[4]) {
+          if constexpr (kFp8QRegs) {
+            CUTE_UNROLL
+            for (int x = 0; x < 4; ++x) a[x] = q_frag[kk][x];
+          } else {
+            fp8_regs_q<Element>(sQ, kk, gtid, kQScale, a);
+          }
+        });
+        if (key0 + kBlockN > w.mask_from) {
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_s); ++i) {
+            int const r = (i % 4) / 2;
+            if (key0 + get<1>(tScS(i)) >= key_limit[r]) acc_s(i) = kNegInf;
+          }
+        }
+        softmax.update(acc_s, acc_o, scale_log2);
+        fp8_regs_pv<kHeadDim, kBlockN, Traits::kFp8>(v_sub, gtid, acc_s, acc_o);
+        continue;
+      }
+
+      Element* k_tile;
+      Element* v_tile;
+      if constexpr (Traits::kIsFp8) {
+        // each warp group widens its own sub-tile; only the group waits for it
+        constexpr int kChunks = kHeadDim / 16;
+        typename Traits::SmemLayoutKV layout;
+        Element* k_dst = smem_k + group_idx * Traits::kTileElems;
+        Element* v_dst = smem_v + group_idx * Traits::kTileElems;
+        for (int c = gtid; c < kBlockN * kChunks; c += Traits::kGroupThreads) {
+          int const r = c / kChunks, col = (c % kChunks) * 16;
+          int const raw_off = (stage * kStageKeys + group_idx * kBlockN + r) * kHeadDim + col;
+          uint4 lo, hi;
+          dequant_fp8x16<Traits::kIsBf16, Traits::kFp8>(*reinterpret_cast<uint4 const*>(raw_k + raw_off), lo, hi);
+          *reinterpret_cast<uint4*>(k_dst + layout(r, col)) = lo;
+          *reinterpret_cast<uint4*>(k_dst + layout(r, col + 8)) = hi;
+          dequant_fp8x16<Traits::kIsBf16, Traits::kFp8>(*reinterpret_cast<uint4 const*>(raw_v + raw_off), lo, hi);
+          *reinterpret_cast<uint4*>(v_dst + layout(r, col)) = lo;
+          *reinterpret_cast<uint4*>(v_dst + layout(r, col + 8)) = hi;
+        }
+        group_sync<Traits>(group_idx);
+        k_tile = smem_k + group_idx * Traits::kTileElems;
+        v_tile = smem_v + group_idx * Traits::kTileElems;
+      } else {
+        k_tile = smem_k + (stage * Traits::kWarpsN + group_idx) * Traits::kTileElems;
+        v_tile = smem_v + (stage * Traits::kWarpsN + group_idx) * Traits::kTileElems;
+      }
+      int const key0 = (w.step_begin + it) * kStageKeys + group_idx * kBlockN;
+      if (key0 >= w.k_len) continue;  // this group's sub-tile lies past the end: nothing to add
+
+      Tensor sK = make_tensor(make_smem_ptr(k_tile), typename Traits::SmemLayoutKV{});
+      Tensor sVt = make_tensor(make_smem_ptr(v_tile), typename Traits::SmemLayoutVt{});
+      Tensor tSsK = s2r_k_thr.partition_S(sK);
+      Tensor tOsVt = s2r_v_thr.partition_S(sVt);
+
+      // S = Q K^T. With few independent MMA chains (narrow sub-tiles), even and odd k-steps go to two
+      // accumulators so consecutive MMAs do not wait on each other.
+      Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, kMmaM, kBlockN/8)
+      clear(acc_s);
+      constexpr bool kTwoChains = kBlockN / 8 * Traits::kMmaM < 4;
+      Tensor acc_s_odd = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      if constexpr (kTwoChains) clear(acc_s_odd);
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tSrQ); ++k) {
+        if constexpr (!kQInRegs) copy(s2r_q, tSsQ(_, _, k), tSrQ_view(_, _, k));
+        copy(s2r_k, tSsK(_, _, k), tSrK_view(_, _, k));
+        if (kTwoChains && k % 2 == 1) {
+          cute::gemm(tiled_mma, tSrQ(_, _, k), tSrK(_, _, k), acc_s_odd);
+        } else {
+          cute::gemm(tiled_mma, tSrQ(_, _, k), tSrK(_, _, k), acc_s);
+        }
+      }
+      if constexpr (kTwoChains) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) acc_s(i) += acc_s_odd(i);
+      }
+
+      // mask only where some row of the tile may not see some key of the sub-tile
+      if (key0 + kBlockN > w.mask_from) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) {
+          int const v = i % 4, mi = (i / 4) % Traits::kMmaM;
+          int const r = 2 * mi + v / 2;
           if (key0 + get<1>(tScS(i)) >= key_limit[r]) acc_s(i) = kNegInf;
         }
       }
+
       softmax.update(acc_s, acc_o, scale_log2);
-      fp8_regs_pv<kHeadDim, kBlockN, Traits::kFp8>(v_sub, gtid, acc_s, acc_o);
-      continue;
-    }
 
-    Element* k_tile;
-    Element* v_tile;
-    if constexpr (Traits::kIsFp8) {
-      // each warp group widens its own sub-tile; only the group waits for it
-      constexpr int kChunks = kHeadDim / 16;
-      typename Traits::SmemLayoutKV layout;
-      Element* k_dst = smem_k + group_idx * Traits::kTileElems;
-      Element* v_dst = smem_v + group_idx * Traits::kTileElems;
-      for (int c = gtid; c < kBlockN * kChunks; c += Traits::kGroupThreads) {
-        int const r = c / kChunks, col = (c % kChunks) * 16;
-        int const raw_off = (stage * kStageKeys + group_idx * kBlockN + r) * kHeadDim + col;
-        uint4 lo, hi;
-        dequant_fp8x16<Traits::kIsBf16, Traits::kFp8>(*reinterpret_cast<uint4 const*>(raw_k + raw_off), lo, hi);
-        *reinterpret_cast<uint4*>(k_dst + layout(r, col)) = lo;
-        *reinterpret_cast<uint4*>(k_dst + layout(r, col + 8)) = hi;
-        dequant_fp8x16<Traits::kIsBf16, Traits::kFp8>(*reinterpret_cast<uint4 const*>(raw_v + raw_off), lo, hi);
-        *reinterpret_cast<uint4*>(v_dst + layout(r, col)) = lo;
-        *reinterpret_cast<uint4*>(v_dst + layout(r, col + 8)) = hi;
-      }
-      group_sync<Traits>(group_idx);
-      k_tile = smem_k + group_idx * Traits::kTileElems;
-      v_tile = smem_v + group_idx * Traits::kTileElems;
-    } else {
-      k_tile = smem_k + (stage * Traits::kWarpsN + group_idx) * Traits::kTileElems;
-      v_tile = smem_v + (stage * Traits::kWarpsN + group_idx) * Traits::kTileElems;
-    }
-    int const key0 = (w.step_begin + it) * kStageKeys + group_idx * kBlockN;
-    if (key0 >= w.k_len) continue;  // this group's sub-tile lies past the end: nothing to add
-
-    Tensor sK = make_tensor(make_smem_ptr(k_tile), typename Traits::SmemLayoutKV{});
-    Tensor sVt = make_tensor(make_smem_ptr(v_tile), typename Traits::SmemLayoutVt{});
-    Tensor tSsK = s2r_k_thr.partition_S(sK);
-    Tensor tOsVt = s2r_v_thr.partition_S(sVt);
-
-    // S = Q K^T. With few independent MMA chains (narrow sub-tiles), even and odd k-steps go to two
-    // accumulators so consecutive MMAs do not wait on each other.
-    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, kMmaM, kBlockN/8)
-    clear(acc_s);
-    constexpr bool kTwoChains = kBlockN / 8 * Traits::kMmaM < 4;
-    Tensor acc_s_odd = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    if constexpr (kTwoChains) clear(acc_s_odd);
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(tSrQ); ++k) {
-      if constexpr (!kQInRegs) copy(s2r_q, tSsQ(_, _, k), tSrQ_view(_, _, k));
-      copy(s2r_k, tSsK(_, _, k), tSrK_view(_, _, k));
-      if (kTwoChains && k % 2 == 1) {
-        cute::gemm(tiled_mma, tSrQ(_, _, k), tSrK(_, _, k), acc_s_odd);
-      } else {
-        cute::gemm(tiled_mma, tSrQ(_, _, k), tSrK(_, _, k), acc_s);
-      }
-    }
-    if constexpr (kTwoChains) {
+      // O += P V (P converted to Element in the A-operand layout)
+      Tensor tOrP = make_tensor<Element>(Shape<_8, Int<Traits::kMmaM>, Int<kBlockN / 16>>{});
       CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) acc_s(i) += acc_s_odd(i);
-    }
-
-    // mask only where some row of the tile may not see some key of the sub-tile
-    if (key0 + kBlockN > w.mask_from) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) {
-        int const v = i % 4, mi = (i / 4) % Traits::kMmaM;
-        int const r = 2 * mi + v / 2;
-        if (key0 + get<1>(tScS(i)) >= key_limit[r]) acc_s(i) = kNegInf;
-      }
-    }
-
-    softmax.update(acc_s, acc_o, scale_log2);
-
-    // O += P V (P converted to Element in the A-operand layout)
-    Tensor tOrP = make_tensor<Element>(Shape<_8, Int<Traits::kMmaM>, Int<kBlockN / 16>>{});
-    CUTE_UNROLL
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      CUTE_UNROLL
-      for (int mi = 0; mi < Traits::kMmaM; ++mi) {
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
         CUTE_UNROLL
-        for (int v = 0; v < 8; ++v) tOrP(v, mi, kk) = Element(acc_s(v % 4, mi, 2 * kk + v / 4));
+        for (int mi = 0; mi < Traits::kMmaM; ++mi) {
+          CUTE_UNROLL
+          for (int v = 0; v < 8; ++v) tOrP(v, mi, kk) = Element(acc_s(v % 4, mi, 2 * kk + v / 4));
+        }
+      }
+      CUTE_UNROLL
+      for (int k = 0; k < kBlockN / 16; ++k) {
+        copy(s2r_v, tOsVt(_, _, k), tOrVt_view(_, _, k));
+        cute::gemm(tiled_mma, tOrP(_, _, k), tOrVt(_, _, k), acc_o);
       }
     }
-    CUTE_UNROLL
-    for (int k = 0; k < kBlockN / 16; ++k) {
-      copy(s2r_v, tOsVt(_, _, k), tOrVt_view(_, _, k));
-      cute::gemm(tiled_mma, tOrP(_, _, k), tOrVt(_, _, k), acc_o);
-    }
-  }
+    write_out(acc_o, softmax, thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
 
-  // ---- epilogue: merge warp groups through shared memory, then write O and LSE
-  cp_async_wait<0>();
-  __syncthreads();  // all K/V reads done: shared memory is reused
-  float* o_smem = reinterpret_cast<float*>(smem);                 // [kWarpsN][kBlockM][kHeadDim]
-  float* m_smem = o_smem + Traits::kWarpsN * kBlockM * kHeadDim;  // [kWarpsN][kBlockM]
-  float* l_smem = m_smem + Traits::kWarpsN * kBlockM;
-  Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-#pragma unroll
-  for (int r = 0; r < Traits::kRows; ++r) {
-    SoftmaxPartial const st = softmax.row_state(r);
-    int const m = get<0>(tOcO(2 * (r % 2), r / 2, 0));
-    if (gtid % 4 == 0) {
-      m_smem[group_idx * kBlockM + m] = st.m;
-      l_smem[group_idx * kBlockM + m] = st.l;
-    }
-  }
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_o); ++i) {
-    int const col = Traits::kFp8Regs ? fp8_regs_column(get<1>(tOcO(i))) : int(get<1>(tOcO(i)));
-    o_smem[(group_idx * kBlockM + get<0>(tOcO(i))) * kHeadDim + col] = acc_o(i);
-  }
-  __syncthreads();
-
-  bool const split_out = p.num_splits > 1;
-  constexpr int kVec = 8;  // columns per thread step: 16 bytes of Element, 32 of fp32
-  for (int c = tidx; c < kBlockM * (kHeadDim / kVec); c += kThreads) {
-    int const m = c / (kHeadDim / kVec), col = (c % (kHeadDim / kVec)) * kVec;
-    int const R = w.row0 + m, i = R / p.group, g = R - i * p.group;
-    if (i >= w.q_len || col >= D) continue;
-    SoftmaxPartial total = SoftmaxPartial::empty();
-    for (int gi = 0; gi < Traits::kWarpsN; ++gi) {
-      total = softmax_combine(total, {m_smem[gi * kBlockM + m], l_smem[gi * kBlockM + m]});
-    }
-    float acc[kVec];
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
-    for (int gi = 0; gi < Traits::kWarpsN; ++gi) {
-      float const wgt = softmax_merge_weight<false>({m_smem[gi * kBlockM + m], l_smem[gi * kBlockM + m]}, total);
-      if (wgt == 0.f) continue;
-      float const* src = o_smem + (gi * kBlockM + m) * kHeadDim + col;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) acc[e] += wgt * src[e];
-    }
-    int const token = w.q_start + i, head = w.kv_head * p.group + g;
-    if (!split_out) {
-      Element outv[kVec];
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) outv[e] = Element(acc[e] * v_scale);
-      Element* dst = static_cast<Element*>(p.out) + int64_t(token) * p.o_row_stride +
-                     int64_t(head) * p.o_head_stride + col;
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<uint4 const*>(outv);
-      if (col == 0 && p.lse != nullptr) p.lse[int64_t(head) * p.total_q + token] = total.lse();
-    } else {
-      float* dst = p.o_accum + ((int64_t(w.split) * p.total_q + token) * p.num_q_heads + head) * kHeadDim + col;
-#pragma unroll
-      for (int e = 0; e < kVec; e += 4) {
-        *reinterpret_cast<float4*>(dst + e) =
-            make_float4(acc[e] * v_scale, acc[e + 1] * v_scale, acc[e + 2] * v_scale, acc[e + 3] * v_scale);
-      }
-      if (col == 0) p.lse_accum[(int64_t(w.split) * p.num_q_heads + head) * p.total_q + token] = total.lse();
-    }
-  }
-  if (!split_out) return;
-
-  // ---- split-KV: the last CTA of this tile to arrive merges every split's partials. The flag lives
-  // in the (now free) dynamic shared memory: static shared memory would push a variant whose dynamic
-  // size is exactly the 48 KiB default over the launch limit.
-  // Release/acquire through thread 0 (bar.sync orders every thread's partials before its fence, and
-  // its fence after the counter before every thread's reads): one gpu-scope fence on each side, not a
-  // sequentially consistent fence per thread.
-  int* is_last = reinterpret_cast<int*>(smem);
-  __syncthreads();  // every thread's partials are written and the epilogue's shared memory is read
-  if (tidx == 0) {
-    int* counter = p.split_counters + (int64_t(blockIdx.x) * gridDim.y + blockIdx.y);
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");  // this CTA's partials before its arrival
-    bool const last = atomicAdd(counter, 1) == p.num_splits - 1;
-    if (last) {
-      asm volatile("fence.acq_rel.gpu;" ::: "memory");  // the other splits' partials before our reads
-      *counter = 0;  // all splits arrived: zero again for the next call on this stream
-    }
-    *is_last = last;
-  }
-  __syncthreads();
-  if (!*is_last) return;
-  int64_t const part_stride = int64_t(p.total_q) * p.num_q_heads * kHeadDim;
-  for (int m = tidx / 32; m < kBlockM; m += kThreads / 32) {  // a warp per row
-    int const R = w.row0 + m, i = R / p.group, g = R - i * p.group;
-    if (i >= w.q_len) break;
-    int const token = w.q_start + i, head = w.kv_head * p.group + g;
-    combine_split_row<Element>(
-        p.o_accum + (int64_t(token) * p.num_q_heads + head) * kHeadDim, part_stride,
-        p.lse_accum + int64_t(head) * p.total_q + token, int64_t(p.num_q_heads) * p.total_q,
-        static_cast<Element*>(p.out) + int64_t(token) * p.o_row_stride + int64_t(head) * p.o_head_stride,
-        p.lse != nullptr ? p.lse + int64_t(head) * p.total_q + token : nullptr, D, p.num_splits, tidx % 32);
   }
 }
 

@@ -15,6 +15,10 @@
 //     slot. The TMA writes the same 128-byte-swizzled tiles the cp.async path builds (fp8: 128-byte
 //     swizzled rows of 128 columns when kFp8Regs, else plain rows). Warps never wait for each other
 //     inside the mainloop.
+//
+// kWgmma (sm_90a prefill, 16-bit caches): the same cp.async stages and swizzled tiles (they are the
+// 128-byte-swizzled K-major layout warpgroup MMAs read), but each warpgroup of four warps multiplies
+// its 64 rows with wgmma: S = Q K^T from shared memory, O += P V with P in registers (attn_wgmma.cuh).
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
@@ -27,7 +31,7 @@
 namespace pagedattn {
 
 template <class Element_, Fp8Format kFp8_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsM_,
-          int kWarpsN_, int kStages_, bool kTma_ = false>
+          int kWarpsN_, int kStages_, bool kTma_ = false, bool kWgmma_ = false>
 struct AttnTraits {
   using Element = Element_;  // cutlass::half_t or cutlass::bfloat16_t: Q, O and both MMA operands
   static constexpr Fp8Format kFp8 = kFp8_;
@@ -42,6 +46,7 @@ struct AttnTraits {
   static constexpr int kWarpsN = kWarpsN_;
   static constexpr int kStages = kStages_;   // stages of the CTA (cp.async) or slots of each warp's ring (TMA)
   static constexpr bool kTma = kTma_;
+  static constexpr bool kWgmma = kWgmma_;
   static constexpr int kGroupThreads = 32 * kWarpsM;
   static constexpr int kThreads = kGroupThreads * kWarpsN;
   static constexpr int kStageKeys = kBlockN * kWarpsN;
@@ -58,6 +63,9 @@ struct AttnTraits {
   // thread converts its own MMA operands from fp8 in registers (attn_fp8_regs.cuh); no widened copy.
   static constexpr bool kFp8Regs = kTma && kIsFp8 && kHeadDim % 128 == 0;
   static_assert(!kFp8Regs || kBlockM == 16, "fp8 register operands: one 16-row MMA tile per warp");
+  static_assert(!kWgmma || (!kTma && !kIsFp8 && kWarpsN == 1 && kWarpsM % 4 == 0 && kBlockM == 16 * kWarpsM &&
+                            kHeadDim % 64 == 0 && kBlockN % 64 == 0),
+                "wgmma: whole warpgroups of 64 rows, 16-bit tiles in 64-column swizzle atoms");
 
   // Swizzled shared-memory tiles: 8-row atoms as wide as the head dim allows (64, 32 or 16 columns).
   static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : (kHeadDim % 32 == 0 ? 32 : 16);
