@@ -3,7 +3,8 @@ shape: B=4, S=4096, causal, Hq=32, Hkv=8, D=128, block 16, bf16, shuffled block 
 
 Each configuration runs in its own process (a kernel's tiles are fixed once it is built); the child
 patches `tile_config` for prefill_wgmma, measures with the bench's Timer and prints one JSON line.
-Usage: python perf/prefill_sweep.py OUT_DIR [config ...]       config = kBlockM,kBlockN,kWarpsM,kStages
+Usage: python perf/prefill_sweep.py OUT_DIR [config ...]       config = kBlockM,kBlockN,kWarpsM,kStages[,kWgmma]
+       (kWgmma 1: step by step, 2: overlapped; default 1)
        python perf/prefill_sweep.py --precompile ROOT config ...  (no GPU needed: build each config's
        kernel into ROOT/cfg_*; PREFILL_SWEEP_AOT=ROOT makes the children load them)
 Writes <OUT_DIR>/prefill_sweep_<gpu>_<date>.json.
@@ -18,7 +19,7 @@ from datetime import date
 from pathlib import Path
 
 B, S, HQ, HKV, D, BS = 4, 4096, 32, 8, 128, 16
-DEFAULT_CONFIGS = ["default", "128,128,8,3", "192,128,12,2", "128,64,8,3", "192,64,12,3"]
+DEFAULT_CONFIGS = ["default", "128,128,8,3,2", "128,64,8,3,2", "192,64,12,3,2", "256,64,16,3,2"]
 
 
 def _aot_dir(root: str, config: str) -> Path:
@@ -30,13 +31,13 @@ def _patch(config: str) -> None:
         return
     from pagedattn.ops import attention
 
-    bm, bn, wm, st = (int(x) for x in config.split(","))
+    bm, bn, wm, st, wg = ([int(x) for x in config.split(",")] + [1])[:5]
     base = attention.tile_config
 
     def patched(head_dim, mode, fp8=False):
         cfg = base(head_dim, mode, fp8)
         if mode == "prefill_wgmma":
-            cfg.update(kBlockM=bm, kBlockN=bn, kWarpsM=wm, kStages=st)
+            cfg.update(kBlockM=bm, kBlockN=bn, kWarpsM=wm, kStages=st, kWgmma=wg)
         return cfg
 
     attention.tile_config = patched
@@ -76,9 +77,21 @@ def child(config: str):
     fn = lambda k: pagedattn.flash_attn_varlen_func(  # noqa: E731
         q, kc, vc, S, cu_q, S, seqused_k=seq, block_table=table, causal=True)
     try:
+        # correctness first: two requests of 300 and 517 tokens against the float32 reference
+        from pagedattn import reference
+
+        lens = [300, 517]
+        qs = torch.randn(sum(lens), HQ, D, dtype=torch.bfloat16, device="cuda")
+        cu_s = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device="cuda")
+        seq_s = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        got = pagedattn.flash_attn_varlen_func(qs, kc, vc, max(lens), cu_s, max(lens), seqused_k=seq_s,
+                                               block_table=table[:2], causal=True)
+        ref = reference.paged_attention(qs, kc, vc, cu_s, seq_s, table[:2], causal=True,
+                                        compute_dtype=torch.float32)
+        err = float((got.float() - ref.float()).norm() / ref.float().norm())
         us = Timer(budget_s=0.3)(fn).us
         flops = 4 * B * HQ * D * S * S / 2
-        row = dict(config=config, us=us, tflops=flops / us / 1e6)
+        row = dict(config=config, us=us, tflops=flops / us / 1e6, rel_l2_err=err)
     except Exception as exc:  # noqa: BLE001
         row = dict(config=config, error=str(exc)[:300])
     print("ROW " + json.dumps(row), flush=True)
@@ -101,13 +114,13 @@ def main(out_dir: str, configs: list[str]):
             got.append(dict(config=config, error=(proc.stderr or proc.stdout)[-600:]))
         for r in got:
             rows.append(r)
-            print(f"{config:16s} " + (f"{r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s" if "us" in r
+            print(f"{config:16s} " + (f"{r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s err {r['rel_l2_err']:.1e}" if "us" in r
                                       else f"ERROR {r.get('error', '')[-300:]}"), flush=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
                 commit=git_commit(), date=date.today().isoformat(),
                 shape=f"B={B} S={S} causal Hq={HQ} Hkv={HKV} D={D} block {BS} NHD, bf16, shuffled table",
                 timing="pagedattn.bench.timing.Timer (back-to-back device time)",
-                config_format="kBlockM,kBlockN,kWarpsM,kStages (mode prefill_wgmma)")
+                config_format="kBlockM,kBlockN,kWarpsM,kStages[,kWgmma] (mode prefill_wgmma)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"prefill_sweep_{meta['gpu'].replace(' ', '_').lower()}_{meta['date'].replace('-', '')}.json"

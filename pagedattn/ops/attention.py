@@ -27,7 +27,9 @@ def tile_config(head_dim: int, mode: str, fp8: bool = False) -> dict:
     range (kWarpsN); prefill's warps split the rows (kWarpsM). decode_tma is decode with each warp
     filling its own ring by TMA (sm_90, paged caches; see attn_traits.cuh); prefill_wgmma is prefill
     with warpgroup MMAs (sm_90a, 16-bit caches, head dims that are multiples of 64)."""
-    return dict(kWgmma=mode == "prefill_wgmma", **_tiles(head_dim, mode, fp8))
+    tiles = _tiles(head_dim, mode, fp8)
+    tiles.setdefault("kWgmma", 0)  # 0: SM80 MMAs; 1, 2: warpgroup MMAs, step by step or overlapped
+    return tiles
 
 
 def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
@@ -48,9 +50,13 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
             return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=2, kMinBlocks=3, kTma=True)
         return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=3, kMinBlocks=2, kTma=True)
     if mode == "prefill_wgmma":
-        # two warpgroups of 64 rows; 128-key stages up to d128 (160 KiB of shared memory at d128)
-        return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1, kStages=2,
-                    kMinBlocks=1, kTma=False)
+        # Measured on H200, B=4 S=4096 causal d128 (perf/results/history/prefill_sweep_h200_tiles_4f2c9b6):
+        # more warpgroups sharing each K/V stage win: rows x keys 128x128 227 TFLOP/s, 192x128 300,
+        # 256x64 325 (four warpgroups). Head dims above 128 keep two warpgroups (O needs the registers).
+        if head_dim <= 128:
+            return dict(kBlockM=256, kBlockN=64, kWarpsM=16, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False,
+                        kWgmma=1)
+        return dict(kBlockM=128, kBlockN=64, kWarpsM=8, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False, kWgmma=1)
     if head_dim <= 128:
         return dict(kBlockM=128, kBlockN=64, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False)
     return dict(kBlockM=64, kBlockN=32, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False)

@@ -385,7 +385,7 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     }
   };
 
-  if constexpr (Traits::kWgmma) {
+  if constexpr (Traits::kWgmma != 0) {
 #if PAGEDATTN_WGMMA
     // ---- sm_90a prefill: warpgroup MMAs over the same cp.async pipeline (attn_wgmma.cuh)
     using Tiles = WgmmaTiles<Traits>;
@@ -407,39 +407,93 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     }
     OnlineSoftmax<2> softmax;
 
+    auto stage_k = [&](int stage) {
+      return make_tensor(make_smem_ptr(smem_k + stage * Traits::kTileElems), typename Tiles::SmemLayoutK{});
+    };
+    auto stage_vt = [&](int stage) {
+      return make_tensor(make_smem_ptr(smem_v + stage * Traits::kTileElems), typename Tiles::SmemLayoutVt{});
+    };
+    auto new_scores = [&] { return partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}); };
+    auto score_rows = [&](auto& acc_s) {
+      return make_tensor(acc_s.data(), Layout<Shape<_4, _1, Int<kBlockN / 8>>>{});
+    };
+    // keys past a row's causal limit or the sequence end -> -inf, on the step's tiles that have any
+    auto mask = [&](auto& acc_s, int step) {
+      int const key0 = step * kBlockN;
+      if (key0 + kBlockN <= w.mask_from) return;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) {
+        if (key0 + int(get<1>(tScS(i))) >= key_limit[(i % 4) / 2]) acc_s(i) = kNegInf;
+      }
+    };
+    typename Tiles::FragP tOrP;  // P of the step whose P V is next
+    auto to_p = [&](auto const& acc_s) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) tOrP(i) = Element(acc_s(i));
+    };
+
     int const n_steps = w.step_end - w.step_begin;
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
       if (s < n_steps) load_stage(w.step_begin + s, s);
       cp_async_commit();  // the Q loads ride in the first group
     }
-    for (int it = 0; it < n_steps; ++it) {
-      int const stage = it % kStages;
-      cp_async_wait<kStages - 2>();
-      fence_proxy_async_smem();  // this thread's cp.async bytes, visible to the wgmma (async proxy) reads
-      __syncthreads();           // stage `it` landed for every thread; stage it-1 is free
-      if (it + kStages - 1 < n_steps) load_stage(w.step_begin + it + kStages - 1, (it + kStages - 1) % kStages);
-      cp_async_commit();
-
-      Tensor sK = make_tensor(make_smem_ptr(smem_k + stage * Traits::kTileElems), typename Tiles::SmemLayoutK{});
-      Tensor sVt = make_tensor(make_smem_ptr(smem_v + stage * Traits::kTileElems), typename Tiles::SmemLayoutVt{});
-      Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      wgmma_gemm<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(sK), acc_s);
-
-      int const key0 = (w.step_begin + it) * kBlockN;
-      if (key0 + kBlockN > w.mask_from) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_s); ++i) {
-          if (key0 + int(get<1>(tScS(i))) >= key_limit[(i % 4) / 2]) acc_s(i) = kNegInf;
+    if constexpr (Traits::kWgmma == 1) {
+      // one step at a time: S, softmax, P V, each waited for
+      for (int it = 0; it < n_steps; ++it) {
+        int const stage = it % kStages;
+        cp_async_wait<kStages - 2>();
+        fence_proxy_async_smem();  // this thread's cp.async bytes, visible to the wgmma (async proxy) reads
+        __syncthreads();           // stage `it` landed for every thread; stage it-1 is free
+        if (it + kStages - 1 < n_steps) load_stage(w.step_begin + it + kStages - 1, (it + kStages - 1) % kStages);
+        cp_async_commit();
+        Tensor acc_s = new_scores();
+        wgmma_gemm<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(stage_k(stage)), acc_s);
+        mask(acc_s, w.step_begin + it);
+        Tensor s_rows = score_rows(acc_s);
+        softmax.update(s_rows, o_rows, scale_log2);
+        to_p(acc_s);
+        wgmma_gemm<false>(mma_pv, tOrP, thr_pv.partition_fragment_B(stage_vt(stage)), acc_o);
+      }
+    } else {
+      // overlapped: step it+1's S = Q K^T runs together with step it's O += P V, and its softmax
+      // while P V finishes; O is rescaled once P V is done. Needs K of it+1 and V of it resident
+      // together, hence kStages >= 3.
+      if (n_steps > 0) {
+        cp_async_wait<kStages - 2>();
+        fence_proxy_async_smem();
+        __syncthreads();  // step 0 landed
+        Tensor acc_s = new_scores();
+        wgmma_gemm<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(stage_k(0)), acc_s);
+        mask(acc_s, w.step_begin);
+        Tensor s_rows = score_rows(acc_s);
+        softmax.update(s_rows, o_rows, scale_log2);  // O is still zero
+        to_p(acc_s);
+      }
+      for (int it = 0; it < n_steps; ++it) {
+        bool const next = it + 1 < n_steps;
+        cp_async_wait<kStages - 3>();
+        fence_proxy_async_smem();
+        __syncthreads();  // step it+1 landed; step it-1's stage is free (every warpgroup's P V is done)
+        if (it + kStages - 1 < n_steps) load_stage(w.step_begin + it + kStages - 1, (it + kStages - 1) % kStages);
+        cp_async_commit();
+        Tensor acc_s = new_scores();
+        if (next) wgmma_issue<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(stage_k((it + 1) % kStages)), acc_s);
+        wgmma_issue<false>(mma_pv, tOrP, thr_pv.partition_fragment_B(stage_vt(it % kStages)), acc_o);
+        float alpha[2];
+        if (next) {
+          wgmma_wait<1>(acc_s);  // S of step it+1; P V may still run
+          mask(acc_s, w.step_begin + it + 1);
+          Tensor s_rows = score_rows(acc_s);
+          softmax.probabilities(s_rows, scale_log2, alpha);
+        }
+        wgmma_wait<0>(acc_o);
+        warpgroup_fence_operand(tOrP);
+        if (next) {
+          softmax.rescale(o_rows, alpha);
+          to_p(acc_s);
         }
       }
-      Tensor s_rows = make_tensor(acc_s.data(), Layout<Shape<_4, _1, Int<kBlockN / 8>>>{});
-      softmax.update(s_rows, o_rows, scale_log2);
-
-      typename Tiles::FragP tOrP;
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) tOrP(i) = Element(acc_s(i));
-      wgmma_gemm<false>(mma_pv, tOrP, thr_pv.partition_fragment_B(sVt), acc_o);
     }
     write_out(o_rows, softmax, thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
 #else
