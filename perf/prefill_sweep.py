@@ -3,8 +3,7 @@ shape: B=4, S=4096, causal, Hq=32, Hkv=8, D=128, block 16, bf16, shuffled block 
 
 Each configuration runs in its own process (a kernel's tiles are fixed once it is built); the child
 patches `tile_config` for prefill_wgmma, measures with the bench's Timer and prints one JSON line.
-Usage: python perf/prefill_sweep.py OUT_DIR [config ...]       config = kBlockM,kBlockN,kWarpsM,kStages[,kWgmma]
-       (kWgmma 1: step by step, 2: overlapped; default 1)
+Usage: python perf/prefill_sweep.py OUT_DIR [config ...]       config = kBlockM,kBlockN,kWarpsM,kStages
        python perf/prefill_sweep.py --precompile ROOT config ...  (no GPU needed: build each config's
        kernel into ROOT/cfg_*; PREFILL_SWEEP_AOT=ROOT makes the children load them)
 Writes <OUT_DIR>/prefill_sweep_<gpu>_<date>.json.
@@ -19,7 +18,7 @@ from datetime import date
 from pathlib import Path
 
 B, S, HQ, HKV, D, BS = 4, 4096, 32, 8, 128, 16
-DEFAULT_CONFIGS = ["default", "128,128,8,3,2", "128,64,8,3,2", "192,64,12,3,2", "256,64,16,3,2"]
+DEFAULT_CONFIGS = ["default", "256,64,16,3", "192,128,12,2", "128,128,8,2"]
 
 
 def _aot_dir(root: str, config: str) -> Path:
@@ -31,13 +30,13 @@ def _patch(config: str) -> None:
         return
     from pagedattn.ops import attention
 
-    bm, bn, wm, st, wg = ([int(x) for x in config.split(",")] + [1])[:5]
+    bm, bn, wm, st = (int(x) for x in config.split(","))
     base = attention.tile_config
 
     def patched(head_dim, mode, fp8=False):
         cfg = base(head_dim, mode, fp8)
         if mode == "prefill_wgmma":
-            cfg.update(kBlockM=bm, kBlockN=bn, kWarpsM=wm, kStages=st, kWgmma=wg)
+            cfg.update(kBlockM=bm, kBlockN=bn, kWarpsM=wm, kStages=st)
         return cfg
 
     attention.tile_config = patched
@@ -120,7 +119,7 @@ def main(out_dir: str, configs: list[str]):
                 commit=git_commit(), date=date.today().isoformat(),
                 shape=f"B={B} S={S} causal Hq={HQ} Hkv={HKV} D={D} block {BS} NHD, bf16, shuffled table",
                 timing="pagedattn.bench.timing.Timer (back-to-back device time)",
-                config_format="kBlockM,kBlockN,kWarpsM,kStages[,kWgmma] (mode prefill_wgmma)")
+                config_format="kBlockM,kBlockN,kWarpsM,kStages (mode prefill_wgmma)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"prefill_sweep_{meta['gpu'].replace(' ', '_').lower()}_{meta['date'].replace('-', '')}.json"

@@ -27,9 +27,7 @@ def tile_config(head_dim: int, mode: str, fp8: bool = False) -> dict:
     range (kWarpsN); prefill's warps split the rows (kWarpsM). decode_tma is decode with each warp
     filling its own ring by TMA (sm_90, paged caches; see attn_traits.cuh); prefill_wgmma is prefill
     with warpgroup MMAs (sm_90a, 16-bit caches, head dims that are multiples of 64)."""
-    tiles = _tiles(head_dim, mode, fp8)
-    tiles.setdefault("kWgmma", 0)  # 0: SM80 MMAs; 1, 2: warpgroup MMAs, step by step or overlapped
-    return tiles
+    return dict(kWgmma=mode == "prefill_wgmma", **_tiles(head_dim, mode, fp8))
 
 
 def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
@@ -54,9 +52,8 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # more warpgroups sharing each K/V stage win: rows x keys 128x128 227 TFLOP/s, 192x128 300,
         # 256x64 325 (four warpgroups). Head dims above 128 keep two warpgroups (O needs the registers).
         if head_dim <= 128:
-            return dict(kBlockM=256, kBlockN=64, kWarpsM=16, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False,
-                        kWgmma=1)
-        return dict(kBlockM=128, kBlockN=64, kWarpsM=8, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False, kWgmma=1)
+            return dict(kBlockM=256, kBlockN=64, kWarpsM=16, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False)
+        return dict(kBlockM=128, kBlockN=64, kWarpsM=8, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False)
     if head_dim <= 128:
         return dict(kBlockM=128, kBlockN=64, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False)
     return dict(kBlockM=64, kBlockN=32, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False)

@@ -55,7 +55,9 @@ __device__ __forceinline__ bool schedule(AttnParams const& p, AttnWork& w) {
     k_len = p.seqused_k != nullptr ? p.seqused_k[w.b] : p.cu_seqlens_k[w.b + 1] - p.cu_seqlens_k[w.b];
   }
   w.k_len = k_len > 0 ? k_len : 0;
-  w.row0 = blockIdx.y * Traits::kBlockM;
+  // Row tiles in reverse: with causal masking the last tiles of a request see the most keys, and the
+  // grid runs in blockIdx order, so the longest CTAs start first instead of forming the tail.
+  w.row0 = (gridDim.y - 1 - blockIdx.y) * Traits::kBlockM;
   int const rows = w.q_len * p.group;
   if (w.row0 >= rows) return false;
   int const i_min = w.row0 / p.group;
@@ -385,7 +387,7 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     }
   };
 
-  if constexpr (Traits::kWgmma != 0) {
+  if constexpr (Traits::kWgmma) {
 #if PAGEDATTN_WGMMA
     // ---- sm_90a prefill: warpgroup MMAs over the same cp.async pipeline (attn_wgmma.cuh)
     using Tiles = WgmmaTiles<Traits>;
@@ -426,7 +428,7 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
         if (key0 + int(get<1>(tScS(i))) >= key_limit[(i % 4) / 2]) acc_s(i) = kNegInf;
       }
     };
-    typename Tiles::FragP tOrP;  // P of the step whose P V is next
+    typename Tiles::FragP tOrP;  // P of the step, in the A-operand order of P V
     auto to_p = [&](auto const& acc_s) {
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) tOrP(i) = Element(acc_s(i));
@@ -438,62 +440,23 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
       if (s < n_steps) load_stage(w.step_begin + s, s);
       cp_async_commit();  // the Q loads ride in the first group
     }
-    if constexpr (Traits::kWgmma == 1) {
-      // one step at a time: S, softmax, P V, each waited for
-      for (int it = 0; it < n_steps; ++it) {
-        int const stage = it % kStages;
-        cp_async_wait<kStages - 2>();
-        fence_proxy_async_smem();  // this thread's cp.async bytes, visible to the wgmma (async proxy) reads
-        __syncthreads();           // stage `it` landed for every thread; stage it-1 is free
-        if (it + kStages - 1 < n_steps) load_stage(w.step_begin + it + kStages - 1, (it + kStages - 1) % kStages);
-        cp_async_commit();
-        Tensor acc_s = new_scores();
-        wgmma_gemm<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(stage_k(stage)), acc_s);
-        mask(acc_s, w.step_begin + it);
-        Tensor s_rows = score_rows(acc_s);
-        softmax.update(s_rows, o_rows, scale_log2);
-        to_p(acc_s);
-        wgmma_gemm<false>(mma_pv, tOrP, thr_pv.partition_fragment_B(stage_vt(stage)), acc_o);
-      }
-    } else {
-      // overlapped: step it+1's S = Q K^T runs together with step it's O += P V, and its softmax
-      // while P V finishes; O is rescaled once P V is done. Needs K of it+1 and V of it resident
-      // together, hence kStages >= 3.
-      if (n_steps > 0) {
-        cp_async_wait<kStages - 2>();
-        fence_proxy_async_smem();
-        __syncthreads();  // step 0 landed
-        Tensor acc_s = new_scores();
-        wgmma_gemm<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(stage_k(0)), acc_s);
-        mask(acc_s, w.step_begin);
-        Tensor s_rows = score_rows(acc_s);
-        softmax.update(s_rows, o_rows, scale_log2);  // O is still zero
-        to_p(acc_s);
-      }
-      for (int it = 0; it < n_steps; ++it) {
-        bool const next = it + 1 < n_steps;
-        cp_async_wait<kStages - 3>();
-        fence_proxy_async_smem();
-        __syncthreads();  // step it+1 landed; step it-1's stage is free (every warpgroup's P V is done)
-        if (it + kStages - 1 < n_steps) load_stage(w.step_begin + it + kStages - 1, (it + kStages - 1) % kStages);
-        cp_async_commit();
-        Tensor acc_s = new_scores();
-        if (next) wgmma_issue<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(stage_k((it + 1) % kStages)), acc_s);
-        wgmma_issue<false>(mma_pv, tOrP, thr_pv.partition_fragment_B(stage_vt(it % kStages)), acc_o);
-        float alpha[2];
-        if (next) {
-          wgmma_wait<1>(acc_s);  // S of step it+1; P V may still run
-          mask(acc_s, w.step_begin + it + 1);
-          Tensor s_rows = score_rows(acc_s);
-          softmax.probabilities(s_rows, scale_log2, alpha);
-        }
-        wgmma_wait<0>(acc_o);
-        warpgroup_fence_operand(tOrP);
-        if (next) {
-          softmax.rescale(o_rows, alpha);
-          to_p(acc_s);
-        }
-      }
+    // One step at a time: S, softmax, P V, each waited for; the four warpgroups of a CTA keep the
+    // tensor cores busy between them. (Overlapping step i+1's S with step i's P V inside a
+    // warpgroup measured slower: perf/results/history/prefill_sweep_h200_overlap_8e4b57c.json.)
+    for (int it = 0; it < n_steps; ++it) {
+      int const stage = it % kStages;
+      cp_async_wait<kStages - 2>();
+      fence_proxy_async_smem();  // this thread's cp.async bytes, visible to the wgmma (async proxy) reads
+      __syncthreads();           // stage `it` landed for every thread; stage it-1 is free
+      if (it + kStages - 1 < n_steps) load_stage(w.step_begin + it + kStages - 1, (it + kStages - 1) % kStages);
+      cp_async_commit();
+      Tensor acc_s = new_scores();
+      wgmma_gemm<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(stage_k(stage)), acc_s);
+      mask(acc_s, w.step_begin + it);
+      Tensor s_rows = score_rows(acc_s);
+      softmax.update(s_rows, o_rows, scale_log2);
+      to_p(acc_s);
+      wgmma_gemm<false>(mma_pv, tOrP, thr_pv.partition_fragment_B(stage_vt(stage)), acc_o);
     }
     write_out(o_rows, softmax, thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
 #else

@@ -19,8 +19,6 @@
 // kWgmma (sm_90a prefill, 16-bit caches): the same cp.async stages and swizzled tiles (they are the
 // 128-byte-swizzled K-major layout warpgroup MMAs read), but each warpgroup of four warps multiplies
 // its 64 rows with wgmma: S = Q K^T from shared memory, O += P V with P in registers (attn_wgmma.cuh).
-// kWgmma 1 runs each step's MMAs and softmax in turn; 2 overlaps step i+1's S (and its softmax) with
-// step i's P V.
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
@@ -33,7 +31,7 @@
 namespace pagedattn {
 
 template <class Element_, Fp8Format kFp8_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsM_,
-          int kWarpsN_, int kStages_, bool kTma_ = false, int kWgmma_ = 0>
+          int kWarpsN_, int kStages_, bool kTma_ = false, bool kWgmma_ = false>
 struct AttnTraits {
   using Element = Element_;  // cutlass::half_t or cutlass::bfloat16_t: Q, O and both MMA operands
   static constexpr Fp8Format kFp8 = kFp8_;
@@ -48,7 +46,7 @@ struct AttnTraits {
   static constexpr int kWarpsN = kWarpsN_;
   static constexpr int kStages = kStages_;   // stages of the CTA (cp.async) or slots of each warp's ring (TMA)
   static constexpr bool kTma = kTma_;
-  static constexpr int kWgmma = kWgmma_;  // 0: SM80 MMAs; 1: wgmma, step by step; 2: wgmma, overlapped
+  static constexpr bool kWgmma = kWgmma_;
   static constexpr int kGroupThreads = 32 * kWarpsM;
   static constexpr int kThreads = kGroupThreads * kWarpsN;
   static constexpr int kStageKeys = kBlockN * kWarpsN;
@@ -68,7 +66,6 @@ struct AttnTraits {
   static_assert(!kWgmma || (!kTma && !kIsFp8 && kWarpsN == 1 && kWarpsM % 4 == 0 && kBlockM == 16 * kWarpsM &&
                             kHeadDim % 64 == 0 && kBlockN % 64 == 0),
                 "wgmma: whole warpgroups of 64 rows, 16-bit tiles in 64-column swizzle atoms");
-  static_assert(kWgmma != 2 || kStages >= 3, "overlapped wgmma keeps K of step i+1 and V of step i resident");
 
   // Swizzled shared-memory tiles: 8-row atoms as wide as the head dim allows (64, 32 or 16 columns).
   static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : (kHeadDim % 32 == 0 ? 32 : 16);

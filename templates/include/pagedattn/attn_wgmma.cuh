@@ -48,14 +48,13 @@ struct WgmmaTiles {
       cute::Shape<cute::Shape<cute::_2, cute::_2, cute::_2>, cute::_1, cute::Int<kN / 16>>{}));
 };
 
-// Issues C (+)= A B over all k-steps of the operands as one wgmma batch, without waiting for it
-// (warpgroup_wait<N> does: batches complete in issue order). kZeroInit overwrites C (no clear
-// needed). A is shared-memory descriptors or registers (then fenced too: not to be touched until the
-// batch completes).
+// C (+)= A B over all k-steps of the operands, issued as one wgmma batch and waited for; kZeroInit
+// overwrites C (no clear needed). A is shared-memory descriptors or registers (then fenced too).
 template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
-__device__ __forceinline__ void wgmma_issue(TiledMma& mma, TA& a, TB const& b, TC& c) {
+__device__ __forceinline__ void wgmma_gemm(TiledMma& mma, TA& a, TB const& b, TC& c) {
   using namespace cute;
-  if constexpr (!is_same_v<typename TA::engine_type::iterator, GMMA::DescriptorIterator>) warpgroup_fence_operand(a);
+  constexpr bool kRegA = !is_same_v<typename TA::engine_type::iterator, GMMA::DescriptorIterator>;
+  if constexpr (kRegA) warpgroup_fence_operand(a);
   warpgroup_fence_operand(c);
   warpgroup_arrive();
   mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
@@ -65,24 +64,9 @@ __device__ __forceinline__ void wgmma_issue(TiledMma& mma, TA& a, TB const& b, T
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
-}
-
-// Waits until at most kPending wgmma batches of this warpgroup are in flight; `c`, an accumulator of
-// a completed batch, may then be read.
-template <int kPending, class TC>
-__device__ __forceinline__ void wgmma_wait(TC& c) {
-  cute::warpgroup_wait<kPending>();
-  cute::warpgroup_fence_operand(c);
-}
-
-// C (+)= A B, issued and waited for.
-template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
-__device__ __forceinline__ void wgmma_gemm(TiledMma& mma, TA& a, TB const& b, TC& c) {
-  wgmma_issue<kZeroInit>(mma, a, b, c);
-  wgmma_wait<0>(c);
-  if constexpr (!cute::is_same_v<typename TA::engine_type::iterator, cute::GMMA::DescriptorIterator>) {
-    cute::warpgroup_fence_operand(a);
-  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(c);
+  if constexpr (kRegA) warpgroup_fence_operand(a);
 }
 
 }  // namespace pagedattn

@@ -38,17 +38,9 @@ struct OnlineSoftmax {
   // and rescales acc_o's rows to the new maxima. scale_log2 = softmax_scale * log2(e) * k_descale.
   template <class TensorS, class TensorO>
   __device__ __forceinline__ void update(TensorS& acc_s, TensorO& acc_o, float scale_log2) {
-    float alpha[kRows];
-    probabilities(acc_s, scale_log2, alpha);
-    rescale(acc_o, alpha);
-  }
-
-  // The first half of update(): probabilities in place, and each row's factor alpha for O (1 when
-  // the row's max did not move). A caller whose O is still being accumulated rescales it later.
-  template <class TensorS>
-  __device__ __forceinline__ void probabilities(TensorS& acc_s, float scale_log2, float (&alpha)[kRows]) {
     using namespace cute;
     constexpr int kMmaN = decltype(size<2>(acc_s))::value;
+    constexpr int kMmaD = decltype(size<2>(acc_o))::value;
 #pragma unroll
     for (int mi = 0; mi < kRows / 2; ++mi) {
 #pragma unroll
@@ -61,7 +53,7 @@ struct OnlineSoftmax {
         }
         float const m_new = fmaxf(m[r], quad_max(tile_max) * scale_log2);
         float const m_use = m_new == kNegInf ? 0.f : m_new;  // an all-masked row stays at p = 0
-        alpha[r] = exp2f(m[r] - m_use);
+        float const alpha = exp2f(m[r] - m_use);
         m[r] = m_new;
         float sum = 0.f;
 #pragma unroll
@@ -73,24 +65,14 @@ struct OnlineSoftmax {
             sum += p;
           }
         }
-        l[r] = l[r] * alpha[r] + sum;
-      }
-    }
-  }
-
-  // The second half: O's rows times alpha (skipped, exactly, where the max did not move).
-  template <class TensorO>
-  __device__ __forceinline__ void rescale(TensorO& acc_o, float const (&alpha)[kRows]) {
-    using namespace cute;
-    constexpr int kMmaD = decltype(size<2>(acc_o))::value;
+        l[r] = l[r] * alpha + sum;
+        if (alpha != 1.f) {  // the max moved: rescale this row of O (skipped, exactly, otherwise)
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      if (alpha[r] == 1.f) continue;
-      int const mi = r / 2, h = r % 2;
-#pragma unroll
-      for (int nd = 0; nd < kMmaD; ++nd) {
-        acc_o(2 * h, mi, nd) *= alpha[r];
-        acc_o(2 * h + 1, mi, nd) *= alpha[r];
+          for (int nd = 0; nd < kMmaD; ++nd) {
+            acc_o(2 * h, mi, nd) *= alpha;
+            acc_o(2 * h + 1, mi, nd) *= alpha;
+          }
+        }
       }
     }
   }
