@@ -48,11 +48,12 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
             return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=2, kMinBlocks=3, kTma=True)
         return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=3, kMinBlocks=2, kTma=True)
     if mode == "prefill_wgmma":
-        # Measured on H200, B=4 S=4096 causal d128 (perf/results/history/prefill_sweep_h200_tiles_4f2c9b6):
-        # more warpgroups sharing each K/V stage win: rows x keys 128x128 227 TFLOP/s, 192x128 300,
-        # 256x64 325 (four warpgroups). Head dims above 128 keep two warpgroups (O needs the registers).
+        # Measured on H200, B=4 S=4096 causal d128 (perf/results/history/prefill_sweep_h200_*): more
+        # warpgroups sharing each K/V stage win. rows x keys: 128x128 227 TFLOP/s, 192x128 300-309,
+        # 256x64 325-333, 256x64 with three stages 339 (row tiles in reverse order). Head dims above
+        # 128 keep two warpgroups (O needs the registers) and two stages (shared memory at d256).
         if head_dim <= 128:
-            return dict(kBlockM=256, kBlockN=64, kWarpsM=16, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False)
+            return dict(kBlockM=256, kBlockN=64, kWarpsM=16, kWarpsN=1, kStages=3, kMinBlocks=1, kTma=False)
         return dict(kBlockM=128, kBlockN=64, kWarpsM=8, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False)
     if head_dim <= 128:
         return dict(kBlockM=128, kBlockN=64, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False)
