@@ -41,14 +41,15 @@ for kv, D in (("auto", 128), ("fp8_e4m3", 72), ("fp8_e4m3", 128)):  # fp8 d128: 
     spec = CacheSpec(6, 16, 2, D, torch.bfloat16 if kv == "auto" else torch.uint8, kv, "HND")
     kc, vc = spec.allocate("cuda", fill=0.5)
     table = torch.tensor([[0, 5, 10**6], [-3, 2, 1]], dtype=torch.int32, device="cuda")
-    q = torch.randn(5, 8, D, dtype=torch.bfloat16, device="cuda")
-    cu_q = torch.tensor([0, 1, 5], dtype=torch.int32, device="cuda")
     seq = torch.tensor([40, 10**5], dtype=torch.int32, device="cuda")
     s = torch.ones(1, device="cuda")
-    for splits in (1, 3):
-        flash_attn_varlen_func(q, kc, vc, 4, cu_q, 10**5, seqused_k=seq, block_table=table, causal=True,
-                               num_splits=splits, kv_cache_dtype=kv, k_descale=s, v_descale=s,
-                               return_softmax_lse=True)
+    for q_len in (4, 40):  # 4 x group 4 rows: decode variants; 40 x 4: prefill (wgmma on sm_90 for 16-bit)
+        q = torch.randn(1 + q_len, 8, D, dtype=torch.bfloat16, device="cuda")
+        cu_q = torch.tensor([0, 1, 1 + q_len], dtype=torch.int32, device="cuda")
+        for splits in (1, 3):
+            flash_attn_varlen_func(q, kc, vc, q_len, cu_q, 10**5, seqused_k=seq, block_table=table, causal=True,
+                                   num_splits=splits, kv_cache_dtype=kv, k_descale=s, v_descale=s,
+                                   return_softmax_lse=True)
 torch.cuda.synchronize()
 print("sanitize attention cases done")
 

@@ -436,3 +436,23 @@ def test_tma_variants_are_hopper_only():
         Kernel(spec).artifact("sm_80")
     for mode in ("decode", "prefill"):  # the cp.async variants build for every arch
         assert AttnFwdSpec("bf16", "auto", 128, mode).supports_arch("sm_80")
+
+
+def test_wgmma_prefill_dispatch_rules():
+    from pagedattn.aot import plan
+    from pagedattn.ops.attention import smem_bytes, tile_config, wgmma_ok
+
+    assert wgmma_ok(_call_info("NHD"), "sm_90a", 128) and wgmma_ok(_call_info("HND", bs=1), "sm_90a", 128)
+    assert not wgmma_ok(_call_info("NHD"), "sm_80", 128)                     # wgmma is sm_90a-only
+    assert not wgmma_ok(_call_info("NHD", D=80), "sm_90a", 80)               # 64-column swizzle atoms
+    assert not wgmma_ok(_call_info("NHD", kv="fp8_e4m3"), "sm_90a", 128)     # 16-bit caches only
+    for bad in (("fp8_e4m3", 128), ("auto", 96)):
+        with pytest.raises(UnsupportedError, match="prefill_wgmma"):
+            AttnFwdSpec("bf16", bad[0], bad[1], "prefill_wgmma")
+    spec = AttnFwdSpec("fp16", "auto", 64, "prefill_wgmma")
+    assert [j.arch for j in plan([spec], ["sm_80", "sm_90a"])] == ["sm_90a"]
+    for d in (64, 128, 192, 256):  # every compiled tile fits in shared memory, whole warpgroups of 64 rows
+        t = tile_config(d, "prefill_wgmma")
+        assert t["kWgmma"] and t["kBlockM"] == 16 * t["kWarpsM"] and t["kWarpsM"] % 4 == 0
+        assert smem_bytes(t, d, False) <= 227 * 1024
+    assert not tile_config(128, "prefill")["kWgmma"] and not tile_config(128, "decode_tma")["kWgmma"]
