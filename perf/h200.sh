@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
-# (info precompile bundle tests alltests sanitize overhead attnquick decodesweep prefillsweep writesweep writequick aotcheck ncu benchdw
+# (info precompile bundle tests alltests sanitize overhead attnquick decodesweep prefillsweep prefillmodes writesweep writequick aotcheck ncu benchdw
 # benchp benchq bench-full demo).
 # Logs and results go under $OUT; RESULTS.md and plots are regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
@@ -29,6 +29,7 @@ for stage in "$@"; do
     attnquick) python3 "$ROOT/perf/attn_quick.py" "$OUT/results" ;;
     decodesweep) python3 "$ROOT/perf/decode_sweep.py" "$OUT/results" ${DECODE_CONFIGS:-} ;;
     prefillsweep) python3 "$ROOT/perf/prefill_sweep.py" "$OUT/results" ${PREFILL_CONFIGS:-} ;;
+    prefillmodes) python3 "$ROOT/perf/prefill_modes.py" "$OUT/results" ;;
     bundle)    mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1
                export PAGEDATTN_AOT_DIR=/tmp/bundle
                python3 -c "import sys, pathlib; from pagedattn.codegen import bundle; sys.exit(0 if bundle.read_manifest(pathlib.Path('/tmp/bundle')) else 1)" \
