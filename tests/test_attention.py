@@ -456,3 +456,13 @@ def test_wgmma_prefill_dispatch_rules():
         assert t["kWgmma"] and t["kBlockM"] == 16 * t["kWarpsM"] and t["kWarpsM"] % 4 == 0
         assert smem_bytes(t, d, False) <= 227 * 1024
     assert not tile_config(128, "prefill")["kWgmma"] and not tile_config(128, "decode_tma")["kWgmma"]
+
+
+def test_tiles_beyond_shared_memory_are_refused(monkeypatch):
+    from pagedattn.ops import attention
+
+    base = attention.tile_config
+    monkeypatch.setattr(attention, "tile_config",
+                        lambda d, mode, fp8=False: {**base(d, mode, fp8), "kBlockN": 128, "kStages": 4})
+    with pytest.raises(UnsupportedError, match="shared memory"):
+        AttnFwdSpec("bf16", "auto", 128, "prefill_wgmma")

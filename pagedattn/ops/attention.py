@@ -16,6 +16,7 @@ from ..registry import KernelSpec, UnsupportedError, arch_for_device, get_kernel
 from .params import AttnParams
 
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+SMEM_LIMIT = 227 * 1024  # shared memory of one CTA on sm_90 (the variants built for sm_80 stay under its 163 KiB)
 LOG2E = 1.4426950408889634
 
 
@@ -105,7 +106,7 @@ class AttnFwdSpec(KernelSpec):
     def context(self) -> dict:
         tiles = dict(self.tiles)
         # never promise more resident CTAs than shared memory allows: the register cap would be wasted
-        tiles["kMinBlocks"] = max(1, min(tiles["kMinBlocks"], (227 * 1024) // self.dynamic_smem()))
+        tiles["kMinBlocks"] = max(1, min(tiles["kMinBlocks"], SMEM_LIMIT // self.dynamic_smem()))
         return {"Element": CUTLASS_TYPE[self.dtype], "kFp8": FP8_FORMAT[self.kv_cache_dtype],
                 "kHeadDim": self.head_dim, "kSmemBytes": self.dynamic_smem(), **tiles}
 
@@ -116,6 +117,9 @@ class AttnFwdSpec(KernelSpec):
         if self.mode == "prefill_wgmma" and (self.kv_cache_dtype != "auto" or self.head_dim % 64):
             raise UnsupportedError(f"attn_fwd: mode=prefill_wgmma needs a 16-bit cache and head_dim a multiple "
                                    f"of 64 (128-byte swizzled tiles), got {self.kv_cache_dtype}, {self.head_dim}")
+        if self.dynamic_smem() > SMEM_LIMIT:
+            raise UnsupportedError(f"attn_fwd: the {self.mode} tiles {self.tiles} need {self.dynamic_smem()} bytes "
+                                   f"of shared memory at head_dim {self.head_dim}; a CTA gets at most {SMEM_LIMIT}")
 
     def supports_arch(self, arch: str) -> bool:
         return self.mode not in ("decode_tma", "prefill_wgmma") or arch == "sm_90a"
@@ -329,7 +333,7 @@ def choose_splits(num_splits: int, ctas: int, max_seqlen_k: int, spec: AttnFwdSp
         # 96 us with 1 split vs 110 with 2; B=1 ctx 32768 78 us with 16 splits vs 83 with 32).
         capacity = sms
     else:
-        capacity = sms * max(1, (227 * 1024) // max(spec.dynamic_smem(), 1))
+        capacity = sms * max(1, SMEM_LIMIT // max(spec.dynamic_smem(), 1))
     return _best_splits(ctas, max_seqlen_k, max_steps, capacity)
 
 
