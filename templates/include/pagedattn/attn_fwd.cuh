@@ -9,6 +9,8 @@
 //      MMA operands in registers (attn_fp8_regs.cuh); scales are folded in later;
 //   3. each warp group: S = Q K^T on its sub-tile, mask only if the sub-tile crosses the causal
 //      diagonal or the end of the sequence, online softmax, O += P V.
+//      On sm_90a prefill (Traits::kWgmma) each warpgroup does both products with wgmma instead of
+//      SM80 MMAs (attn_wgmma.cuh); loading, masking, softmax and the epilogue are shared.
 // Epilogue: warp groups merge their (m, l, O) through shared memory; write O and LSE, or a split's
 // partial (O, LSE) in fp32. The last split of a tile to finish (arrival counter per tile) merges
 // the partials into O and LSE (split_combine.cuh).
