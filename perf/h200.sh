@@ -29,7 +29,7 @@ for stage in "$@"; do
     attnquick) python3 "$ROOT/perf/attn_quick.py" "$OUT/results" ;;
     decodesweep) python3 "$ROOT/perf/decode_sweep.py" "$OUT/results" ${DECODE_CONFIGS:-} ;;
     prefillsweep) python3 "$ROOT/perf/prefill_sweep.py" "$OUT/results" ${PREFILL_CONFIGS:-} ;;
-    prefillmodes) python3 "$ROOT/perf/prefill_modes.py" "$OUT/results" ;;
+    prefillmodes) python3 "$ROOT/perf/prefill_modes.py" "$OUT/results" ${PREFILL_MODES:-} ;;
     bundle)    mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1
                export PAGEDATTN_AOT_DIR=/tmp/bundle
                python3 -c "import sys, pathlib; from pagedattn.codegen import bundle; sys.exit(0 if bundle.read_manifest(pathlib.Path('/tmp/bundle')) else 1)" \
