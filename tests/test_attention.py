@@ -466,3 +466,14 @@ def test_tiles_beyond_shared_memory_are_refused(monkeypatch):
                         lambda d, mode, fp8=False: {**base(d, mode, fp8), "kBlockN": 128, "kStages": 4})
     with pytest.raises(UnsupportedError, match="shared memory"):
         AttnFwdSpec("bf16", "auto", 128, "prefill_wgmma")
+
+
+def test_prefill_variant_by_rows():
+    from pagedattn.ops import attention
+
+    plan = attention._Plan.__new__(attention._Plan)
+    plan.decode_mode, plan.prefill_mode, plan.wgmma_rows = "decode_tma", "prefill_wgmma", 128
+    assert [plan.mode_for(r) for r in (1, 16, 17, 128, 129, 4096)] == \
+        ["decode_tma", "decode_tma", "prefill", "prefill", "prefill_wgmma", "prefill_wgmma"]
+    plan.prefill_mode = "prefill"  # no wgmma (sm_80, fp8 caches, head dims not multiples of 64)
+    assert plan.mode_for(4096) == "prefill"

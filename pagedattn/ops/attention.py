@@ -353,7 +353,7 @@ def _sig(t):
 class _Plan:
     """What a call's tensor metadata decides, validated once and reused while it repeats."""
     __slots__ = ("call", "device", "dtype", "head_dim", "dbs", "dhs", "block_shift", "bt_stride",
-                 "bt_width", "decode_mode", "prefill_mode", "_kernels", "_tma")
+                 "bt_width", "decode_mode", "prefill_mode", "wgmma_rows", "_kernels", "_tma")
 
     def __init__(self, call: _Call, q, block_table, k_descale, v_descale):
         self.call = call
@@ -372,8 +372,18 @@ class _Plan:
         arch = arch_for_device(self.device)
         self.decode_mode = "decode_tma" if tma_ok(call, arch, self.head_dim) else "decode"
         self.prefill_mode = "prefill_wgmma" if wgmma_ok(call, arch, self.head_dim) else "prefill"
+        # prefill_wgmma's tiles are larger: it takes over once the rows overflow one SM80 prefill tile.
+        # Measured on H200 (perf/results/prefill_modes_nvidia_h200_20261130_short_3eaa587.json, d128,
+        # B=32 over 4096 keys): q_len 5-32 (20-128 rows) ran 17 % slower on wgmma, q_len 64 1.7x faster.
+        self.wgmma_rows = tile_config(self.head_dim, "prefill")["kBlockM"]
         self._kernels: dict = {}
         self._tma: dict = {}
+
+    def mode_for(self, rows: int) -> str:
+        """The variant for a batch whose longest request has `rows` packed query rows."""
+        if rows <= 16:
+            return self.decode_mode
+        return self.prefill_mode if rows > self.wgmma_rows else "prefill"
 
     def kernel(self, mode: str):
         """(spec, launcher) of the decode or prefill variant."""
@@ -523,7 +533,7 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
         return (out, lse) if return_softmax_lse else out
     group = call.Hq // call.Hkv
     rows = int(max_seqlen_q) * group
-    spec, launcher = plan.kernel(plan.decode_mode if rows <= 16 else plan.prefill_mode)
+    spec, launcher = plan.kernel(plan.mode_for(rows))
     m_blocks = -(-rows // spec.tiles["kBlockM"])
     splits = choose_splits(int(num_splits), call.B * call.Hkv * m_blocks, int(max_seqlen_k), spec, plan.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(call.D)
