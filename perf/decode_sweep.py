@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from datetime import date
-from pathlib import Path
+
+from _sweep import aot_dir, cli, run_children, use_aot, write_results  # perf/ is on sys.path as a script
 
 # (name, B, ctx, kv cache dtype, num_splits); 0 = the heuristic
 CASES = [("B=64 ctx=4096", 64, 4096, "auto", 0), ("B=64 ctx=4096 fp8", 64, 4096, "fp8_e4m3", 0),
@@ -41,10 +39,6 @@ def _cases() -> list:
     only = [x for x in os.environ.get("CASES_ONLY", "").split(";") if x]
     return [c for c in cases if not only or c[0] in only or c[0].startswith("B=1 ctx=32768 splits")
             or c[0].startswith("B=64 ctx=4096 ") and c[0][14:] in os.environ.get("VARIANTS", "").split(";")]
-
-
-def _aot_dir(root: str, config: str) -> Path:
-    return Path(root) / ("cfg_" + config.replace(",", "_"))
 
 
 def _patch(config: str) -> str:
@@ -77,15 +71,12 @@ def precompile_child(root: str, config: str):
     loader = _patch(config)
     mode = "decode_tma" if loader == "tma" else "decode"
     specs = [AttnFwdSpec("bf16", kv, 128, mode) for kv in sorted({c[3] for c in _cases()})]
-    summary = aot.precompile(aot.plan(specs, ["sm_90a"]), _aot_dir(root, config), n_jobs=1, progress=False)
+    summary = aot.precompile(aot.plan(specs, ["sm_90a"]), aot_dir(root, config), n_jobs=1, progress=False)
     print(config, summary.compiled, "compiled", len(summary.failed), "failed", flush=True)
 
 
 def child(config: str):
-    root = os.environ.get("DECODE_SWEEP_AOT")
-    if root and _aot_dir(root, config).is_dir():  # kernels precompiled for this config (--precompile)
-        os.environ["PAGEDATTN_AOT_DIR"] = ":".join(filter(None, [str(_aot_dir(root, config)),
-                                                                 os.environ.get("PAGEDATTN_AOT_DIR", "")]))
+    use_aot("DECODE_SWEEP_AOT", config)  # kernels precompiled for this config (--precompile)
     import torch
 
     import pagedattn
@@ -121,50 +112,19 @@ def child(config: str):
 
 
 def main(out_dir: str, configs: list[str]):
-    import torch
-
-    from pagedattn.info import git_commit
-
     from _timing import copy_ceiling_gbs
 
     ceiling = copy_ceiling_gbs()
-    rows = []
-    for config in configs:
-        try:
-            proc = subprocess.run([sys.executable, __file__, "--child", config], capture_output=True, text=True,
-                                  timeout=300)
-        except subprocess.TimeoutExpired as exc:
-            proc = subprocess.CompletedProcess(exc.cmd, -9, exc.stdout or "", f"timed out after 300 s")
-        got = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
-        if proc.returncode or not got:
-            got.append(dict(config=config, error=(proc.stderr or proc.stdout)[-600:]))
-        for r in got:
-            if "kv_gbs" in r:
-                r["frac_copy"] = r["kv_gbs"] / ceiling
-            rows.append(r)
-            print(f"{config:12s} {r.get('case', '-'):20s} " +
-                  (f"{r['us']:8.1f} us {r['kv_gbs']:6.0f} GB/s ({r['frac_copy']:.0%})" if "us" in r
-                   else f"ERROR {r.get('error', '')[-300:]}"), flush=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
-                commit=git_commit(), date=date.today().isoformat(), copy_ceiling_gbs=ceiling,
-                shape="Hq=32 Hkv=8 D=128 block 16 NHD, bf16 query, num_splits heuristic unless named",
-                timing="pagedattn.bench.timing.Timer (back-to-back device time)",
-                config_format="kWarpsN,kStages,kMinBlocks,loader,kBlockN")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"decode_sweep_{meta['gpu'].replace(' ', '_').lower()}_{meta['date'].replace('-', '')}.json"
-    path.write_text(json.dumps(dict(kind="decode_sweep", metadata=meta, results=rows), indent=1))
-    print(f"copy ceiling {ceiling:.0f} GB/s; wrote {path}")
+    rows = run_children(__file__, configs, lambda r: f"{r['case']:20s} {r['us']:8.1f} us {r['kv_gbs']:6.0f} GB/s "
+                                                     f"({r['kv_gbs'] / ceiling:.0%})")
+    for r in rows:
+        if "kv_gbs" in r:
+            r["frac_copy"] = r["kv_gbs"] / ceiling
+    write_results(out_dir, "decode_sweep", rows, copy_ceiling_gbs=ceiling,
+                  shape="Hq=32 Hkv=8 D=128 block 16 NHD, bf16 query, num_splits heuristic unless named",
+                  config_format="kWarpsN,kStages,kMinBlocks,loader,kBlockN")
+    print(f"copy ceiling {ceiling:.0f} GB/s")
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        child(sys.argv[2])
-    elif len(sys.argv) > 2 and sys.argv[1] == "--precompile":  # --precompile ROOT config ...
-        for cfg in sys.argv[3:]:
-            subprocess.run([sys.executable, __file__, "--precompile-child", sys.argv[2], cfg], check=False)
-    elif len(sys.argv) > 2 and sys.argv[1] == "--precompile-child":
-        precompile_child(sys.argv[2], sys.argv[3])
-    else:
-        main(sys.argv[1] if len(sys.argv) > 1 else "perf/results", sys.argv[2:] or DEFAULT_CONFIGS)
+    cli(__file__, main, child, precompile_child, DEFAULT_CONFIGS)

@@ -8,18 +8,17 @@ Usage: python perf/prefill_modes.py OUT_DIR [long|short ...]   (writes prefill_m
 """
 from __future__ import annotations
 
-import json
 import sys
-from datetime import date
-from pathlib import Path
 
 import torch
 
 import pagedattn
-from pagedattn import CacheSpec, reference
+from pagedattn import reference
 from pagedattn.bench.timing import Timer
-from pagedattn.info import git_commit
 from pagedattn.ops import attention
+
+from _sweep import write_results  # perf/ is on sys.path when run as a script
+from attn_quick import decode_case
 
 B, S, HQ, HKV, BS = 4, 4096, 32, 8, 16
 
@@ -32,14 +31,7 @@ def measure(D: int, wgmma: bool, batch: int = B, q_len: int = S, ctx: int = S) -
         (lambda call, arch, head_dim: False)
     try:
         torch.manual_seed(D)
-        nb = batch * ctx // BS + 8
-        kc, vc = CacheSpec(nb, BS, HKV, D, torch.bfloat16).allocate("cuda")
-        kc.normal_()
-        vc.normal_()
-        table = torch.randperm(nb, device="cuda")[: batch * ctx // BS].view(batch, -1).int()
-        q = torch.randn(batch * q_len, HQ, D, dtype=torch.bfloat16, device="cuda")
-        cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device="cuda")
-        seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        q, kc, vc, table, cu_q, seq, _ = decode_case(batch, ctx, Hq=HQ, Hkv=HKV, D=D, bs=BS, q_len=q_len)
         fn = lambda k: pagedattn.flash_attn_varlen_func(  # noqa: E731
             q, kc, vc, q_len, cu_q, ctx, seqused_k=seq, block_table=table, causal=True)
         # correctness first: short queries as timed; long ones on two requests of 300 and 517 tokens
@@ -78,16 +70,8 @@ def main(out_dir: str, parts: list[str]):
             rows.append(r)
             print(f"d{r['head_dim']:<4d} B={r['batch']:<3d} q_len={r['q_len']:<5d} {r['mode']:14s} {r['us']:9.1f} us "
                   f"{r['tflops']:6.1f} TFLOP/s {r['kv_gbs']:6.0f} GB/s err {r['rel_l2_err']:.1e}", flush=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
-                commit=git_commit(), date=date.today().isoformat(),
-                shape=f"causal Hq={HQ} Hkv={HKV} block {BS} NHD, bf16, shuffled table; B, q_len, ctx per row",
-                timing="pagedattn.bench.timing.Timer (back-to-back device time)")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"prefill_modes_{meta['gpu'].replace(' ', '_').lower()}_{meta['date'].replace('-', '')}.json"
-    path.write_text(json.dumps(dict(kind="prefill_modes", metadata=meta, results=rows), indent=1))
-    print(f"wrote {path}")
-
+    write_results(out_dir, "prefill_modes", rows,
+                  shape=f"causal Hq={HQ} Hkv={HKV} block {BS} NHD, bf16, shuffled table; B, q_len, ctx per row")
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else "perf/results", sys.argv[2:] or ["long", "short"])
