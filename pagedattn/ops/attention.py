@@ -464,6 +464,15 @@ def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tu
     return torch.frombuffer(maps, dtype=torch.uint8).to(k.device), row_dim
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y; a CTA walks further row tiles itself
+
+
+def row_tile_capacity(total_q: int, group: int, block_m: int) -> int:
+    """Row tiles of the longest request metadata can describe (one request of all total_q rows):
+    the split arrival counters are sized by it (mirror of row_tile_capacity in tile_scheduler.cuh)."""
+    return max(1, -(-total_q * group // block_m))
+
+
 _PLANS: dict[tuple, _Plan] = {}
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -532,16 +541,20 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     if total_q == 0 or call.B == 0:
         return (out, lse) if return_softmax_lse else out
     group = call.Hq // call.Hkv
-    rows = int(max_seqlen_q) * group
+    # max_seqlen_q / max_seqlen_k are hints: they choose the variant and size the grid, but the kernel
+    # covers every row and key the metadata names, within total_q / total_k (tile_scheduler.cuh).
+    rows = max(0, int(max_seqlen_q)) * group
     spec, launcher = plan.kernel(plan.mode_for(rows))
-    m_blocks = -(-rows // spec.tiles["kBlockM"])
-    splits = choose_splits(int(num_splits), call.B * call.Hkv * m_blocks, int(max_seqlen_k), spec, plan.device)
+    tile_cap = row_tile_capacity(total_q, group, spec.tiles["kBlockM"])
+    m_blocks = min(max(1, -(-rows // spec.tiles["kBlockM"])), tile_cap, MAX_GRID_Y)
+    splits = choose_splits(int(num_splits), call.B * call.Hkv * m_blocks, max(0, int(max_seqlen_k)), spec,
+                           plan.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(call.D)
     o_accum = lse_accum = None
     if splits > 1:
         o_accum = torch.empty(splits, total_q, call.Hq, spec.head_dim, dtype=torch.float32, device=q.device)
         lse_accum = torch.empty(splits, call.Hq, total_q, dtype=torch.float32, device=q.device)
-    counters = split_counters(plan.device, call.B * call.Hkv * m_blocks) if splits > 1 else None
+    counters = split_counters(plan.device, call.B * call.Hkv * tile_cap) if splits > 1 else None
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     maps, row_dim = plan.tma_maps(k, v) if spec.mode == "decode_tma" else (None, 0)
     values = (
@@ -550,6 +563,6 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
         ptr(o_accum), ptr(lse_accum), ptr(maps), ptr(counters),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *call.k_strides, *call.v_strides,
         plan.bt_stride, plan.bt_width, call.num_blocks, call.block_size, plan.block_shift, call.B, call.Hq,
-        call.Hkv, group, call.D, total_q, splits, int(bool(causal)), plan.dbs, plan.dhs, row_dim, scale * LOG2E)
+        call.Hkv, group, call.D, total_q, 0 if call.paged else k.shape[0], splits, int(bool(causal)), plan.dbs, plan.dhs, row_dim, scale * LOG2E)
     launcher((call.B * call.Hkv, m_blocks, splits), (spec.threads, 1, 1), values)
     return (out, lse) if return_softmax_lse else out

@@ -37,7 +37,7 @@ AttnParams = _struct(
     "k_block_stride:i64, k_row_stride:i64, k_head_stride:i64,"
     "v_block_stride:i64, v_row_stride:i64, v_head_stride:i64,"
     "bt_stride:i32, max_blocks_per_seq:i32, num_blocks:i32, block_size:i32, block_shift:i32,"
-    "num_seqs:i32, num_q_heads:i32, num_kv_heads:i32, group:i32, head_size:i32, total_q:i32,"
+    "num_seqs:i32, num_q_heads:i32, num_kv_heads:i32, group:i32, head_size:i32, total_q:i32, total_k:i32,"
     "num_splits:i32, causal:i32, descale_batch_stride:i32, descale_head_stride:i32, tma_row_dim:i32,"
     "scale_log2:f32")
 

@@ -1,7 +1,8 @@
 // FlashAttention forward over a paged KV cache (SM80-class tensor cores; runs on sm_80 ... sm_90).
 //
 // Grid: (num_seqs * num_kv_heads, m_blocks, num_splits). A CTA owns kBlockM packed rows of one
-// (request, kv head) (see attn_traits.cuh), and one split of the request's visible KV range.
+// (request, kv head) (see attn_traits.cuh), and one split of the request's visible KV range; if
+// max_seqlen_q understated the rows, it goes on to further row tiles (tile_scheduler.cuh).
 // Per stage of kStageKeys keys:
 //   1. load the stage kStages-1 ahead (cp.async by the whole CTA, or TMA by each warp into its own
 //      ring, see attn_traits.cuh); rows are located through PagedKV (block_table lives there);
@@ -23,6 +24,7 @@
 #include "pagedattn/async_copy.cuh"
 #include "pagedattn/tma_copy.cuh"
 #include "pagedattn/paged_kv.cuh"
+#include "pagedattn/tile_scheduler.cuh"
 #include "pagedattn/softmax.cuh"
 #include "pagedattn/softmax_merge.cuh"
 #include "pagedattn/split_combine.cuh"
@@ -31,52 +33,6 @@
 #endif
 
 namespace pagedattn {
-
-// Which rows, keys and split a CTA works on.
-struct AttnWork {
-  int b, kv_head, split;
-  int q_start, q_len, k_len;   // request's first query row, query count, visible keys
-  int row0;                    // first packed row of the tile
-  int mask_from;               // keys >= mask_from may be masked for some row of the tile
-  int step_begin, step_end;    // stages [step_begin, step_end) of kStageKeys keys
-};
-
-template <class Traits>
-__device__ __forceinline__ bool schedule(AttnParams const& p, AttnWork& w) {
-  w.b = blockIdx.x / p.num_kv_heads;
-  w.kv_head = blockIdx.x - w.b * p.num_kv_heads;
-  w.split = blockIdx.z;
-  w.q_start = p.cu_seqlens_q[w.b];
-  w.q_len = p.cu_seqlens_q[w.b + 1] - w.q_start;
-  int k_len;
-  if (p.block_table != nullptr) {
-    k_len = p.seqused_k[w.b];
-    int const capacity = p.max_blocks_per_seq * p.block_size;  // never read past the table
-    k_len = k_len < capacity ? k_len : capacity;
-  } else {
-    k_len = p.seqused_k != nullptr ? p.seqused_k[w.b] : p.cu_seqlens_k[w.b + 1] - p.cu_seqlens_k[w.b];
-  }
-  w.k_len = k_len > 0 ? k_len : 0;
-  // Row tiles in reverse: with causal masking the last tiles of a request see the most keys, and the
-  // grid runs in blockIdx order, so the longest CTAs start first instead of forming the tail.
-  w.row0 = (gridDim.y - 1 - blockIdx.y) * Traits::kBlockM;
-  int const rows = w.q_len * p.group;
-  if (w.row0 >= rows) return false;
-  int const i_min = w.row0 / p.group;
-  int const i_max = (cute::min(rows, w.row0 + Traits::kBlockM) - 1) / p.group;
-  // bottom-right causal: query i sees keys [0, k_len - q_len + i]
-  int keys_end = w.k_len;
-  w.mask_from = w.k_len;
-  if (p.causal) {
-    keys_end = cute::min(w.k_len, w.k_len - w.q_len + i_max + 1);
-    w.mask_from = cute::max(0, cute::min(w.k_len, w.k_len - w.q_len + i_min + 1));
-  }
-  int const steps = keys_end > 0 ? (keys_end + Traits::kStageKeys - 1) / Traits::kStageKeys : 0;
-  int const per_split = (steps + p.num_splits - 1) / p.num_splits;
-  w.step_begin = cute::min(steps, w.split * per_split);
-  w.step_end = cute::min(steps, w.step_begin + per_split);
-  return true;
-}
 
 // Barrier over one warp group (named barrier 1 + group; the whole CTA when there is one group).
 template <class Traits>
@@ -90,8 +46,9 @@ __device__ __forceinline__ void group_sync(int group_idx) {
   }
 }
 
+// One row tile `w` of one (request, KV head, split).
 template <class Traits>
-__device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
+__device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, AttnWork const& w) {
   using namespace cute;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -101,25 +58,6 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   // from shared memory for every K tile.
   constexpr bool kQInRegs = Traits::kTma && kHeadDim <= 128;
 
-  // TMA decode: the first block-table windows are read only after seqused_k arrives (they start where
-  // this split starts). Guess that start from the table's capacity (exact for the longest requests,
-  // e.g. equal-length decode batches) and pull those table lines into L2 now, in flight with
-  // schedule()'s loads; a wrong guess costs a few L2 lines.
-  if constexpr (Traits::kTma) {
-    if (p.block_table != nullptr && threadIdx.x < 8) {
-      int const b = blockIdx.x / p.num_kv_heads;
-      int const capacity = p.max_blocks_per_seq * p.block_size;
-      int const steps = (capacity + kStageKeys - 1) / kStageKeys;
-      int const first = int(blockIdx.z) * ((steps + p.num_splits - 1) / p.num_splits) * kStageKeys / p.block_size;
-      int const entry = first + 32 * int(threadIdx.x);  // 8 lines of 32 entries: the first two windows
-      if (entry < p.max_blocks_per_seq) {
-        int32_t const* line = p.block_table + int64_t(b) * p.bt_stride + entry;
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line));
-      }
-    }
-  }
-  AttnWork w;
-  if (!schedule<Traits>(p, w)) return;
 
   int const tidx = threadIdx.x;
   int const group_idx = tidx / Traits::kGroupThreads;  // which KV sub-tile of each stage
@@ -145,7 +83,7 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
              p.block_table != nullptr ? p.block_table + int64_t(w.b) * p.bt_stride : nullptr,
              p.k_block_stride * kb, p.k_row_stride * kb, p.v_block_stride * kb, p.v_row_stride * kb,
              p.block_size, p.block_shift, p.num_blocks,
-             p.cu_seqlens_k != nullptr ? int64_t(p.cu_seqlens_k[w.b]) : 0};
+             int64_t(w.k_start)};
 
   // ---- Q tile: packed rows -> (token, head)
   {
@@ -365,7 +303,7 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     int* is_last = reinterpret_cast<int*>(smem);
     __syncthreads();  // every thread's partials are written and the epilogue's shared memory is read
     if (tidx == 0) {
-      int* counter = p.split_counters + (int64_t(blockIdx.x) * gridDim.y + blockIdx.y);
+      int* counter = p.split_counters + (int64_t(blockIdx.x) * row_tile_capacity<Traits>(p) + w.tile);
       asm volatile("fence.acq_rel.gpu;" ::: "memory");  // this CTA's partials before its arrival
       bool const last = atomicAdd(counter, 1) == p.num_splits - 1;
       if (last) {
@@ -677,6 +615,48 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     }
     write_out(acc_o, softmax, thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
 
+  }
+}
+
+// The kernel: this CTA's row tiles of one (request, KV head, split), one after another (see
+// tile_scheduler.cuh; with an honest max_seqlen_q there is exactly one).
+template <class Traits>
+__device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
+  constexpr int kStageKeys = Traits::kStageKeys;
+  // TMA decode: the first block-table windows are read only after seqused_k arrives (they start where
+  // this split starts). Guess that start from the table's capacity (exact for the longest requests,
+  // e.g. equal-length decode batches) and pull those table lines into L2 now, in flight with
+  // schedule()'s loads; a wrong guess costs a few L2 lines.
+  if constexpr (Traits::kTma) {
+    if (p.block_table != nullptr && threadIdx.x < 8) {
+      int const b = blockIdx.x / p.num_kv_heads;
+      int const capacity = p.max_blocks_per_seq * p.block_size;
+      int const steps = (capacity + kStageKeys - 1) / kStageKeys;
+      int const first = int(blockIdx.z) * ((steps + p.num_splits - 1) / p.num_splits) * kStageKeys / p.block_size;
+      int const entry = first + 32 * int(threadIdx.x);  // 8 lines of 32 entries: the first two windows
+      if (entry < p.max_blocks_per_seq) {
+        int32_t const* line = p.block_table + int64_t(b) * p.bt_stride + entry;
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line));
+      }
+    }
+  }
+  int const tile0 = first_tile();
+  for (int tile = tile0;; tile = next_tile(tile)) {
+    AttnWork w;
+    if (!schedule<Traits>(p, tile, w)) return;
+    if (tile != tile0) {
+      __syncthreads();  // the last tile's epilogue is done with shared memory
+      if constexpr (Traits::kTma) {
+        // every phase of the rings completed in the last tile: retire them before re-initialising
+        if (threadIdx.x % Traits::kGroupThreads == 0) {
+          uint64_t* bars = reinterpret_cast<uint64_t*>(smem + (Traits::kSmemMain + 7) / 8 * 8) +
+                           threadIdx.x / Traits::kGroupThreads * Traits::kStages;
+          for (int s = 0; s < Traits::kStages; ++s) mbarrier_inval(bars + s);
+        }
+        __syncwarp();
+      }
+    }
+    attn_fwd_tile<Traits>(p, smem, w);
   }
 }
 

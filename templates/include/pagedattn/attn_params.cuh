@@ -21,7 +21,7 @@ struct AttnParams {
   float* o_accum;               // split-KV partial outputs [num_splits, total_q, Hq, D] fp32
   float* lse_accum;             // split-KV partial LSE [num_splits, Hq, total_q] fp32
   void const* tma_desc;         // decode_tma: two CUtensorMaps (K, V) in global memory, or null
-  int32_t* split_counters;      // split-KV: one arrival counter per (blockIdx.x, blockIdx.y), zero between calls
+  int32_t* split_counters;      // split-KV: one arrival counter per (blockIdx.x, row tile), zero between calls
   int64_t q_row_stride, q_head_stride;
   int64_t o_row_stride, o_head_stride;
   int64_t k_block_stride, k_row_stride, k_head_stride;  // paged: block/page strides; varlen: token stride
@@ -34,7 +34,8 @@ struct AttnParams {
   int32_t num_seqs;
   int32_t num_q_heads, num_kv_heads, group;   // group = Hq / Hkv, packed into the tile's M dimension
   int32_t head_size;            // runtime D <= kHeadDim; columns >= D are zero-filled and not stored
-  int32_t total_q;
+  int32_t total_q;              // rows of q and out: no request's rows are read or written past it
+  int32_t total_k;              // contiguous varlen: rows of k and v (0 when paged)
   int32_t num_splits;
   int32_t causal;
   int32_t descale_batch_stride, descale_head_stride;

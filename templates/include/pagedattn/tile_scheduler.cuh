@@ -1,0 +1,82 @@
+// Which rows, keys and split a CTA of attn_fwd works on.
+//
+// Grid: (num_seqs * num_kv_heads, row-tile slots, num_splits). The host sizes the middle dimension
+// from max_seqlen_q, but that is a hint: a CTA walks row tiles slot, slot + gridDim.y, ... until it
+// passes its request's rows, so every row is computed whatever max_seqlen_q says (a hint that is too
+// small only costs parallelism).
+//
+// Every index that comes from metadata is clamped to the tensors it addresses, whatever the metadata
+// says: query rows to [0, total_q) (a non-monotone cu_seqlens_q gives an empty request), keys to the
+// block table's capacity (paged) or to [0, total_k) (contiguous). Pages outside [0, num_blocks) are
+// PagedKV's concern.
+#pragma once
+
+#include "pagedattn/nvrtc_compat.cuh"
+#include "pagedattn/attn_params.cuh"
+#include <cute/tensor.hpp>
+
+namespace pagedattn {
+
+struct AttnWork {
+  int b, kv_head, split;
+  int tile;                    // row tile of the request (counted from its first row)
+  int q_start, q_len;          // request's first query row and query count, inside [0, total_q)
+  int k_start, k_len;          // contiguous varlen: first K row (inside [0, total_k)); visible keys
+  int row0;                    // first packed row of the tile
+  int mask_from;               // keys >= mask_from may be masked for some row of the tile
+  int step_begin, step_end;    // stages [step_begin, step_end) of kStageKeys keys
+};
+
+__device__ __forceinline__ int clamp_to(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+// Row tiles of the longest request that metadata can describe (all total_q rows in one request); the
+// host sizes the split arrival counters with the same formula (attention.py: row_tile_capacity).
+template <class Traits>
+__device__ __forceinline__ int row_tile_capacity(AttnParams const& p) {
+  return int((int64_t(p.total_q) * p.group + Traits::kBlockM - 1) / Traits::kBlockM);
+}
+
+// The first row tile of this CTA, then the next one; false once the tile lies past the request.
+// Row tiles go in reverse: with causal masking the last tiles of a request see the most keys, and
+// the grid runs in blockIdx order, so the longest CTAs start first instead of forming the tail.
+__device__ __forceinline__ int first_tile() { return int(gridDim.y - 1 - blockIdx.y); }
+__device__ __forceinline__ int next_tile(int tile) { return tile + int(gridDim.y); }
+
+template <class Traits>
+__device__ __forceinline__ bool schedule(AttnParams const& p, int tile, AttnWork& w) {
+  w.b = blockIdx.x / p.num_kv_heads;
+  w.kv_head = blockIdx.x - w.b * p.num_kv_heads;
+  w.split = blockIdx.z;
+  w.tile = tile;
+  w.q_start = clamp_to(p.cu_seqlens_q[w.b], 0, p.total_q);
+  w.q_len = clamp_to(p.cu_seqlens_q[w.b + 1], w.q_start, p.total_q) - w.q_start;
+  int const rows = w.q_len * p.group;
+  w.row0 = tile * Traits::kBlockM;
+  if (w.row0 >= rows) return false;
+  int k_len;
+  w.k_start = 0;
+  if (p.block_table != nullptr) {
+    k_len = cute::min(p.seqused_k[w.b], p.max_blocks_per_seq * p.block_size);  // never read past the table
+  } else {
+    w.k_start = clamp_to(p.cu_seqlens_k[w.b], 0, p.total_k);
+    k_len = clamp_to(p.cu_seqlens_k[w.b + 1], w.k_start, p.total_k) - w.k_start;
+    if (p.seqused_k != nullptr) k_len = cute::min(k_len, p.seqused_k[w.b]);
+  }
+  w.k_len = k_len > 0 ? k_len : 0;
+  int const i_min = w.row0 / p.group;
+  int const i_max = (cute::min(rows, w.row0 + Traits::kBlockM) - 1) / p.group;
+  // bottom-right causal: query i sees keys [0, k_len - q_len + i]
+  int keys_end = w.k_len;
+  w.mask_from = w.k_len;
+  if (p.causal) {
+    keys_end = cute::min(w.k_len, w.k_len - w.q_len + i_max + 1);
+    w.mask_from = cute::max(0, cute::min(w.k_len, w.k_len - w.q_len + i_min + 1));
+  }
+  int const steps = keys_end > 0 ? (keys_end + Traits::kStageKeys - 1) / Traits::kStageKeys : 0;
+  int const per_split = (steps + p.num_splits - 1) / p.num_splits;
+  w.step_begin = cute::min(steps, w.split * per_split);
+  w.step_end = cute::min(steps, w.step_begin + per_split);
+  return true;
+}
+
+}  // namespace pagedattn
