@@ -84,28 +84,46 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-def read_entry(folder: Path, key: str) -> bytes | None:
-    """The cubin of a valid entry, or None. A corrupt entry is logged and reported as missing."""
+def read_entry(folder: Path, key: str, *, quiet: bool = False) -> bytes | None:
+    """The cubin of a valid entry, or None. A damaged entry (meta.json unreadable or not this key's,
+    kernel.cubin missing, cut short or altered) is reported as missing, with one warning naming the
+    damaged file unless `quiet` (a re-check of an entry already warned about)."""
     meta_path, cubin_path = folder / META, folder / CUBIN
     if not meta_path.is_file():
-        return None
+        return None  # absent, or being written: meta.json comes last
     try:
         meta = json.loads(meta_path.read_text())
-        cubin = cubin_path.read_bytes()
-    except (OSError, ValueError) as exc:
-        log.warning("cache entry %s unreadable (%s): rebuilding", folder, exc)
-        return None
-    if meta.get("key") != key:
-        return None
-    if len(cubin) != meta.get("size") or hashlib.sha256(cubin).hexdigest() != meta.get("sha256"):
-        log.warning("cache entry %s is corrupt (hash or size mismatch): rebuilding", folder)
-        return None
-    return cubin
+        if not isinstance(meta, dict) or not isinstance(meta.get("key"), str):
+            raise ValueError("not a cache entry's metadata")
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        problem = f"cache file {meta_path} is unreadable ({exc})"
+    else:
+        # The folder name holds 16 hex digits of the key: another key here means a damaged meta.json.
+        if meta["key"] != key:
+            problem = f"cache file {meta_path} names another key ({meta['key'][:16]}...)"
+        else:
+            try:
+                cubin = cubin_path.read_bytes()
+            except OSError as exc:
+                problem = f"cache file {cubin_path} is unreadable ({exc})"
+            else:
+                if len(cubin) != meta.get("size"):
+                    problem = (f"cache file {cubin_path} is corrupt ({len(cubin)} bytes, "
+                               f"{meta_path} says {meta.get('size')})")
+                elif hashlib.sha256(cubin).hexdigest() != meta.get("sha256"):
+                    problem = f"cache file {cubin_path} is corrupt (sha256 differs from {meta_path})"
+                else:
+                    return cubin
+    if not quiet:
+        log.warning("%s: rebuilding", problem)
+    return None
 
 
 def write_entry(folder: Path, *, key: str, material: dict, variant: str, arch: str, cubin: bytes,
                 source: str, options: list[str], seconds: float, origin: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
+    # A stale meta.json (rebuilding a damaged entry) goes first, so no reader pairs it with the new cubin.
+    (folder / META).unlink(missing_ok=True)
     atomic_write(folder / SOURCE, source.encode())
     atomic_write(folder / CUBIN, cubin)
     meta = {
@@ -180,7 +198,8 @@ class KernelCache:
         except OSError as exc:
             return self._compile_in_memory(variant, source, arch, options, key, exc)
         try:
-            cubin = read_entry(folder, key)  # someone else may have finished while we waited
+            # Someone else may have finished while we waited; damage was warned about above.
+            cubin = read_entry(folder, key, quiet=True)
             if cubin is not None:
                 return Artifact(variant, arch, key, cubin, "jit-disk", folder)
             try:
@@ -254,6 +273,8 @@ def list_entries(root: Path | None = None) -> list[EntryInfo]:
         meta_path = folder / META
         try:
             meta = json.loads(meta_path.read_text())
+            if not isinstance(meta, dict):
+                raise ValueError("not a cache entry's metadata")
         except (OSError, ValueError):  # a failed or interrupted compile leaves only source.cu
             out.append(EntryInfo(folder, folder.name, "?", 0, 0.0, "incomplete", False))
             continue

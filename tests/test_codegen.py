@@ -1,7 +1,9 @@
 """The JIT layer: render, NVRTC, cache (miss/hit, corruption, races, read-only), JIT-off, headers."""
 import json
+import logging
 import multiprocessing as mp
 import os
+import shutil
 from pathlib import Path
 
 import jinja2
@@ -41,6 +43,10 @@ def test_nvrtc_compiles_cute_template(arch):
     assert b"kv_write_kernel" in res.cubin
 
 
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def test_compile_error_carries_log_and_source(fresh_cache):
     bad = "extern \"C\" __global__ void k() { this_is_not_defined(); }\n"
     with pytest.raises(CompileError) as info:
@@ -77,19 +83,58 @@ def test_key_changes_with_arch_and_source(fresh_cache):
     assert len({a.key, b.key, c.key}) == 3
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_corrupt_cubin_is_rebuilt(fresh_cache, damage, pagedattn_log):
+def _flip_sha(meta: bytes) -> bytes:
+    m = json.loads(meta)
+    m["sha256"] = m["sha256"][:-1] + ("1" if m["sha256"][-1] == "0" else "0")
+    return json.dumps(m).encode()
+
+
+def _other_key(meta: bytes) -> bytes:
+    m = json.loads(meta)
+    m["key"] = "0" * 64
+    return json.dumps(m).encode()
+
+
+DAMAGE = {  # name -> (damaged file, what happens to its bytes)
+    "cubin_half": ("kernel.cubin", lambda b: b[: len(b) // 2]),
+    "cubin_empty": ("kernel.cubin", lambda b: b""),
+    "cubin_flip": ("kernel.cubin", lambda b: b[:100] + bytes([b[100] ^ 0xFF]) + b[101:]),
+    "meta_half": ("meta.json", lambda b: b[: len(b) // 2]),
+    "meta_sha": ("meta.json", _flip_sha),
+    "meta_key": ("meta.json", _other_key),
+}
+
+
+@pytest.fixture(scope="module")
+def pristine_entry(tmp_path_factory):
+    """(folder, cubin) of one compiled entry; tests damage copies of it (one compile per module)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path_factory.mktemp("pristine")))
+        k = _kernel()
+        art = kcache.KernelCache().get(k.name, k.source, "sm_90a")
+    return art.path, art.cubin
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_entry_is_rebuilt(pristine_entry, fresh_cache, damage, pagedattn_log):
+    """Truncated, emptied or altered files are caught with one warning naming the file, rebuilt, and
+    the rebuilt entry is a hit."""
+    src, cubin = pristine_entry
+    folder = Path(os.environ["PAGEDATTN_CACHE_DIR"]) / src.name
+    shutil.copytree(src, folder)
+    name, damage_fn = DAMAGE[damage]
+    victim = folder / name
+    victim.write_bytes(damage_fn(victim.read_bytes()))
     k = _kernel()
     a = fresh_cache.get(k.name, k.source, "sm_90a")
-    cubin_path = a.path / "kernel.cubin"
-    data = cubin_path.read_bytes()
-    cubin_path.write_bytes(data[: len(data) // 2] if damage == "truncate"
-                          else data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
-    cache2 = kcache.KernelCache()
-    b = cache2.get(k.name, k.source, "sm_90a")
-    assert cache2.compiles == 1 and b.cubin == data
-    assert "corrupt" in pagedattn_log.text
-    assert cubin_path.read_bytes() == data
+    assert a.origin == "jit-compiled" and fresh_cache.compiles == 1 and a.cubin == cubin
+    warnings = _warnings(pagedattn_log)
+    assert len(warnings) == 1 and str(victim) in warnings[0] and "rebuilding" in warnings[0], warnings
+    assert (folder / "kernel.cubin").read_bytes() == cubin
+    other_process = kcache.KernelCache()
+    b = other_process.get(k.name, k.source, "sm_90a")
+    assert b.origin == "jit-disk" and other_process.compiles == 0 and b.cubin == cubin
+    assert len(_warnings(pagedattn_log)) == 1
 
 
 def _race_worker(cache_dir, barrier, queue):
