@@ -238,9 +238,11 @@ class KernelCache:
         return Artifact(variant, arch, key, result.cubin, "jit-memory", None)
 
     def _warn_readonly(self, exc: Exception) -> None:
+        # Once per process (this object is the process's cache), not once per kernel.
         if not self._warned_readonly:
             self._warned_readonly = True
-            log.warning("cache dir %s is not writable (%s): compiling in memory only",
+            log.warning("cache dir %s is not writable (%s): compiling in memory only, again in every "
+                        "process; set PAGEDATTN_CACHE_DIR to a writable folder to keep compiled kernels",
                         envs.cache_dir(), exc)
 
 

@@ -1,4 +1,5 @@
 """The JIT layer: render, NVRTC, cache (miss/hit, corruption, races, read-only), JIT-off, headers."""
+import errno
 import json
 import logging
 import multiprocessing as mp
@@ -45,6 +46,14 @@ def test_nvrtc_compiles_cute_template(arch):
 
 def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def _block_cache_dir(tmp_path, monkeypatch) -> Path:
+    """A cache dir that cannot be created (a file stands in its way): works as root too."""
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(blocker / "cache"))
+    return blocker / "cache"
 
 
 def test_compile_error_carries_log_and_source(fresh_cache):
@@ -163,16 +172,45 @@ def test_two_processes_race_compile_once(tmp_path):
     assert results[0][1] == results[1][1]
 
 
-def test_unwritable_cache_dir_compiles_in_memory(tmp_path, monkeypatch, pagedattn_log):
-    blocker = tmp_path / "not_a_dir"
-    blocker.write_text("a file where the cache folder should be")
-    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(blocker / "cache"))
+def _unwritable_cache(mode, tmp_path, monkeypatch) -> Path:
+    """A cache dir that refuses to keep kernels, at one of the three places a write can fail."""
+    if mode == "not_a_dir":  # the entry folder cannot be made
+        return _block_cache_dir(tmp_path, monkeypatch)
+    root = tmp_path / "cache"
+    root.mkdir()
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(root))
+    real_write = kcache.atomic_write
+    if mode == "read_only":  # the source write is refused
+        root.chmod(0o555)
+        try:
+            (root / "probe").write_text("")
+        except PermissionError:
+            return root
+        (root / "probe").unlink()  # root (or CAP_DAC_OVERRIDE) ignores the mode: refuse in code
+
+        def refuse(path, data):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+    else:  # "disk_full": the source is written, the cubin is not
+        def refuse(path, data):
+            if path.name == kcache.CUBIN:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            real_write(path, data)
+    monkeypatch.setattr(kcache, "atomic_write", refuse)
+    return root
+
+
+@pytest.mark.parametrize("mode", ["not_a_dir", "read_only", "disk_full"])
+def test_unwritable_cache_dir_warns_once(mode, tmp_path, monkeypatch, pagedattn_log):
+    """Kernels compile in memory; one warning per process (not per kernel) names the dir and the fix."""
+    root = _unwritable_cache(mode, tmp_path, monkeypatch)
     c = kcache.KernelCache()
-    k = _kernel()
-    a = c.get(k.name, k.source, "sm_90a")
-    b = c.get(k.name, k.source + "//2\n", "sm_90a")
-    assert a.origin == b.origin == "jit-memory" and a.cubin[:4] == b"\x7fELF"
-    assert pagedattn_log.text.count("not writable") == 1  # warned once
+    kernels = [_kernel(), Kernel(KvWriteSpec("fp16", "auto", "head"))]
+    arts = [c.get(k.name, k.source, "sm_90a") for k in kernels]
+    assert [a.origin for a in arts] == ["jit-memory"] * 2 and c.compiles == 2
+    assert all(a.cubin[:4] == b"\x7fELF" for a in arts)
+    warnings = _warnings(pagedattn_log)
+    assert len(warnings) == 1, warnings
+    assert f"cache dir {root} is not writable" in warnings[0] and "PAGEDATTN_CACHE_DIR" in warnings[0]
 
 
 def test_disable_jit_cold_key_raises(fresh_cache, monkeypatch):
