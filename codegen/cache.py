@@ -21,7 +21,7 @@ from filelock import FileLock
 
 from .. import envs
 from .compile import compile_source, nvrtc_options
-from .errors import MissingKernelError
+from .errors import CompileError, MissingKernelError
 from .render import headers_digest
 from .toolchain import toolchain
 
@@ -223,6 +223,13 @@ class KernelCache:
         try:
             result = compile_source(source, variant=variant, arch=arch, options=options,
                                     source_path=source_path)
+        except CompileError as exc:
+            log.info(" failed", extra={"tail": True})
+            if exc.source_path is None:  # compiled in memory: keep the source where the user can open it
+                kept = keep_source(variant, source)
+                if kept is not None:
+                    raise CompileError(variant, arch, exc.log, kept) from None
+            raise
         except BaseException:
             log.info(" failed", extra={"tail": True})
             raise
@@ -232,9 +239,7 @@ class KernelCache:
 
     def _compile_in_memory(self, variant, source, arch, options, key, exc) -> Artifact:
         self._warn_readonly(exc)
-        tmp = Path(tempfile.mkdtemp(prefix="pagedattn-src-")) / f"{variant}.cu"
-        tmp.write_text(source)
-        result = self._compile(variant, source, arch, options, str(tmp))
+        result = self._compile(variant, source, arch, options, None)
         return Artifact(variant, arch, key, result.cubin, "jit-memory", None)
 
     def _warn_readonly(self, exc: Exception) -> None:
@@ -244,6 +249,17 @@ class KernelCache:
             log.warning("cache dir %s is not writable (%s): compiling in memory only, again in every "
                         "process; set PAGEDATTN_CACHE_DIR to a writable folder to keep compiled kernels",
                         envs.cache_dir(), exc)
+
+
+def keep_source(variant: str, source: str) -> str | None:
+    """Write a source NVRTC rejected to a temp file (the cache dir being unusable); its path, or None."""
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"pagedattn-{variant}-", suffix=".cu")
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+    except OSError:
+        return None
+    return path
 
 
 _CACHE = KernelCache()

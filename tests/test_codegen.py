@@ -56,13 +56,25 @@ def _block_cache_dir(tmp_path, monkeypatch) -> Path:
     return blocker / "cache"
 
 
-def test_compile_error_carries_log_and_source(fresh_cache):
+@pytest.mark.parametrize("where", ["cache_dir", "temp_file"])
+def test_compile_error_shows_log_and_source(fresh_cache, where, tmp_path, monkeypatch):
+    """The message holds NVRTC's log and the path of a file with the rendered source; with an unusable
+    cache dir that file is a temp file."""
+    if where == "temp_file":
+        _block_cache_dir(tmp_path, monkeypatch)
     bad = "extern \"C\" __global__ void k() { this_is_not_defined(); }\n"
     with pytest.raises(CompileError) as info:
         fresh_cache.get("broken_kernel", bad, "sm_90a")
-    err = info.value
-    assert "this_is_not_defined" in err.log
-    assert err.source_path and Path(err.source_path).read_text() == bad
+    err, msg = info.value, str(info.value)
+    assert "this_is_not_defined" in err.log and err.log in msg
+    assert err.source_path and f"rendered source kept at: {err.source_path}" in msg
+    kept = Path(err.source_path)
+    assert kept.is_file() and kept.read_text() == bad
+    if where == "cache_dir":
+        assert kept.parent.parent == tmp_path / "cache" and kept.name == "source.cu"
+    else:
+        assert tmp_path not in kept.parents and kept.name.startswith("pagedattn-broken_kernel-")
+        kept.unlink()
 
 
 def test_unknown_arch_is_rejected():
