@@ -21,7 +21,7 @@ from filelock import FileLock
 
 from .. import envs
 from .compile import compile_source, nvrtc_options
-from .errors import MissingKernelError
+from .errors import CompileError, MissingKernelError
 from .render import headers_digest
 from .toolchain import toolchain
 
@@ -84,28 +84,46 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-def read_entry(folder: Path, key: str) -> bytes | None:
-    """The cubin of a valid entry, or None. A corrupt entry is logged and reported as missing."""
+def read_entry(folder: Path, key: str, *, quiet: bool = False) -> bytes | None:
+    """The cubin of a valid entry, or None. A damaged entry (meta.json unreadable or not this key's,
+    kernel.cubin missing, cut short or altered) is reported as missing, with one warning naming the
+    damaged file unless `quiet` (a re-check of an entry already warned about)."""
     meta_path, cubin_path = folder / META, folder / CUBIN
     if not meta_path.is_file():
-        return None
+        return None  # absent, or being written: meta.json comes last
     try:
         meta = json.loads(meta_path.read_text())
-        cubin = cubin_path.read_bytes()
-    except (OSError, ValueError) as exc:
-        log.warning("cache entry %s unreadable (%s): rebuilding", folder, exc)
-        return None
-    if meta.get("key") != key:
-        return None
-    if len(cubin) != meta.get("size") or hashlib.sha256(cubin).hexdigest() != meta.get("sha256"):
-        log.warning("cache entry %s is corrupt (hash or size mismatch): rebuilding", folder)
-        return None
-    return cubin
+        if not isinstance(meta, dict) or not isinstance(meta.get("key"), str):
+            raise ValueError("not a cache entry's metadata")
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        problem = f"cache file {meta_path} is unreadable ({exc})"
+    else:
+        # The folder name holds 16 hex digits of the key: another key here means a damaged meta.json.
+        if meta["key"] != key:
+            problem = f"cache file {meta_path} names another key ({meta['key'][:16]}...)"
+        else:
+            try:
+                cubin = cubin_path.read_bytes()
+            except OSError as exc:
+                problem = f"cache file {cubin_path} is unreadable ({exc})"
+            else:
+                if len(cubin) != meta.get("size"):
+                    problem = (f"cache file {cubin_path} is corrupt ({len(cubin)} bytes, "
+                               f"{meta_path} says {meta.get('size')})")
+                elif hashlib.sha256(cubin).hexdigest() != meta.get("sha256"):
+                    problem = f"cache file {cubin_path} is corrupt (sha256 differs from {meta_path})"
+                else:
+                    return cubin
+    if not quiet:
+        log.warning("%s: rebuilding", problem)
+    return None
 
 
 def write_entry(folder: Path, *, key: str, material: dict, variant: str, arch: str, cubin: bytes,
                 source: str, options: list[str], seconds: float, origin: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
+    # A stale meta.json (rebuilding a damaged entry) goes first, so no reader pairs it with the new cubin.
+    (folder / META).unlink(missing_ok=True)
     atomic_write(folder / SOURCE, source.encode())
     atomic_write(folder / CUBIN, cubin)
     meta = {
@@ -180,7 +198,8 @@ class KernelCache:
         except OSError as exc:
             return self._compile_in_memory(variant, source, arch, options, key, exc)
         try:
-            cubin = read_entry(folder, key)  # someone else may have finished while we waited
+            # Someone else may have finished while we waited; damage was warned about above.
+            cubin = read_entry(folder, key, quiet=True)
             if cubin is not None:
                 return Artifact(variant, arch, key, cubin, "jit-disk", folder)
             try:
@@ -204,6 +223,13 @@ class KernelCache:
         try:
             result = compile_source(source, variant=variant, arch=arch, options=options,
                                     source_path=source_path)
+        except CompileError as exc:
+            log.info(" failed", extra={"tail": True})
+            if exc.source_path is None:  # compiled in memory: keep the source where the user can open it
+                kept = keep_source(variant, source)
+                if kept is not None:
+                    raise CompileError(variant, arch, exc.log, kept) from None
+            raise
         except BaseException:
             log.info(" failed", extra={"tail": True})
             raise
@@ -213,16 +239,27 @@ class KernelCache:
 
     def _compile_in_memory(self, variant, source, arch, options, key, exc) -> Artifact:
         self._warn_readonly(exc)
-        tmp = Path(tempfile.mkdtemp(prefix="pagedattn-src-")) / f"{variant}.cu"
-        tmp.write_text(source)
-        result = self._compile(variant, source, arch, options, str(tmp))
+        result = self._compile(variant, source, arch, options, None)
         return Artifact(variant, arch, key, result.cubin, "jit-memory", None)
 
     def _warn_readonly(self, exc: Exception) -> None:
+        # Once per process (this object is the process's cache), not once per kernel.
         if not self._warned_readonly:
             self._warned_readonly = True
-            log.warning("cache dir %s is not writable (%s): compiling in memory only",
+            log.warning("cache dir %s is not writable (%s): compiling in memory only, again in every "
+                        "process; set PAGEDATTN_CACHE_DIR to a writable folder to keep compiled kernels",
                         envs.cache_dir(), exc)
+
+
+def keep_source(variant: str, source: str) -> str | None:
+    """Write a source NVRTC rejected to a temp file (the cache dir being unusable); its path, or None."""
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"pagedattn-{variant}-", suffix=".cu")
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+    except OSError:
+        return None
+    return path
 
 
 _CACHE = KernelCache()
@@ -254,6 +291,8 @@ def list_entries(root: Path | None = None) -> list[EntryInfo]:
         meta_path = folder / META
         try:
             meta = json.loads(meta_path.read_text())
+            if not isinstance(meta, dict):
+                raise ValueError("not a cache entry's metadata")
         except (OSError, ValueError):  # a failed or interrupted compile leaves only source.cu
             out.append(EntryInfo(folder, folder.name, "?", 0, 0.0, "incomplete", False))
             continue

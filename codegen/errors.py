@@ -11,7 +11,8 @@ class CompileError(RuntimeError):
     def __init__(self, variant: str, arch: str, log: str, source_path: str | None):
         self.variant, self.arch, self.log, self.source_path = variant, arch, log, source_path
         where = f"\nrendered source kept at: {source_path}" if source_path else ""
-        super().__init__(f"NVRTC failed to compile {variant} for {arch}{where}\n{log}")
+        body = log or "(NVRTC wrote no log)"
+        super().__init__(f"NVRTC failed to compile {variant} for {arch}{where}\n{body}")
 
 
 class MissingKernelError(RuntimeError):

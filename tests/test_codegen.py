@@ -1,7 +1,12 @@
 """The JIT layer: render, NVRTC, cache (miss/hit, corruption, races, read-only), JIT-off, headers."""
+import errno
+import hashlib
 import json
+import logging
 import multiprocessing as mp
 import os
+import shutil
+import traceback
 from pathlib import Path
 
 import jinja2
@@ -41,13 +46,37 @@ def test_nvrtc_compiles_cute_template(arch):
     assert b"kv_write_kernel" in res.cubin
 
 
-def test_compile_error_carries_log_and_source(fresh_cache):
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def _block_cache_dir(tmp_path, monkeypatch) -> Path:
+    """A cache dir that cannot be created (a file stands in its way): works as root too."""
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(blocker / "cache"))
+    return blocker / "cache"
+
+
+@pytest.mark.parametrize("where", ["cache_dir", "temp_file"])
+def test_compile_error_shows_log_and_source(fresh_cache, where, tmp_path, monkeypatch):
+    """The message holds NVRTC's log and the path of a file with the rendered source; with an unusable
+    cache dir that file is a temp file."""
+    if where == "temp_file":
+        _block_cache_dir(tmp_path, monkeypatch)
     bad = "extern \"C\" __global__ void k() { this_is_not_defined(); }\n"
     with pytest.raises(CompileError) as info:
         fresh_cache.get("broken_kernel", bad, "sm_90a")
-    err = info.value
-    assert "this_is_not_defined" in err.log
-    assert err.source_path and Path(err.source_path).read_text() == bad
+    err, msg = info.value, str(info.value)
+    assert "this_is_not_defined" in err.log and err.log in msg
+    assert err.source_path and f"rendered source kept at: {err.source_path}" in msg
+    kept = Path(err.source_path)
+    assert kept.is_file() and kept.read_text() == bad
+    if where == "cache_dir":
+        assert kept.parent.parent == tmp_path / "cache" and kept.name == "source.cu"
+    else:
+        assert tmp_path not in kept.parents and kept.name.startswith("pagedattn-broken_kernel-")
+        kept.unlink()
 
 
 def test_unknown_arch_is_rejected():
@@ -77,57 +106,140 @@ def test_key_changes_with_arch_and_source(fresh_cache):
     assert len({a.key, b.key, c.key}) == 3
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_corrupt_cubin_is_rebuilt(fresh_cache, damage, pagedattn_log):
+def _flip_sha(meta: bytes) -> bytes:
+    m = json.loads(meta)
+    m["sha256"] = m["sha256"][:-1] + ("1" if m["sha256"][-1] == "0" else "0")
+    return json.dumps(m).encode()
+
+
+def _other_key(meta: bytes) -> bytes:
+    m = json.loads(meta)
+    m["key"] = "0" * 64
+    return json.dumps(m).encode()
+
+
+DAMAGE = {  # name -> (damaged file, what happens to its bytes)
+    "cubin_half": ("kernel.cubin", lambda b: b[: len(b) // 2]),
+    "cubin_empty": ("kernel.cubin", lambda b: b""),
+    "cubin_flip": ("kernel.cubin", lambda b: b[:100] + bytes([b[100] ^ 0xFF]) + b[101:]),
+    "meta_half": ("meta.json", lambda b: b[: len(b) // 2]),
+    "meta_sha": ("meta.json", _flip_sha),
+    "meta_key": ("meta.json", _other_key),
+}
+
+
+@pytest.fixture(scope="module")
+def pristine_entry(tmp_path_factory):
+    """(folder, cubin) of one compiled entry; tests damage copies of it (one compile per module)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path_factory.mktemp("pristine")))
+        k = _kernel()
+        art = kcache.KernelCache().get(k.name, k.source, "sm_90a")
+    return art.path, art.cubin
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_entry_is_rebuilt(pristine_entry, fresh_cache, damage, pagedattn_log):
+    """Truncated, emptied or altered files are caught with one warning naming the file, rebuilt, and
+    the rebuilt entry is a hit."""
+    src, cubin = pristine_entry
+    folder = Path(os.environ["PAGEDATTN_CACHE_DIR"]) / src.name
+    shutil.copytree(src, folder)
+    name, damage_fn = DAMAGE[damage]
+    victim = folder / name
+    victim.write_bytes(damage_fn(victim.read_bytes()))
     k = _kernel()
     a = fresh_cache.get(k.name, k.source, "sm_90a")
-    cubin_path = a.path / "kernel.cubin"
-    data = cubin_path.read_bytes()
-    cubin_path.write_bytes(data[: len(data) // 2] if damage == "truncate"
-                          else data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
-    cache2 = kcache.KernelCache()
-    b = cache2.get(k.name, k.source, "sm_90a")
-    assert cache2.compiles == 1 and b.cubin == data
-    assert "corrupt" in pagedattn_log.text
-    assert cubin_path.read_bytes() == data
+    assert a.origin == "jit-compiled" and fresh_cache.compiles == 1 and a.cubin == cubin
+    warnings = _warnings(pagedattn_log)
+    assert len(warnings) == 1 and str(victim) in warnings[0] and "rebuilding" in warnings[0], warnings
+    assert (folder / "kernel.cubin").read_bytes() == cubin
+    other_process = kcache.KernelCache()
+    b = other_process.get(k.name, k.source, "sm_90a")
+    assert b.origin == "jit-disk" and other_process.compiles == 0 and b.cubin == cubin
+    assert len(_warnings(pagedattn_log)) == 1
 
 
 def _race_worker(cache_dir, barrier, queue):
-    os.environ["PAGEDATTN_CACHE_DIR"] = cache_dir
-    from pagedattn.codegen import cache as c
+    try:
+        os.environ["PAGEDATTN_CACHE_DIR"] = cache_dir
+        from pagedattn.codegen import cache as c
 
-    k = Kernel(KvWriteSpec("fp16", "auto", "head"))
-    src = k.source
-    barrier.wait()
-    art = c.KernelCache().get(k.name, src, "sm_90a")
-    queue.put((art.origin, art.cubin))
+        k = Kernel(KvWriteSpec("fp16", "auto", "head"))
+        src, cache = k.source, c.KernelCache()
+        barrier.wait(timeout=240)  # everything slow (imports, rendering) is done before the start
+        art = cache.get(k.name, src, "sm_90a")
+        queue.put((art.origin, cache.compiles, hashlib.sha256(art.cubin).hexdigest()))
+    except BaseException:
+        queue.put(("error", 0, traceback.format_exc()))
+        raise
 
 
-def test_two_processes_race_compile_once(tmp_path):
+def test_eight_processes_race_compile_once(tmp_path):
+    """8 processes start together on one cold variant: NVRTC runs once, all 8 get the same cubin."""
+    n = 8
     ctx = mp.get_context("spawn")
-    barrier, queue = ctx.Barrier(2), ctx.Queue()
-    procs = [ctx.Process(target=_race_worker, args=(str(tmp_path / "c"), barrier, queue)) for _ in range(2)]
+    barrier, queue = ctx.Barrier(n), ctx.Queue()
+    cache_dir = tmp_path / "c"
+    procs = [ctx.Process(target=_race_worker, args=(str(cache_dir), barrier, queue)) for _ in range(n)]
     for p in procs:
         p.start()
-    results = [queue.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
-    origins = sorted(r[0] for r in results)
-    assert origins == ["jit-compiled", "jit-disk"]
-    assert results[0][1] == results[1][1]
+    try:
+        results = [queue.get(timeout=300) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    errors = [r[2] for r in results if r[0] == "error"]
+    assert not errors, errors[0]
+    assert all(p.exitcode == 0 for p in procs)
+    assert sum(r[1] for r in results) == 1  # NVRTC compiles, all processes together
+    assert sorted(r[0] for r in results) == ["jit-compiled"] + ["jit-disk"] * (n - 1)
+    (entry,) = [p for p in cache_dir.iterdir() if p.is_dir()]  # beside it: its .lock file
+    on_disk = hashlib.sha256((entry / "kernel.cubin").read_bytes()).hexdigest()
+    assert {r[2] for r in results} == {on_disk}
 
 
-def test_unwritable_cache_dir_compiles_in_memory(tmp_path, monkeypatch, pagedattn_log):
-    blocker = tmp_path / "not_a_dir"
-    blocker.write_text("a file where the cache folder should be")
-    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(blocker / "cache"))
+def _unwritable_cache(mode, tmp_path, monkeypatch) -> Path:
+    """A cache dir that refuses to keep kernels, at one of the three places a write can fail."""
+    if mode == "not_a_dir":  # the entry folder cannot be made
+        return _block_cache_dir(tmp_path, monkeypatch)
+    root = tmp_path / "cache"
+    root.mkdir()
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(root))
+    real_write = kcache.atomic_write
+    if mode == "read_only":  # the source write is refused
+        root.chmod(0o555)
+        try:
+            (root / "probe").write_text("")
+        except PermissionError:
+            return root
+        (root / "probe").unlink()  # root (or CAP_DAC_OVERRIDE) ignores the mode: refuse in code
+
+        def refuse(path, data):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+    else:  # "disk_full": the source is written, the cubin is not
+        def refuse(path, data):
+            if path.name == kcache.CUBIN:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            real_write(path, data)
+    monkeypatch.setattr(kcache, "atomic_write", refuse)
+    return root
+
+
+@pytest.mark.parametrize("mode", ["not_a_dir", "read_only", "disk_full"])
+def test_unwritable_cache_dir_warns_once(mode, tmp_path, monkeypatch, pagedattn_log):
+    """Kernels compile in memory; one warning per process (not per kernel) names the dir and the fix."""
+    root = _unwritable_cache(mode, tmp_path, monkeypatch)
     c = kcache.KernelCache()
-    k = _kernel()
-    a = c.get(k.name, k.source, "sm_90a")
-    b = c.get(k.name, k.source + "//2\n", "sm_90a")
-    assert a.origin == b.origin == "jit-memory" and a.cubin[:4] == b"\x7fELF"
-    assert pagedattn_log.text.count("not writable") == 1  # warned once
+    kernels = [_kernel(), Kernel(KvWriteSpec("fp16", "auto", "head"))]
+    arts = [c.get(k.name, k.source, "sm_90a") for k in kernels]
+    assert [a.origin for a in arts] == ["jit-memory"] * 2 and c.compiles == 2
+    assert all(a.cubin[:4] == b"\x7fELF" for a in arts)
+    warnings = _warnings(pagedattn_log)
+    assert len(warnings) == 1, warnings
+    assert f"cache dir {root} is not writable" in warnings[0] and "PAGEDATTN_CACHE_DIR" in warnings[0]
 
 
 def test_disable_jit_cold_key_raises(fresh_cache, monkeypatch):
