@@ -25,6 +25,7 @@
 #include "pagedattn/tma_copy.cuh"
 #include "pagedattn/paged_kv.cuh"
 #include "pagedattn/tile_scheduler.cuh"
+#include "pagedattn/mask.cuh"
 #include "pagedattn/softmax.cuh"
 #include "pagedattn/softmax_merge.cuh"
 #include "pagedattn/split_combine.cuh"
@@ -341,12 +342,7 @@ __device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, A
     // flat (4, 1, columns / 8) views of the accumulators for OnlineSoftmax (see attn_wgmma.cuh)
     Tensor o_rows = make_tensor(acc_o.data(), Layout<Shape<_4, _1, Int<kHeadDim / 8>>>{});
     Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-    int key_limit[2];  // rows g and g + 8 of this thread's warp
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      int const qi = (w.row0 + int(get<0>(tScS(2 * r)))) / p.group;
-      key_limit[r] = p.causal ? cute::min(w.k_len, w.k_len - w.q_len + qi + 1) : w.k_len;
-    }
+    AttnMask<2> const mask(p, w, tScS);  // rows g and g + 8 of this thread's warp
     OnlineSoftmax<2> softmax;
 
     auto stage_k = [&](int stage) {
@@ -358,15 +354,6 @@ __device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, A
     auto new_scores = [&] { return partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}); };
     auto score_rows = [&](auto& acc_s) {
       return make_tensor(acc_s.data(), Layout<Shape<_4, _1, Int<kBlockN / 8>>>{});
-    };
-    // keys past a row's causal limit or the sequence end -> -inf, on the step's tiles that have any
-    auto mask = [&](auto& acc_s, int step) {
-      int const key0 = step * kBlockN;
-      if (key0 + kBlockN <= w.mask_from) return;
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) {
-        if (key0 + int(get<1>(tScS(i))) >= key_limit[(i % 4) / 2]) acc_s(i) = kNegInf;
-      }
     };
     typename Tiles::FragP tOrP;  // P of the step, in the A-operand order of P V
     auto to_p = [&](auto const& acc_s) {
@@ -392,7 +379,7 @@ __device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, A
       cp_async_commit();
       Tensor acc_s = new_scores();
       wgmma_gemm<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(stage_k(stage)), acc_s);
-      mask(acc_s, w.step_begin + it);
+      mask.template apply<kBlockN>(acc_s, tScS, (w.step_begin + it) * kBlockN);
       Tensor s_rows = score_rows(acc_s);
       softmax.update(s_rows, o_rows, scale_log2);
       to_p(acc_s);
@@ -425,15 +412,9 @@ __device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, A
     auto s2r_v_thr = s2r_v.get_thread_slice(gtid);
     Tensor tOrVt_view = s2r_v_thr.retile_D(tOrVt);
 
-    // Row coordinates of this thread's accumulator rows, and the keys each row may see.
+    // (row, key) of each accumulator entry, and the keys each of this thread's rows may see
     Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-    int key_limit[Traits::kRows];
-#pragma unroll
-    for (int r = 0; r < Traits::kRows; ++r) {
-      int const m = get<0>(tScS(2 * (r % 2), r / 2, 0));
-      int const qi = (w.row0 + m) / p.group;
-      key_limit[r] = p.causal ? cute::min(w.k_len, w.k_len - w.q_len + qi + 1) : w.k_len;
-    }
+    AttnMask<Traits::kRows> const mask(p, w, tScS);
 
     // kFp8Regs: fp16 MMAs; bf16 queries enter as q * 2^-8 (see attn_fp8_regs.cuh)
     constexpr float kQScale = Traits::kIsBf16 ? 1.f / 256.f : 1.f;
@@ -517,13 +498,7 @@ __device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, A
             fp8_regs_q<Element>(sQ, kk, gtid, kQScale, a);
           }
         });
-        if (key0 + kBlockN > w.mask_from) {
-          CUTE_UNROLL
-          for (int i = 0; i < size(acc_s); ++i) {
-            int const r = (i % 4) / 2;
-            if (key0 + get<1>(tScS(i)) >= key_limit[r]) acc_s(i) = kNegInf;
-          }
-        }
+        mask.template apply<kBlockN>(acc_s, tScS, key0);
         softmax.update(acc_s, acc_o, scale_log2);
         fp8_regs_pv<kHeadDim, kBlockN, Traits::kFp8>(v_sub, gtid, acc_s, acc_o);
         continue;
@@ -585,15 +560,7 @@ __device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, A
         for (int i = 0; i < size(acc_s); ++i) acc_s(i) += acc_s_odd(i);
       }
 
-      // mask only where some row of the tile may not see some key of the sub-tile
-      if (key0 + kBlockN > w.mask_from) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_s); ++i) {
-          int const v = i % 4, mi = (i / 4) % Traits::kMmaM;
-          int const r = 2 * mi + v / 2;
-          if (key0 + get<1>(tScS(i)) >= key_limit[r]) acc_s(i) = kNegInf;
-        }
-      }
+      mask.template apply<kBlockN>(acc_s, tScS, key0);
 
       softmax.update(acc_s, acc_o, scale_log2);
 
