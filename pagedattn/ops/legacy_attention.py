@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 
 from .. import envs
-from ..contract import CacheSpec, ContractError
+from ..contract import CacheSpec, ContractError, check_scale_values, describe
 from ..dtypes import CUDA_TYPE, FP8_FORMAT, short
 from ..registry import KernelSpec, get_kernel, register
 from .legacy_cache import check_scale, geometry
@@ -111,9 +111,9 @@ def _tensor(name, t, *, dtypes, dim, device):
     if not isinstance(t, torch.Tensor):
         raise ContractError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
-        raise ContractError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+        raise ContractError(f"{name} must be {' or '.join(map(str, dtypes))}, got {describe(t)}")
     if t.dim() != dim:
-        raise ContractError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+        raise ContractError(f"{name} must be {dim}-D, got {describe(t)}")
     if device is not None and t.device != device:
         raise ContractError(f"{name} is on {t.device}, the cache on {device}")
 
@@ -207,8 +207,11 @@ def check_partials(call: AttentionCall, exp_sums, max_logits, tmp_out) -> int:
 
 
 def check_tables(call: AttentionCall) -> None:
-    """Debug check (syncs): 0 <= seq_len <= max_seq_len and every block id a sequence uses lies in
-    [0, num_blocks). Names the first offender."""
+    """Debug check (syncs): 0 <= seq_len <= max_seq_len, every block id a sequence uses lies in
+    [0, num_blocks), fp8 scales finite and > 0. Names the first offender."""
+    if call.cache.is_fp8:
+        check_scale_values("k_scale", call.k_scale)
+        check_scale_values("v_scale", call.v_scale)
     lens = call.seq_lens.long()
     bad = ((lens < 0) | (lens > call.max_seq_len)).nonzero()
     if bad.numel():
