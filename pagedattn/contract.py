@@ -208,7 +208,7 @@ class CacheSpec:
         n, b, h, d = key_cache.shape
         stride = key_cache.stride()
         if stride[3] != 1:
-            raise ContractError(f"cache head dim must be contiguous (stride 1), got strides {stride}")
+            raise ContractError(f"key_cache / value_cache head dim must be contiguous (stride 1), got strides {stride}")
         layout = None
         for candidate in LAYOUTS:
             spec_strides = cls._layout_strides(candidate, b, h, d)
@@ -217,7 +217,7 @@ class CacheSpec:
                 break
         if layout is None:
             raise ContractError(
-                f"cache strides {stride} are neither NHD {cls._layout_strides('NHD', b, h, d)} nor "
+                f"key_cache / value_cache strides {stride} are neither NHD {cls._layout_strides('NHD', b, h, d)} nor "
                 f"HND {cls._layout_strides('HND', b, h, d)} for shape {tuple(key_cache.shape)}")
         for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
             if t.data_ptr() % 16:
@@ -290,7 +290,7 @@ class CacheSpec:
         if other != self:
             diff = [f"{f}: {getattr(other, f)!r} != {getattr(self, f)!r}"
                     for f in self.__dataclass_fields__ if getattr(other, f) != getattr(self, f)]
-            raise ContractError("caches do not match this CacheSpec (" + "; ".join(diff) + ")")
+            raise ContractError("key_cache / value_cache do not match this CacheSpec (" + "; ".join(diff) + ")")
 
     # -- the ops, reached through the contract --------------------------------------------------
     def write(self, key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None,

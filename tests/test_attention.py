@@ -498,7 +498,8 @@ MESSAGES = {
         lambda c: dict(cu_seqlens_q=torch.tensor([0, 1, 2, 3], dtype=torch.int32)),
         r"cu_seqlens_q has 4 entries \(B = 3\) while block_table has 2 rows and seqused_k has 2 entries"),
     "block_table one row short": (
-        lambda c: dict(block_table=c["table"][:1]), r"cu_seqlens_q has 3 entries \(B = 2\) while block_table has 1 rows"),
+        lambda c: dict(block_table=c["table"][:1]),
+        r"cu_seqlens_q has 3 entries \(B = 2\) while block_table has 1 rows"),
     "contiguous cu_seqlens_k one too long": (
         lambda c: dict(block_table=None, seqused_k=None, k=c["kc"][0], v=c["vc"][0],
                        cu_seqlens_k=torch.tensor([0, 5, 10, 16], dtype=torch.int32)),
@@ -536,10 +537,19 @@ MESSAGES = {
     "cache not a tensor": (lambda c: dict(k=[1.0]), "k, v .*key_cache must be a torch.Tensor, got list"),
     "uint8 contiguous k without kv_cache_dtype": (
         lambda c: dict(block_table=None, seqused_k=None, k=c["kc"][0].view(torch.uint8)[..., :64],
-                       v=c["vc"][0].view(torch.uint8)[..., :64], cu_seqlens_k=torch.tensor([0, 5, 16], dtype=torch.int32)),
+                       v=c["vc"][0].view(torch.uint8)[..., :64],
+                       cu_seqlens_k=torch.tensor([0, 5, 16], dtype=torch.int32)),
         "k/v dtype torch.uint8 is not supported"),
     "kv_cache_dtype not a string": (lambda c: dict(kv_cache_dtype=8), "^kv_cache_dtype=8 is not supported"),
 }
+
+
+@pytest.mark.parametrize("value", [torch.ones(2), torch.tensor(0.0), 30.0])
+def test_unsupported_keyword_values_refused(value):
+    """A tensor value is never an unsupported keyword's harmless default (it was a RuntimeError: the
+    truth value of an elementwise comparison with (-1, -1))."""
+    with pytest.raises(NotImplementedError, match="softcap"):
+        _cpu_call(_cpu(), softcap=value)
 
 
 @pytest.mark.parametrize("name", sorted(MESSAGES))
@@ -559,7 +569,8 @@ VALUES = {  # validate=True: the values the kernels trust
     "cu_seqlens_q not from 0": (dict(cu_seqlens_q=[1, 2, 3]), r"cu_seqlens_q\[0\] = 1; offsets start at 0"),
     "empty request": (dict(cu_seqlens_q=[0, 3, 3], q_rows=3, max_seqlen_q=3),
                                 None),  # empty request: valid
-    "cu_seqlens_q goes back": (dict(cu_seqlens_q=[0, 2, 1], q_rows=1), r"cu_seqlens_q\[2\] = 1 < cu_seqlens_q\[1\] = 2"),
+    "cu_seqlens_q goes back": (dict(cu_seqlens_q=[0, 2, 1], q_rows=1),
+                               r"cu_seqlens_q\[2\] = 1 < cu_seqlens_q\[1\] = 2"),
     "cu_seqlens_q short of total_q": (dict(cu_seqlens_q=[0, 1, 2]), r"cu_seqlens_q\[2\] = 2, but q has 3 rows"),
     "q_len over max_seqlen_q": (dict(max_seqlen_q=1), r"request 1: q_len 2 .*exceeds max_seqlen_q=1"),
     "seqused_k negative": (dict(seqused_k=[20, -1]), r"request 1: seqused_k\[1\] = -1 is negative"),
@@ -571,7 +582,8 @@ VALUES = {  # validate=True: the values the kernels trust
     "unused block id out of range": (dict(block=(0, 3, 99)), None),  # beyond seqused_k: never read
     "cu_seqlens_k short of total_k": (dict(contiguous=True, cu_seqlens_k=[0, 20, 50]),
                                       r"cu_seqlens_k\[2\] = 50, but k has 53 rows"),
-    "cu_seqlens_k goes back": (dict(contiguous=True, cu_seqlens_k=[0, 60, 53]), r"cu_seqlens_k\[2\] = 53 < cu_seqlens_k\[1\] = 60"),
+    "cu_seqlens_k goes back": (dict(contiguous=True, cu_seqlens_k=[0, 60, 53]),
+                               r"cu_seqlens_k\[2\] = 53 < cu_seqlens_k\[1\] = 60"),
     "key length over max_seqlen_k": (dict(contiguous=True, max_seqlen_k=30),
                                      r"request 1: 33 keys \(cu_seqlens_k\) exceed max_seqlen_k=30"),
     "contiguous seqused_k over its keys": (dict(contiguous=True, seqused_k=[21, 3]),

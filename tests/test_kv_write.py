@@ -507,12 +507,13 @@ def test_0d_scale_accepted():
 
     spec = CacheSpec(4, 16, 4, 64, torch.uint8, "fp8_e4m3")
     assert _check_scale("k_scale", torch.tensor(0.5), spec, torch.device("cpu")) == 0
-    with pytest.raises(ContractError, match="CUDA tensors"):  # every check passed
+    with pytest.raises(ContractError, match="CUDA tensors; key_cache is on cpu"):  # every check passed
         pagedattn.reshape_and_cache_flash(*_fp8_write_args(torch.tensor(0.5)))
 
 
 @pytest.mark.parametrize("scale,match", [
-    (torch.ones(1, dtype=torch.float16), r"k_scale must be a float32 tensor, got torch.float16 tensor of shape \(1,\)"),
+    (torch.ones(1, dtype=torch.float16),
+     r"k_scale must be a float32 tensor, got torch.float16 tensor of shape \(1,\)"),
     (torch.ones(2), r"k_scale must be a contiguous \[4\] tensor for scale granularity 'head', got shape \(2,\)"),
     (torch.ones(8)[::2], r"k_scale must be a contiguous \[4\] .*strides \(2,\)"),
     ([0.5], "k_scale must be a float32 tensor, got list"),

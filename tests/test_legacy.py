@@ -412,6 +412,7 @@ def _bad_calls(device):
         "cache dtype differs from query": (dict(query=lambda a: a["query"].bfloat16(),
                                                 out=lambda a: a["out"].bfloat16()), "cache dtype"),
         "block_size mismatch": (dict(block_size=lambda a: 32), "block_size"),
+        "block_size a tensor": (dict(block_size=lambda a: torch.tensor([16, 16])), "block_size"),  # was a RuntimeError
         "block_tables int64": (dict(block_tables=lambda a: a["block_tables"].long()), "block_tables"),
         "block_tables rows wrong": (dict(block_tables=lambda a: a["block_tables"][:2]), "block_tables"),
         "block_tables column-major": (dict(block_tables=lambda a: a["block_tables"].t().contiguous().t()),
@@ -527,6 +528,8 @@ def test_writer_validation():
         legacy.reshape_and_cache(key, key, kc8, vc8, slots, "fp8_e4m3")
     with pytest.raises(ContractError, match="CUDA"):
         legacy.reshape_and_cache(key, key, kc, vc, slots)
+    with pytest.raises(ContractError, match="CUDA tensors; key_cache is on cpu"):  # even with no token
+        legacy.reshape_and_cache(key, key, kc, vc, slots[:0])
 
 
 # ================================================================ variants compile (CPU)

@@ -154,6 +154,17 @@ _UNSUPPORTED_OK = {"window_size": ((-1, -1), [-1, -1], None), "softcap": (0.0, 0
                    "cp_rank": (0, None), "cp_tot_seqused_k": (None,)}
 
 
+def _is_default(value, defaults) -> bool:
+    """value is one of an unsupported keyword's harmless values. A tensor never is (comparing one with
+    a tuple would be elementwise, and its truth value ambiguous)."""
+    if isinstance(value, torch.Tensor):
+        return False
+    try:
+        return any(value is ok or value == ok for ok in defaults)
+    except (TypeError, ValueError, RuntimeError):  # a type whose == is not a bool (arrays)
+        return False
+
+
 def _given(x) -> str:
     """A scalar argument as given, for error messages (tensors by their metadata)."""
     if isinstance(x, torch.Tensor):
@@ -359,7 +370,8 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k
     if Dk != D:
         raise ContractError(f"head size differs: q has {D}, the KV cache {Dk}")
     if Hq % Hkv:
-        raise ContractError(f"num_q_heads={Hq} is not a multiple of num_kv_heads={Hkv}")
+        raise ContractError(f"q has {Hq} heads, not a multiple of the {Hkv} KV heads of k/v (GQA shares each "
+                            "KV head among Hq // Hkv query heads)")
     if kv_name == "auto" and k.dtype != q.dtype:
         raise ContractError(f"KV dtype {k.dtype} differs from q dtype {q.dtype}; fp8 caches need "
                             "kv_cache_dtype='fp8_e4m3'/'fp8_e5m2' (or float8 tensors)")
@@ -648,7 +660,7 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     for name, value in unsupported.items():
         if name not in _UNSUPPORTED_OK:
             raise TypeError(f"flash_attn_varlen_func() got an unexpected keyword argument {name!r}")
-        if not any(value is ok or value == ok for ok in _UNSUPPORTED_OK[name]):
+        if not _is_default(value, _UNSUPPORTED_OK[name]):
             raise NotImplementedError(f"pagedattn.flash_attn_varlen_func does not support {name}={value!r} yet")
     softmax_scale = check_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, num_splits)
     debug = validate or envs.debug()

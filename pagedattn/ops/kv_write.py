@@ -262,6 +262,12 @@ def validate_inputs(spec: CacheSpec, key, value, key_cache, slot_mapping, k_scal
     return num_tokens, scale_stride
 
 
+def _require_cuda(key_cache) -> None:
+    if key_cache.device.type != "cuda":
+        raise ContractError(f"reshape_and_cache_flash runs on CUDA tensors; key_cache is on {key_cache.device} "
+                            "(for CPU tensors use pagedattn.reference.reshape_and_cache_flash)")
+
+
 def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
     """Debug check (syncs): every slot < num_slots. Names the first bad token."""
     bad = (slot_mapping >= num_slots).nonzero()
@@ -322,9 +328,7 @@ def write_with_spec(spec: CacheSpec, key, value, key_cache, value_cache, slot_ma
                     k_scale=None, v_scale=None, validate: bool | None = None) -> None:
     num_tokens, scale_stride = validate_inputs(spec, key, value, key_cache, slot_mapping,
                                                k_scale, v_scale)
-    if key_cache.device.type != "cuda":
-        raise ContractError("reshape_and_cache_flash runs on CUDA tensors; for CPU tensors use "
-                            "pagedattn.reference.reshape_and_cache_flash")
+    _require_cuda(key_cache)
     plan = _Plan(spec, key, value, key_cache, slot_mapping, scale_stride)
     _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
             validate)
@@ -394,9 +398,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
         scale = "head"
     spec = CacheSpec.from_tensors(key_cache, value_cache, kv_cache_dtype=kv_cache_dtype, scale=scale)
     num_tokens, scale_stride = validate_inputs(spec, key, value, key_cache, slot_mapping, k_scale, v_scale)
-    if key_cache.device.type != "cuda":
-        raise ContractError("reshape_and_cache_flash runs on CUDA tensors; for CPU tensors use "
-                            "pagedattn.reference.reshape_and_cache_flash")
+    _require_cuda(key_cache)
     plan = _Plan(spec, key, value, key_cache, slot_mapping, scale_stride)
     if len(_PLANS) > 256:
         _PLANS.clear()

@@ -79,11 +79,11 @@ def write_legacy(spec: CacheSpec, key, value, key_cache, value_cache, slot_mappi
         if spec.is_fp8:
             check_scale_values("k_scale", k_scale)
             check_scale_values("v_scale", v_scale)
+    if key_cache.device.type != "cuda":  # even with no token, like reshape_and_cache_flash
+        raise ContractError(f"reshape_and_cache runs on CUDA tensors; key_cache is on {key_cache.device} "
+                            "(for CPU tensors use pagedattn.legacy_reference.reshape_and_cache)")
     if num_tokens == 0:
         return
-    if key_cache.device.type != "cuda":
-        raise ContractError("reshape_and_cache runs on CUDA tensors; for CPU tensors use "
-                            "pagedattn.legacy_reference.reshape_and_cache")
     kernel = get_kernel(LegacyCacheWriteSpec(short(key.dtype), spec.kv_cache_dtype))
     chunks = spec.num_kv_heads * spec.head_size // spec.x
     threads = min(max(32, -(-chunks // 32) * 32), 512)
