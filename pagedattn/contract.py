@@ -31,6 +31,31 @@ class ContractError(ValueError):
     """A tensor does not match the cache-layout contract."""
 
 
+def describe(t) -> str:
+    """What an argument was, for error messages: a tensor's dtype, shape and device, else its type."""
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+    return "None" if t is None else type(t).__name__
+
+
+def kv_cache_dtype_name(kv_cache_dtype) -> str:
+    """normalize_kv_cache_dtype, refusing with a ContractError."""
+    try:
+        return normalize_kv_cache_dtype(kv_cache_dtype)
+    except ValueError as e:
+        raise ContractError(str(e)) from None
+
+
+def check_scale_values(name: str, t: torch.Tensor) -> None:
+    """validate=True / PAGEDATTN_DEBUG (syncs): every fp8 scale finite and > 0, else the kernels
+    quietly write or read NaN / inf. Names the first bad element."""
+    bad = ~(torch.isfinite(t) & (t > 0))
+    if bool(bad.any()):
+        i = tuple(int(x) for x in bad.nonzero()[0]) if t.dim() else ()  # a 0-d tensor has no nonzero rows
+        where = f"{name}[{', '.join(map(str, i))}]" if i else name
+        raise ContractError(f"{where} = {float(t[i])}: fp8 scales must be finite and > 0")
+
+
 def _same_dtype_and_device(key_cache, value_cache) -> None:
     if key_cache.dtype != value_cache.dtype:
         raise ContractError(f"key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) "
@@ -52,7 +77,7 @@ class CacheSpec:
     scale: str = "tensor"             # fp8 scale granularity: tensor | head
 
     def __post_init__(self):
-        object.__setattr__(self, "kv_cache_dtype", normalize_kv_cache_dtype(self.kv_cache_dtype))
+        object.__setattr__(self, "kv_cache_dtype", kv_cache_dtype_name(self.kv_cache_dtype))
         for name in ("num_blocks", "block_size", "num_kv_heads", "head_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -173,6 +198,9 @@ class CacheSpec:
         if key_cache.shape != value_cache.shape:
             raise ContractError(f"key_cache {tuple(key_cache.shape)} and value_cache "
                                 f"{tuple(value_cache.shape)} differ in shape")
+        if 0 in key_cache.shape:  # else CacheSpec's own check names a field, not the argument
+            raise ContractError(f"key_cache has an empty dim: shape {tuple(key_cache.shape)} [num_blocks, "
+                                "block_size, num_kv_heads, head_size]")
         _same_dtype_and_device(key_cache, value_cache)
         if key_cache.stride() != value_cache.stride():
             raise ContractError(f"key_cache strides {key_cache.stride()} and value_cache strides "
@@ -180,7 +208,7 @@ class CacheSpec:
         n, b, h, d = key_cache.shape
         stride = key_cache.stride()
         if stride[3] != 1:
-            raise ContractError(f"cache head dim must be contiguous (stride 1), got strides {stride}")
+            raise ContractError(f"key_cache / value_cache head dim must be contiguous (stride 1), got strides {stride}")
         layout = None
         for candidate in LAYOUTS:
             spec_strides = cls._layout_strides(candidate, b, h, d)
@@ -189,14 +217,14 @@ class CacheSpec:
                 break
         if layout is None:
             raise ContractError(
-                f"cache strides {stride} are neither NHD {cls._layout_strides('NHD', b, h, d)} nor "
+                f"key_cache / value_cache strides {stride} are neither NHD {cls._layout_strides('NHD', b, h, d)} nor "
                 f"HND {cls._layout_strides('HND', b, h, d)} for shape {tuple(key_cache.shape)}")
         for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
             if t.data_ptr() % 16:
                 raise ContractError(f"{name} base pointer is not 16-byte aligned "
                                     f"(address % 16 = {t.data_ptr() % 16})")
         if key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and \
-                normalize_kv_cache_dtype(kv_cache_dtype) == "auto":
+                kv_cache_dtype_name(kv_cache_dtype) == "auto":
             kv_cache_dtype = short(key_cache.dtype)
         return cls(n, b, h, d, key_cache.dtype, kv_cache_dtype or "auto", layout, scale)
 
@@ -226,6 +254,8 @@ class CacheSpec:
             raise ContractError(f"legacy key_cache's last dim must be x = 16 // {elem} = {16 // elem} "
                                 f"for {key_cache.dtype}, got shape {tuple(key_cache.shape)}")
         d = dx * x
+        if 0 in key_cache.shape:
+            raise ContractError(f"legacy key_cache has an empty dim: shape {tuple(key_cache.shape)}")
         if tuple(value_cache.shape) != (n, h, d, b):
             raise ContractError(f"legacy value_cache must have shape [num_blocks, H, D, block_size] = "
                                 f"{(n, h, d, b)} to match key_cache {tuple(key_cache.shape)}, got "
@@ -245,7 +275,7 @@ class CacheSpec:
                 raise ContractError(f"{name}'s block and head strides {strides} must be multiples of "
                                     "16 bytes")
         if key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and \
-                normalize_kv_cache_dtype(kv_cache_dtype) == "auto":
+                kv_cache_dtype_name(kv_cache_dtype) == "auto":
             kv_cache_dtype = short(key_cache.dtype)
         return cls(n, b, h, d, key_cache.dtype, kv_cache_dtype or "auto", "legacy", "tensor")
 
@@ -260,7 +290,7 @@ class CacheSpec:
         if other != self:
             diff = [f"{f}: {getattr(other, f)!r} != {getattr(self, f)!r}"
                     for f in self.__dataclass_fields__ if getattr(other, f) != getattr(self, f)]
-            raise ContractError("caches do not match this CacheSpec (" + "; ".join(diff) + ")")
+            raise ContractError("key_cache / value_cache do not match this CacheSpec (" + "; ".join(diff) + ")")
 
     # -- the ops, reached through the contract --------------------------------------------------
     def write(self, key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None,

@@ -27,7 +27,7 @@ FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 
 
 def normalize_kv_cache_dtype(kv_cache_dtype: str | None) -> str:
-    key = (kv_cache_dtype or "auto").lower()
+    key = "auto" if kv_cache_dtype is None else kv_cache_dtype.lower() if isinstance(kv_cache_dtype, str) else None
     if key not in _KV_ALIASES:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; "
                          f"use one of {sorted(_KV_ALIASES)}")

@@ -371,6 +371,269 @@ def test_bad_input_is_a_clear_error(name):
     assert len(str(info.value)) > 10
 
 
+# ---------------------------------------------------------------- issue #18: what the errors say (CPU)
+# A valid call on CPU tensors passes every check and stops at the CUDA one, so each case below changes
+# one argument of a valid call and matches the message.
+CUDA_ONLY = "need CUDA tensors; q is on cpu"
+
+
+def _cpu(kv="auto", gran="tensor", lens_q=(1, 2), lens_k=(20, 33)):
+    gen = torch.Generator().manual_seed(4)
+    return build_case(list(lens_q), list(lens_k), 8, 4, 64, 16, "NHD", torch.bfloat16, kv, gran, gen, "cpu")
+
+
+def _cpu_call(c, **over):
+    kw = dict(q=c["q"], k=c["kc"], v=c["vc"], max_seqlen_q=2, cu_seqlens_q=c["cu_q"], max_seqlen_k=33,
+              seqused_k=c["seqused"], block_table=c["table"], kv_cache_dtype=c["spec"].kv_cache_dtype,
+              k_descale=c["ks"], v_descale=c["vs"])
+    kw.update(over)
+    return flash_attn_varlen_func(**kw)
+
+
+@pytest.mark.parametrize("kv,gran", [("auto", "tensor"), ("fp8_e4m3", "tensor"), ("fp8_e5m2", "head")])
+@pytest.mark.parametrize("validate", [False, True])
+def test_valid_cpu_call_reaches_the_cuda_check(kv, gran, validate):
+    with pytest.raises(ContractError, match=CUDA_ONLY):
+        _cpu_call(_cpu(kv, gran), validate=validate)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf"), 0.0, -0.125, 0, True, "0.1",
+                                   [0.1], torch.tensor(float("nan")), torch.tensor([0.1]), torch.tensor(1)])
+def test_softmax_scale_refused(scale):
+    with pytest.raises(ContractError, match="softmax_scale"):
+        _cpu_call(_cpu(), softmax_scale=scale)
+
+
+@pytest.mark.parametrize("scale", [0.125, 1, torch.tensor(0.125)])
+def test_softmax_scale_accepted(scale):
+    with pytest.raises(ContractError, match=CUDA_ONLY):
+        _cpu_call(_cpu(), softmax_scale=scale)
+
+
+@pytest.mark.parametrize("name", ["max_seqlen_q", "max_seqlen_k", "num_splits"])
+@pytest.mark.parametrize("value", [-1, 2.0, None, True, "2", torch.tensor(2)])
+def test_scalar_arguments_refused(name, value):
+    with pytest.raises(ContractError, match=f"{name} must be a non-negative int"):
+        _cpu_call(_cpu(), **{name: value})
+
+
+def _fp8_scale(c, name, index, value):
+    t = c[{"k_descale": "ks", "v_descale": "vs"}[name]].clone()
+    t[index] = value
+    return {name: t}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, 0.0])
+@pytest.mark.parametrize("name", ["k_descale", "v_descale"])
+def test_descale_values_checked_with_validate(name, value, monkeypatch):
+    c = _cpu("fp8_e5m2", "head")
+    bad = _fp8_scale(c, name, 2, value)
+    with pytest.raises(ContractError, match=CUDA_ONLY):     # no sync unless asked
+        _cpu_call(c, **bad)
+    with pytest.raises(ContractError, match=rf"{name}\[2\] = {value}: fp8 scales must be finite and > 0"):
+        _cpu_call(c, **bad, validate=True)
+    monkeypatch.setenv("PAGEDATTN_DEBUG", "1")
+    with pytest.raises(ContractError, match=rf"{name}\[2\]"):
+        _cpu_call(c, **bad)
+
+
+def test_descales_0d_and_per_request_accepted():
+    from pagedattn.ops.attention import _descale_strides
+
+    c = _cpu("fp8_e4m3")
+    for ks in (torch.tensor(0.02), torch.full((1, 1), 0.02), torch.full((2, 4), 0.02)):
+        with pytest.raises(ContractError, match=CUDA_ONLY):
+            _cpu_call(c, k_descale=ks, v_descale=ks.clone(), validate=True)
+    assert _descale_strides("k_descale", torch.tensor(0.5), 2, 4) == (0, 0)
+    assert _descale_strides("k_descale", torch.ones(4, 2).t(), 2, 4) == (1, 2)
+
+
+def test_descale_shape_named_before_device():
+    c = _cpu("fp8_e4m3")
+    with pytest.raises(ContractError, match=r"k_descale must have shape \[1\], \[4\] or \[2, 4\].*got \(3,\)"):
+        _cpu_call(c, k_descale=torch.ones(3, device="meta"))
+    with pytest.raises(ContractError, match=r"k_descale must be a float32 .*got torch.float16 tensor of shape \(1,\)"):
+        _cpu_call(c, k_descale=torch.ones(1, dtype=torch.float16, device="meta"))
+    with pytest.raises(ContractError, match=r"k_descale \(1,\) and v_descale \(4,\) differ in shape"):
+        _cpu_call(c, v_descale=torch.ones(4, device="meta"))
+    with pytest.raises(ContractError, match="v_descale is on meta, q on cpu"):
+        _cpu_call(c, v_descale=torch.ones(1, device="meta"))
+
+
+def _empty_batch(paged=True, device="cpu"):
+    q = torch.zeros(0, 8, 64, dtype=torch.bfloat16, device=device)
+    kc, vc = CacheSpec(4, 16, 4, 64, torch.bfloat16).allocate(device)
+    cu = torch.zeros(1, dtype=torch.int32, device=device)
+    if paged:
+        return dict(q=q, k=kc, v=vc, max_seqlen_q=0, cu_seqlens_q=cu, max_seqlen_k=0,
+                    seqused_k=torch.zeros(0, dtype=torch.int32, device=device),
+                    block_table=torch.zeros(0, 5, dtype=torch.int32, device=device))
+    kv = torch.zeros(0, 4, 64, dtype=torch.bfloat16, device=device)
+    return dict(q=q, k=kv, v=kv, max_seqlen_q=0, cu_seqlens_q=cu, max_seqlen_k=0, cu_seqlens_k=cu)
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_empty_batch_passes_validation(paged):
+    from pagedattn.ops.attention import validate
+
+    kw = _empty_batch(paged)
+    call = validate(kw["q"], kw["k"], kw["v"], kw["cu_seqlens_q"], kw.get("cu_seqlens_k"), kw.get("seqused_k"),
+                    kw.get("block_table"), None, None, None, None)
+    assert call.B == 0
+    with pytest.raises(ContractError, match=CUDA_ONLY):
+        flash_attn_varlen_func(**kw, validate=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [True, False])
+def test_empty_batch_returns_empty_outputs(paged):
+    kw = _empty_batch(paged, "cuda")
+    out, lse = flash_attn_varlen_func(**kw, return_softmax_lse=True, validate=True)
+    assert out.shape == (0, 8, 64) and lse.shape == (8, 0)
+
+
+MESSAGES = {
+    # an extra cu_seqlens_q entry is cu_seqlens_q's fault, not block_table's
+    "cu_seqlens_q one too long": (
+        lambda c: dict(cu_seqlens_q=torch.tensor([0, 1, 2, 3], dtype=torch.int32)),
+        r"cu_seqlens_q has 4 entries \(B = 3\) while block_table has 2 rows and seqused_k has 2 entries"),
+    "block_table one row short": (
+        lambda c: dict(block_table=c["table"][:1]),
+        r"cu_seqlens_q has 3 entries \(B = 2\) while block_table has 1 rows"),
+    "contiguous cu_seqlens_k one too long": (
+        lambda c: dict(block_table=None, seqused_k=None, k=c["kc"][0], v=c["vc"][0],
+                       cu_seqlens_k=torch.tensor([0, 5, 10, 16], dtype=torch.int32)),
+        r"cu_seqlens_q has 3 entries \(B = 2\) while cu_seqlens_k has 4 entries"),
+    "head size 132": (lambda c: dict(q=torch.zeros(3, 8, 132, dtype=torch.bfloat16)),
+                      "head size 132 .*a multiple of 8, at most 256"),
+    "head size 264": (lambda c: dict(q=torch.zeros(3, 8, 264, dtype=torch.bfloat16)), "head size 264"),
+    "out shape": (lambda c: dict(out=torch.zeros(3, 8, 32, dtype=torch.bfloat16)),
+                  r"out must have q's shape \(3, 8, 64\) and dtype torch.bfloat16, got shape \(3, 8, 32\)"),
+    "out dtype": (lambda c: dict(out=torch.zeros(3, 8, 64, dtype=torch.float16)), r"got shape .* and torch.float16"),
+    "out strides": (lambda c: dict(out=torch.zeros(3, 64, 8, dtype=torch.bfloat16).transpose(1, 2)),
+                    r"out needs a contiguous head dim .*\(like q\), got strides \(512, 1, 8\)"),
+    "out device": (lambda c: dict(out=torch.zeros(3, 8, 64, dtype=torch.bfloat16, device="meta")),
+                   "out is on meta, q on cpu; the kernels need CUDA tensors"),
+    "out not a tensor": (lambda c: dict(out=[0.0]), "out must be None or a tensor like q, got list"),
+    "int64 seqused_k": (lambda c: dict(seqused_k=c["seqused"].long()),
+                        r"seqused_k must be a contiguous int32 \[B\] tensor, got torch.int64 tensor of shape \(2,\)"),
+    "int64 cu_seqlens_q": (lambda c: dict(cu_seqlens_q=c["cu_q"].long()),
+                           r"cu_seqlens_q .*got torch.int64 tensor of shape \(3,\) on cpu \(convert with .int\(\)\)"),
+    "int64 cu_seqlens_k": (lambda c: dict(block_table=None, seqused_k=None, k=c["kc"][0], v=c["vc"][0],
+                                          cu_seqlens_k=torch.tensor([0, 5, 16])),
+                           r"cu_seqlens_k .*got torch.int64 tensor of shape \(3,\)"),
+    "int64 block_table": (lambda c: dict(block_table=c["table"].long()),
+                          r"block_table must be an int32 .*got torch.int64 tensor of shape \(2, 4\)"),
+    "2-D cu_seqlens_q": (lambda c: dict(cu_seqlens_q=c["cu_q"][None]), r"got torch.int32 tensor of shape \(1, 3\)"),
+    "strided seqused_k": (lambda c: dict(seqused_k=torch.zeros(4, dtype=torch.int32)[::2]),
+                          "seqused_k must be contiguous, got stride 2"),
+    "block_table on meta": (lambda c: dict(block_table=c["table"].to("meta")),
+                            "block_table is on meta, q on cpu; the kernels need CUDA tensors"),
+    "seqused_k on meta": (lambda c: dict(seqused_k=c["seqused"].to("meta")), "seqused_k is on meta, q on cpu"),
+    "caches on meta": (lambda c: dict(k=c["kc"].to("meta"), v=c["vc"].to("meta")), "k is on meta, q on cpu"),
+    "q on meta": (lambda c: dict(q=c["q"].to("meta")), "need CUDA tensors; q is on meta"),
+    "q not a tensor": (lambda c: dict(q=None), "q must be a 3-D tensor .*got None"),
+    "cu_seqlens_q empty": (lambda c: dict(cu_seqlens_q=torch.zeros(0, dtype=torch.int32)), "cu_seqlens_q is empty"),
+    "cache not a tensor": (lambda c: dict(k=[1.0]), "k, v .*key_cache must be a torch.Tensor, got list"),
+    "uint8 contiguous k without kv_cache_dtype": (
+        lambda c: dict(block_table=None, seqused_k=None, k=c["kc"][0].view(torch.uint8)[..., :64],
+                       v=c["vc"][0].view(torch.uint8)[..., :64],
+                       cu_seqlens_k=torch.tensor([0, 5, 16], dtype=torch.int32)),
+        "k/v dtype torch.uint8 is not supported"),
+    "kv_cache_dtype not a string": (lambda c: dict(kv_cache_dtype=8), "^kv_cache_dtype=8 is not supported"),
+}
+
+
+@pytest.mark.parametrize("value", [torch.ones(2), torch.tensor(0.0), 30.0])
+def test_unsupported_keyword_values_refused(value):
+    """A tensor value is never an unsupported keyword's harmless default (it was a RuntimeError: the
+    truth value of an elementwise comparison with (-1, -1))."""
+    with pytest.raises(NotImplementedError, match="softcap"):
+        _cpu_call(_cpu(), softcap=value)
+
+
+@pytest.mark.parametrize("name", sorted(MESSAGES))
+def test_error_messages_name_what_was_given(name):
+    c = _cpu()
+    changes, match = MESSAGES[name]
+    with pytest.raises(ContractError, match=match):
+        _cpu_call(c, **changes(c))
+
+
+def _contiguous(c):
+    k = torch.randn(53, 4, 64).bfloat16()
+    return dict(block_table=None, seqused_k=None, k=k, v=k, cu_seqlens_k=torch.tensor([0, 20, 53], dtype=torch.int32))
+
+
+VALUES = {  # validate=True: the values the kernels trust
+    "cu_seqlens_q not from 0": (dict(cu_seqlens_q=[1, 2, 3]), r"cu_seqlens_q\[0\] = 1; offsets start at 0"),
+    "empty request": (dict(cu_seqlens_q=[0, 3, 3], q_rows=3, max_seqlen_q=3),
+                                None),  # empty request: valid
+    "cu_seqlens_q goes back": (dict(cu_seqlens_q=[0, 2, 1], q_rows=1),
+                               r"cu_seqlens_q\[2\] = 1 < cu_seqlens_q\[1\] = 2"),
+    "cu_seqlens_q short of total_q": (dict(cu_seqlens_q=[0, 1, 2]), r"cu_seqlens_q\[2\] = 2, but q has 3 rows"),
+    "q_len over max_seqlen_q": (dict(max_seqlen_q=1), r"request 1: q_len 2 .*exceeds max_seqlen_q=1"),
+    "seqused_k negative": (dict(seqused_k=[20, -1]), r"request 1: seqused_k\[1\] = -1 is negative"),
+    "seqused_k over max_seqlen_k": (dict(max_seqlen_k=32), r"request 1: 33 keys \(seqused_k\) exceed max_seqlen_k=32"),
+    "seqused_k over the table": (dict(seqused_k=[20, 65], max_seqlen_k=65),
+                                 r"request 1: seqused_k\[1\] = 65 exceeds its block_table capacity \(4 blocks x 16\)"),
+    "block id out of range": (dict(block=(1, 2, 99)), r"request 1: block_table\[1, 2\] = 99 is outside \[0, "),
+    "negative block id": (dict(block=(0, 0, -1)), r"request 0: block_table\[0, 0\] = -1"),
+    "unused block id out of range": (dict(block=(0, 3, 99)), None),  # beyond seqused_k: never read
+    "cu_seqlens_k short of total_k": (dict(contiguous=True, cu_seqlens_k=[0, 20, 50]),
+                                      r"cu_seqlens_k\[2\] = 50, but k has 53 rows"),
+    "cu_seqlens_k goes back": (dict(contiguous=True, cu_seqlens_k=[0, 60, 53]),
+                               r"cu_seqlens_k\[2\] = 53 < cu_seqlens_k\[1\] = 60"),
+    "key length over max_seqlen_k": (dict(contiguous=True, max_seqlen_k=30),
+                                     r"request 1: 33 keys \(cu_seqlens_k\) exceed max_seqlen_k=30"),
+    "contiguous seqused_k over its keys": (dict(contiguous=True, seqused_k=[21, 3]),
+                                           r"request 0: seqused_k\[0\] = 21 exceeds its 20 keys in cu_seqlens_k"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VALUES))
+def test_validate_checks_values(name, monkeypatch):
+    c = _cpu()
+    change, match = VALUES[name]
+    change = dict(change)
+    over = _contiguous(c) if change.pop("contiguous", False) else {}
+    rows = change.pop("q_rows", None)
+    if rows is not None:
+        over["q"] = c["q"][:rows]
+    if "block" in change:
+        b, i, x = change.pop("block")
+        table = c["table"].clone()
+        table[b, i] = x
+        over["block_table"] = table
+    for key, value in change.items():
+        over[key] = torch.tensor(value, dtype=torch.int32) if isinstance(value, list) else value
+    with pytest.raises(ContractError, match=CUDA_ONLY):  # metadata alone is fine
+        _cpu_call(c, **over)
+    with pytest.raises(ContractError, match=match or CUDA_ONLY):
+        _cpu_call(c, **over, validate=True)
+    monkeypatch.setenv("PAGEDATTN_DEBUG", "1")
+    with pytest.raises(ContractError, match=match or CUDA_ONLY):
+        _cpu_call(c, **over)
+
+
+@pytest.mark.gpu
+def test_wrong_device_named_on_gpu():
+    c = _good()
+    with pytest.raises(ContractError, match="block_table is on cpu, q on cuda:0"):
+        _call(c, block_table=c["table"].cpu())
+    with pytest.raises(ContractError, match="out is on cpu, q on cuda:0"):
+        _call(c, out=torch.empty_like(c["q"], device="cpu"))
+    with pytest.raises(ContractError, match="need CUDA tensors; q is on cpu"):
+        _call(c, q=c["q"].cpu())
+    fp8 = build_case([1, 2], [20, 33], 8, 4, 64, 16, "NHD", torch.bfloat16, "fp8_e4m3", "tensor",
+                     torch.Generator().manual_seed(4))
+    with pytest.raises(ContractError, match=r"k_descale\[0\] = nan"):
+        flash_attn_varlen_func(fp8["q"], fp8["kc"], fp8["vc"], 2, fp8["cu_q"], 33, seqused_k=fp8["seqused"],
+                               block_table=fp8["table"], kv_cache_dtype="fp8_e4m3",
+                               k_descale=torch.full((1,), float("nan"), device="cuda"), v_descale=fp8["vs"],
+                               validate=True)
+
+
 def test_split_heuristic_fills_whole_waves(monkeypatch):
     from pagedattn.ops import attention
 

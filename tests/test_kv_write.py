@@ -491,3 +491,68 @@ def test_cta_shape_follows_token_count():
     assert _threads(hnd, "head", 2, many_tokens=True) == 128   # four warps, two heads each
     tiny = CacheSpec(8, 16, 1, 64, torch.float16)
     assert _threads(tiny, "span", 2, many_tokens=True) == 64    # at least a warp per tensor
+
+
+# ---------------------------------------------------------------- issue #18: scales (CPU unless marked)
+def _fp8_write_args(k_scale, v_scale=None, device="cpu"):
+    kc, vc = CacheSpec(4, 16, 4, 64, torch.uint8, "fp8_e4m3").allocate(device, fill=0.0)
+    key = torch.randn(8, 4, 64, dtype=torch.float16, device=device)
+    return (key, key, kc, vc, torch.arange(8, device=device), "fp8_e4m3", k_scale,
+            k_scale if v_scale is None else v_scale)
+
+
+def test_0d_scale_accepted():
+    """vLLM's layer scales are 0-d: one scale, like [1] (the kernel reads the same single float)."""
+    from pagedattn.ops.kv_write import _check_scale
+
+    spec = CacheSpec(4, 16, 4, 64, torch.uint8, "fp8_e4m3")
+    assert _check_scale("k_scale", torch.tensor(0.5), spec, torch.device("cpu")) == 0
+    with pytest.raises(ContractError, match="CUDA tensors; key_cache is on cpu"):  # every check passed
+        pagedattn.reshape_and_cache_flash(*_fp8_write_args(torch.tensor(0.5)))
+
+
+@pytest.mark.parametrize("scale,match", [
+    (torch.ones(1, dtype=torch.float16),
+     r"k_scale must be a float32 tensor, got torch.float16 tensor of shape \(1,\)"),
+    (torch.ones(2), r"k_scale must be a contiguous \[4\] tensor for scale granularity 'head', got shape \(2,\)"),
+    (torch.ones(8)[::2], r"k_scale must be a contiguous \[4\] .*strides \(2,\)"),
+    ([0.5], "k_scale must be a float32 tensor, got list"),
+    (torch.ones(1, device="meta"), "k_scale is on meta, the cache on cpu"),
+])
+def test_scale_refused_names_what_was_given(scale, match):
+    with pytest.raises(ContractError, match=match):
+        pagedattn.reshape_and_cache_flash(*_fp8_write_args(scale))
+
+
+def test_scale_values_check():
+    from pagedattn.contract import check_scale_values
+
+    check_scale_values("k_scale", torch.tensor([0.5, 2.0]))
+    for t, match in ((torch.tensor([0.5, float("nan")]), r"k_scale\[1\] = nan"),
+                     (torch.tensor(0.0), r"k_scale = 0.0: fp8 scales must be finite and > 0"),
+                     (torch.tensor([[1.0, -1.0]]), r"k_scale\[0, 1\] = -1.0"),
+                     (torch.tensor([float("inf")]), r"k_scale\[0\] = inf")):
+        with pytest.raises(ContractError, match=match):
+            check_scale_values("k_scale", t)
+
+
+@pytest.mark.gpu
+def test_scale_values_checked_with_validate(monkeypatch):
+    bad = torch.tensor([float("nan")], device="cuda")
+    args = _fp8_write_args(torch.tensor([0.5], device="cuda"), bad, device="cuda")
+    pagedattn.reshape_and_cache_flash(*args)  # no sync unless asked
+    with pytest.raises(ContractError, match=r"v_scale\[0\] = nan"):
+        pagedattn.reshape_and_cache_flash(*args, validate=True)
+    monkeypatch.setenv("PAGEDATTN_DEBUG", "1")
+    with pytest.raises(ContractError, match=r"v_scale\[0\] = nan"):
+        pagedattn.reshape_and_cache_flash(*args)
+
+
+@pytest.mark.gpu
+def test_0d_scale_writes_like_1_element():
+    zero_d = _fp8_write_args(torch.tensor(0.03, device="cuda"), device="cuda")
+    one = _fp8_write_args(torch.tensor([0.03], device="cuda"), device="cuda")
+    one = (zero_d[0], zero_d[1]) + one[2:]
+    pagedattn.reshape_and_cache_flash(*zero_d)
+    pagedattn.reshape_and_cache_flash(*one)
+    assert torch.equal(zero_d[2], one[2]) and torch.equal(zero_d[3], one[3])

@@ -412,6 +412,7 @@ def _bad_calls(device):
         "cache dtype differs from query": (dict(query=lambda a: a["query"].bfloat16(),
                                                 out=lambda a: a["out"].bfloat16()), "cache dtype"),
         "block_size mismatch": (dict(block_size=lambda a: 32), "block_size"),
+        "block_size a tensor": (dict(block_size=lambda a: torch.tensor([16, 16])), "block_size"),  # was a RuntimeError
         "block_tables int64": (dict(block_tables=lambda a: a["block_tables"].long()), "block_tables"),
         "block_tables rows wrong": (dict(block_tables=lambda a: a["block_tables"][:2]), "block_tables"),
         "block_tables column-major": (dict(block_tables=lambda a: a["block_tables"].t().contiguous().t()),
@@ -481,6 +482,21 @@ def test_fp8_scales_validated():
             legacy.paged_attention_v1(**{**_v1_args(args), **changes})
 
 
+def test_fp8_scale_values_checked_with_validate():
+    """validate=True (syncs): NaN / inf / non-positive scales are named; without it they pass."""
+    args = _v1_args(_valid_call(kv="fp8_e4m3"))
+    bad = {**args, "v_scale": torch.tensor(float("nan"))}  # 0-d: one scale
+    with pytest.raises(ContractError, match="CUDA tensors"):
+        legacy.paged_attention_v1(**bad)
+    with pytest.raises(ContractError, match=r"v_scale = nan: fp8 scales must be finite and > 0"):
+        legacy.paged_attention_v1(**bad, validate=True)
+    kc8, vc8 = legacy_caches(4, 2, 64, 16, torch.uint8, "cpu")
+    key = torch.randn(5, 2, 64, dtype=torch.float16)
+    with pytest.raises(ContractError, match=r"k_scale\[0\] = 0.0"):
+        legacy.reshape_and_cache(key, key, kc8, vc8, torch.arange(5), "fp8_e4m3", torch.zeros(1), torch.ones(1),
+                                 validate=True)
+
+
 def test_unsupported_head_size_raises():
     spec = CacheSpec(4, 16, 1, 48, torch.float16, layout="legacy")
     kc, vc = spec.allocate("cpu")
@@ -512,6 +528,8 @@ def test_writer_validation():
         legacy.reshape_and_cache(key, key, kc8, vc8, slots, "fp8_e4m3")
     with pytest.raises(ContractError, match="CUDA"):
         legacy.reshape_and_cache(key, key, kc, vc, slots)
+    with pytest.raises(ContractError, match="CUDA tensors; key_cache is on cpu"):  # even with no token
+        legacy.reshape_and_cache(key, key, kc, vc, slots[:0])
 
 
 # ================================================================ variants compile (CPU)

@@ -4,13 +4,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from .. import envs
-from ..contract import CacheSpec, ContractError
+from ..contract import CacheSpec, ContractError, check_scale_values, describe, kv_cache_dtype_name
 from ..dtypes import CUTLASS_TYPE, FP8_FORMAT, short
 from ..registry import KernelSpec, UnsupportedError, arch_for_device, get_kernel, register, sm_count
 from .params import AttnParams
@@ -153,14 +154,86 @@ _UNSUPPORTED_OK = {"window_size": ((-1, -1), [-1, -1], None), "softcap": (0.0, 0
                    "cp_rank": (0, None), "cp_tot_seqused_k": (None,)}
 
 
-def _is_int32_vector(t, n=None):
-    return isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1 and \
-        (n is None or t.numel() == n) and (t.numel() <= 1 or t.stride(0) == 1)
+def _is_default(value, defaults) -> bool:
+    """value is one of an unsupported keyword's harmless values. A tensor never is (comparing one with
+    a tuple would be elementwise, and its truth value ambiguous)."""
+    if isinstance(value, torch.Tensor):
+        return False
+    try:
+        return any(value is ok or value == ok for ok in defaults)
+    except (TypeError, ValueError, RuntimeError):  # a type whose == is not a bool (arrays)
+        return False
+
+
+def _given(x) -> str:
+    """A scalar argument as given, for error messages (tensors by their metadata)."""
+    if isinstance(x, torch.Tensor):
+        return describe(x)
+    text = repr(x)
+    return f"{text[:60]}{'...' if len(text) > 60 else ''} ({type(x).__name__})"
+
+
+def _count_arg(name, x) -> None:
+    if type(x) is int and x >= 0:  # the usual case, first: this runs on every call
+        return
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0:
+        raise ContractError(f"{name} must be a non-negative int, got {_given(x)}")
+
+
+def check_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, num_splits):
+    """The scalar arguments, on every call (cheap). Returns softmax_scale as a float, or None for the
+    default 1 / sqrt(D). A 0-d tensor scale is read with float() (a sync when it is on the GPU)."""
+    _count_arg("max_seqlen_q", max_seqlen_q)
+    _count_arg("max_seqlen_k", max_seqlen_k)
+    _count_arg("num_splits", num_splits)
+    if softmax_scale is None:
+        return None
+    if type(softmax_scale) is not float:
+        if isinstance(softmax_scale, torch.Tensor):
+            if softmax_scale.dim() != 0 or not softmax_scale.dtype.is_floating_point or \
+                    softmax_scale.device.type == "meta":
+                raise ContractError(f"softmax_scale must be a float or a 0-d floating tensor, got "
+                                    f"{describe(softmax_scale)}")
+        elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise ContractError(f"softmax_scale must be a float, got {_given(softmax_scale)}")
+        softmax_scale = float(softmax_scale)
+    if not 0 < softmax_scale < math.inf:  # NaN fails too
+        raise ContractError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+    return softmax_scale
+
+
+def _require_cuda(q) -> None:
+    if q.device.type != "cuda":
+        raise ContractError(f"flash_attn_varlen_func's kernels need CUDA tensors; q is on {q.device} (for "
+                            "CPU tensors use pagedattn.reference.paged_attention / varlen_attention)")
+
+
+def _on_device(name, t, q) -> None:
+    if t.device != q.device:
+        hint = "" if q.device.type == "cuda" else "; the kernels need CUDA tensors"
+        raise ContractError(f"{name} is on {t.device}, q on {q.device}{hint}")
+
+
+def _int32_vector(name, t, q, shape) -> None:
+    """A contiguous int32 1-D tensor on q's device; `shape` says which, for the message."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+        hint = " (convert with .int())" if getattr(t, "dtype", None) == torch.int64 else ""
+        raise ContractError(f"{name} must be a contiguous int32 {shape} tensor, got {describe(t)}{hint}")
+    if t.numel() > 1 and t.stride(0) != 1:
+        raise ContractError(f"{name} must be contiguous, got stride {t.stride(0)}")
+    _on_device(name, t, q)
 
 
 def _check_aligned(name, t):
     if t.data_ptr() % 16:
         raise ContractError(f"{name} base pointer must be 16-byte aligned (address % 16 = {t.data_ptr() % 16})")
+
+
+def _check_strides(name, t, what):
+    """The kernels load 16-byte rows: a contiguous head dim, row and head strides multiples of 8."""
+    if t.stride(2) != 1 or t.stride(0) % 8 or t.stride(1) % 8:
+        raise ContractError(f"{name} needs a contiguous head dim and strides that are multiples of 8 "
+                            f"elements{what}, got strides {t.stride()}")
 
 
 @dataclass
@@ -178,76 +251,104 @@ class _Call:
     block_size: int = 0
 
 
-def _descale_strides(name, t, B, Hkv, device):
+def _descale_strides(name, t, B, Hkv, device=None):
+    """(batch stride, head stride) of a descale: one scale ([1] or 0-d), [Hkv] or [B, Hkv]. The
+    device is checked last (given one), so that a wrong shape is named as such."""
+    shapes = f"float32 [1], [{Hkv}] or [{B}, {Hkv}]"
     if t is None:
-        raise ContractError(f"an fp8 KV cache needs {name} (float32 [1], [num_kv_heads] or [B, num_kv_heads])")
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device != device:
-        raise ContractError(f"{name} must be a float32 tensor on {device}")
+        raise ContractError(f"an fp8 KV cache needs {name} ({shapes})")
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+        raise ContractError(f"{name} must be a {shapes} tensor, got {describe(t)}")
     if t.numel() == 1:
-        return 0, 0
-    if t.dim() == 1 and t.numel() == Hkv:
-        return 0, t.stride(0)
-    if t.dim() == 2 and tuple(t.shape) == (B, Hkv):
-        return t.stride(0), t.stride(1)
-    raise ContractError(f"{name} must have shape [1], [{Hkv}] or [{B}, {Hkv}], got {tuple(t.shape)}")
+        strides = (0, 0)
+    elif t.dim() == 1 and t.numel() == Hkv:
+        strides = (0, t.stride(0))
+    elif t.dim() == 2 and tuple(t.shape) == (B, Hkv):
+        strides = (t.stride(0), t.stride(1))
+    else:
+        raise ContractError(f"{name} must have shape [1], [{Hkv}] or [{B}, {Hkv}] (B, num_kv_heads), "
+                            f"got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ContractError(f"{name} is on {t.device}, q on {device}")
+    return strides
+
+
+def _batch(n_cu, *others) -> None:
+    """cu_seqlens_q's B against the other per-request tensors: (name, count, unit, expected)."""
+    if any(count != want for _, count, _, want in others):
+        have = " and ".join(f"{name} has {count} {unit}" for name, count, unit, _ in others)
+        raise ContractError(f"cu_seqlens_q has {n_cu} entries (B = {n_cu - 1}) while {have}: they must "
+                            "describe the same B requests")
 
 
 def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, kv_cache_dtype,
              k_descale, v_descale) -> _Call:
+    """Every check of a call's tensor metadata; no syncs. q's device is the reference: every tensor
+    must be on it. That it is a GPU is checked after this (_require_cuda), so CPU tensors reach every
+    check here and the value checks (check_values); q on any other device is refused at once."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise ContractError(f"q must be a 3-D tensor [total_q, Hq, D], got "
-                            f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        raise ContractError(f"q must be a 3-D tensor [total_q, Hq, D], got {describe(q)}")
+    if q.device.type not in ("cuda", "cpu"):
+        _require_cuda(q)
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ContractError(f"q dtype {q.dtype} is not supported (fp16, bf16)")
     _, Hq, D = q.shape
-    if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8:
-        raise ContractError(f"q needs a contiguous head dim and strides that are multiples of 8 "
-                            f"elements, got strides {q.stride()}")
+    if D % 8 or not 0 < D <= 256:  # before the strides: a head size of 132 is the cause, not its stride
+        raise ContractError(f"head size {D} (q.shape[2]) is not supported: a multiple of 8, at most 256")
+    if Hq == 0:
+        raise ContractError(f"q has no heads: shape {tuple(q.shape)}")
+    _check_strides("q", q, "")
     _check_aligned("q", q)
-    if D % 8 or D > 256:
-        raise ContractError(f"head size {D} is not supported: a multiple of 8, at most 256")
-    if not _is_int32_vector(cu_seqlens_q) or cu_seqlens_q.numel() < 2 or cu_seqlens_q.device != q.device:
-        raise ContractError("cu_seqlens_q must be a contiguous int32 [B + 1] tensor on q's device, got "
-                            f"{getattr(cu_seqlens_q, 'dtype', type(cu_seqlens_q).__name__)}")
-    B = cu_seqlens_q.numel() - 1
+    want = kv_cache_dtype_name(kv_cache_dtype)
+    _int32_vector("cu_seqlens_q", cu_seqlens_q, q, "[B + 1]")
+    n_cu = cu_seqlens_q.numel()
+    if n_cu == 0:
+        raise ContractError("cu_seqlens_q is empty; it holds B + 1 offsets ([0] for an empty batch)")
+    B = n_cu - 1
     paged = block_table is not None
     if paged:
-        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
-            raise ContractError(f"block_table must be an int32 tensor, got "
-                                f"{getattr(block_table, 'dtype', type(block_table).__name__)} "
-                                "(int64 tables are not accepted: convert with .int())")
-        if block_table.dim() != 2 or block_table.shape[0] != B or block_table.stride(1) != 1:
-            raise ContractError(f"block_table must be [B={B}, max_blocks_per_seq] with contiguous rows, "
-                                f"got shape {tuple(block_table.shape)} strides {block_table.stride()}")
-        if not _is_int32_vector(seqused_k, B):
-            raise ContractError(f"paged attention needs seqused_k: a contiguous int32 [B={B}] tensor")
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+            hint = " (int64 tables are not accepted: convert with .int())" \
+                if getattr(block_table, "dtype", None) == torch.int64 else ""
+            raise ContractError(f"block_table must be an int32 [B, max_blocks_per_seq] tensor, got "
+                                f"{describe(block_table)}{hint}")
+        if block_table.shape[0] > 0 and block_table.shape[1] > 1 and block_table.stride(1) != 1:
+            raise ContractError(f"block_table rows must be contiguous, got shape {tuple(block_table.shape)} "
+                                f"strides {block_table.stride()}")
+        _on_device("block_table", block_table, q)
+        if seqused_k is None:
+            raise ContractError("paged attention (a block_table) needs seqused_k: a contiguous int32 [B] tensor")
+        _int32_vector("seqused_k", seqused_k, q, "[B]")
+        _batch(n_cu, ("block_table", block_table.shape[0], "rows", B), ("seqused_k", seqused_k.numel(), "entries", B))
         if cu_seqlens_k is not None:
             raise ContractError("give either block_table + seqused_k (paged) or cu_seqlens_k (contiguous), not both")
-        if block_table.device != q.device or seqused_k.device != q.device:
-            raise ContractError("block_table and seqused_k must be on q's device")
         scale = "tensor"
         if isinstance(k_descale, torch.Tensor) and k_descale.numel() > 1:
             scale = "head"
-        spec = CacheSpec.from_tensors(k, v, kv_cache_dtype=kv_cache_dtype or "auto", scale=scale)
+        try:
+            spec = CacheSpec.from_tensors(k, v, kv_cache_dtype=want, scale=scale)
+        except ContractError as e:  # its messages say key_cache / value_cache: here they are k / v
+            raise ContractError(f"k, v (the paged caches): {e}") from None
         if spec.layout not in ("NHD", "HND"):
             raise ContractError(f"cache layout {spec.layout} cannot be read by the flash kernels")
+        _on_device("k", k, q)
         kv_name, Hkv, Dk = spec.kv_cache_dtype, spec.num_kv_heads, spec.head_size
         num_blocks, block_size = spec.num_blocks, spec.block_size
-        if k.device != q.device:
-            raise ContractError(f"caches are on {k.device}, q on {q.device}")
     else:
         if cu_seqlens_k is None:
             raise ContractError("give block_table + seqused_k (paged) or cu_seqlens_k (contiguous varlen)")
-        if not _is_int32_vector(cu_seqlens_k, B + 1) or cu_seqlens_k.device != q.device:
-            raise ContractError(f"cu_seqlens_k must be a contiguous int32 [B + 1 = {B + 1}] tensor on q's device")
-        if seqused_k is not None and not _is_int32_vector(seqused_k, B):
-            raise ContractError(f"seqused_k must be a contiguous int32 [B={B}] tensor")
+        _int32_vector("cu_seqlens_k", cu_seqlens_k, q, "[B + 1]")
+        counts = [("cu_seqlens_k", cu_seqlens_k.numel(), "entries", B + 1)]
+        if seqused_k is not None:
+            _int32_vector("seqused_k", seqused_k, q, "[B]")
+            counts.append(("seqused_k", seqused_k.numel(), "entries", B))
+        _batch(n_cu, *counts)
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 3:
-                raise ContractError(f"{name} must be [total_k, Hkv, D] without a block_table")
-            if t.stride(2) != 1 or t.stride(0) % 8 or t.stride(1) % 8 or t.device != q.device:
-                raise ContractError(f"{name} needs a contiguous head dim, strides that are multiples of 8 "
-                                    f"and q's device; got strides {t.stride()} on {t.device}")
+                raise ContractError(f"{name} must be a 3-D tensor [total_k, Hkv, D] without a block_table, "
+                                    f"got {describe(t)}")
+            _on_device(name, t, q)
+            _check_strides(name, t, "")
             _check_aligned(name, t)
         if k.shape != v.shape or k.dtype != v.dtype:
             raise ContractError(f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} differ")
@@ -255,32 +356,41 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k
             kv_name = "auto"
         elif k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             kv_name = short(k.dtype)
-        elif k.dtype == torch.uint8 and kv_cache_dtype not in (None, "auto"):
-            from ..dtypes import normalize_kv_cache_dtype
-            kv_name = normalize_kv_cache_dtype(kv_cache_dtype)
+        elif k.dtype == torch.uint8 and want != "auto":
+            kv_name = want
         else:
-            raise ContractError(f"k/v dtype {k.dtype} is not supported")
+            raise ContractError(f"k/v dtype {k.dtype} is not supported (fp16/bf16 like q; float8, or uint8 "
+                                "with kv_cache_dtype='fp8_e4m3'/'fp8_e5m2')")
+        if want not in ("auto", kv_name):
+            raise ContractError(f"kv_cache_dtype={kv_cache_dtype!r} does not match k/v of dtype {k.dtype}")
         _, Hkv, Dk = k.shape
+        if Hkv == 0:
+            raise ContractError(f"k has no heads: shape {tuple(k.shape)}")
         num_blocks = block_size = 0
     if Dk != D:
         raise ContractError(f"head size differs: q has {D}, the KV cache {Dk}")
     if Hq % Hkv:
-        raise ContractError(f"num_q_heads={Hq} is not a multiple of num_kv_heads={Hkv}")
+        raise ContractError(f"q has {Hq} heads, not a multiple of the {Hkv} KV heads of k/v (GQA shares each "
+                            "KV head among Hq // Hkv query heads)")
     if kv_name == "auto" and k.dtype != q.dtype:
         raise ContractError(f"KV dtype {k.dtype} differs from q dtype {q.dtype}; fp8 caches need "
                             "kv_cache_dtype='fp8_e4m3'/'fp8_e5m2' (or float8 tensors)")
     if kv_name != "auto":
-        for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
-            _descale_strides(name, t, B, Hkv, q.device)
+        shapes = [(_descale_strides(name, t, B, Hkv), tuple(t.shape))
+                  for name, t in (("k_descale", k_descale), ("v_descale", v_descale))]
+        if shapes[0][1] != shapes[1][1]:
+            raise ContractError(f"k_descale {shapes[0][1]} and v_descale {shapes[1][1]} differ in shape")
+        _on_device("k_descale", k_descale, q)
+        _on_device("v_descale", v_descale, q)
     if out is not None:
-        if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or \
-                out.device != q.device or out.stride(2) != 1 or out.stride(0) % 8 or out.stride(1) % 8:
-            raise ContractError(f"out must match q: shape {tuple(q.shape)}, dtype {q.dtype}, contiguous "
-                                "head dim, strides multiples of 8")
+        if not isinstance(out, torch.Tensor):
+            raise ContractError(f"out must be None or a tensor like q, got {describe(out)}")
+        if out.shape != q.shape or out.dtype != q.dtype:
+            raise ContractError(f"out must have q's shape {tuple(q.shape)} and dtype {q.dtype}, got shape "
+                                f"{tuple(out.shape)} and {out.dtype}")
+        _on_device("out", out, q)
+        _check_strides("out", out, " (like q)")
         _check_aligned("out", out)
-    if q.device.type != "cuda":
-        raise ContractError("flash_attn_varlen_func runs on CUDA tensors; for CPU use "
-                            "pagedattn.reference.paged_attention")
     ks = k.stride()
     vs = v.stride()
     if paged:  # logical [num_blocks, block_size, Hkv, D]
@@ -290,24 +400,71 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k
     return _Call(B, Hq, Hkv, D, paged, kv_name, k_strides, v_strides, num_blocks, block_size)
 
 
-def check_tables(block_table, seqused_k, cu_seqlens_q, num_blocks, block_size, max_seqlen_q):
-    """PAGEDATTN_DEBUG: every used block id in range, seqused_k within the table (syncs)."""
-    B, width = block_table.shape
-    lens_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
-    for b, (n, lq) in enumerate(zip(seqused_k.tolist(), lens_q)):
-        if n < 0 or n > width * block_size:
-            raise ContractError(f"request {b}: seqused_k={n} exceeds its block_table capacity "
-                                f"({width} blocks x {block_size})")
-        if lq > max_seqlen_q or lq < 0:
-            raise ContractError(f"request {b}: q_len {lq} exceeds max_seqlen_q={max_seqlen_q}")
-        used = block_table[b, : -(-n // block_size)]
-        bad = ((used < 0) | (used >= num_blocks)).nonzero()
-        if bad.numel():
-            i = int(bad[0, 0])
-            raise ContractError(f"request {b}: block_table[{b}, {i}] = {int(used[i])} is outside "
-                                f"[0, {num_blocks})")
+_validate = validate  # flash_attn_varlen_func's validate= argument shadows the name
 
 
+def _offsets(name, t, rows, of) -> list[int]:
+    """Offsets that start at 0, never decrease and end at `rows` (the rows of `of`); their lengths."""
+    cu = t.tolist()
+    if cu[0] != 0:
+        raise ContractError(f"{name}[0] = {cu[0]}; offsets start at 0")
+    for i in range(1, len(cu)):
+        if cu[i] < cu[i - 1]:
+            raise ContractError(f"{name}[{i}] = {cu[i]} < {name}[{i - 1}] = {cu[i - 1]}; offsets never decrease")
+    if cu[-1] != rows:
+        raise ContractError(f"{name}[{len(cu) - 1}] = {cu[-1]}, but {of} has {rows} rows ({of}.shape[0])")
+    return [b - a for a, b in zip(cu, cu[1:])]
+
+
+def check_values(call: _Call, q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
+                 max_seqlen_k, k_descale, v_descale) -> None:
+    """validate=True / PAGEDATTN_DEBUG (syncs): the values the kernels trust, on a validated call.
+    cu_seqlens_q (cu_seqlens_k) starts at 0, never decreases, ends at total_q (total_k); query lengths
+    <= max_seqlen_q, key lengths (seqused_k, else cu_seqlens_k's) in [0, max_seqlen_k]; the table
+    (check_tables); descales finite and > 0. Names the first offender."""
+    lens_q = _offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q")
+    for b, n in enumerate(lens_q):
+        if n > max_seqlen_q:
+            raise ContractError(f"request {b}: q_len {n} (cu_seqlens_q) exceeds max_seqlen_q={max_seqlen_q}")
+    used = seqused_k.tolist() if seqused_k is not None else None
+    for b, n in enumerate(used or ()):
+        if n < 0:
+            raise ContractError(f"request {b}: seqused_k[{b}] = {n} is negative")
+    lens_k, source = used, "seqused_k"
+    if not call.paged:
+        keys = _offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k")
+        for b, n in enumerate(used or ()):
+            if n > keys[b]:
+                raise ContractError(f"request {b}: seqused_k[{b}] = {n} exceeds its {keys[b]} keys in cu_seqlens_k")
+        if used is None:
+            lens_k, source = keys, "cu_seqlens_k"
+    for b, n in enumerate(lens_k):
+        if n > max_seqlen_k:
+            raise ContractError(f"request {b}: {n} keys ({source}) exceed max_seqlen_k={max_seqlen_k}")
+    if call.paged:
+        check_tables(block_table, seqused_k, call.num_blocks, call.block_size)
+    if call.kv_name != "auto":
+        check_scale_values("k_descale", k_descale)
+        check_scale_values("v_descale", v_descale)
+
+
+def check_tables(block_table, seqused_k, num_blocks, block_size) -> None:
+    """PAGEDATTN_DEBUG: seqused_k within its block_table row, every block id it uses in
+    [0, num_blocks) (syncs). Names the first offender."""
+    width = block_table.shape[1]
+    lens = seqused_k.long()
+    over = (lens > width * block_size).nonzero()
+    if over.numel():
+        b = int(over[0, 0])
+        raise ContractError(f"request {b}: seqused_k[{b}] = {int(lens[b])} exceeds its block_table capacity "
+                            f"({width} blocks x {block_size})")
+    used = torch.arange(width, device=lens.device)[None, :] < ((lens + block_size - 1) // block_size)[:, None]
+    ids = block_table.long()
+    bad = (used & ((ids < 0) | (ids >= num_blocks))).nonzero()
+    if bad.numel():
+        b, i = int(bad[0, 0]), int(bad[0, 1])
+        raise ContractError(f"request {b}: block_table[{b}, {i}] = {int(ids[b, i])} is outside "
+                            f"[0, {num_blocks}); {bad.shape[0]} bad entr(ies) in use")
 
 
 def split_cost(ctas: int, splits: int, capacity: int, keys: int, fixed_keys: int = 128) -> float:
@@ -494,7 +651,7 @@ def split_counters(device: int, n: int) -> torch.Tensor:
 def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None,
                            seqused_k=None, softmax_scale=None, causal=False, block_table=None,
                            return_softmax_lse=False, out=None, num_splits=0, k_descale=None,
-                           v_descale=None, kv_cache_dtype=None, **unsupported):
+                           v_descale=None, kv_cache_dtype=None, validate: bool = False, **unsupported):
     """FlashAttention over packed variable-length queries and a paged (or contiguous) KV cache.
 
     Paged: k, v are caches [num_blocks, block_size, Hkv, D] (NHD or HND), block_table int32
@@ -505,13 +662,17 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     num_splits: 0 = heuristic, 1 = no split-KV, >1 = that many splits (capped by the KV length).
 
     Validation runs once per distinct tensor metadata (shapes without total_q, strides, dtypes,
-    devices); repeated calls only re-check token counts and pointer alignment.
+    devices); repeated calls only re-check the scalars, token counts and pointer alignment.
+    validate=True (or PAGEDATTN_DEBUG=1) also checks the values on every call (check_values: offsets,
+    lengths, block ids, descales; syncs).
     """
     for name, value in unsupported.items():
         if name not in _UNSUPPORTED_OK:
             raise TypeError(f"flash_attn_varlen_func() got an unexpected keyword argument {name!r}")
-        if not any(value is ok or value == ok for ok in _UNSUPPORTED_OK[name]):
+        if not _is_default(value, _UNSUPPORTED_OK[name]):
             raise NotImplementedError(f"pagedattn.flash_attn_varlen_func does not support {name}={value!r} yet")
+    softmax_scale = check_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, num_splits)
+    debug = validate or envs.debug()
     try:
         sig = (q.shape[1:], q.stride(), q.dtype, q.device, _sig(k), _sig(v), _sig(cu_seqlens_q),
                _sig(cu_seqlens_k), _sig(seqused_k), _sig(block_table),
@@ -523,18 +684,23 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     if plan is not None and ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 or
                              (out is not None and (out.shape[0] != q.shape[0] or out.data_ptr() & 15))):
         plan = None  # something only the full validation can name
+    values = (q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
+              k_descale, v_descale) if debug else None
     if plan is None:
-        call = validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, kv_cache_dtype,
-                        k_descale, v_descale)
+        call = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, kv_cache_dtype,
+                         k_descale, v_descale)
+        if debug:  # before the CUDA check: CPU tensors get the value checks too
+            check_values(call, *values)
+        _require_cuda(q)
         plan = _Plan(call, q, block_table, k_descale, v_descale)
         if sig is not None:
             if len(_PLANS) > 256:
                 _PLANS.clear()
             _PLANS[sig] = plan
+    elif debug:
+        check_values(plan.call, *values)
     call = plan.call
     total_q = q.shape[0]
-    if block_table is not None and envs.debug():
-        check_tables(block_table, seqused_k, cu_seqlens_q, call.num_blocks, call.block_size, max_seqlen_q)
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(call.Hq, total_q, dtype=torch.float32, device=q.device) if return_softmax_lse else None

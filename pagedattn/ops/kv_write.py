@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 
 from .. import envs
-from ..contract import CacheSpec, ContractError
+from ..contract import CacheSpec, ContractError, check_scale_values, describe
 from ..dtypes import CUDA_TYPE, FP8_FORMAT, short
 from ..registry import KernelSpec, get_kernel, register, sm_count
 from .params import KvWriteParams
@@ -193,18 +193,21 @@ def _flat_shape(num_tokens: int, token_packs: int, many: tuple[int, int], few: t
 
 
 def _check_scale(name, scale, spec: CacheSpec, device) -> int:
-    """Validate an fp8 scale tensor; return its stride over heads (0 tensor, 1 head)."""
+    """Validate an fp8 scale tensor; return its stride over heads (0 tensor, 1 head). One scale may
+    be [1] or 0-d (vLLM's layer scales are 0-d): the kernel reads the same single float."""
     if scale is None:
         raise ContractError(f"kv_cache_dtype={spec.kv_cache_dtype!r} needs {name} (float32 [1] or [H])")
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
-        raise ContractError(f"{name} must be a float32 tensor, got "
-                            f"{getattr(scale, 'dtype', type(scale).__name__)}")
+        raise ContractError(f"{name} must be a float32 tensor, got {describe(scale)}")
+    if spec.scale == "tensor":
+        if scale.numel() != 1:
+            raise ContractError(f"{name} must hold one scale ([1] or 0-d) for scale granularity 'tensor', "
+                                f"got shape {tuple(scale.shape)}")
+    elif scale.dim() != 1 or scale.numel() != spec.num_kv_heads or scale.stride(0) != 1:
+        raise ContractError(f"{name} must be a contiguous [{spec.num_kv_heads}] tensor for scale granularity "
+                            f"'head', got shape {tuple(scale.shape)} strides {scale.stride()}")
     if scale.device != device:
         raise ContractError(f"{name} is on {scale.device}, the cache on {device}")
-    want = 1 if spec.scale == "tensor" else spec.num_kv_heads
-    if scale.numel() != want or (want > 1 and scale.stride(-1) != 1) or scale.dim() != 1:
-        raise ContractError(f"{name} must have shape [{want}] for scale granularity "
-                            f"{spec.scale!r}, got {tuple(scale.shape)}")
     return 0 if spec.scale == "tensor" else 1
 
 
@@ -257,6 +260,12 @@ def validate_inputs(spec: CacheSpec, key, value, key_cache, slot_mapping, k_scal
         scale_stride = _check_scale("k_scale", k_scale, spec, key_cache.device)
         _check_scale("v_scale", v_scale, spec, key_cache.device)
     return num_tokens, scale_stride
+
+
+def _require_cuda(key_cache) -> None:
+    if key_cache.device.type != "cuda":
+        raise ContractError(f"reshape_and_cache_flash runs on CUDA tensors; key_cache is on {key_cache.device} "
+                            "(for CPU tensors use pagedattn.reference.reshape_and_cache_flash)")
 
 
 def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
@@ -319,9 +328,7 @@ def write_with_spec(spec: CacheSpec, key, value, key_cache, value_cache, slot_ma
                     k_scale=None, v_scale=None, validate: bool | None = None) -> None:
     num_tokens, scale_stride = validate_inputs(spec, key, value, key_cache, slot_mapping,
                                                k_scale, v_scale)
-    if key_cache.device.type != "cuda":
-        raise ContractError("reshape_and_cache_flash runs on CUDA tensors; for CPU tensors use "
-                            "pagedattn.reference.reshape_and_cache_flash")
+    _require_cuda(key_cache)
     plan = _Plan(spec, key, value, key_cache, slot_mapping, scale_stride)
     _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
             validate)
@@ -331,6 +338,9 @@ def _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_s
             validate):
     if validate or (validate is None and envs.debug()):
         check_slots(slot_mapping, plan.num_slots)
+        if plan.is_fp8:
+            check_scale_values("k_scale", k_scale)
+            check_scale_values("v_scale", v_scale)
     if num_tokens == 0:
         return
     kp, vp = key.data_ptr(), value.data_ptr()
@@ -360,8 +370,9 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     key, value: [T_pad, H, D] fp16/bf16/fp32, (H, D) dense; only the first slot_mapping.numel()
     tokens are read. slot < 0 skips a token. Caches: [num_blocks, block_size, H, D], NHD or HND.
     kv_cache_dtype: "auto" | "fp8" | "fp8_e4m3" | "fp8_e5m2"; fp8 needs float32 k_scale/v_scale of
-    shape [1] (per tensor) or [H] (per head): stored = saturate_to_finite(x / scale).
-    validate=True (or PAGEDATTN_DEBUG=1) also checks every slot < num_blocks*block_size (syncs).
+    shape [1] or 0-d (per tensor) or [H] (per head): stored = saturate_to_finite(x / scale).
+    validate=True (or PAGEDATTN_DEBUG=1) also checks every slot < num_blocks*block_size and the
+    scales finite and > 0 (syncs).
 
     Validation runs once per distinct tensor metadata (shapes without T, strides, dtypes, devices);
     later calls with the same metadata only re-check what can change (token counts, alignment).
@@ -387,9 +398,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
         scale = "head"
     spec = CacheSpec.from_tensors(key_cache, value_cache, kv_cache_dtype=kv_cache_dtype, scale=scale)
     num_tokens, scale_stride = validate_inputs(spec, key, value, key_cache, slot_mapping, k_scale, v_scale)
-    if key_cache.device.type != "cuda":
-        raise ContractError("reshape_and_cache_flash runs on CUDA tensors; for CPU tensors use "
-                            "pagedattn.reference.reshape_and_cache_flash")
+    _require_cuda(key_cache)
     plan = _Plan(spec, key, value, key_cache, slot_mapping, scale_stride)
     if len(_PLANS) > 256:
         _PLANS.clear()

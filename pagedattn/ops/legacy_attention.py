@@ -13,9 +13,9 @@ from typing import ClassVar
 import torch
 
 from .. import envs
-from ..contract import CacheSpec, ContractError
+from ..contract import CacheSpec, ContractError, check_scale_values, describe
 from ..dtypes import CUDA_TYPE, FP8_FORMAT, short
-from ..registry import KernelSpec, get_kernel, register
+from ..registry import KernelSpec, UnsupportedError, get_kernel, register
 from .legacy_cache import check_scale, geometry
 from .params import LegacyAttentionParams, LegacyReduceParams
 
@@ -111,9 +111,9 @@ def _tensor(name, t, *, dtypes, dim, device):
     if not isinstance(t, torch.Tensor):
         raise ContractError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
-        raise ContractError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+        raise ContractError(f"{name} must be {' or '.join(map(str, dtypes))}, got {describe(t)}")
     if t.dim() != dim:
-        raise ContractError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+        raise ContractError(f"{name} must be {dim}-D, got {describe(t)}")
     if device is not None and t.device != device:
         raise ContractError(f"{name} is on {t.device}, the cache on {device}")
 
@@ -143,8 +143,11 @@ def check_call(out, query, key_cache, value_cache, num_kv_heads, scale, block_ta
     if not cache.is_fp8 and cache.dtype != query.dtype:
         raise ContractError(f"kv_cache_dtype='auto' needs the cache dtype ({cache.dtype}) to equal the "
                             f"query dtype ({query.dtype})")
-    if block_size != cache.block_size:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size != cache.block_size:
         raise ContractError(f"block_size={block_size!r} but the cache has blocks of {cache.block_size}")
+    if head_size not in HEAD_SIZES:  # the spec would say so too, without naming the argument
+        raise UnsupportedError(f"query head_size {head_size} is not supported by the legacy kernels; "
+                               f"supported: {', '.join(map(str, HEAD_SIZES))}")
     spec = LegacyAttentionSpec(short(query.dtype), cache.kv_cache_dtype, head_size, block_size)
     if num_seqs > MAX_GRID_YZ:
         raise ContractError(f"{num_seqs} sequences in one call; the launch grid holds {MAX_GRID_YZ}")
@@ -207,8 +210,11 @@ def check_partials(call: AttentionCall, exp_sums, max_logits, tmp_out) -> int:
 
 
 def check_tables(call: AttentionCall) -> None:
-    """Debug check (syncs): 0 <= seq_len <= max_seq_len and every block id a sequence uses lies in
-    [0, num_blocks). Names the first offender."""
+    """Debug check (syncs): 0 <= seq_len <= max_seq_len, every block id a sequence uses lies in
+    [0, num_blocks), fp8 scales finite and > 0. Names the first offender."""
+    if call.cache.is_fp8:
+        check_scale_values("k_scale", call.k_scale)
+        check_scale_values("v_scale", call.v_scale)
     lens = call.seq_lens.long()
     bad = ((lens < 0) | (lens > call.max_seq_len)).nonzero()
     if bad.numel():
@@ -228,8 +234,8 @@ def check_tables(call: AttentionCall) -> None:
 
 def _require_cuda(call: AttentionCall) -> None:
     if call.key_cache.device.type != "cuda":
-        raise ContractError("the legacy attention kernels run on CUDA tensors; for CPU tensors use "
-                            "pagedattn.legacy_reference.paged_attention")
+        raise ContractError(f"the legacy attention kernels run on CUDA tensors; key_cache is on "
+                            f"{call.key_cache.device} (for CPU tensors use pagedattn.legacy_reference.paged_attention)")
 
 
 def use_v1(num_seqs: int, num_heads: int, max_seq_len: int) -> bool:

@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 
 from .. import envs
-from ..contract import CacheSpec, ContractError
+from ..contract import CacheSpec, ContractError, check_scale_values, describe
 from ..dtypes import CUDA_TYPE, FP8_FORMAT, short
 from ..registry import KernelSpec, get_kernel, register
 from .kv_write import check_new_tokens, check_slots
@@ -51,8 +51,7 @@ def check_scale(name: str, scale, spec: CacheSpec, device: torch.device) -> None
         raise ContractError(f"kv_cache_dtype={spec.kv_cache_dtype!r} needs {name} (a float32 tensor "
                             "with one element: dequantised = stored * scale)")
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
-        raise ContractError(f"{name} must be a float32 tensor, got "
-                            f"{getattr(scale, 'dtype', type(scale).__name__)}")
+        raise ContractError(f"{name} must be a float32 tensor, got {describe(scale)}")
     if scale.numel() != 1:
         raise ContractError(f"{name} must hold one element (the legacy kernels take per-tensor "
                             f"scales), got shape {tuple(scale.shape)}")
@@ -77,11 +76,14 @@ def write_legacy(spec: CacheSpec, key, value, key_cache, value_cache, slot_mappi
     num_tokens = validate_inputs(spec, key, value, key_cache, slot_mapping, k_scale, v_scale)
     if validate or (validate is None and envs.debug()):
         check_slots(slot_mapping, spec.num_slots)
+        if spec.is_fp8:
+            check_scale_values("k_scale", k_scale)
+            check_scale_values("v_scale", v_scale)
+    if key_cache.device.type != "cuda":  # even with no token, like reshape_and_cache_flash
+        raise ContractError(f"reshape_and_cache runs on CUDA tensors; key_cache is on {key_cache.device} "
+                            "(for CPU tensors use pagedattn.legacy_reference.reshape_and_cache)")
     if num_tokens == 0:
         return
-    if key_cache.device.type != "cuda":
-        raise ContractError("reshape_and_cache runs on CUDA tensors; for CPU tensors use "
-                            "pagedattn.legacy_reference.reshape_and_cache")
     kernel = get_kernel(LegacyCacheWriteSpec(short(key.dtype), spec.kv_cache_dtype))
     chunks = spec.num_kv_heads * spec.head_size // spec.x
     threads = min(max(32, -(-chunks // 32) * 32), 512)
@@ -103,7 +105,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     x = 16 // element size; value_cache: [num_blocks, H, D, block_size].
     kv_cache_dtype: "auto" | "fp8" | "fp8_e4m3" | "fp8_e5m2"; fp8 caches are uint8 or float8 and need
     float32 k_scale / v_scale of one element: stored = saturate_to_finite(x / scale).
-    validate=True (or PAGEDATTN_DEBUG=1) also checks every slot < num_blocks * block_size (syncs).
+    validate=True (or PAGEDATTN_DEBUG=1) also checks every slot < num_blocks * block_size and the
+    scales finite and > 0 (syncs).
     """
     spec = CacheSpec.from_legacy_tensors(key_cache, value_cache, kv_cache_dtype=kv_cache_dtype)
     write_legacy(spec, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
