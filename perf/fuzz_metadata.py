@@ -32,7 +32,7 @@ Usage (GPU; results JSON in --out; exit status 1 on any failure):
   compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
       python perf/fuzz_metadata.py --sanitize --out perf/results
   python perf/fuzz_metadata.py --replay RESULTS.json      # rerun the failures of a results file
-  python perf/fuzz_metadata.py --device cpu --cases 50    # the harness against the torch references
+  python perf/fuzz_metadata.py --device cpu --cases 50 --small   # the harness against the torch references
 
 --cases is the total, split 3:1:1 over attn, write and legacy. Cases run in a child process per op
 (a sticky CUDA error kills a CUDA context): a child that dies or stops making progress for
@@ -1491,7 +1491,8 @@ def parse_args(argv=None):
 
 
 def replay(path_or_json: str, device, ops: Ops) -> int:
-    text = Path(path_or_json).read_text() if Path(path_or_json).is_file() else path_or_json
+    inline = path_or_json.lstrip()[:1] in ("{", "[")
+    text = path_or_json if inline else Path(path_or_json).read_text()
     data = json.loads(text)
     if isinstance(data, dict) and "ops" in data:
         descs = [f["desc"] for s in data["ops"].values() for f in s["failures"] if f.get("desc")]
@@ -1528,7 +1529,7 @@ def main(argv=None) -> int:
     print(f"fuzz_metadata: seed {args.seed}, cases {counts}, device {device}", flush=True)
     results, t0 = [], time.perf_counter()
     for op, n in counts.items():
-        if args.sanitize or args.in_process or device.type == "cpu":
+        if args.sanitize or args.in_process:
             rs = run_in_process(op, args.seed, range(n), args.space, device, ops)
         else:
             rs = run_children(op, n, lambda a, b, op=op: worker_command(op, a, b, args), args.case_timeout)
