@@ -29,8 +29,8 @@ d80 kernel); KERNEL_VARIANTS lists the families, `--list-variants` every variant
 
 Usage (GPU; results JSON in --out; exit status 1 on any failure):
   PAGEDATTN_AOT_DIR=DIR python perf/fuzz_metadata.py --cases 2000 --seed 0 --out perf/results
-  compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-      python perf/fuzz_metadata.py --sanitize --out perf/results
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --report-api-errors no \
+      --error-exitcode 9 python perf/fuzz_metadata.py --sanitize --out perf/results
   python perf/fuzz_metadata.py --replay RESULTS.json      # rerun the failures of a results file
   python perf/fuzz_metadata.py --device cpu --cases 50 --small   # the harness against the torch references
 
@@ -38,7 +38,8 @@ Usage (GPU; results JSON in --out; exit status 1 on any failure):
 (a sticky CUDA error kills a CUDA context): a child that dies or stops making progress for
 --case-timeout seconds is recorded as a failure of its case and a new child resumes after it.
 --sanitize runs a small subset (~40 cases, every corruption kind once) in this process, meant to run
-under compute-sanitizer (which also sees the reads the guards cannot: LSE and split workspaces).
+under compute-sanitizer (which also sees the reads the guards cannot: LSE and split workspaces; the
+mode turns PyTorch's caching allocator off so that each tensor is its own allocation).
 """
 from __future__ import annotations
 
@@ -1329,7 +1330,8 @@ def _space_from_cmd(cmd: list[str]) -> Space:
 def machine_info(device) -> dict:
     info = dict(torch=torch.__version__, cuda=torch.version.cuda, pagedattn=pagedattn.__version__,
                 commit=git_commit(), date=date.today().isoformat(), device=str(device),
-                debug_env=os.environ.get("PAGEDATTN_DEBUG"), aot_dir=os.environ.get("PAGEDATTN_AOT_DIR"))
+                aot_dir=os.environ.get("PAGEDATTN_AOT_DIR"),
+                no_cuda_memory_caching=os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING"))
     if torch.device(device).type == "cuda" and torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
@@ -1508,7 +1510,9 @@ def replay(path_or_json: str, device, ops: Ops) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.pop("PAGEDATTN_DEBUG", None)   # the host-side debug checks would hide what the kernels do
+    debug_was = os.environ.pop("PAGEDATTN_DEBUG", None)   # its host-side checks would hide what the kernels do
+    if args.sanitize:   # one cudaMalloc per tensor: memcheck then also sees overruns of the LSE and workspaces
+        os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
     device = torch.device(args.device)
     ops = reference_ops() if device.type == "cpu" else kernel_ops()
     if args.list_variants:
@@ -1539,7 +1543,7 @@ def main(argv=None) -> int:
             print("stopping: the CUDA context is lost", flush=True)
             break
     meta = machine_info(device)
-    meta.update(seed=args.seed, requested=counts, ops=args.ops, sanitize=args.sanitize, argv=sys.argv[1:] if argv is None else argv,
+    meta.update(pagedattn_debug_unset=debug_was, seed=args.seed, requested=counts, ops=args.ops, sanitize=args.sanitize, argv=sys.argv[1:] if argv is None else argv,
                 space=dict(dtypes=args.space.dtypes, head_dims=args.space.head_dims,
                            kv_cache_dtypes=args.space.kv_cache_dtypes, small=args.space.small),
                 wall_seconds=round(time.perf_counter() - t0, 1))

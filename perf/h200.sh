@@ -20,7 +20,7 @@ for stage in "$@"; do
     alltests)  python3 -m pytest -q -ra -p no:cacheprovider "$ROOT/tests" 2>&1 | tail -n 60 | tee "$OUT/all_tests.log" ;;
     sanitize)  compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" 2>&1 | tail -n 30 ;;
     fuzz)      python3 "$ROOT/perf/fuzz_metadata.py" --cases ${FUZZ_CASES:-2000} --seed ${FUZZ_SEED:-0} --out "$OUT/results" 2>&1 | tail -n 40 ;;
-    fuzzsanitize) compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/fuzz_metadata.py" --sanitize --out "$OUT/results" 2>&1 | tail -n 40 ;;
+    fuzzsanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/fuzz_metadata.py" --sanitize --out "$OUT/results" 2>&1 | tail -n 40 ;;
     overhead)  python3 "$ROOT/perf/launch_overhead.py" "$OUT/results" ;;
     precompile) python3 -m pagedattn.cli precompile --arch sm_90a --ops "${PRECOMPILE_OPS:-attn_fwd,kv_write}" ${PRECOMPILE_ARGS:-} --jobs 16 --out /tmp/bundle -q 2>&1 | tail -n 15
                export PAGEDATTN_AOT_DIR=/tmp/bundle ;;
