@@ -1136,7 +1136,8 @@ def verify_legacy(case: Case, value) -> list[str]:
     problems = []
     if desc["kind"] == "auto" and value != legacy_version(desc):
         problems.append(f"paged_attention ran {value!r}, vLLM's rule says {legacy_version(desc)!r}")
-    return problems + compare_legacy(case.expected["out_tensor"], case.expected["out"], LEGACY_TOL[DTYPES[desc["dtype"]]])
+    tol = LEGACY_TOL[DTYPES[desc["dtype"]]]
+    return problems + compare_legacy(case.expected["out_tensor"], case.expected["out"], tol)
 
 
 BUILDERS = {("attn", False): build_attn, ("write", False): build_write, ("legacy", False): build_legacy,
@@ -1383,7 +1384,8 @@ def summarize(results: list[dict], requested: dict[str, int]) -> dict:
                           refused=sum(r["status"] == "refused" for r in rs), failed=len(failures),
                           not_run=max(0, n - len({r["index"] for r in rs})),
                           refused_by=dict(sorted(refused.items(), key=lambda kv: -kv[1])),
-                          by_class={c: sum(r.get("cls") == c for r in rs) for c in ("clean", "hint", "meta", "malformed")},
+                          by_class={c: sum(r.get("cls") == c for r in rs)
+                                    for c in ("clean", "hint", "meta", "malformed")},
                           kinds=kinds, seconds=round(sum(r.get("seconds", 0) for r in rs), 2),
                           failures=[dict(index=r["index"], message=r["message"], case=describe(r["desc"])
                                          if r.get("desc") else "", desc=r.get("desc")) for r in failures])
@@ -1472,7 +1474,8 @@ def parse_args(argv=None):
     p.add_argument("--small", action="store_true", help="small cases (as --sanitize uses)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu: the harness against the torch references")
     p.add_argument("--in-process", action="store_true", help="no child processes (stops at a sticky CUDA error)")
-    p.add_argument("--case-timeout", type=float, default=300.0, help="seconds without progress before a child is killed")
+    p.add_argument("--case-timeout", type=float, default=300.0,
+                   help="seconds without progress before a child is killed")
     p.add_argument("--replay", metavar="JSON", help="a case description, or a results file (its failures), to rerun")
     p.add_argument("--list-variants", action="store_true", help="print the kernel variants and the precompile command")
     p.add_argument("--worker", metavar="OP", help=argparse.SUPPRESS)
@@ -1485,7 +1488,8 @@ def parse_args(argv=None):
         p.error(f"--ops: unknown {bad}; choose from {OPS}")
     args.space = Space(tuple(args.dtypes.split(",")), tuple(int(x) for x in args.head_dims.split(",")),
                        tuple(args.kv_cache_dtypes.split(",")), args.small or args.sanitize)
-    for value, allowed, flag in ((args.space.dtypes, DTYPES, "--dtypes"), (args.space.head_dims, HEAD_DIMS, "--head-dims"),
+    for value, allowed, flag in ((args.space.dtypes, DTYPES, "--dtypes"),
+                                 (args.space.head_dims, HEAD_DIMS, "--head-dims"),
                                  (args.space.kv_cache_dtypes, KV_CACHE_DTYPES, "--kv-cache-dtypes")):
         if not value or any(v not in allowed for v in value):
             p.error(f"{flag}: choose from {', '.join(map(str, allowed))}")
@@ -1543,7 +1547,8 @@ def main(argv=None) -> int:
             print("stopping: the CUDA context is lost", flush=True)
             break
     meta = machine_info(device)
-    meta.update(pagedattn_debug_unset=debug_was, seed=args.seed, requested=counts, ops=args.ops, sanitize=args.sanitize, argv=sys.argv[1:] if argv is None else argv,
+    meta.update(pagedattn_debug_unset=debug_was, seed=args.seed, requested=counts, ops=args.ops,
+                sanitize=args.sanitize, argv=sys.argv[1:] if argv is None else argv,
                 space=dict(dtypes=args.space.dtypes, head_dims=args.space.head_dims,
                            kv_cache_dtypes=args.space.kv_cache_dtypes, small=args.space.small),
                 wall_seconds=round(time.perf_counter() - t0, 1))

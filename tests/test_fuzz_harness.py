@@ -259,7 +259,8 @@ def test_contiguous_keys_are_clamped_to_total_k_and_capped_by_seqused():
     want = reference.varlen_attention(q, k, v, cu_q, torch.tensor([0, 12, 30], dtype=torch.int32), causal=True,
                                       compute_dtype=torch.float64)
     _close(got, want)
-    got = fuzz.expected_attention(q, k, v, cu_q, causal=False, cu_seqlens_k=torch.tensor([0, 12, 30], dtype=torch.int32),
+    got = fuzz.expected_attention(q, k, v, cu_q, causal=False,
+                                  cu_seqlens_k=torch.tensor([0, 12, 30], dtype=torch.int32),
                                   seqused_k=torch.tensor([5, 2**31 - 1], dtype=torch.int32))
     want = reference.varlen_attention(q, torch.cat([k[:5], k[12:30]]), torch.cat([v[:5], v[12:30]]), cu_q,
                                       torch.tensor([0, 5, 23], dtype=torch.int32), compute_dtype=torch.float64)
