@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
-# (info precompile bundle tests alltests sanitize overhead attnquick decodesweep prefillsweep prefillmodes writesweep writequick aotcheck ncu benchdw
+# (info precompile bundle tests alltests sanitize fuzz fuzzsanitize overhead attnquick decodesweep prefillsweep prefillmodes writesweep writequick aotcheck ncu benchdw
 # benchp benchq bench-full demo).
 # Logs and results go under $OUT; RESULTS.md and plots are regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
@@ -19,6 +19,8 @@ for stage in "$@"; do
     tests)     PAGEDATTN_TEST_BUNDLE=${PAGEDATTN_AOT_DIR:-} python3 -m pytest -q -ra -m gpu -p no:cacheprovider "$ROOT/tests" ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tail -n 60 | tee "$OUT/gpu_tests.log" ;;
     alltests)  python3 -m pytest -q -ra -p no:cacheprovider "$ROOT/tests" 2>&1 | tail -n 60 | tee "$OUT/all_tests.log" ;;
     sanitize)  compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" 2>&1 | tail -n 30 ;;
+    fuzz)      python3 "$ROOT/perf/fuzz_metadata.py" --cases ${FUZZ_CASES:-2000} --seed ${FUZZ_SEED:-0} --out "$OUT/results" 2>&1 | tail -n 40 ;;
+    fuzzsanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/fuzz_metadata.py" --sanitize --out "$OUT/results" 2>&1 | tail -n 40 ;;
     overhead)  python3 "$ROOT/perf/launch_overhead.py" "$OUT/results" ;;
     precompile) python3 -m pagedattn.cli precompile --arch sm_90a --ops "${PRECOMPILE_OPS:-attn_fwd,kv_write}" ${PRECOMPILE_ARGS:-} --jobs 16 --out /tmp/bundle -q 2>&1 | tail -n 15
                export PAGEDATTN_AOT_DIR=/tmp/bundle ;;
