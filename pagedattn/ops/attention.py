@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 import numbers
@@ -22,6 +23,11 @@ LOG2E = 1.4426950408889634
 
 
 MODES = ("decode", "decode_tma", "prefill", "prefill_wgmma")
+FEATURES = ("window", "softcap", "alibi", "sinks")
+# Feature sets that bundles and `pagedattn list` cover, by the models that need them: Mistral/Qwen2
+# sliding-window layers; Gemma 2/3 (softcap + window; softcap alone in global layers); gpt-oss (sinks,
+# with and without a window); BLOOM/MPT/Baichuan (ALiBi).
+FEATURE_SETS = ("none", "window", "softcap", "window+softcap", "sinks", "window+sinks", "alibi")
 
 
 def tile_config(head_dim: int, mode: str, fp8: bool = False) -> dict:
@@ -93,12 +99,32 @@ class AttnFwdSpec(KernelSpec):
         "kv_cache_dtype": ("auto", "fp8_e4m3", "fp8_e5m2"),
         "head_dim": HEAD_DIMS,
         "mode": MODES,
+        **{f: (False, True) for f in FEATURES},
     }
 
     dtype: str
     kv_cache_dtype: str = field(metadata={"prefix": "kv"})
     head_dim: int = field(metadata={"prefix": "d"})
     mode: str
+    # score and mask features (AttnFeatures in tile_scheduler.cuh); each appears in the name when on
+    window: bool = False
+    softcap: bool = False
+    alibi: bool = False
+    sinks: bool = False
+
+    @property
+    def features(self) -> str:
+        """The feature set as AOT selections and FEATURE_SETS spell it: 'none' or e.g. 'window+softcap'."""
+        return "+".join(f for f in FEATURES if getattr(self, f)) or "none"
+
+    @classmethod
+    def all_variants(cls):
+        """Every tile/dtype variant with each feature set of FEATURE_SETS (any other combination still
+        compiles on first use; these are the ones `pagedattn list`, bundles and the compile tests cover)."""
+        for spec in super().all_variants():
+            if spec.features == "none":
+                for fs in FEATURE_SETS:
+                    yield spec if fs == "none" else dataclasses.replace(spec, **{f: True for f in fs.split("+")})
 
     @property
     def tiles(self) -> dict:
@@ -109,7 +135,8 @@ class AttnFwdSpec(KernelSpec):
         # never promise more resident CTAs than shared memory allows: the register cap would be wasted
         tiles["kMinBlocks"] = max(1, min(tiles["kMinBlocks"], SMEM_LIMIT // self.dynamic_smem()))
         return {"Element": CUTLASS_TYPE[self.dtype], "kFp8": FP8_FORMAT[self.kv_cache_dtype],
-                "kHeadDim": self.head_dim, "kSmemBytes": self.dynamic_smem(), **tiles}
+                "kHeadDim": self.head_dim, "kSmemBytes": self.dynamic_smem(), **tiles,
+                **{f: getattr(self, f) for f in FEATURES}}
 
     def check(self) -> None:
         if self.mode == "decode_tma" and self.kv_cache_dtype == "auto" and self.head_dim % 64:
@@ -143,12 +170,9 @@ def kernel_head_dim(head_size: int) -> int:
                            f"(compiled: {', '.join(map(str, HEAD_DIMS))})")
 
 
-_UNSUPPORTED_KW = ("window_size", "softcap", "alibi_slopes", "s_aux", "sinks", "scheduler_metadata",
-                   "q_descale", "fa_version", "deterministic", "return_attn_probs", "dropout_p",
-                   "q_v", "cp_world_size", "cp_rank", "cp_tot_seqused_k")
-_UNSUPPORTED_OK = {"window_size": ((-1, -1), [-1, -1], None), "softcap": (0.0, 0, None),
-                   "alibi_slopes": (None,), "s_aux": (None,), "sinks": (None,),
-                   "scheduler_metadata": (None,), "q_descale": (None,), "fa_version": (None, 2, 3),
+_UNSUPPORTED_KW = ("scheduler_metadata", "q_descale", "fa_version", "deterministic", "return_attn_probs",
+                   "dropout_p", "q_v", "cp_world_size", "cp_rank", "cp_tot_seqused_k")
+_UNSUPPORTED_OK = {"scheduler_metadata": (None,), "q_descale": (None,), "fa_version": (None, 2, 3),
                    "deterministic": (False, True, None), "return_attn_probs": (False, None),
                    "dropout_p": (0.0, 0, None), "q_v": (None,), "cp_world_size": (1, None),
                    "cp_rank": (0, None), "cp_tot_seqused_k": (None,)}
@@ -222,6 +246,56 @@ def _int32_vector(name, t, q, shape) -> None:
     if t.numel() > 1 and t.stride(0) != 1:
         raise ContractError(f"{name} must be contiguous, got stride {t.stride(0)}")
     _on_device(name, t, q)
+
+
+_NO_FEATURES = ((False, False, False, False), -1, -1, 0.0, None, 0, None)
+_INT32_MAX = 2**31 - 1
+
+
+def _head_vector(name, t, Hq, B, device, batched=False):
+    """alibi_slopes / s_aux: float32 [Hq] (or [B, Hq] when batched) with contiguous heads, on q's
+    device; returns the batch stride."""
+    shapes = f"[{Hq}]" + (f" or [{B}, {Hq}]" if batched else "")
+    if not isinstance(t, torch.Tensor):
+        raise ContractError(f"{name} must be a float32 tensor {shapes}, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise ContractError(f"{name} must be float32 {shapes}, got {t.dtype}")
+    if t.device != device:
+        raise ContractError(f"{name} is on {t.device}, q on {device}")
+    if t.dim() == 1 and t.shape[0] == Hq and (Hq <= 1 or t.stride(0) == 1):
+        return 0
+    if batched and t.dim() == 2 and tuple(t.shape) == (B, Hq) and (Hq <= 1 or t.stride(1) == 1):
+        return t.stride(0)
+    raise ContractError(f"{name} must have shape {shapes} with contiguous heads, got shape "
+                        f"{tuple(t.shape)} strides {t.stride()}")
+
+
+def features_of(call: _Call, device, causal, window_size, softcap, alibi_slopes, sinks):
+    """The feature flags of one call (AttnFwdSpec's window/softcap/alibi/sinks) and their launch values
+    (window_left, window_right, softcap, alibi_slopes, alibi batch stride, sinks), checked: every bad
+    value is a ContractError naming the argument. FlashAttention's semantics: window (-1, -1) and
+    softcap 0 are off; causal makes the window's right edge 0."""
+    if alibi_slopes is None and sinks is None and _is_default(softcap, (0.0,)) and \
+            _is_default(window_size, ((-1, -1), [-1, -1], None)):
+        return _NO_FEATURES
+    left = right = -1
+    if window_size is not None:
+        if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(
+                isinstance(x, int) and not isinstance(x, bool) and -1 <= x <= _INT32_MAX for x in window_size):
+            raise ContractError(f"window_size must be a pair of ints >= -1 (left, right; -1 = unbounded), "
+                                f"got {window_size!r}")
+        left, right = window_size  # with causal the kernel ignores right: the causal limit is the edge
+    window = left >= 0 or (right >= 0 and not causal)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
+            or softcap < 0:
+        raise ContractError(f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
+    alibi_stride = 0
+    if alibi_slopes is not None:
+        alibi_stride = _head_vector("alibi_slopes", alibi_slopes, call.Hq, call.B, device, batched=True)
+    if sinks is not None:
+        _head_vector("s_aux (sinks)", sinks, call.Hq, call.B, device)
+    flags = (window, softcap > 0, alibi_slopes is not None, sinks is not None)
+    return flags, left, right, float(softcap), alibi_slopes, alibi_stride, sinks
 
 
 def _check_aligned(name, t):
@@ -542,12 +616,12 @@ class _Plan:
             return self.decode_mode
         return self.prefill_mode if rows > self.wgmma_rows else "prefill"
 
-    def kernel(self, mode: str):
-        """(spec, launcher) of the decode or prefill variant."""
-        hit = self._kernels.get(mode)
+    def kernel(self, mode: str, flags: tuple = (False, False, False, False)):
+        """(spec, launcher) of the decode or prefill variant with these feature flags (FEATURES order)."""
+        hit = self._kernels.get((mode, flags))
         if hit is None:
-            spec = AttnFwdSpec(self.dtype, self.call.kv_name, self.head_dim, mode)
-            hit = self._kernels[mode] = (spec, get_kernel(spec).launcher(self.device))
+            spec = AttnFwdSpec(self.dtype, self.call.kv_name, self.head_dim, mode, *flags)
+            hit = self._kernels[(mode, flags)] = (spec, get_kernel(spec).launcher(self.device))
         return hit
 
     def tma_maps(self, k, v):
@@ -651,7 +725,8 @@ def split_counters(device: int, n: int) -> torch.Tensor:
 def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None,
                            seqused_k=None, softmax_scale=None, causal=False, block_table=None,
                            return_softmax_lse=False, out=None, num_splits=0, k_descale=None,
-                           v_descale=None, kv_cache_dtype=None, validate: bool = False, **unsupported):
+                           v_descale=None, kv_cache_dtype=None, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, s_aux=None, sinks=None, validate: bool = False, **unsupported):
     """FlashAttention over packed variable-length queries and a paged (or contiguous) KV cache.
 
     Paged: k, v are caches [num_blocks, block_size, Hkv, D] (NHD or HND), block_table int32
@@ -701,6 +776,10 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
         check_values(plan.call, *values)
     call = plan.call
     total_q = q.shape[0]
+    if s_aux is not None and sinks is not None:
+        raise ContractError("give the sink logits once: s_aux (vLLM's name) or sinks, not both")
+    flags, w_left, w_right, cap, alibi_slopes, alibi_stride, sinks = features_of(
+        call, q.device, causal, window_size, softcap, alibi_slopes, s_aux if s_aux is not None else sinks)
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(call.Hq, total_q, dtype=torch.float32, device=q.device) if return_softmax_lse else None
@@ -710,11 +789,14 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     # max_seqlen_q / max_seqlen_k are hints: they choose the variant and size the grid, but the kernel
     # covers every row and key the metadata names, within total_q / total_k (tile_scheduler.cuh).
     rows = max(0, int(max_seqlen_q)) * group
-    spec, launcher = plan.kernel(plan.mode_for(rows))
+    spec, launcher = plan.kernel(plan.mode_for(rows), flags)
     tile_cap = row_tile_capacity(total_q, group, spec.tiles["kBlockM"])
     m_blocks = min(max(1, -(-rows // spec.tiles["kBlockM"])), tile_cap, MAX_GRID_Y)
-    splits = choose_splits(int(num_splits), call.B * call.Hkv * m_blocks, max(0, int(max_seqlen_k)), spec,
-                           plan.device)
+    # splits divide the keys a tile can see: with a left window edge, at most the window and the rows
+    keys = max(0, int(max_seqlen_k))
+    if w_left >= 0:
+        keys = min(keys, w_left + 1 + max(0, int(max_seqlen_q)) + (0 if causal or w_right < 0 else w_right))
+    splits = choose_splits(int(num_splits), call.B * call.Hkv * m_blocks, keys, spec, plan.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(call.D)
     o_accum = lse_accum = None
     if splits > 1:
@@ -726,9 +808,10 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     values = (
         q.data_ptr(), out.data_ptr(), ptr(lse), k.data_ptr(), v.data_ptr(), ptr(block_table),
         cu_seqlens_q.data_ptr(), ptr(seqused_k), ptr(cu_seqlens_k), ptr(k_descale), ptr(v_descale),
-        ptr(o_accum), ptr(lse_accum), ptr(maps), ptr(counters),
+        ptr(o_accum), ptr(lse_accum), ptr(maps), ptr(counters), ptr(alibi_slopes), ptr(sinks),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *call.k_strides, *call.v_strides,
         plan.bt_stride, plan.bt_width, call.num_blocks, call.block_size, plan.block_shift, call.B, call.Hq,
-        call.Hkv, group, call.D, total_q, 0 if call.paged else k.shape[0], splits, int(bool(causal)), plan.dbs, plan.dhs, row_dim, scale * LOG2E)
+        call.Hkv, group, call.D, total_q, 0 if call.paged else k.shape[0], splits, int(bool(causal)),
+        plan.dbs, plan.dhs, row_dim, w_left, w_right, alibi_stride, scale * LOG2E, cap)
     launcher((call.B * call.Hkv, m_blocks, splits), (spec.threads, 1, 1), values)
     return (out, lse) if return_softmax_lse else out

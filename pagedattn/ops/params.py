@@ -32,14 +32,14 @@ KvWriteParams = _struct(
 AttnParams = _struct(
     "AttnParams",
     "q:p, out:p, lse:p, k:p, v:p, block_table:p, cu_seqlens_q:p, seqused_k:p, cu_seqlens_k:p,"
-    "k_descale:p, v_descale:p, o_accum:p, lse_accum:p, tma_desc:p, split_counters:p,"
+    "k_descale:p, v_descale:p, o_accum:p, lse_accum:p, tma_desc:p, split_counters:p, alibi_slopes:p, sinks:p,"
     "q_row_stride:i64, q_head_stride:i64, o_row_stride:i64, o_head_stride:i64,"
     "k_block_stride:i64, k_row_stride:i64, k_head_stride:i64,"
     "v_block_stride:i64, v_row_stride:i64, v_head_stride:i64,"
     "bt_stride:i32, max_blocks_per_seq:i32, num_blocks:i32, block_size:i32, block_shift:i32,"
     "num_seqs:i32, num_q_heads:i32, num_kv_heads:i32, group:i32, head_size:i32, total_q:i32, total_k:i32,"
     "num_splits:i32, causal:i32, descale_batch_stride:i32, descale_head_stride:i32, tma_row_dim:i32,"
-    "scale_log2:f32")
+    "window_left:i32, window_right:i32, alibi_batch_stride:i32, scale_log2:f32, softcap:f32")
 
 # -- legacy path (legacy_*.cuh) ---------------------------------------------------------------------
 LegacyCacheGeometry = _struct(

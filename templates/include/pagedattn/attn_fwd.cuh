@@ -48,7 +48,7 @@ __device__ __forceinline__ void group_sync(int group_idx) {
 }
 
 // One row tile `w` of one (request, KV head, split).
-template <class Traits>
+template <class Traits, class Features>
 __device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, AttnWork const& w) {
   using namespace cute;
   using Element = typename Traits::Element;
@@ -264,6 +264,11 @@ __device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, A
       for (int gi = 0; gi < Traits::kWarpsN; ++gi) {
         total = softmax_combine(total, {m_smem[gi * kBlockM + m], l_smem[gi * kBlockM + m]});
       }
+      // a sink is one more logit with no value row: it joins the final (m, l) only (the combine adds it
+      // when the KV range is split)
+      if constexpr (Features::kSinks) {
+        if (!split_out) total = softmax_combine(total, {p.sinks[w.kv_head * p.group + g] * kLog2e, 1.f});
+      }
       float acc[kVec];
 #pragma unroll
       for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
@@ -324,7 +329,8 @@ __device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, A
           p.o_accum + (int64_t(token) * p.num_q_heads + head) * kHeadDim, part_stride,
           p.lse_accum + int64_t(head) * p.total_q + token, int64_t(p.num_q_heads) * p.total_q,
           static_cast<Element*>(p.out) + int64_t(token) * p.o_row_stride + int64_t(head) * p.o_head_stride,
-          p.lse != nullptr ? p.lse + int64_t(head) * p.total_q + token : nullptr, D, p.num_splits, tidx % 32);
+          p.lse != nullptr ? p.lse + int64_t(head) * p.total_q + token : nullptr, D, p.num_splits, tidx % 32,
+          Features::kSinks ? p.sinks[head] : kNegInf);
     }
   };
 
@@ -342,7 +348,7 @@ __device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, A
     // flat (4, 1, columns / 8) views of the accumulators for OnlineSoftmax (see attn_wgmma.cuh)
     Tensor o_rows = make_tensor(acc_o.data(), Layout<Shape<_4, _1, Int<kHeadDim / 8>>>{});
     Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-    AttnMask<2> const mask(p, w, tScS);  // rows g and g + 8 of this thread's warp
+    AttnMask<2, Features> const mask(p, w, tScS);  // rows g and g + 8 of this thread's warp
     OnlineSoftmax<2> softmax;
 
     auto stage_k = [&](int stage) {
@@ -379,9 +385,9 @@ __device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, A
       cp_async_commit();
       Tensor acc_s = new_scores();
       wgmma_gemm<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(stage_k(stage)), acc_s);
-      mask.template apply<kBlockN>(acc_s, tScS, (w.step_begin + it) * kBlockN);
+      float const s_scale = mask.template apply<kBlockN>(acc_s, tScS, (w.step_begin + it) * kBlockN, scale_log2);
       Tensor s_rows = score_rows(acc_s);
-      softmax.update(s_rows, o_rows, scale_log2);
+      softmax.update(s_rows, o_rows, s_scale);
       to_p(acc_s);
       wgmma_gemm<false>(mma_pv, tOrP, thr_pv.partition_fragment_B(stage_vt(stage)), acc_o);
     }
@@ -414,7 +420,7 @@ __device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, A
 
     // (row, key) of each accumulator entry, and the keys each of this thread's rows may see
     Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-    AttnMask<Traits::kRows> const mask(p, w, tScS);
+    AttnMask<Traits::kRows, Features> const mask(p, w, tScS);
 
     // kFp8Regs: fp16 MMAs; bf16 queries enter as q * 2^-8 (see attn_fp8_regs.cuh)
     constexpr float kQScale = Traits::kIsBf16 ? 1.f / 256.f : 1.f;
@@ -498,8 +504,8 @@ __device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, A
             fp8_regs_q<Element>(sQ, kk, gtid, kQScale, a);
           }
         });
-        mask.template apply<kBlockN>(acc_s, tScS, key0);
-        softmax.update(acc_s, acc_o, scale_log2);
+        float const s_scale = mask.template apply<kBlockN>(acc_s, tScS, key0, scale_log2);
+        softmax.update(acc_s, acc_o, s_scale);
         fp8_regs_pv<kHeadDim, kBlockN, Traits::kFp8>(v_sub, gtid, acc_s, acc_o);
         continue;
       }
@@ -560,9 +566,8 @@ __device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, A
         for (int i = 0; i < size(acc_s); ++i) acc_s(i) += acc_s_odd(i);
       }
 
-      mask.template apply<kBlockN>(acc_s, tScS, key0);
-
-      softmax.update(acc_s, acc_o, scale_log2);
+      float const s_scale = mask.template apply<kBlockN>(acc_s, tScS, key0, scale_log2);
+      softmax.update(acc_s, acc_o, s_scale);
 
       // O += P V (P converted to Element in the A-operand layout)
       Tensor tOrP = make_tensor<Element>(Shape<_8, Int<Traits::kMmaM>, Int<kBlockN / 16>>{});
@@ -587,7 +592,7 @@ __device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, A
 
 // The kernel: this CTA's row tiles of one (request, KV head, split), one after another (see
 // tile_scheduler.cuh; with an honest max_seqlen_q there is exactly one).
-template <class Traits>
+template <class Traits, class Features>
 __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   constexpr int kStageKeys = Traits::kStageKeys;
   // TMA decode: the first block-table windows are read only after seqused_k arrives (they start where
@@ -610,7 +615,7 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   int const tile0 = first_tile();
   for (int tile = tile0;; tile = next_tile(tile)) {
     AttnWork w;
-    if (!schedule<Traits>(p, tile, w)) return;
+    if (!schedule<Traits, Features>(p, tile, w)) return;
     if (tile != tile0) {
       __syncthreads();  // the last tile's epilogue is done with shared memory
       if constexpr (Traits::kTma) {
@@ -623,7 +628,7 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
         __syncwarp();
       }
     }
-    attn_fwd_tile<Traits>(p, smem, w);
+    attn_fwd_tile<Traits, Features>(p, smem, w);
   }
 }
 

@@ -22,6 +22,8 @@ struct AttnParams {
   float* lse_accum;             // split-KV partial LSE [num_splits, Hq, total_q] fp32
   void const* tma_desc;         // decode_tma: two CUtensorMaps (K, V) in global memory, or null
   int32_t* split_counters;      // split-KV: one arrival counter per (blockIdx.x, row tile), zero between calls
+  float const* alibi_slopes;    // ALiBi (Features::kAlibi): [Hq] or [B, Hq] fp32, index b * alibi_batch_stride + head
+  float const* sinks;           // learnable sinks (Features::kSinks): [Hq] fp32 logits, natural-log units
   int64_t q_row_stride, q_head_stride;
   int64_t o_row_stride, o_head_stride;
   int64_t k_block_stride, k_row_stride, k_head_stride;  // paged: block/page strides; varlen: token stride
@@ -40,7 +42,10 @@ struct AttnParams {
   int32_t causal;
   int32_t descale_batch_stride, descale_head_stride;
   int32_t tma_row_dim;          // decode_tma: tensor-map dimension of the slot in a page (1 HND, 2 NHD)
+  int32_t window_left, window_right;  // Features::kWindow: keys [p - left, p + right] of the query at p (-1: unbounded)
+  int32_t alibi_batch_stride;   // 0 for [Hq] slopes, Hq for [B, Hq]
   float scale_log2;             // softmax_scale * log2(e) (k_descale is applied per CTA)
+  float softcap;                // Features::kSoftcap: s = softcap * tanh(s / softcap) on the scaled scores
 };
 
 }  // namespace pagedattn

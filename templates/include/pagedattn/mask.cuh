@@ -1,6 +1,7 @@
-// Which keys each query row may see: the ONE place where the sequence end and causal masking live.
-// Every mainloop (SM80 MMAs, fp8 register operands, wgmma) builds an AttnMask for the rows its thread
-// holds and calls apply() on each sub-tile of scores.
+// Which keys each query row may see, and what its scores become before the softmax: the ONE place
+// where the sequence end, causal and sliding-window masking, the softcap and ALiBi live (semantics:
+// AttnFeatures in tile_scheduler.cuh). Every mainloop (SM80 MMAs, fp8 register operands, wgmma)
+// builds an AttnMask for the rows its thread holds and calls apply() on each sub-tile of scores.
 //
 // Accumulator order (SM80 MMAs, and the flat view of a wgmma accumulator, which uses the same order):
 // flat index i holds row 2 * ((i / 4) % (kRows / 2)) + (i % 4) / 2 of the thread's kRows rows; the
@@ -15,10 +16,20 @@
 
 namespace pagedattn {
 
-template <int kRows>
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <int kRows, class Features>
 struct AttnMask {
-  int key_end[kRows];  // row r sees keys [0, key_end[r]): the sequence end, and bottom-right causal
-  int mask_from;       // every row of the tile sees every key below this: sub-tiles under it skip apply
+  int key_begin[kRows];  // row r sees keys [key_begin[r], key_end[r])
+  int key_end[kRows];
+  int pos[kRows];        // ALiBi: the row's bottom-right-aligned query position
+  float slope[kRows];    // ALiBi slope of the row's head, log2 units
+  int mask_from, mask_below;  // every row of the tile sees every key in [mask_below, mask_from)
+  float cap_in, cap_out;      // softcap: s2 = cap_out * tanh(s2 * cap_in), s2 a log2-unit score
 
   __device__ __forceinline__ static constexpr int row_of(int i) { return 2 * ((i / 4) % (kRows / 2)) + (i % 4) / 2; }
   __device__ __forceinline__ static constexpr int first_entry(int r) { return 2 * (r % 2) + 4 * (r / 2); }
@@ -29,21 +40,49 @@ struct AttnMask {
     using namespace cute;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      int const qi = (w.row0 + int(get<0>(tScS(first_entry(r))))) / p.group;  // query token of row r
-      key_end[r] = p.causal ? cute::min(w.k_len, w.k_len - w.q_len + qi + 1) : w.k_len;
+      int const R = w.row0 + int(get<0>(tScS(first_entry(r))));  // packed row: token R / group, head R % group
+      int const qi = R / p.group;
+      KeyRange const keys = visible_keys<Features>(p, w.q_len, w.k_len, qi);
+      key_begin[r] = keys.begin;
+      key_end[r] = keys.end;
+      pos[r] = w.k_len - w.q_len + qi;
+      slope[r] = 0.f;
+      if constexpr (Features::kAlibi) {
+        int const head = w.kv_head * p.group + (R - qi * p.group);
+        // rows past the request (qi >= q_len) are never stored; keep their reads inside the tensor
+        if (qi < w.q_len) slope[r] = p.alibi_slopes[int64_t(w.b) * p.alibi_batch_stride + head] * kLog2e;
+      }
     }
     mask_from = w.mask_from;
+    mask_below = w.mask_below;
+    cap_in = Features::kSoftcap ? kLn2 / p.softcap : 0.f;
+    cap_out = Features::kSoftcap ? p.softcap * kLog2e : 0.f;
   }
 
-  // Scores of keys a row may not see -> -inf, on the sub-tile of kKeys keys starting at key0; a
-  // sub-tile that every row sees whole is left as it is.
+  // The sub-tile of kKeys keys starting at key0: scores a row may not see -> -inf (a sub-tile every
+  // row sees whole is left alone), after the softcap and ALiBi. Returns the factor the softmax
+  // applies to the scores: scale_log2 as given, or 1 once the score modifiers have applied it.
   template <int kKeys, class TensorS, class TensorC>
-  __device__ __forceinline__ void apply(TensorS& acc_s, TensorC const& tScS, int key0) const {
+  __device__ __forceinline__ float apply(TensorS& acc_s, TensorC const& tScS, int key0, float scale_log2) const {
     using namespace cute;
-    if (key0 + kKeys <= mask_from) return;
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_s); ++i) {
-      if (key0 + int(get<1>(tScS(i))) >= key_end[row_of(i)]) acc_s(i) = kNegInf;
+    if constexpr (Features::kScoreMod) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) {
+        int const r = row_of(i), j = key0 + int(get<1>(tScS(i)));
+        float s = acc_s(i) * scale_log2;
+        if constexpr (Features::kSoftcap) s = cap_out * tanh_approx(s * cap_in);
+        if constexpr (Features::kAlibi) s -= slope[r] * float(abs(pos[r] - j));
+        acc_s(i) = j < key_begin[r] || j >= key_end[r] ? kNegInf : s;
+      }
+      return 1.f;
+    } else {
+      if ((!Features::kWindow || key0 >= mask_below) && key0 + kKeys <= mask_from) return scale_log2;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) {
+        int const r = row_of(i), j = key0 + int(get<1>(tScS(i)));
+        if ((Features::kWindow && j < key_begin[r]) || j >= key_end[r]) acc_s(i) = kNegInf;
+      }
+      return scale_log2;
     }
   }
 };

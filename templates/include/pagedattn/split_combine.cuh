@@ -17,11 +17,12 @@ namespace pagedattn {
 
 // part: split 0's partial row (fp32, split s at part + s * part_stride); lse_part: split 0's LSE
 // (split s at lse_part[s * lse_stride]); out: the output row; lse_out: where the merged LSE goes (or
-// null). Called by all 32 lanes of a warp.
+// null); sink: a logit with no value row that joins the denominator (learnable sinks; -inf for none).
+// Called by all 32 lanes of a warp.
 template <class Element>
 __device__ __forceinline__ void combine_split_row(float const* part, int64_t part_stride, float const* lse_part,
                                                   int64_t lse_stride, Element* out, float* lse_out,
-                                                  int head_size, int num_splits, int lane) {
+                                                  int head_size, int num_splits, int lane, float sink = kNegInf) {
   constexpr int kMaxChunks = 8;  // splits <= 256 (choose_splits caps them there)
   constexpr int kBatch = 16;     // partial rows in flight per lane
   // the first batch of partial rows (columns lane * 4 ..) is loaded with the LSEs: one round trip less
@@ -46,6 +47,7 @@ __device__ __forceinline__ void combine_split_row(float const* part, int64_t par
   }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  mx = fmaxf(mx, sink);
   float sum = 0.f;
   if (mx != kNegInf) {
 #pragma unroll
@@ -53,6 +55,7 @@ __device__ __forceinline__ void combine_split_row(float const* part, int64_t par
   }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if (sink != kNegInf) sum += expf(sink - mx);  // after the butterfly: once, not once per lane
   float const total = sum > 0.f ? mx + logf(sum) : kNegInf;
   // this lane's weights: split 32c + lane gets w_mine[c] (0 for empty splits and empty rows)
   float w_mine[kMaxChunks];

@@ -17,6 +17,41 @@
 
 namespace pagedattn {
 
+// Compile-time attention variants (AttnFwdSpec's feature fields). Semantics are FlashAttention's:
+//   kWindow   query at bottom-right-aligned position p sees keys [p - window_left, p + window_right]
+//             (-1: unbounded; causal sets right to 0); stages wholly outside a tile's window are never
+//             loaded, and splits divide the window, not the history;
+//   kSoftcap  s = softcap * tanh(s / softcap) on the scaled scores;
+//   kAlibi    s -= slope[head] * |p - j|, after the softcap;
+//   kSinks    one extra logit per head (natural-log units) in the softmax denominator only, added
+//             once per row where the final (m, l) is formed (never per split); the LSE includes it.
+template <bool kWindow_ = false, bool kSoftcap_ = false, bool kAlibi_ = false, bool kSinks_ = false>
+struct AttnFeatures {
+  static constexpr bool kWindow = kWindow_, kSoftcap = kSoftcap_, kAlibi = kAlibi_, kSinks = kSinks_;
+  static constexpr bool kScoreMod = kSoftcap || kAlibi;  // scores change before masking
+};
+
+// The keys query token i (of q_len, over k_len keys) may see: [begin, end), clamped to [0, k_len].
+// 64-bit arithmetic: window bounds may be anything up to INT32_MAX.
+struct KeyRange {
+  int begin, end;
+};
+
+template <class Features>
+__device__ __forceinline__ KeyRange visible_keys(AttnParams const& p, int q_len, int k_len, int i) {
+  int64_t const pos = int64_t(k_len) - q_len + i;  // bottom-right aligned position of query i
+  int64_t end = k_len, begin = 0;
+  if (p.causal) {
+    end = pos + 1;
+  } else if (Features::kWindow && p.window_right >= 0) {
+    end = pos + 1 + p.window_right;
+  }
+  if (Features::kWindow && p.window_left >= 0) begin = pos - p.window_left;
+  end = end < k_len ? end : k_len;
+  begin = begin > 0 ? begin : 0;
+  return {int(begin), int(end > begin ? end : begin)};
+}
+
 struct AttnWork {
   int b, kv_head, split;
   int tile;                    // row tile of the request (counted from its first row)
@@ -24,6 +59,7 @@ struct AttnWork {
   int k_start, k_len;          // contiguous varlen: first K row (inside [0, total_k)); visible keys
   int row0;                    // first packed row of the tile
   int mask_from;               // keys >= mask_from may be masked for some row of the tile
+  int mask_below;              // ... and so may keys < mask_below (a window's left edge)
   int step_begin, step_end;    // stages [step_begin, step_end) of kStageKeys keys
 };
 
@@ -42,7 +78,7 @@ __device__ __forceinline__ int row_tile_capacity(AttnParams const& p) {
 __device__ __forceinline__ int first_tile() { return int(gridDim.y - 1 - blockIdx.y); }
 __device__ __forceinline__ int next_tile(int tile) { return tile + int(gridDim.y); }
 
-template <class Traits>
+template <class Traits, class Features>
 __device__ __forceinline__ bool schedule(AttnParams const& p, int tile, AttnWork& w) {
   w.b = blockIdx.x / p.num_kv_heads;
   w.kv_head = blockIdx.x - w.b * p.num_kv_heads;
@@ -65,17 +101,19 @@ __device__ __forceinline__ bool schedule(AttnParams const& p, int tile, AttnWork
   w.k_len = k_len > 0 ? k_len : 0;
   int const i_min = w.row0 / p.group;
   int const i_max = (cute::min(rows, w.row0 + Traits::kBlockM) - 1) / p.group;
-  // bottom-right causal: query i sees keys [0, k_len - q_len + i]
-  int keys_end = w.k_len;
-  w.mask_from = w.k_len;
-  if (p.causal) {
-    keys_end = cute::min(w.k_len, w.k_len - w.q_len + i_max + 1);
-    w.mask_from = cute::max(0, cute::min(w.k_len, w.k_len - w.q_len + i_min + 1));
-  }
-  int const steps = keys_end > 0 ? (keys_end + Traits::kStageKeys - 1) / Traits::kStageKeys : 0;
+  // Windows and causal limits move right with the query: the tile's first row sees the least on the
+  // right, its last row the least on the left.
+  KeyRange const first = visible_keys<Features>(p, w.q_len, w.k_len, i_min);
+  KeyRange const last = visible_keys<Features>(p, w.q_len, w.k_len, i_max);
+  w.mask_from = first.end;
+  w.mask_below = last.begin;
+  int const keys_begin = first.begin, keys_end = last.end;
+  int const step_lo = keys_begin / Traits::kStageKeys;
+  int const step_hi = keys_end > keys_begin ? (keys_end + Traits::kStageKeys - 1) / Traits::kStageKeys : step_lo;
+  int const steps = step_hi - step_lo;
   int const per_split = (steps + p.num_splits - 1) / p.num_splits;
-  w.step_begin = cute::min(steps, w.split * per_split);
-  w.step_end = cute::min(steps, w.step_begin + per_split);
+  w.step_begin = step_lo + cute::min(steps, w.split * per_split);
+  w.step_end = step_lo + cute::min(steps, w.split * per_split + per_split);
   return true;
 }
 
