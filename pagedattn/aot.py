@@ -47,6 +47,7 @@ FILTERS = (
     Filter("kv_cache_dtypes", ("kv_cache_dtype",), "what the KV cache stores"),
     Filter("head_sizes", ("head_dim", "head_size"), "head size"),
     Filter("layouts", ("layout",), "KV cache layout"),
+    Filter("features", ("features",), "attention feature set (none, window, window+softcap, ...)"),
 )
 FILTER_BY_OPTION = {f.option: f for f in FILTERS}
 
@@ -61,6 +62,7 @@ PRESETS: dict[str, dict] = {
         "kv_cache_dtypes": None,
         "head_sizes": (64, 80, 96, 128, 256),
         "layouts": None,
+        "features": ("none",),  # feature variants: --features window,window+softcap,... (or JIT)
     },
 }
 
@@ -182,7 +184,8 @@ def parse_variant(text: str):
             raise SelectionError(f"--variant {text!r}: {token!r} is not field=value with a field of "
                                  f"{family} ({', '.join(names)})")
         given[name] = value
-    missing = [n for n in names if n not in given]
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in given
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
         raise SelectionError(f"--variant {text!r}: missing " + ", ".join(
             f"{n} (one of {', '.join(map(str, cls.SUPPORTED.get(n, ('?',))))})" for n in missing))
@@ -235,7 +238,8 @@ class Selection:
 
 
 def _family_field(cls, flt: Filter) -> str | None:
-    names = {f.name for f in dataclasses.fields(cls)}
+    # fields, and the derived properties a family selects by (AttnFwdSpec.features)
+    names = {f.name for f in dataclasses.fields(cls)} | set(cls.SUPPORTED)
     return next((n for n in flt.fields if n in names), None)
 
 

@@ -100,6 +100,7 @@ class AttnFwdSpec(KernelSpec):
         "head_dim": HEAD_DIMS,
         "mode": MODES,
         **{f: (False, True) for f in FEATURES},
+        "features": FEATURE_SETS,  # derived (the property below): what AOT selections and `list` name
     }
 
     dtype: str
