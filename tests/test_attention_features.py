@@ -159,9 +159,9 @@ def _feature_grid(n, seed=1):
     axes = dict(dtype=[torch.float16, torch.bfloat16], D=[64, 128, 72, 256], layout=["NHD", "HND"],
                 bs=[1, 16, 256, 32], heads=[(8, 8), (32, 8), (16, 1)], causal=[False, True],
                 batch=["decode", "mixed", "prefill", "long"], splits=[0, 1, 7], kv=["auto", "fp8_e4m3"],
-                window=[(-1, -1), (5, -1), (40, 0), (100, 17), (700, -1), (-1, 9)],
-                softcap=[0.0, 0.0, 20.0], alibi=[None, None, "head", "batch"], sinks=[False, False, True],
-                loader=["auto", "cp_async"], contiguous=[False, False, False, True])
+                features=[fs for fs in FEATURE_SETS if fs != "none"],
+                window=[(5, -1), (40, 0), (100, 17), (700, -1), (-1, 9), (3000, -1)],
+                alibi=["head", "batch"], loader=["auto", "cp_async"], contiguous=[False, False, False, True])
     cases = []
     for name, values in axes.items():
         for v in values:
@@ -171,6 +171,12 @@ def _feature_grid(n, seed=1):
                 cases.append(c)
     while len(cases) < n:
         cases.append({k: rng.choice(vals) for k, vals in axes.items()})
+    for c in cases:  # the model-shaped feature sets of FEATURE_SETS: the variants bundles hold
+        fs = c.pop("features").split("+")
+        c["window"] = c["window"] if "window" in fs else (-1, -1)
+        c["softcap"] = 20.0 if "softcap" in fs else 0.0
+        c["alibi"] = c["alibi"] if "alibi" in fs else None
+        c["sinks"] = "sinks" in fs
     return cases
 
 
