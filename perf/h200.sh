@@ -8,8 +8,12 @@ set -uo pipefail
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
 export PYTHONPATH=/tmp/site PAGEDATTN_CACHE_DIR=/tmp/pacache PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+# once per call: later invocations in the same command (e.g. each under its own `timeout`) reuse the install
+if [ ! -f /tmp/site/.pagedattn-installed ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+  touch /tmp/site/.pagedattn-installed
+fi
 cd /tmp
 summary=()
 for stage in "$@"; do
@@ -33,7 +37,7 @@ for stage in "$@"; do
     decodesweep) python3 "$ROOT/perf/decode_sweep.py" "$OUT/results" ${DECODE_CONFIGS:-} ;;
     prefillsweep) python3 "$ROOT/perf/prefill_sweep.py" "$OUT/results" ${PREFILL_CONFIGS:-} ;;
     prefillmodes) python3 "$ROOT/perf/prefill_modes.py" "$OUT/results" ${PREFILL_MODES:-} ;;
-    bundle)    mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1
+    bundle)    [ -f /tmp/bundle/manifest.json ] || { mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1; }
                export PAGEDATTN_AOT_DIR=/tmp/bundle
                python3 -c "import sys, pathlib; from pagedattn.codegen import bundle; sys.exit(0 if bundle.read_manifest(pathlib.Path('/tmp/bundle')) else 1)" \
                  && echo "carried bundle accepted ($(ls /tmp/bundle/kernels | wc -l) kernels; others compile on first use)" \
