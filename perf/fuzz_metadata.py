@@ -6,7 +6,7 @@ corrupt metadata and check the contract:
     [clamp(cu_q[b], 0, total_q), clamp(cu_q[b+1], start, total_q)); its keys are
     min(max(seqused_k[b], 0), W * block_size) (paged) or the clamped cu_seqlens_k range, capped by
     seqused_k (contiguous); block ids outside [0, num_blocks) read as zero K/V; max_seqlen_q/k and
-    num_splits are hints that never change the result; nothing outside `out` and the LSE is written;
+    num_splits are hints (an understated max_seqlen_q leaves the rows past the grid NaN, never garbage); nothing outside `out` and the LSE is written;
   - writer (`reshape_and_cache_flash`): slots < 0 or >= num_blocks * block_size skip their token;
   - legacy (`paged_attention_v1/v2`, `reshape_and_cache`): block ids outside [0, num_blocks) skip
     their block, negative seq_lens give 0, lengths are clamped to the table (v2: and to the partitions
@@ -848,15 +848,22 @@ def lse_problem(got: torch.Tensor, want: torch.Tensor) -> str | None:
     return None
 
 
-def compare_attention(out: torch.Tensor, lse: torch.Tensor, requests: list[Request]) -> list[str]:
-    """out/LSE against the expected requests. Rows of no request are not checked (unspecified);
-    rows of two requests (non-monotone cu_seqlens_q) must equal one of them; every other row its
-    request's, within ATTN_TOL overall and ROW_TOL per row."""
+def compare_attention(out: torch.Tensor, lse: torch.Tensor, requests: list[Request],
+                      understated: bool = False) -> list[str]:
+    """out/LSE against the expected requests. Rows of no request are not checked (unspecified); rows
+    of two requests (non-monotone cu_seqlens_q) only need to be finite (two CTAs race on them, element
+    by element, so a row may mix both); every other row must be its request's, within ATTN_TOL overall
+    and ROW_TOL per row. understated (max_seqlen_q below a request's length): rows past the grid's row
+    tiles come back NaN in out and LSE (attn_fwd.cuh: poison_rows_past_grid) and are not compared."""
     total_q = out.shape[0]
     owners = [[] for _ in range(total_q)]
     for r in requests:
         for i in range(r.stop - r.start):
             owners[r.start + i].append((r, i))
+    if understated:
+        poisoned = out.float().isnan().flatten(1).all(1) & lse.isnan().all(0)
+        for row in poisoned.nonzero().flatten().tolist():
+            owners[row] = []
     covered = [row for row in range(total_q) if owners[row]]
     if not covered:
         return []
@@ -884,11 +891,6 @@ def compare_attention(out: torch.Tensor, lse: torch.Tensor, requests: list[Reque
         p = lse_problem(lse[:, ui], want_lse)
         if p:
             problems.append(p)
-    for row in (r for r in covered if len(owners[r]) > 1):
-        if not any(float(row_errors(out[row:row + 1], r.out[i:i + 1])[0]) <= ROW_TOL
-                   and lse_problem(lse[:, row], r.lse[:, i]) is None for r, i in owners[row]):
-            problems.append(f"row {row} (requests {[r.b for r, _ in owners[row]]}) matches none of its requests")
-            break
     return problems
 
 
@@ -904,7 +906,8 @@ def verify_attn(case: Case, value) -> list[str]:
         return [f"out has shape {tuple(out.shape)} {out.dtype}, q {tuple(q.shape)} {q.dtype}"]
     if tuple(lse.shape) != (q.shape[1], q.shape[0]) or lse.dtype != torch.float32:
         return [f"LSE has shape {tuple(lse.shape)} {lse.dtype}, want ({q.shape[1]}, {q.shape[0]}) float32"]
-    return compare_attention(out, lse, case.expected["requests"])
+    understated = any(k in case.desc["kinds"] for k in ("max_q_small", "max_q_zero"))
+    return compare_attention(out, lse, case.expected["requests"], understated)
 
 
 # ============================================================================ writers: build, expect

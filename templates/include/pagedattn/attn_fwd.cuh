@@ -590,8 +590,26 @@ __device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, A
   }
 }
 
-// The kernel: this CTA's row tiles of one (request, KV head, split), one after another (see
-// tile_scheduler.cuh; with an honest max_seqlen_q there is exactly one).
+// Rows of a request past the grid's row tiles (max_seqlen_q understated its length) are not computed:
+// the CTA of the last row tile fills them with NaN, so the understatement shows (validate=True names it)
+// instead of leaving whatever `out` held. (A CTA that walks further row tiles covers them, but the loop
+// around the inlined tile body made ptxas spill 4.7 KB per thread: prefill 340 -> 106 TFLOP/s on H200.)
+template <class Traits>
+__device__ __noinline__ void poison_rows_past_grid(AttnParams const& p, AttnWork const& w) {
+  using Element = typename Traits::Element;
+  int const rows = w.q_len * p.group;
+  int const first = int(gridDim.y) * Traits::kBlockM;
+  int const cols = p.head_size;
+  for (int64_t c = threadIdx.x; c < int64_t(rows - first) * cols; c += blockDim.x) {
+    int const R = first + int(c / cols), d = int(c % cols);
+    int const i = R / p.group, head = w.kv_head * p.group + (R - i * p.group);
+    int64_t const token = w.q_start + i;
+    static_cast<Element*>(p.out)[token * p.o_row_stride + int64_t(head) * p.o_head_stride + d] = Element(__int_as_float(0x7fc00000));
+    if (d == 0 && p.lse != nullptr) p.lse[int64_t(head) * p.total_q + token] = __int_as_float(0x7fc00000);
+  }
+}
+
+// The kernel: one row tile of one (request, KV head, split) per CTA (tile_scheduler.cuh).
 template <class Traits, class Features>
 __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   constexpr int kStageKeys = Traits::kStageKeys;
@@ -612,24 +630,12 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
       }
     }
   }
-  int const tile0 = first_tile();
-  for (int tile = tile0;; tile = next_tile(tile)) {
-    AttnWork w;
-    if (!schedule<Traits, Features>(p, tile, w)) return;
-    if (tile != tile0) {
-      __syncthreads();  // the last tile's epilogue is done with shared memory
-      if constexpr (Traits::kTma) {
-        // every phase of the rings completed in the last tile: retire them before re-initialising
-        if (threadIdx.x % Traits::kGroupThreads == 0) {
-          uint64_t* bars = reinterpret_cast<uint64_t*>(smem + (Traits::kSmemMain + 7) / 8 * 8) +
-                           threadIdx.x / Traits::kGroupThreads * Traits::kStages;
-          for (int s = 0; s < Traits::kStages; ++s) mbarrier_inval(bars + s);
-        }
-        __syncwarp();
-      }
-    }
-    attn_fwd_tile<Traits, Features>(p, smem, w);
+  AttnWork w;
+  if (!schedule<Traits, Features>(p, first_tile(), w)) return;
+  if (blockIdx.y == 0 && w.split == 0 && w.q_len * p.group > int(gridDim.y) * Traits::kBlockM) {
+    poison_rows_past_grid<Traits>(p, w);
   }
+  attn_fwd_tile<Traits, Features>(p, smem, w);
 }
 
 }  // namespace pagedattn

@@ -14,14 +14,6 @@ __device__ __forceinline__ void mbarrier_init(uint64_t* bar, int arrivals) {
 #endif
 }
 
-// Ends an mbarrier's life (every phase it began has completed), so that its word can be initialised
-// again: a CTA that works on several row tiles gives each tile freshly initialised rings.
-__device__ __forceinline__ void mbarrier_inval(uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(cute::cast_smem_ptr_to_uint(bar)) : "memory");
-#endif
-}
-
 // Makes initialised mbarriers visible to the async proxy (the bulk-copy engine).
 __device__ __forceinline__ void mbarrier_init_fence() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
