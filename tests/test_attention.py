@@ -136,11 +136,15 @@ def _sample_grid(n, seed=0):
                 layout=["NHD", "HND"], bs=[1, 8, 16, 32, 128, 256], heads=HEADS, causal=[False, True],
                 batch=["decode", "mixed", "prefill"], splits=[0, 1, 7], kv=KV, lse=[False, True],
                 out=[False, True], loader=["auto", "cp_async"])
+    return cover_axes(axes, n, rng, 3)
+
+
+def cover_axes(axes, n, rng, times):
+    """n cases over the axes: every value of every axis at least `times` times, the rest random."""
     cases = []
-    # every value of every axis at least 3 times, the rest random
     for name, values in axes.items():
         for v in values:
-            for _ in range(3):
+            for _ in range(times):
                 c = {k: rng.choice(vals) for k, vals in axes.items()}
                 c[name] = v
                 cases.append(c)

@@ -10,10 +10,9 @@ import torch
 from pagedattn import ContractError, reference
 from pagedattn.codegen.compile import compile_source, nvrtc_options
 from pagedattn.codegen.toolchain import toolchain
-from pagedattn.ops import attention as attention_ops
 from pagedattn.ops.attention import FEATURE_SETS, AttnFwdSpec, _Call, features_of, flash_attn_varlen_func
 from pagedattn.registry import Kernel, variant_name
-from test_attention import build_case, rel_l2
+from test_attention import build_case, cover_axes, decode_loader, rel_l2  # noqa: F401 (a fixture)
 
 
 # ---------------------------------------------------------------- reference (CPU)
@@ -161,15 +160,7 @@ def _feature_grid(n, seed=1):
                 features=[fs for fs in FEATURE_SETS if fs != "none"],
                 window=[(5, -1), (40, 0), (100, 17), (700, -1), (-1, 9), (3000, -1)],
                 alibi=["head", "batch"], loader=["auto", "cp_async"], contiguous=[False, False, False, True])
-    cases = []
-    for name, values in axes.items():
-        for v in values:
-            for _ in range(2):
-                c = {k: rng.choice(vals) for k, vals in axes.items()}
-                c[name] = v
-                cases.append(c)
-    while len(cases) < n:
-        cases.append({k: rng.choice(vals) for k, vals in axes.items()})
+    cases = cover_axes(axes, n, rng, 2)
     for c in cases:  # the model-shaped feature sets of FEATURE_SETS: the variants bundles hold
         fs = c.pop("features").split("+")
         c["window"] = c["window"] if "window" in fs else (-1, -1)
@@ -200,20 +191,10 @@ def _feature_lengths(kind, rng):
     return lq, [rng.randint(1, 800), lq[1] + rng.randint(1, 500), lq[2], 0]
 
 
-@pytest.fixture
-def cp_async_decode(monkeypatch):
-    def force(loader):
-        if loader == "cp_async":
-            monkeypatch.setattr(attention_ops, "tma_ok", lambda call, arch, head_dim: False)
-        attention_ops._PLANS.clear()
-    yield force
-    attention_ops._PLANS.clear()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", _feature_grid(160), ids=_fid)
-def test_features_match_reference(c, cp_async_decode):
-    cp_async_decode(c["loader"])
+def test_features_match_reference(c, decode_loader):
+    decode_loader(c["loader"])
     rng = random.Random(_fid(c))
     gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
     Hq, Hkv = c["heads"]
