@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from pagedattn import ContractError, reference
-from pagedattn.codegen.compile import compile_source, nvrtc_options
-from pagedattn.codegen.toolchain import toolchain
 from pagedattn.ops.attention import FEATURE_SETS, AttnFwdSpec, _Call, features_of, flash_attn_varlen_func
-from pagedattn.registry import Kernel, variant_name
+from pagedattn.registry import variant_name
 from test_attention import build_case, cover_axes, decode_loader, rel_l2  # noqa: F401 (a fixture)
+from test_attention import test_attention_variants_compile as compile_variant
 
 
 # ---------------------------------------------------------------- reference (CPU)
@@ -144,11 +143,7 @@ FEATURE_CI_SPECS = [AttnFwdSpec("bf16", "auto", 128, "decode", window=True, soft
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 @pytest.mark.parametrize("spec", FEATURE_CI_SPECS, ids=variant_name)
 def test_feature_variants_compile(spec, arch):
-    if not spec.supports_arch(arch):
-        pytest.skip(f"{variant_name(spec)} is built for sm_90a only")
-    k = Kernel(spec)
-    res = compile_source(k.source, variant=k.name, arch=arch, options=nvrtc_options(arch, toolchain()))
-    assert res.cubin[:4] == b"\x7fELF"
+    compile_variant(spec, arch)
 
 
 # ---------------------------------------------------------------- the kernels (GPU)
