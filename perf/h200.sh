@@ -27,7 +27,7 @@ for stage in "$@"; do
     fuzzsanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/fuzz_metadata.py" --sanitize ${FUZZ_ARGS:-} --out "$OUT/results" 2>&1 | tail -n 40 ;;
     overhead)  python3 "$ROOT/perf/launch_overhead.py" "$OUT/results" ;;
     # into an ignored folder of the checkout: a later call on the still-warm machine finds it (incremental)
-    precompile) python3 -m pagedattn.cli precompile --arch sm_90a --ops "${PRECOMPILE_OPS:-attn_fwd,kv_write,legacy_attn,legacy_reduce,legacy_cache_write}" ${PRECOMPILE_ARGS:-} --jobs 16 --out "$ROOT/.carry/devbundle" -q 2>&1 | tail -n 15
+    precompile) python3 -m pagedattn.cli precompile --arch sm_90a --ops "${PRECOMPILE_OPS:-attn_fwd,kv_write,legacy_attn,legacy_reduce,legacy_cache_write}" ${PRECOMPILE_ARGS:---preset default} --jobs 16 --out "$ROOT/.carry/devbundle" -q 2>&1 | tail -n 15
                export PAGEDATTN_AOT_DIR="$ROOT/.carry/devbundle" ;;
     aot16)     python3 "$ROOT/perf/aot_precompile.py" --arch sm_90a --jobs 16 --output "$OUT/results/aot_precompile_cpu16.json" 2>&1 | tail -n 5 ;;
     writesweep) python3 "$ROOT/perf/write_sweep.py" "$OUT/results" ;;
