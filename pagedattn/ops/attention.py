@@ -696,13 +696,7 @@ def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tu
     return torch.frombuffer(maps, dtype=torch.uint8).to(k.device), row_dim
 
 
-MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y; a CTA walks further row tiles itself
-
-
-def row_tile_capacity(total_q: int, group: int, block_m: int) -> int:
-    """Row tiles of the longest request metadata can describe (one request of all total_q rows):
-    the split arrival counters are sized by it (mirror of row_tile_capacity in tile_scheduler.cuh)."""
-    return max(1, -(-total_q * group // block_m))
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -787,12 +781,13 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     if total_q == 0 or call.B == 0:
         return (out, lse) if return_softmax_lse else out
     group = call.Hq // call.Hkv
-    # max_seqlen_q / max_seqlen_k are hints: they choose the variant and size the grid, but the kernel
-    # covers every row and key the metadata names, within total_q / total_k (tile_scheduler.cuh).
+    # max_seqlen_q / max_seqlen_k choose the variant and size the grid. Every index stays inside the
+    # tensors whatever they say (tile_scheduler.cuh); rows past an understated max_seqlen_q come back
+    # NaN (attn_fwd.cuh). A request's rows are at most total_q: no more row tiles than that.
     rows = max(0, int(max_seqlen_q)) * group
     spec, launcher = plan.kernel(plan.mode_for(rows), flags)
-    tile_cap = row_tile_capacity(total_q, group, spec.tiles["kBlockM"])
-    m_blocks = min(max(1, -(-rows // spec.tiles["kBlockM"])), tile_cap, MAX_GRID_Y)
+    m_blocks = -(-min(rows, total_q * group) // spec.tiles["kBlockM"])
+    m_blocks = min(max(1, m_blocks), MAX_GRID_Y)
     # splits divide the keys a tile can see: with a left window edge, at most the window and the rows
     keys = max(0, int(max_seqlen_k))
     if w_left >= 0:
@@ -803,7 +798,7 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     if splits > 1:
         o_accum = torch.empty(splits, total_q, call.Hq, spec.head_dim, dtype=torch.float32, device=q.device)
         lse_accum = torch.empty(splits, call.Hq, total_q, dtype=torch.float32, device=q.device)
-    counters = split_counters(plan.device, call.B * call.Hkv * tile_cap) if splits > 1 else None
+    counters = split_counters(plan.device, call.B * call.Hkv * m_blocks) if splits > 1 else None
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     maps, row_dim = plan.tma_maps(k, v) if spec.mode == "decode_tma" else (None, 0)
     values = (

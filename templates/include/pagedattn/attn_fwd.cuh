@@ -1,8 +1,8 @@
 // FlashAttention forward over a paged KV cache (SM80-class tensor cores; runs on sm_80 ... sm_90).
 //
 // Grid: (num_seqs * num_kv_heads, m_blocks, num_splits). A CTA owns kBlockM packed rows of one
-// (request, kv head) (see attn_traits.cuh), and one split of the request's visible KV range; if
-// max_seqlen_q understated the rows, it goes on to further row tiles (tile_scheduler.cuh).
+// (request, kv head) (see attn_traits.cuh), and one split of the request's visible KV range
+// (tile_scheduler.cuh).
 // Per stage of kStageKeys keys:
 //   1. load the stage kStages-1 ahead (cp.async by the whole CTA, or TMA by each warp into its own
 //      ring, see attn_traits.cuh); rows are located through PagedKV (block_table lives there);
@@ -309,7 +309,7 @@ __device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, A
     int* is_last = reinterpret_cast<int*>(smem);
     __syncthreads();  // every thread's partials are written and the epilogue's shared memory is read
     if (tidx == 0) {
-      int* counter = p.split_counters + (int64_t(blockIdx.x) * row_tile_capacity<Traits>(p) + w.tile);
+      int* counter = p.split_counters + (int64_t(blockIdx.x) * gridDim.y + blockIdx.y);
       asm volatile("fence.acq_rel.gpu;" ::: "memory");  // this CTA's partials before its arrival
       bool const last = atomicAdd(counter, 1) == p.num_splits - 1;
       if (last) {
@@ -631,7 +631,7 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     }
   }
   AttnWork w;
-  if (!schedule<Traits, Features>(p, first_tile(), w)) return;
+  if (!schedule<Traits, Features>(p, row_tile(), w)) return;
   if (blockIdx.y == 0 && w.split == 0 && w.q_len * p.group > int(gridDim.y) * Traits::kBlockM) {
     poison_rows_past_grid<Traits>(p, w);
   }

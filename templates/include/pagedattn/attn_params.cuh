@@ -21,7 +21,7 @@ struct AttnParams {
   float* o_accum;               // split-KV partial outputs [num_splits, total_q, Hq, D] fp32
   float* lse_accum;             // split-KV partial LSE [num_splits, Hq, total_q] fp32
   void const* tma_desc;         // decode_tma: two CUtensorMaps (K, V) in global memory, or null
-  int32_t* split_counters;      // split-KV: one arrival counter per (blockIdx.x, row tile), zero between calls
+  int32_t* split_counters;      // split-KV: one arrival counter per (blockIdx.x, blockIdx.y), zero between calls
   float const* alibi_slopes;    // ALiBi (Features::kAlibi): [Hq] or [B, Hq] fp32, index b * alibi_batch_stride + head
   float const* sinks;           // learnable sinks (Features::kSinks): [Hq] fp32 logits, natural-log units
   int64_t q_row_stride, q_head_stride;

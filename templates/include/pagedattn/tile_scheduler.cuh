@@ -1,9 +1,7 @@
 // Which rows, keys and split a CTA of attn_fwd works on.
 //
-// Grid: (num_seqs * num_kv_heads, row-tile slots, num_splits). The host sizes the middle dimension
-// from max_seqlen_q, but that is a hint: a CTA walks row tiles slot, slot + gridDim.y, ... until it
-// passes its request's rows, so every row is computed whatever max_seqlen_q says (a hint that is too
-// small only costs parallelism).
+// Grid: (num_seqs * num_kv_heads, row tiles, num_splits); the host sizes the middle dimension from
+// max_seqlen_q (rows past it: attn_fwd.cuh, poison_rows_past_grid).
 //
 // Every index that comes from metadata is clamped to the tensors it addresses, whatever the metadata
 // says: query rows to [0, total_q) (a non-monotone cu_seqlens_q gives an empty request), keys to the
@@ -54,7 +52,6 @@ __device__ __forceinline__ KeyRange visible_keys(AttnParams const& p, int q_len,
 
 struct AttnWork {
   int b, kv_head, split;
-  int tile;                    // row tile of the request (counted from its first row)
   int q_start, q_len;          // request's first query row and query count, inside [0, total_q)
   int k_start, k_len;          // contiguous varlen: first K row (inside [0, total_k)); visible keys
   int row0;                    // first packed row of the tile
@@ -65,25 +62,16 @@ struct AttnWork {
 
 __device__ __forceinline__ int clamp_to(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
-// Row tiles of the longest request that metadata can describe (all total_q rows in one request); the
-// host sizes the split arrival counters with the same formula (attention.py: row_tile_capacity).
-template <class Traits>
-__device__ __forceinline__ int row_tile_capacity(AttnParams const& p) {
-  return int((int64_t(p.total_q) * p.group + Traits::kBlockM - 1) / Traits::kBlockM);
-}
-
-// The first row tile of this CTA, then the next one; false once the tile lies past the request.
-// Row tiles go in reverse: with causal masking the last tiles of a request see the most keys, and
-// the grid runs in blockIdx order, so the longest CTAs start first instead of forming the tail.
-__device__ __forceinline__ int first_tile() { return int(gridDim.y - 1 - blockIdx.y); }
-__device__ __forceinline__ int next_tile(int tile) { return tile + int(gridDim.y); }
+// This CTA's row tile. Row tiles go in reverse: with causal masking the last tiles of a request see
+// the most keys, and the grid runs in blockIdx order, so the longest CTAs start first instead of
+// forming the tail.
+__device__ __forceinline__ int row_tile() { return int(gridDim.y - 1 - blockIdx.y); }
 
 template <class Traits, class Features>
 __device__ __forceinline__ bool schedule(AttnParams const& p, int tile, AttnWork& w) {
   w.b = blockIdx.x / p.num_kv_heads;
   w.kv_head = blockIdx.x - w.b * p.num_kv_heads;
   w.split = blockIdx.z;
-  w.tile = tile;
   w.q_start = clamp_to(p.cu_seqlens_q[w.b], 0, p.total_q);
   w.q_len = clamp_to(p.cu_seqlens_q[w.b + 1], w.q_start, p.total_q) - w.q_start;
   int const rows = w.q_len * p.group;
