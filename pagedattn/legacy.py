@@ -15,8 +15,8 @@ Semantics shared with pagedattn.legacy_reference (the oracle):
   seq_lens[s] tokens, kv(h) = h // (num_heads // num_kv_heads), alibi = slope[h] * (pos - seq_len + 1).
   fp8 caches: dequantised value = stored fp8 value * k_scale (v_scale), per tensor.
   Block-table entries outside [0, num_blocks) are skipped (their tokens masked, never read); a
-  sequence with no visible token gets a zero output. seq_lens beyond what block_tables (and, for v2,
-  the partitions of max_seq_len) can map are clamped. PAGEDATTN_DEBUG=1 / validate=True turns both
+  sequence with no visible token gets a zero output. seq_lens beyond what block_tables can map are
+  clamped; max_seq_len only sizes v2's partitions (its last partition takes any longer tail). PAGEDATTN_DEBUG=1 / validate=True turns both
   into errors instead (syncs).
 """
 from __future__ import annotations

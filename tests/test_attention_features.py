@@ -189,6 +189,18 @@ def _feature_lengths(kind, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", _feature_grid(160), ids=_fid)
 def test_features_match_reference(c, decode_loader):
+    _check_feature_case(c, decode_loader)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", [c for c in _feature_grid(160) if c["batch"] in ("mixed", "prefill")][:16], ids=_fid)
+def test_features_with_understated_max_seqlen_q(c, decode_loader):
+    """max_seqlen_q = 1 for requests of up to 400 queries: the rows past the grid's row tiles take the
+    out-of-line path (attn_fwd.cuh: attn_rows_past_grid), with every feature, fp8 and split."""
+    _check_feature_case(c, decode_loader, max_q=1)
+
+
+def _check_feature_case(c, decode_loader, max_q=None):
     decode_loader(c["loader"])
     rng = random.Random(_fid(c))
     gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
@@ -221,7 +233,7 @@ def test_features_match_reference(c, decode_loader):
                                                       v_descale=case["vs"], return_lse=True, compute_dtype=dt,
                                                       sinks=sinks, **feats)
     out = torch.full_like(case["q"], float("nan"))
-    args = dict(max_seqlen_q=max(lens_q), cu_seqlens_q=case["cu_q"], max_seqlen_k=max(lens_k), causal=c["causal"],
+    args = dict(max_seqlen_q=max(lens_q) if max_q is None else max_q, cu_seqlens_q=case["cu_q"], max_seqlen_k=max(lens_k), causal=c["causal"],
                 return_softmax_lse=True, num_splits=c["splits"], s_aux=sinks, **feats, **kw)
     o, lse = flash_attn_varlen_func(case["q"], k, v, out=out, **args)
     ref, ref_lse = ref_fn(torch.float64)

@@ -782,8 +782,8 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
         return (out, lse) if return_softmax_lse else out
     group = call.Hq // call.Hkv
     # max_seqlen_q / max_seqlen_k choose the variant and size the grid. Every index stays inside the
-    # tensors whatever they say (tile_scheduler.cuh); rows past an understated max_seqlen_q come back
-    # NaN (attn_fwd.cuh). A request's rows are at most total_q: no more row tiles than that.
+    # tensors whatever they say (tile_scheduler.cuh); rows past an understated max_seqlen_q take a slow
+    # out-of-line path (attn_fwd.cuh). A request's rows are at most total_q: no more row tiles than that.
     rows = max(0, int(max_seqlen_q)) * group
     spec, launcher = plan.kernel(plan.mode_for(rows), flags)
     m_blocks = -(-min(rows, total_q * group) // spec.tiles["kBlockM"])

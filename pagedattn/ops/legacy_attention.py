@@ -265,7 +265,7 @@ class Plan:
     def __init__(self, call: AttentionCall, version: str, partition_stride: int | None):
         v2 = version == "v2"
         parts = num_partitions(call.max_seq_len) if v2 else 1
-        max_tokens = min(call.table_tokens, parts * PARTITION_SIZE) if v2 else call.table_tokens
+        max_tokens = call.table_tokens  # v2's last partition takes the tokens past max_seq_len's grid
         device = call.key_cache.device.index
         q, o = call.query, call.out
         self.version = version
@@ -281,7 +281,7 @@ class Plan:
         if not self.empty:
             self.attn = get_kernel(call.spec).launcher(device)
         self.reduce_grid = (call.num_heads, call.num_seqs, 1)
-        self.reduce_tail = (o.stride(0), o.stride(1), max_tokens, PARTITION_SIZE, partition_stride or 0, 0)
+        self.reduce_tail = (o.stride(0), o.stride(1), max_tokens, PARTITION_SIZE, partition_stride or 0, parts)
         if v2 and not self.empty:
             self.reduce = get_kernel(LegacyReduceSpec(call.spec.dtype, call.spec.head_size)).launcher(device)
 

@@ -65,4 +65,4 @@ LegacyAttentionParams = _struct(
 LegacyReduceParams = _struct(
     "LegacyReduceParams",
     "out:p, exp_sums:p, max_logits:p, tmp_out:p, seq_lens:p, out_seq_stride:i64, out_head_stride:i64,"
-    "max_tokens:i32, partition_size:i32, partition_stride:i32, reserved:i32")
+    "max_tokens:i32, partition_size:i32, partition_stride:i32, num_partitions:i32")

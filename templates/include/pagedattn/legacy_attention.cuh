@@ -52,7 +52,7 @@ struct LegacyAttentionParams {
   LegacyCacheGeometry cache;
   float qk_scale_log2;          // softmax scale * log2(e)
   int32_t queries_per_kv;       // num_heads / num_kv_heads (GQA)
-  int32_t max_tokens;           // a sequence is clamped to this many tokens (table and grid capacity)
+  int32_t max_tokens;           // a sequence is clamped to this many tokens (the table's capacity)
   int32_t partition_size;       // 0: v1, whole sequence; else tokens per partition (multiple of block_size)
   int32_t partition_stride;     // v2: last-but-one dim of tmp_out
 };
@@ -140,7 +140,8 @@ struct LegacyAttention {
     int const lane = threadIdx.x % 32;
     int const kv_head = head / p.queries_per_kv;
 
-    // The token range [begin, end) of this CTA. seq_len is clamped to what the table and grid hold.
+    // The token range [begin, end) of this CTA. seq_len is clamped to what the table holds; v2's last
+    // partition also takes every token past the grid (max_seq_len is a hint that sizes the grid).
     int const seq_len = max(p.seq_lens[seq], 0);
     int const len = min(seq_len, p.max_tokens);
     int begin = 0;
@@ -148,7 +149,7 @@ struct LegacyAttention {
     if (p.partition_size > 0) {
       begin = partition * p.partition_size;
       if (begin >= len) return;  // nothing of this sequence here: the reduce never reads this slot
-      end = min(begin + p.partition_size, len);
+      end = partition == int(gridDim.z) - 1 ? len : min(begin + p.partition_size, len);
     }
 
     Cache const cache{p.cache, static_cast<CacheElement const*>(p.key_cache),

@@ -22,7 +22,7 @@ struct LegacyReduceParams {
   int32_t max_tokens;         // the attention kernel's clamp: the same partitions exist here
   int32_t partition_size;
   int32_t partition_stride;
-  int32_t reserved;
+  int32_t num_partitions;     // partitions of the attention grid (its last one covers the rest)
 };
 
 template <class Element_, int kHeadDim_, int kThreads_ = 128>
@@ -36,7 +36,7 @@ struct LegacyReduce {
     int const head = blockIdx.x;
     int const seq = blockIdx.y;
     int const len = min(max(p.seq_lens[seq], 0), p.max_tokens);
-    int const num_partitions = (len + p.partition_size - 1) / p.partition_size;
+    int const num_partitions = min((len + p.partition_size - 1) / p.partition_size, p.num_partitions);
 
     int64_t const first = (int64_t(seq) * gridDim.x + head) * p.partition_stride;
     float const* exp_sums = p.exp_sums + first;

@@ -1,7 +1,7 @@
 // Which rows, keys and split a CTA of attn_fwd works on.
 //
 // Grid: (num_seqs * num_kv_heads, row tiles, num_splits); the host sizes the middle dimension from
-// max_seqlen_q (rows past it: attn_fwd.cuh, poison_rows_past_grid).
+// max_seqlen_q, a hint (rows past it: attn_fwd.cuh, attn_rows_past_grid).
 //
 // Every index that comes from metadata is clamped to the tensors it addresses, whatever the metadata
 // says: query rows to [0, total_q) (a non-monotone cu_seqlens_q gives an empty request), keys to the
@@ -74,9 +74,6 @@ __device__ __forceinline__ bool schedule(AttnParams const& p, int tile, AttnWork
   w.split = blockIdx.z;
   w.q_start = clamp_to(p.cu_seqlens_q[w.b], 0, p.total_q);
   w.q_len = clamp_to(p.cu_seqlens_q[w.b + 1], w.q_start, p.total_q) - w.q_start;
-  int const rows = w.q_len * p.group;
-  w.row0 = tile * Traits::kBlockM;
-  if (w.row0 >= rows) return false;
   int k_len;
   w.k_start = 0;
   if (p.block_table != nullptr) {
@@ -87,6 +84,10 @@ __device__ __forceinline__ bool schedule(AttnParams const& p, int tile, AttnWork
     if (p.seqused_k != nullptr) k_len = cute::min(k_len, p.seqused_k[w.b]);
   }
   w.k_len = k_len > 0 ? k_len : 0;
+  // the request's fields above are set even for a CTA with no tile (attn_fwd's rows past the grid)
+  int const rows = w.q_len * p.group;
+  w.row0 = tile * Traits::kBlockM;
+  if (w.row0 >= rows) return false;
   int const i_min = w.row0 / p.group;
   int const i_max = (cute::min(rows, w.row0 + Traits::kBlockM) - 1) / p.group;
   // Windows and causal limits move right with the query: the tile's first row sees the least on the

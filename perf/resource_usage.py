@@ -1,0 +1,40 @@
+"""Registers, stack frame and spills of attention variants, read from ptxas on this machine (no GPU).
+
+    python perf/resource_usage.py --arch sm_90a 'attn_fwd:dtype=bf16 kv_cache_dtype=auto head_dim=128 mode=decode_tma' ...
+
+Compiles each variant with NVRTC plus `-Xptxas -v` (not cached) and prints ptxas' summary lines, so a
+template change can be checked for register pressure and local memory before it reaches a GPU."""
+from __future__ import annotations
+
+import argparse
+import re
+
+from pagedattn.aot import parse_variant
+from pagedattn.codegen.compile import compile_source, nvrtc_options
+from pagedattn.codegen.toolchain import toolchain
+from pagedattn.registry import Kernel
+
+LINE = re.compile(r"(Used \d+ registers.*|\d+ bytes stack frame.*)")
+
+
+def usage(spec, arch: str) -> list[str]:
+    kernel = Kernel(spec)
+    options = nvrtc_options(arch, toolchain()) + ["-Xptxas=-v"]
+    result = compile_source(kernel.source, variant=kernel.name, arch=arch, options=options)
+    return LINE.findall(result.log)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("variants", nargs="+", metavar="'FAMILY:FIELD=VALUE ...'")
+    p.add_argument("--arch", default="sm_90a")
+    args = p.parse_args()
+    for text in args.variants:
+        spec = parse_variant(text)
+        print(Kernel(spec).name)
+        for line in usage(spec, args.arch):
+            print("   ", line.strip())
+
+
+if __name__ == "__main__":
+    main()
