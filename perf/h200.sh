@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
-# (info precompile bundle tests alltests sanitize fuzz fuzzsanitize overhead attnquick decodesweep prefillsweep prefillmodes writesweep writequick aotcheck ncu benchdw
+# (info precompile packbundle bundle tests alltests sanitize fuzz fuzzsanitize overhead attnquick decodesweep prefillsweep prefillmodes writesweep writequick aotcheck ncu benchdw
 # benchp benchq bench-full demo).
 # Logs and results go under $OUT; RESULTS.md and plots are regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
@@ -27,8 +27,11 @@ for stage in "$@"; do
     fuzzsanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/fuzz_metadata.py" --sanitize ${FUZZ_ARGS:-} --out "$OUT/results" 2>&1 | tail -n 40 ;;
     overhead)  python3 "$ROOT/perf/launch_overhead.py" "$OUT/results" ;;
     # into an ignored folder of the checkout: a later call on the still-warm machine finds it (incremental)
-    precompile) python3 -m pagedattn.cli precompile --arch sm_90a --ops "${PRECOMPILE_OPS:-attn_fwd,kv_write,legacy_attn,legacy_reduce,legacy_cache_write}" ${PRECOMPILE_ARGS:---preset default} --jobs 16 --out "$ROOT/.carry/devbundle" -q 2>&1 | tail -n 15
-               export PAGEDATTN_AOT_DIR="$ROOT/.carry/devbundle" ;;
+    # adds to the carried bundle when one was extracted (stage bundle), else to an ignored checkout folder
+    precompile) export PAGEDATTN_AOT_DIR="${PAGEDATTN_AOT_DIR:-$ROOT/.carry/devbundle}"
+               python3 -m pagedattn.cli precompile --arch sm_90a --ops "${PRECOMPILE_OPS:-attn_fwd,kv_write,legacy_attn,legacy_reduce,legacy_cache_write}" ${PRECOMPILE_ARGS:---preset default} --jobs 16 --out "$PAGEDATTN_AOT_DIR" -q 2>&1 | tail -n 15 ;;
+    # the bundle as it now stands, back to the CPU machine (carry it in the next call)
+    packbundle) tar -C "$(dirname "$PAGEDATTN_AOT_DIR")" -cf - "$(basename "$PAGEDATTN_AOT_DIR")" | xz -T16 -6 > "$OUT/bundle.tar.xz"; ls -la "$OUT/bundle.tar.xz" ;;
     aot16)     python3 "$ROOT/perf/aot_precompile.py" --arch sm_90a --jobs 16 --output "$OUT/results/aot_precompile_cpu16.json" 2>&1 | tail -n 5 ;;
     writesweep) python3 "$ROOT/perf/write_sweep.py" "$OUT/results" ;;
     writequick) WRITE_SWEEP_QUICK=1 python3 "$ROOT/perf/write_sweep.py" "$OUT/results" ;;
