@@ -209,6 +209,29 @@ def test_chunked_prefill_reads_the_cache_through_block_tables(cpu_memory):
     assert not summary["mismatches"], summary
 
 
+def test_init_continuous_batching_manager(cpu_memory):
+    """The manager API (init_continuous_batching / add_request / get_result) runs the same path."""
+    from transformers import GenerationConfig
+
+    name = pa_hf.register(REF_NAME, pa_hf.reference_kernels())
+    model = hf_tiny.tiny_model("llama", torch.bfloat16, "cpu")
+    prompts = hf_tiny.tiny_prompts(3)
+    model.set_attn_implementation(name)
+    gen = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=-1)
+    manager = model.init_continuous_batching(generation_config=gen,
+                                             continuous_batching_config=hf_tiny.cb_config(prompts, 4))
+    manager.start()
+    try:
+        ids = [manager.add_request(p, max_new_tokens=4) for p in prompts]
+        results = [manager.get_result(request_id=i, timeout=120) for i in ids]
+    finally:
+        manager.stop(block=True, timeout=60)
+    assert all(r is not None and r.error is None for r in results), results
+    run = hf_tiny.Run([list(r.generated_tokens) for r in results], None, 1.0)
+    summary = hf_tiny.compare(hf_tiny.eager_reference(model, prompts, 4), run)
+    assert not summary["mismatches"], summary
+
+
 def test_sliding_window_chunk_past_the_window_is_refused(cpu_memory):
     name = pa_hf.register(REF_NAME, pa_hf.reference_kernels())
     model = hf_tiny.tiny_model("mistral", torch.bfloat16, "cpu")
