@@ -10,7 +10,7 @@ spread wide (std ~5), and q/k by 3 so that softcap and window change the scores.
 not make greedy decoding immune to bf16: two correct bf16 attentions differ by about an ulp, and a
 random model has near-ties (top-2 margins of one bf16 ulp of the logits, seen on the CPU even
 between transformers' own paged|sdpa and eager). So `hf_tiny.compare` checks every step's logits
-(the first step's included) within 3 % of the reference's largest logit, and requires the same
+(the first step's included) within 4 % of the reference's largest logit, and requires the same
 greedy token at every step unless the reference's top-2 margin there is within twice that
 tolerance, where that prompt is compared no further.
 """

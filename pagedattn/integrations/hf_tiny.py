@@ -162,7 +162,7 @@ def eager_reference(model, prompts, max_new_tokens: int = 8) -> Run:
     return Run(tokens, logits, time.perf_counter() - t0)
 
 
-def compare(ref: Run, run: Run, rtol: float = 0.03) -> dict:
+def compare(ref: Run, run: Run, rtol: float = 0.04) -> dict:
     """Step by step, per prompt: logits within rtol * max|ref logits| of the reference (skipped when
     `run` kept none), and the same greedy token unless the reference's top-2 margin at that step is
     below twice that tolerance (a near-tie bf16 may break either way: the prompt is compared no
