@@ -5,8 +5,8 @@ The tiny random-weight models of pagedattn/integrations/hf_tiny.py (no download)
 implementation runs once untimed (kernel compiles, allocator warm-up), then `--reps` timed runs,
 alternating; the median is recorded. Writes perf/results/hf_continuous_batching_<gpu>_<date>_<commit>.json.
 
-    python perf/hf_continuous_batching.py [--kinds llama,mistral,gemma2] [--prompts 64]
-        [--max-prompt 512] [--max-new-tokens 128] [--reps 3] [--out perf/results]
+    python perf/hf_continuous_batching.py [--kinds llama,mistral,gemma2] [--prompts 32]
+        [--max-prompt 256] [--max-new-tokens 128] [--reps 3] [--out perf/results]
 
 Note: paged|sdpa ignores Gemma-2's attention softcap, so its gemma2 tokens differ from ours (the
 throughput comparison still runs the same shapes).
@@ -76,8 +76,8 @@ def measure(kind: str, prompts, max_new_tokens: int, reps: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", default=",".join(hf_tiny.KINDS))
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default="perf/results")
