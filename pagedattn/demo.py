@@ -1,8 +1,10 @@
 """`make demo`: the main job on an embedded default.
 
-GPU: allocate a paged cache, write K/V through slot_mapping, read it back with attention (once that
-kernel exists), check against the torch reference, print timings. No GPU: compile the kernels for
-sm_90a and run the torch reference, saying plainly that no GPU was found.
+GPU: allocate a paged cache, write K/V through slot_mapping, read it back with attention, check
+against the torch reference, print timings; then, with transformers installed, generate with a tiny
+random-weight Llama through transformers' continuous batching on pagedattn ("paged|pagedattn") and
+on transformers' own paged|sdpa, and print both tokens/s. No GPU: compile the kernels for sm_90a and
+run the torch reference, saying plainly that no GPU was found.
 """
 from __future__ import annotations
 
@@ -69,7 +71,42 @@ def run_gpu() -> int:
         ok = _attention(spec, kc, vc, block_table) and ok
     else:
         print("attention: not built yet in this version")
+    ok = _transformers() and ok
     return 0 if ok else 1
+
+
+def _transformers(num_prompts: int = 32, max_new_tokens: int = 64) -> bool:
+    """The tiny Llama (GQA 8/2, head dim 64) through generate_batch on both implementations."""
+    try:
+        from .integrations import hf_tiny
+        from .integrations import transformers as pa_hf
+
+        pa_hf._transformers()
+    except ImportError as e:
+        print(f"transformers continuous batching: skipped ({e})")
+        return True
+    name = pa_hf.register()
+    model = hf_tiny.tiny_model("llama", torch.bfloat16, "cuda")
+    prompts = hf_tiny.tiny_prompts(num_prompts, lengths=tuple(range(32, 512, 15)))
+    config = hf_tiny.cb_config(prompts, max_new_tokens)
+    runs = {}
+    for impl in (name, "paged|sdpa"):
+        hf_tiny.generate(model, impl, prompts, max_new_tokens, config=config, record_logits=False)  # warm
+        runs[impl] = hf_tiny.generate(model, impl, prompts, max_new_tokens, config=config, record_logits=False)
+    same = sum(a == b for a, b in zip(runs[name].tokens, runs["paged|sdpa"].tokens))
+    print(f"transformers {_hf_version()} generate_batch, tiny Llama, {num_prompts} prompts of "
+          f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {max_new_tokens} new tokens each (greedy):")
+    for impl, run in runs.items():
+        print(f"  {impl:16s} {run.tokens_per_s:9.1f} tokens/s  ({run.seconds:.2f} s)")
+    print(f"  identical sequences: {same}/{num_prompts} (bf16 near-ties of a random model may break "
+          "either way; tests/test_hf_transformers.py checks every step's logits)")
+    return True
+
+
+def _hf_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _attention(spec, kc, vc, block_table) -> bool:

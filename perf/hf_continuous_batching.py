@@ -1,0 +1,110 @@
+"""Tokens/s of transformers' continuous batching (`generate_batch`, greedy) on pagedattn
+("paged|pagedattn") against transformers' own "paged|sdpa", same model, same batch.
+
+The tiny random-weight models of pagedattn/integrations/hf_tiny.py (no download). Each
+implementation runs once untimed (kernel compiles, allocator warm-up), then `--reps` timed runs,
+alternating; the median is recorded. Writes perf/results/hf_continuous_batching_<gpu>_<date>_<commit>.json.
+
+    python perf/hf_continuous_batching.py [--kinds llama,mistral,gemma2] [--prompts 32]
+        [--max-prompt 256] [--max-new-tokens 128] [--reps 3] [--out perf/results]
+
+Note: paged|sdpa ignores Gemma-2's attention softcap, so its gemma2 tokens differ from ours (the
+throughput comparison still runs the same shapes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from datetime import date
+from pathlib import Path
+
+import torch
+
+import pagedattn
+from pagedattn.integrations import hf_tiny
+from pagedattn.integrations import transformers as pa_hf
+
+
+def metadata() -> dict:
+    import transformers
+
+    from pagedattn.info import git_commit
+
+    meta = {"gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "pagedattn": pagedattn.__version__, "commit": git_commit(), "date": date.today().isoformat(),
+            "python": sys.version.split()[0]}
+    try:
+        meta["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                        capture_output=True, text=True).stdout.strip()
+    except OSError:
+        pass
+    return meta
+
+
+def prompt_lengths(n: int, longest: int) -> tuple[int, ...]:
+    """n lengths spread evenly over [longest / 8, longest]."""
+    low = max(2, longest // 8)
+    return tuple(low + (longest - low) * i // max(1, n - 1) for i in range(n))
+
+
+def measure(kind: str, prompts, max_new_tokens: int, reps: int) -> dict:
+    name = pa_hf.register()
+    model = hf_tiny.tiny_model(kind, torch.bfloat16, "cuda")
+    config = hf_tiny.cb_config(prompts, max_new_tokens)
+    impls = {"pagedattn": name, "sdpa": "paged|sdpa"}
+    runs = {key: [] for key in impls}
+    tokens = {}
+    for key, impl in impls.items():   # untimed: compiles, allocator
+        tokens[key] = hf_tiny.generate(model, impl, prompts, max_new_tokens, config=config,
+                                       record_logits=False).tokens
+    for _ in range(reps):
+        for key, impl in impls.items():
+            runs[key].append(hf_tiny.generate(model, impl, prompts, max_new_tokens, config=config,
+                                              record_logits=False).tokens_per_s)
+    tps = {key: statistics.median(v) for key, v in runs.items()}
+    return {"kind": kind, "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+            "max_new_tokens": max_new_tokens, "block_size": config.block_size,
+            "pagedattn_tokens_per_s": tps["pagedattn"], "sdpa_tokens_per_s": tps["sdpa"],
+            "speedup": tps["pagedattn"] / tps["sdpa"], "runs_tokens_per_s": runs,
+            "identical_sequences": sum(a == b for a, b in zip(tokens["pagedattn"], tokens["sdpa"]))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kinds", default=",".join(hf_tiny.KINDS))
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--max-prompt", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default="perf/results")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 2
+    prompts = hf_tiny.tiny_prompts(args.prompts, lengths=prompt_lengths(args.prompts, args.max_prompt))
+    results = []
+    for kind in args.kinds.split(","):
+        r = measure(kind, prompts, args.max_new_tokens, args.reps)
+        results.append(r)
+        print(f"{kind:8s} pagedattn {r['pagedattn_tokens_per_s']:9.1f} tok/s   paged|sdpa "
+              f"{r['sdpa_tokens_per_s']:9.1f} tok/s   x{r['speedup']:.2f}   identical sequences "
+              f"{r['identical_sequences']}/{r['prompts']}")
+    meta = metadata()
+    doc = {"kind": "hf_continuous_batching", "metadata": meta, "results": results,
+           "note": "tiny random-weight models (hf_tiny); tokens/s = generated tokens / generate_batch wall "
+                   "time, median of the timed runs; paged|sdpa ignores Gemma-2's softcap"}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = meta["gpu"].replace(" ", "_").lower()
+    path = out / f"hf_continuous_batching_{gpu}_{meta['date'].replace('-', '')}_{(meta['commit'] or 'nocommit')[:7]}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
