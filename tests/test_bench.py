@@ -509,13 +509,19 @@ def test_decode_table_renders_both_methods(monkeypatch):
     assert row["us_flush"] == report.fmt_us(rec["ours"]["methods"]["flush"]["us"])
     assert row["floor"] == report.fmt_us(rec["floor_us"])
     assert row["goal (H200)"].endswith("≥ 1e-06× gather+sdpa ✓") and "✓" in row["goal (H200)"].split(";")[0]
-    cell = row["gather+sdpa (rot / flush)"]
-    assert " / " in cell and "(ours " in cell
-    assert row["sdpa cudnn (rot / flush)"] == "n/a"
+    cell = row["gather+sdpa"]
+    assert cell.startswith(report.fmt_methods(rec["peers"]["gather+sdpa"])) and "(ours " in cell
+    assert row["sdpa cudnn"] == "n/a"
     md = report.markdown_table(header, rows)
     assert md.startswith("| case | us_rot | us_flush |")
     line = report.describe(rec)
-    assert "rot " in line and "flush " in line and "gather+sdpa" in line
+    assert "rot / flush" in line and "gather+sdpa" in line
+    pair = {"methods": {"rot": {"us": 50.12}, "flush": {"us": 52.3}}}
+    assert report.fmt_methods(pair) == "50.1 / 52.3 µs"
+    assert report.fmt_methods({"methods": {"rot": {"us": 9.5}, "flush": {"us": 150.0}}}) == "9.50 / 150 µs"
+    # ours failed but the peers were timed: still the two-method layout
+    failed = dict(rec, ours=None, status="error", error="boom")
+    assert report.suite_table({"suites": {"decode": {"cases": [failed]}}}, "decode")[0][1] == "us_rot"
     # a file from before the methods still renders the old way
     old = json.loads(SAMPLES[0].read_text())
     assert report.suite_table(old, "decode")[0][:2] == ["case", "ours"]
@@ -739,3 +745,58 @@ def test_reference_attention_agrees_with_pagedattn_reference():
                                            data.tables[0], causal=True, softmax_scale=data.scale, **kw)
         theirs = theirs[0] if isinstance(theirs, tuple) else theirs
         assert common.rel_l2(mine, theirs) < 1e-5, case.id
+
+
+# -- on the GPU (the lead's H200 run: pytest -m gpu tests/test_bench.py) ---------------------------
+def _gpu_decode_data(ctx, B=2, L=1024):
+    """The decode suite's heads (Hq=32, Hkv=8, D=128, block 16) at a small batch and context."""
+    p = dict(attention.decode_cases(Ctx.make("cpu", quick=True))[0].params, B=B, ctx=L)
+    data = attention.build(ctx, p, sets=1)
+    ref = attention.reference_attention(data.q[0], data.kc, data.vc, data.tables[0], data.seqused,
+                                        data.cu_q, causal=True, scale=data.scale)
+    return data, ref
+
+
+@pytest.mark.gpu
+def test_flush_method_evicts_the_l2_on_gpu():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    l2 = int(torch.cuda.get_device_properties(dev).L2_cache_size)
+    t = timing.Timer(budget_s=0.05, min_reps=30, max_reps=300, l2_bytes=l2, device=dev)
+    assert t.flush_nbytes >= max(256 * 2**20, 4 * l2)
+    x = torch.ones(max(l2 // 2, 2**20) // 4, dtype=torch.float32, device=dev)  # half the L2
+    res = t.measure(lambda k: x.sum(), sets=1)
+    assert res["rot"].reps >= 30 and res["flush"].reps >= 30
+    assert res["flush"].us > res["rot"].us   # same input back to back sits in L2; flushed, it does not
+    assert t.flusher.buf.numel() * 4 == t.flush_nbytes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_sdpa_peers_pick_a_correct_configuration_on_gpu(backend):
+    from pagedattn.bench import peers
+
+    ctx = Ctx.make("cuda", quick=True)
+    data, ref = _gpu_decode_data(ctx)
+    k, v = data.contiguous_kv(0)
+    info = {}
+    with attention._sdpa_backend(backend)():
+        fn = peers.fastest(ctx, attention._sdpa_fns(data, data.q, [k], [v]), ref, info)
+        out = fn(0)
+    assert info["variant"] in ("enable_gqa", "gqa folded into q_len"), info
+    assert common.rel_l2(out, ref) < 2e-2, info
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["fa4", "vllm"])
+def test_optional_paged_peers_are_correct_on_gpu(which):
+    from pagedattn.bench import peers
+
+    ctx = Ctx.make("cuda", quick=True)
+    data, ref = _gpu_decode_data(ctx)
+    try:
+        cands = peers.fa4_candidates(data) if which == "fa4" else peers.vllm_candidates(data)
+    except Exception as exc:  # noqa: BLE001 - optional packages
+        pytest.skip(f"{which} not available: {exc}")
+    info = {}
+    fn = peers.fastest(ctx, cands, ref, info)
+    assert common.rel_l2(fn(0), ref) < 2e-2, info

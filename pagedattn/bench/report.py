@@ -148,7 +148,18 @@ def goals_cell(case: dict) -> str:
 
 
 def has_methods(cases: list[dict]) -> bool:
-    return any((c.get("ours") or {}).get("methods") for c in cases)
+    return any((impl or {}).get("methods") for c in cases
+               for impl in [c.get("ours")] + list((c.get("peers") or {}).values()))
+
+
+def fmt_methods(impl: dict | None) -> str:
+    """'50.1 / 52.3 µs': the medians under each method (rot / flush), one unit when they share it."""
+    parts = [fmt_us(method_us(impl, m)) for m in schema.METHODS]
+    units = {p.rsplit(" ", 1)[-1] for p in parts if " " in p}
+    if len(units) == 1 and all(" " in p for p in parts):
+        unit = units.pop()
+        return " / ".join(p.rsplit(" ", 1)[0] for p in parts) + f" {unit}"
+    return " / ".join(parts)
 
 
 def method_us(impl: dict | None, method: str):
@@ -194,7 +205,7 @@ def peer_cell(case: dict, name: str) -> str:
     if case.get("unit") in ("s", "ms", "us"):
         t = fmt_value(peer.get("value"), case["unit"])
     elif peer.get("methods"):  # "rot / flush"
-        t = " / ".join(fmt_us(method_us(peer, m)) for m in schema.METHODS)
+        t = fmt_methods(peer)
     else:
         t = fmt_us(peer.get("us"))
     r = case.get("ratios", {}).get(name)
@@ -251,7 +262,7 @@ def _methods_table(cases, peers, value_unit, of) -> tuple[list[str], list[list[s
     cols = [f"us_{m}" for m in schema.METHODS]
     header = (["case"] + cols + [f"{value_unit or 'value'} (worse)", f"{of} ({' / '.join(schema.METHODS)})",
                                  "floor", "goal (H200)", "check"]
-              + [f"{n} ({' / '.join(schema.METHODS)})" for n in peers] + ["status"])
+              + peers + ["status"])
     rows = []
     for c in cases:
         ours = c.get("ours") or {}
@@ -463,7 +474,7 @@ def describe(case: dict) -> str:
     elif unit in ("s", "ms", "us"):
         parts.append(fmt_value(ours.get("value"), unit))
     elif ours.get("methods"):
-        parts.append(" / ".join(f"{m} {fmt_us(method_us(ours, m))}" for m in schema.METHODS))
+        parts.append(f"{' / '.join(schema.METHODS)} {fmt_methods(ours)}")
         if ours.get("value") is not None:
             parts.append(f"(worse: {fmt_value(ours['value'], unit)}")
             parts[-1] += f", {fmt_frac(ours.get('fraction'))} of {case.get('ceiling')})" \
@@ -482,8 +493,7 @@ def describe(case: dict) -> str:
         else:
             r = case.get("ratios", {}).get(name)
             shown = (fmt_value(peer.get("value"), unit) if unit in ("s", "ms", "us")
-                     else " / ".join(fmt_us(method_us(peer, m)) for m in schema.METHODS)
-                     if peer.get("methods") else fmt_us(peer.get("us")))
+                     else fmt_methods(peer) if peer.get("methods") else fmt_us(peer.get("us")))
             parts.append(f"| {name} {shown}" + (f" (ours {fmt_ratio(r)})" if r else ""))
     chk = case.get("check")
     if chk is not None:
