@@ -522,9 +522,10 @@ def test_decode_table_renders_both_methods(monkeypatch):
     # ours failed but the peers were timed: still the two-method layout
     failed = dict(rec, ours=None, status="error", error="boom")
     assert report.suite_table({"suites": {"decode": {"cases": [failed]}}}, "decode")[0][1] == "us_rot"
-    # a file from before the methods still renders the old way
-    old = json.loads(SAMPLES[0].read_text())
-    assert report.suite_table(old, "decode")[0][:2] == ["case", "ours"]
+    # a suite timed by one method (write; and every suite of files from before the methods): one column
+    sample = json.loads(SAMPLES[0].read_text())
+    assert report.suite_table(sample, "write")[0][:2] == ["case", "ours"]
+    assert report.suite_table(sample, "decode")[0][:3] == ["case", "us_rot", "us_flush"]
 
 
 def test_unsupported_cache_dtype_is_skipped_not_failed(monkeypatch):
