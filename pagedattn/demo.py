@@ -38,17 +38,9 @@ def _build(device):
 
 
 def _time(fn, reps=50):
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
+    from .bench.timing import simple_median_us  # the one timer module
+
+    return simple_median_us(fn, reps=reps, warmup=3)
 
 
 def run_gpu() -> int:

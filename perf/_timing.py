@@ -1,21 +1,18 @@
-"""Timing helpers shared by the quick perf/ scripts (the full harness has pagedattn/bench/timing.py)."""
+"""Timing helpers shared by the quick perf/ scripts: thin names over pagedattn/bench/timing.py, the one
+timer module (the suites' Timer, the "rot" and "flush" methods, and the one-call-at-a-time median)."""
 import torch
 
+from pagedattn.bench.timing import L2Flush, flush_bytes, simple_median_us
 
-def median_us(fn, reps=30, warmup=5):
-    """Median of CUDA-event times of `fn`, in microseconds, after `warmup` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return sorted(ts)[len(ts) // 2]
+
+def median_us(fn, reps=30, warmup=5, flush=False):
+    """Median of CUDA-event times of `fn`, in microseconds, after `warmup` untimed calls; with
+    flush=True the L2 is flushed before each call (outside the events), as triton's do_bench does."""
+    flusher = None
+    if flush:
+        l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0)
+        flusher = L2Flush(flush_bytes(l2), "cuda")
+    return simple_median_us(fn, reps=reps, warmup=warmup, flush=flusher)
 
 
 def copy_ceiling_gbs(nbytes=2 * 2**30):

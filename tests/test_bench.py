@@ -238,7 +238,83 @@ def test_timer_control_flow_with_fake_cuda(monkeypatch):
 
 def test_cpu_timer():
     res = timing.CpuTimer(budget_s=0.001, min_reps=5, max_reps=10)(lambda k: sum(range(100)), sets=2)
-    assert 5 <= res.reps <= 10 and res.us > 0
+    assert 5 <= res.reps <= 10 and res.us > 0 and res.method == "rot"
+
+
+def _fake_events(monkeypatch, log):
+    import time as _time
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self, stream=None):
+            log.append("R")
+            self.t = _time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None, raising=False)
+
+
+def test_flush_timer_structure_with_fake_cuda(monkeypatch):
+    """"flush": every timed call is flush, start event, the call, end event — the flush outside the
+    events, one flush per call (as do_bench); "rot" never flushes."""
+    log = []
+    _fake_events(monkeypatch, log)
+    t = timing.Timer(budget_s=0.005, min_reps=12, max_reps=30, warmup_s=0.0, batch=5, l2_bytes=60 * 2**20)
+    assert t.flush_nbytes == 256 * 2**20                      # >= 256 MiB and > 4x the 60 MiB L2
+    t.flusher = lambda: log.append("F")
+    calls = []
+
+    def fn(k):
+        calls.append(k)
+        log.append("C")
+    res = t.measure(fn, sets=3)
+    assert list(res) == ["rot", "flush"]
+    rot, flush = res["rot"], res["flush"]
+    assert rot.method == "rot" and flush.method == "flush" and 12 <= flush.reps <= 30
+    text = "".join(log)
+    first_flush = text.index("F")
+    assert "F" not in text[:first_flush] and text[:first_flush].count("RCR") >= rot.reps
+    flushed = text[first_flush:]
+    # every call of the flush method is preceded by its own flush (warm-up and probe: F C; timed: F R C R)
+    assert flushed.count("C") == flushed.count("F")
+    assert all(flushed[i - 1] == "F" or flushed[i - 2:i] == "FR" for i, ch in enumerate(flushed) if ch == "C")
+    assert flushed.count("FRCR") == flush.reps                # the timed calls: the events hold the call only
+    assert set(calls) == {0, 1, 2}
+    with pytest.raises(ValueError, match="unknown timing method"):
+        t.measure(fn, methods=("warm",))
+
+
+def test_flush_buffer_size_and_l2flush_on_cpu():
+    assert timing.flush_bytes(60 * 2**20) == 256 * 2**20      # H200: 60 MiB L2
+    assert timing.flush_bytes(100 * 2**20) == 400 * 2**20     # a larger L2: 4x
+    assert timing.flush_bytes(None) == 256 * 2**20
+    f = timing.L2Flush(2**20, "cpu")
+    assert f.buf.numel() * f.buf.element_size() == 2**20
+    f.buf.fill_(7)
+    f()
+    assert int(f.buf.abs().sum()) == 0
+    t = timing.CpuTimer(budget_s=0.001, min_reps=4, max_reps=8, flush_nbytes=4096, device="cpu")
+    seen = []
+    orig = timing.L2Flush.__call__
+
+    def counting(self):
+        seen.append(self.nbytes)
+        orig(self)
+    timing.L2Flush.__call__ = counting
+    try:
+        res = t.measure(lambda k: None, sets=1, methods=("flush",))
+    finally:
+        timing.L2Flush.__call__ = orig
+    assert res["flush"].method == "flush" and len(seen) >= res["flush"].reps and set(seen) == {4096}
 
 
 def _sdpa_math(q, k, v, causal):
@@ -296,17 +372,215 @@ def test_decode_and_prefill_cases_with_a_stand_in_kernel(monkeypatch):
     ctx = _cpu_ctx()
     cases = attention.decode_cases(ctx) + attention.prefill_cases(ctx)
     assert {c.suite for c in cases} == {"decode", "prefill"}
+    roles = set()
     for case in cases:
         rec = _run_case(case, ctx)
-        assert rec["status"] == "ok", rec["error"]
+        assert rec["status"] == "ok", (case.id, rec["error"])
         assert rec["check"]["ok"] and rec["check"]["rel_l2"] < 1e-2
-        assert rec["ours"]["us"] > 0 and rec["ours"]["value"] > 0
-        gather = rec["peers"]["gather+sdpa"]      # torch SDPA on the CPU: an independent check of the
-        assert gather.get("error") is None        # gather, the GQA folding and the causal alignment
-        assert gather["rel_l2"] < 1e-2
-        assert "gather+sdpa" in rec["ratios"]
-        assert rec["peers"]["sdpa cudnn"]["error"] == "needs CUDA"
+        ours = rec["ours"]
+        assert ours["us"] > 0 and ours["value"] > 0
+        assert set(ours["methods"]) == set(timing.METHODS)           # every case under both methods
+        assert ours["us"] == max(m["us"] for m in ours["methods"].values())
+        assert all(m["fraction"] > 0 for m in ours["methods"].values())
+        role = case.params["peers"]
+        roles.add(role)
+        if role in ("all", "torch"):
+            gather = rec["peers"]["gather+sdpa"]      # torch SDPA on the CPU: an independent check of the
+            assert gather.get("error") is None        # gather, the GQA handling and the causal alignment
+            assert gather["rel_l2"] < 1e-2 and set(gather["methods"]) == set(timing.METHODS)
+            assert "gather+sdpa" in rec["ratios"]
+            assert set(rec["ratios_by_method"]) == set(timing.METHODS)
+            assert rec["peers"]["sdpa cudnn"]["error"] == "needs CUDA"
+        if role == "all" and case.suite == "decode":
+            assert rec["peers"]["fa4 paged"]["error"] == "needs CUDA"
+            assert rec["peers"]["vllm triton"]["error"] == "needs CUDA"
+        if role == "base":                            # HND / other block sizes: against ours, plain
+            assert set(rec["peers"]) == {attention.BASE_PEER}
+            assert set(rec["peers"][attention.BASE_PEER]["methods"]) == set(timing.METHODS)
+            assert attention.BASE_PEER in rec["ratios"]
+        if role == "none":
+            assert rec["peers"] == {} and "no peers" in rec["notes"]
         assert schema.validate_case(json.loads(json.dumps(rec))) == []
+    assert roles == {"all", "torch", "none", "base"}
+
+
+def test_decode_case_list_has_the_issue17_goal_cases():
+    ctx = Ctx.make("cpu", quick=True)               # the real list (not the tiny one), not run here
+    cases = {c.id: c for c in attention.decode_cases(ctx)}
+    assert list(cases) == [
+        "decode/B1/ctx32768/bf16", "decode/B1/ctx131072/bf16", "decode/B16/ctx4096/bf16",
+        "decode/B64/ctx4096/bf16", "decode/B128/ctx2048/bf16", "decode/B64/ctx4096/fp8_e4m3",
+        "decode/B64/ctx4096/fp8_e5m2", "decode/B64/ctx4096/bf16/HND", "decode/B64/ctx4096/bf16/bs32",
+        "decode/B64/ctx4096/bf16/bs64", "decode/B64/ctx4096/bf16/bs128"]
+    for c in cases.values():
+        p = c.params
+        assert (p["hq"], p["hkv"], p["d"], p["dtype"], p["q_len"]) == (32, 8, 128, "bf16", 1)
+    assert cases["decode/B64/ctx4096/bf16/HND"].params["layout"] == "HND"
+    assert [cases[f"decode/B64/ctx4096/bf16/bs{b}"].params["bs"] for b in (32, 64, 128)] == [32, 64, 128]
+    assert {cid: c.params["peers"] for cid, c in cases.items() if c.params["peers"] != "all"} == {
+        "decode/B64/ctx4096/fp8_e4m3": "torch", "decode/B64/ctx4096/fp8_e5m2": "none",
+        "decode/B64/ctx4096/bf16/HND": "base", "decode/B64/ctx4096/bf16/bs32": "base",
+        "decode/B64/ctx4096/bf16/bs64": "base", "decode/B64/ctx4096/bf16/bs128": "base"}
+    assert cases["decode/B64/ctx4096/fp8_e5m2"].params["kv_cache_dtype"] == "fp8_e5m2"
+    goals = {attention.decode_case_id(attention.decode_shape(s)): (s.get("goal_us"), s.get("vs"))
+             for s in attention.DECODE}
+    assert goals["decode/B1/ctx32768/bf16"] == (40.0, None)
+    assert goals["decode/B1/ctx131072/bf16"] == (None, ("sdpa cudnn", 0.85))
+    assert goals["decode/B64/ctx4096/bf16"] == (245.0, ("sdpa cudnn", 1.0))
+    assert goals["decode/B64/ctx4096/fp8_e5m2"][0] == 130.0
+    assert goals["decode/B64/ctx4096/bf16/bs128"] == (None, (attention.BASE_PEER, pytest.approx(1 / 1.03)))
+    # the same list with --quick and without (issue 17: the goal cases run in the quick suite)
+    assert [c.id for c in attention.decode_cases(Ctx.make("cpu", quick=False))] == list(cases)
+
+
+def _goal_record(monkeypatch, case_filter):
+    """Run one tiny decode case with the goals of the real list attached (run_case skips them when tiny)."""
+    monkeypatch.setattr(pagedattn, "flash_attn_varlen_func", _fake_flash, raising=False)
+    ctx = _cpu_ctx()
+    case = next(c for c in attention.decode_cases(ctx) if case_filter(c))
+    rec = Recorder(case, ctx)
+    case.run(ctx, rec)
+    rec.target(1e9, "us")                         # any goal: the shapes are tiny
+    rec.goal_ratio("gather+sdpa", 1e-6)
+    return rec.finish(), ctx
+
+
+def test_decode_json_schema_has_both_methods(monkeypatch):
+    rec, ctx = _goal_record(monkeypatch, lambda c: c.params["peers"] == "all")
+    rec = json.loads(json.dumps(rec))
+    assert schema.validate_case(rec) == []
+    ours = rec["ours"]
+    assert set(ours["methods"]) == {"rot", "flush"} and ours["method"] in ("rot", "flush")
+    for m, entry in ours["methods"].items():
+        assert entry["us"] > 0 and entry["reps"] >= 1 and entry["value"] == pytest.approx(rec["work"] / (entry["us"] * 1e3))
+        assert entry["fraction"] == pytest.approx(entry["value"] / ctx.ceilings["copy"]["value"])
+    assert rec["floor_us"] == pytest.approx(rec["work"] / (ctx.ceilings["copy"]["value"] * 1e3))
+    gather = rec["peers"]["gather+sdpa"]
+    by = rec["ratios_by_method"]
+    for m in ("rot", "flush"):
+        assert by[m]["gather+sdpa"] == pytest.approx(gather["methods"][m]["us"] / ours["methods"][m]["us"])
+    assert rec["ratios"]["gather+sdpa"] == pytest.approx(min(by[m]["gather+sdpa"] for m in by))
+    assert rec["target"]["met"] is True and rec["goals"] == [
+        {"value": 1e-6, "unit": "ratio", "peer": "gather+sdpa", "met": True}]
+    assert "variant" in gather and "candidates" in gather  # which configuration ran, and what was tried
+
+    def broken(mutate):
+        d = copy.deepcopy(rec)
+        mutate(d)
+        return schema.validate_case(d)
+    assert any("unknown method" in e for e in broken(lambda d: d["ours"]["methods"].update(warm={"us": 1.0})))
+    assert any("worse" in e for e in broken(lambda d: d["ours"].update(us=d["ours"]["us"] / 2)))
+    assert any("methods.rot.us" in e for e in broken(lambda d: d["ours"]["methods"]["rot"].update(us=-1)))
+    assert any("goals[0]" in e for e in broken(lambda d: d["goals"][0].update(unit="us")))
+
+
+def test_derive_with_methods_uses_the_worse():
+    t = lambda us, m: {"us": us, "p10": us, "p90": us, "min": us, "reps": 3, "sets": 1, "method": m}  # noqa: E731
+    case = schema.new_case("decode/x", "decode")
+    case.update(unit="GB/s", work=4e6, ceiling="copy",
+                ours=schema.impl_from_methods("ours", {"rot": t(1.0, "rot"), "flush": t(2.0, "flush")}),
+                peers={"p": schema.impl_from_methods("p", {"rot": t(3.0, "rot"), "flush": t(2.5, "flush")}),
+                       "old": schema.impl_from_timing("old", t(4.0, "rot"))},
+                target={"value": 1.5, "unit": "us", "met": None},
+                goals=[{"value": 1.2, "unit": "ratio", "peer": "p", "met": None}])
+    schema.derive(case, {"copy": {"value": 1000.0}})
+    assert case["ours"]["us"] == 2.0 and case["ours"]["method"] == "flush"   # the worse is the headline
+    assert case["ours"]["value"] == pytest.approx(2000.0)                    # 4e6 B / 2 µs
+    assert case["ours"]["methods"]["rot"]["fraction"] == pytest.approx(4.0)
+    assert case["ratios_by_method"] == {"rot": {"p": pytest.approx(3.0)}, "flush": {"p": pytest.approx(1.25)}}
+    assert case["ratios"]["p"] == pytest.approx(1.25)                        # least favourable to ours
+    assert case["ratios"]["old"] == pytest.approx(2.0)                       # no methods: headline / headline
+    assert case["target"]["met"] is False                                    # 2.0 µs under flush > 1.5
+    assert case["goals"][0]["met"] is True                                   # 1.25 >= 1.2
+    assert case["floor_us"] == pytest.approx(4.0)                            # 4e6 B at 1000 GB/s
+    case["goals"][0]["value"] = 1.3
+    assert schema.derive(case, {"copy": {"value": 1000.0}})["goals"][0]["met"] is False
+
+
+def test_decode_table_renders_both_methods(monkeypatch):
+    rec, _ = _goal_record(monkeypatch, lambda c: c.params["peers"] == "all")
+    data = {"metadata": {"gpu": "cpu"}, "suites": {"decode": {"cases": [rec]}}}
+    header, rows = report.suite_table(data, "decode")
+    assert header[:3] == ["case", "us_rot", "us_flush"]
+    assert "floor" in header and "goal (H200)" in header
+    row = dict(zip(header, rows[0]))
+    assert row["case"] == rec["id"].split("/", 1)[1]
+    assert row["us_rot"] == report.fmt_us(rec["ours"]["methods"]["rot"]["us"])
+    assert row["us_flush"] == report.fmt_us(rec["ours"]["methods"]["flush"]["us"])
+    assert row["floor"] == report.fmt_us(rec["floor_us"])
+    assert row["goal (H200)"].endswith("≥ 1e-06× gather+sdpa ✓") and "✓" in row["goal (H200)"].split(";")[0]
+    cell = row["gather+sdpa"]
+    assert cell.startswith(report.fmt_methods(rec["peers"]["gather+sdpa"])) and "(ours " in cell
+    assert row["sdpa cudnn"] == "n/a"
+    md = report.markdown_table(header, rows)
+    assert md.startswith("| case | us_rot | us_flush |")
+    line = report.describe(rec)
+    assert "rot / flush" in line and "gather+sdpa" in line
+    pair = {"methods": {"rot": {"us": 50.12}, "flush": {"us": 52.3}}}
+    assert report.fmt_methods(pair) == "50.1 / 52.3 µs"
+    assert report.fmt_methods({"methods": {"rot": {"us": 9.5}, "flush": {"us": 150.0}}}) == "9.50 / 150 µs"
+    # ours failed but the peers were timed: still the two-method layout
+    failed = dict(rec, ours=None, status="error", error="boom")
+    assert report.suite_table({"suites": {"decode": {"cases": [failed]}}}, "decode")[0][1] == "us_rot"
+    # a suite timed by one method (write; and every suite of files from before the methods): one column
+    sample = json.loads(SAMPLES[0].read_text())
+    assert report.suite_table(sample, "write")[0][:2] == ["case", "ours"]
+    assert report.suite_table(sample, "decode")[0][:3] == ["case", "us_rot", "us_flush"]
+
+
+def test_unsupported_cache_dtype_is_skipped_not_failed(monkeypatch):
+    from pagedattn.ops.attention import AttnFwdSpec
+
+    monkeypatch.setattr(pagedattn, "flash_attn_varlen_func", _fake_flash, raising=False)
+    ctx = _cpu_ctx()
+    e5m2 = next(c for c in attention.decode_cases(ctx) if c.params["kv_cache_dtype"] == "fp8_e5m2")
+    monkeypatch.setitem(AttnFwdSpec.SUPPORTED, "kv_cache_dtype", ("auto", "fp8_e4m3"))
+    rec = _run_case(e5m2, ctx)
+    assert rec["status"] == "skipped" and "unsupported by pagedattn" in rec["error"]
+    assert schema.validate_case(json.loads(json.dumps(rec))) == []
+    monkeypatch.undo()
+
+    def refuses(*args, **kwargs):
+        raise pagedattn.UnsupportedError("no fp8_e5m2 variant on this GPU")
+    monkeypatch.setattr(pagedattn, "flash_attn_varlen_func", refuses, raising=False)
+    rec = _run_case(e5m2, ctx)
+    assert rec["status"] == "skipped" and "no fp8_e5m2 variant" in rec["error"]
+
+
+def test_fastest_keeps_the_fastest_correct_configuration(monkeypatch):
+    from pagedattn.bench import peers
+
+    ref = torch.ones(4)
+    times = {}
+
+    def cand(us, out=None, fail=False):
+        def factory():
+            if fail:
+                raise RuntimeError("backend refuses this shape")
+
+            def fn(k):
+                return ref.clone() if out is None else out
+            times[fn] = us
+            return fn
+        return factory
+    monkeypatch.setattr(peers, "probe_us", lambda fn, sets=1: times[fn])
+    ctx = types.SimpleNamespace(is_cuda=True, sync=lambda: None)
+    info = {}
+    fn = peers.fastest(ctx, [("slow", cand(50.0)), ("refused", cand(1.0, fail=True)),
+                             ("wrong", cand(0.5, out=torch.zeros(4))), ("fast", cand(20.0))], ref, info)
+    assert times[fn] == 20.0 and info["variant"] == "fast" and info["rel_l2"] == 0.0
+    assert "slow: 50.0 us" in info["candidates"] and "refused: RuntimeError" in info["candidates"]
+    assert "wrong: wrong output" in info["candidates"]
+    with pytest.raises(RuntimeError, match="refused"):
+        peers.fastest(ctx, [("refused", cand(1.0, fail=True))], ref, {})
+
+
+def test_sdpa_decode_offers_enable_gqa_first():
+    ctx = _cpu_ctx()
+    data = attention.build(ctx, attention.decode_cases(ctx)[0].params, sets=1)
+    k, v = data.contiguous_kv(0)
+    names = [n for n, _ in attention._sdpa_fns(data, data.q, [k], [v])]
+    assert names == ["enable_gqa", "gqa folded into q_len"]
 
 
 def test_sdpa_peers_agree_with_the_reference():
@@ -472,3 +746,58 @@ def test_reference_attention_agrees_with_pagedattn_reference():
                                            data.tables[0], causal=True, softmax_scale=data.scale, **kw)
         theirs = theirs[0] if isinstance(theirs, tuple) else theirs
         assert common.rel_l2(mine, theirs) < 1e-5, case.id
+
+
+# -- on the GPU (the lead's H200 run: pytest -m gpu tests/test_bench.py) ---------------------------
+def _gpu_decode_data(ctx, B=2, L=1024):
+    """The decode suite's heads (Hq=32, Hkv=8, D=128, block 16) at a small batch and context."""
+    p = dict(attention.decode_cases(Ctx.make("cpu", quick=True))[0].params, B=B, ctx=L)
+    data = attention.build(ctx, p, sets=1)
+    ref = attention.reference_attention(data.q[0], data.kc, data.vc, data.tables[0], data.seqused,
+                                        data.cu_q, causal=True, scale=data.scale)
+    return data, ref
+
+
+@pytest.mark.gpu
+def test_flush_method_evicts_the_l2_on_gpu():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    l2 = int(torch.cuda.get_device_properties(dev).L2_cache_size)
+    t = timing.Timer(budget_s=0.05, min_reps=30, max_reps=300, l2_bytes=l2, device=dev)
+    assert t.flush_nbytes >= max(256 * 2**20, 4 * l2)
+    x = torch.ones(max(l2 // 2, 2**20) // 4, dtype=torch.float32, device=dev)  # half the L2
+    res = t.measure(lambda k: x.sum(), sets=1)
+    assert res["rot"].reps >= 30 and res["flush"].reps >= 30
+    assert res["flush"].us > res["rot"].us   # same input back to back sits in L2; flushed, it does not
+    assert t.flusher.buf.numel() * 4 == t.flush_nbytes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_sdpa_peers_pick_a_correct_configuration_on_gpu(backend):
+    from pagedattn.bench import peers
+
+    ctx = Ctx.make("cuda", quick=True)
+    data, ref = _gpu_decode_data(ctx)
+    k, v = data.contiguous_kv(0)
+    info = {}
+    with attention._sdpa_backend(backend)():
+        fn = peers.fastest(ctx, attention._sdpa_fns(data, data.q, [k], [v]), ref, info)
+        out = fn(0)
+    assert info["variant"] in ("enable_gqa", "gqa folded into q_len"), info
+    assert common.rel_l2(out, ref) < 2e-2, info
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["fa4", "vllm"])
+def test_optional_paged_peers_are_correct_on_gpu(which):
+    from pagedattn.bench import peers
+
+    ctx = Ctx.make("cuda", quick=True)
+    data, ref = _gpu_decode_data(ctx)
+    try:
+        cands = peers.fa4_candidates(data) if which == "fa4" else peers.vllm_candidates(data)
+    except Exception as exc:  # noqa: BLE001 - optional packages
+        pytest.skip(f"{which} not available: {exc}")
+    info = {}
+    fn = peers.fastest(ctx, cands, ref, info)
+    assert common.rel_l2(fn(0), ref) < 2e-2, info

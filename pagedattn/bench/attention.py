@@ -1,23 +1,31 @@
 """decode and prefill suites: `pagedattn.flash_attn_varlen_func` over a paged cache, against torch.
 
-Shapes (issue 4): bf16, Hq=32, Hkv=8, D=128, block 16, NHD caches, shuffled block tables.
-decode: B=1 ctx 32768, B=16 ctx 4096, B=64 ctx 4096 (bf16 cache), and B=64 ctx 4096 with an fp8_e4m3
-cache (per-tensor descale). One query token per request, equal context lengths.
+decode (issue 17's goal cases, --quick and full alike): bf16, Hq=32, Hkv=8, D=128, block 16, NHD,
+shuffled block tables, one query token per request, equal context lengths —
+B=1 ctx 32768, B=1 ctx 131072, B=16 ctx 4096, B=64 ctx 4096, B=128 ctx 2048; fp8 e4m3 and e5m2 caches
+(per-tensor descale) at B=64 ctx 4096; at B=64 ctx 4096 also the HND layout and blocks of 32/64/128,
+each against "pagedattn NHD bs16" (ours on a plain cache of the same shape, timed in the same case).
+A case whose cache dtype the op does not support is reported skipped ("unsupported by pagedattn").
+Every decode and prefill measurement is timed under both methods of timing.py ("rot": back to back,
+rotated inputs; "flush": L2 flushed before every call, as do_bench); the headline number, the
+ratios and the goals use the worse of the two (schema.py).
 prefill: B=4, S=4096, causal (q_len = kv_len), TFLOP/s = 4 * B * Hq * D * S^2 / 2.
-decode reports the effective KV bandwidth: bytes = K + V pages read (2 * B * ctx * Hkv * D * elem).
+decode reports the effective KV bandwidth: bytes = K + V pages read (2 * B * ctx * Hkv * D * elem);
+its floor is those bytes at the copy bandwidth of the same run (schema.floor_us).
 
 Check (once): float32 attention over the KV gathered through the block table (this module's
 `reference_attention`, grouped-query, bottom-right causal), relative L2 of the output <= 2e-2.
-Peers, all on the same data:
+Peers, all on the same data, each at its best configuration (peers.py says how that is chosen):
 - "sdpa cudnn" / "sdpa flash": torch SDPA with one backend on a contiguous (unpaged) copy of the KV.
-  decode folds the query heads of a KV head into the query length ([B, Hkv, Hq/Hkv, D]), which is exact
-  for one query token and reads each KV byte once; prefill uses enable_gqa=True (or, if the backend
-  refuses, KV repeated to Hq heads beforehand, outside the timing).
 - "gather+sdpa": gather the pages through the block table, then SDPA (default dispatch); the gather
   (and the fp8 dequantisation) is inside the timing — the naive paged way.
+- "fa4 paged" / "vllm triton": FlashAttention-4 and vLLM's Triton unified attention on our paged
+  cache (bf16 cases), when their packages import; otherwise reported unavailable with the reason.
 - "flex": torch.compile(flex_attention) on the contiguous copy, if it compiles; each shape is a new
-  compile (tens of seconds), so it runs at decode B=1 and B=64 and at prefill, not with --quick.
-The fp8 case's peers read a bf16 (dequantised) copy: torch has no fp8-KV attention.
+  compile (tens of seconds), so it runs at decode B=1 ctx 32768 and B=64 and at prefill, not with
+  --quick.
+The fp8 e4m3 case's torch peers read a bf16 (dequantised) copy: torch has no fp8-KV attention; the
+e5m2 case has no peers (they would read the same bf16 copy as the e4m3 case).
 """
 from __future__ import annotations
 
@@ -30,17 +38,35 @@ import torch.nn.functional as F
 
 import pagedattn
 
-from .common import Case, Ctx, Recorder, ceil_div, rel_l2, shuffled_tables
+from . import peers as peerlib
+from .common import Case, Ctx, Recorder, ceil_div, rel_l2, short_error, shuffled_tables
+from .timing import METHODS
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
-DECODE = ({"B": 1, "ctx": 32768, "kv": "auto"}, {"B": 16, "ctx": 4096, "kv": "auto"},
-          {"B": 64, "ctx": 4096, "kv": "auto"}, {"B": 64, "ctx": 4096, "kv": "fp8_e4m3"})
+# goal_us: at most (µs, under both methods); vs: (peer, ratio) — ours at least `ratio` times the
+# peer's speed; HND / other block sizes are held to within 3 % of NHD bs16 (ratio 1 / 1.03).
+WITHIN_3PCT = 1 / 1.03
+BASE_PEER = "pagedattn NHD bs16"
+DECODE = (
+    {"B": 1, "ctx": 32768, "goal_us": 40.0},
+    {"B": 1, "ctx": 131072, "vs": ("sdpa cudnn", 0.85)},
+    {"B": 16, "ctx": 4096, "goal_us": 70.0, "vs": ("sdpa cudnn", 1.0)},
+    {"B": 64, "ctx": 4096, "goal_us": 245.0, "vs": ("sdpa cudnn", 1.0)},
+    {"B": 128, "ctx": 2048, "goal_us": 245.0, "vs": ("sdpa cudnn", 1.0)},
+    {"B": 64, "ctx": 4096, "kv": "fp8_e4m3", "goal_us": 130.0},
+    {"B": 64, "ctx": 4096, "kv": "fp8_e5m2", "goal_us": 130.0},
+    {"B": 64, "ctx": 4096, "layout": "HND", "vs": (BASE_PEER, WITHIN_3PCT)},
+    {"B": 64, "ctx": 4096, "bs": 32, "vs": (BASE_PEER, WITHIN_3PCT)},
+    {"B": 64, "ctx": 4096, "bs": 64, "vs": (BASE_PEER, WITHIN_3PCT)},
+    {"B": 64, "ctx": 4096, "bs": 128, "vs": (BASE_PEER, WITHIN_3PCT)},
+)
 PREFILL = ({"B": 4, "S": 4096},)
 TINY = {"hq": 4, "hkv": 2, "d": 64, "bs": 16}
-TINY_DECODE = ({"B": 2, "ctx": 80, "kv": "auto"}, {"B": 3, "ctx": 48, "kv": "fp8_e4m3"})
+TINY_DECODE = ({"B": 2, "ctx": 80}, {"B": 3, "ctx": 48, "kv": "fp8_e4m3"}, {"B": 2, "ctx": 48, "kv": "fp8_e5m2"},
+               {"B": 2, "ctx": 80, "layout": "HND", "vs": (BASE_PEER, WITHIN_3PCT)},
+               {"B": 2, "ctx": 80, "bs": 32, "vs": (BASE_PEER, WITHIN_3PCT)})
 TINY_PREFILL = ({"B": 2, "S": 40},)
-DECODE_GOALS_US = {(64, 4096, "auto"): 270.0, (16, 4096, "auto"): 80.0, (1, 32768, "auto"): 45.0,
-                   (64, 4096, "fp8_e4m3"): 160.0}
+FLEX_DECODE = ((1, 32768), (64, 4096))  # (B, ctx) of the decode cases flex runs at (not --quick)
 PREFILL_GOAL_TFLOPS = 330.0
 TOLERANCE = 2e-2
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -68,14 +94,39 @@ def _dims(ctx: Ctx) -> dict:
     return dict(TINY) if ctx.tiny else {"hq": HQ, "hkv": HKV, "d": D, "bs": BLOCK}
 
 
+def decode_shape(shape: dict, bs_default: int = BLOCK) -> dict:
+    """A DECODE entry with its defaults: kv, layout, bs and which peers it runs ("all": the bf16
+    cases; "torch": the fp8 e4m3 case (SDPA on a bf16 copy, gather); "none": fp8 e5m2; "base": the
+    layout / block-size cases, against ours on a plain NHD bs16 cache)."""
+    out = {"kv": "auto", "layout": "NHD", "bs": bs_default, "goal_us": None, "vs": None, **shape}
+    plain = out["layout"] == "NHD" and out["bs"] == bs_default
+    out["peers"] = ("base" if not plain else "all" if out["kv"] == "auto"
+                    else "torch" if out["kv"] == "fp8_e4m3" else "none")
+    return out
+
+
+def decode_case_id(shape: dict, bs_default: int = BLOCK) -> str:
+    cache = "bf16" if shape["kv"] == "auto" else shape["kv"]
+    cid = f"decode/B{shape['B']}/ctx{shape['ctx']}/{cache}"
+    if shape["layout"] != "NHD":
+        cid += f"/{shape['layout']}"
+    if shape["bs"] != bs_default:
+        cid += f"/bs{shape['bs']}"
+    return cid
+
+
 def decode_cases(ctx: Ctx) -> list[Case]:
     out = []
-    for shape in (TINY_DECODE if ctx.tiny else DECODE):
+    dims = _dims(ctx)
+    for entry in (TINY_DECODE if ctx.tiny else DECODE):
+        shape = decode_shape(entry, dims["bs"])
         cache = "bf16" if shape["kv"] == "auto" else shape["kv"]
         params = {"B": shape["B"], "q_len": 1, "ctx": shape["ctx"], "kv_cache_dtype": shape["kv"],
-                  "cache": cache, "dtype": "bf16", "layout": "NHD", "causal": True, **_dims(ctx)}
-        out.append(Case(f"decode/B{shape['B']}/ctx{shape['ctx']}/{cache}", "decode", params,
-                        lambda ctx, rec, p=params: run_case(ctx, rec, p)))
+                  "cache": cache, "dtype": "bf16", "causal": True, **dims, "layout": shape["layout"],
+                  "bs": shape["bs"], "peers": shape["peers"]}
+        goals = {"us": shape["goal_us"], "vs": shape["vs"]}
+        out.append(Case(decode_case_id(shape, dims["bs"]), "decode", params,
+                        lambda ctx, rec, p=params, g=goals: run_case(ctx, rec, p, g)))
     return out
 
 
@@ -83,7 +134,8 @@ def prefill_cases(ctx: Ctx) -> list[Case]:
     out = []
     for shape in (TINY_PREFILL if ctx.tiny else PREFILL):
         params = {"B": shape["B"], "q_len": shape["S"], "ctx": shape["S"], "kv_cache_dtype": "auto",
-                  "cache": "bf16", "dtype": "bf16", "layout": "NHD", "causal": True, **_dims(ctx)}
+                  "cache": "bf16", "dtype": "bf16", "layout": "NHD", "causal": True, **_dims(ctx),
+                  "peers": "all"}
         out.append(Case(f"prefill/B{shape['B']}/S{shape['S']}/causal", "prefill", params,
                         lambda ctx, rec, p=params: run_case(ctx, rec, p)))
     return out
@@ -96,7 +148,7 @@ def gather_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     src = cache.view(torch.uint8) if fp8 else cache
     g = src[table.long()]
     b, nb, bs, h, d = g.shape
-    g = g.view(b, nb * bs, h, d)
+    g = g.reshape(b, nb * bs, h, d)  # reshape: an HND cache is a permuted view
     return g.view(cache.dtype) if fp8 else g
 
 
@@ -111,7 +163,7 @@ class PagedData:
     bs: int
     kv: str
     q: list            # per set [B * q_len, Hq, D]
-    kc: torch.Tensor   # [num_blocks, bs, Hkv, D] NHD, bf16 or float8
+    kc: torch.Tensor   # [num_blocks, bs, Hkv, D] (NHD, or HND: a view of [num_blocks, Hkv, bs, D]), bf16/fp8
     vc: torch.Tensor
     tables: list       # per set int32 [B, nb]
     seqused: torch.Tensor
@@ -152,16 +204,21 @@ def build(ctx: Ctx, p: dict, sets: int, gen_seed: int = 0) -> PagedData:
     num_blocks = need + max(need // 4, 8)
     torch.manual_seed(gen_seed)
     kv = p["kv_cache_dtype"]
+    hnd = p.get("layout") == "HND"  # "legacy" (legacy.py) starts from NHD and converts
+    shape = (num_blocks, hkv, bs, d) if hnd else (num_blocks, bs, hkv, d)
+
+    def as_logical(t):  # [num_blocks, bs, Hkv, D] whatever the memory order
+        return t.transpose(1, 2) if hnd else t
     if kv == "auto":
-        kc = torch.randn(num_blocks, bs, hkv, d, dtype=torch.bfloat16, device=dev)
-        vc = torch.randn(num_blocks, bs, hkv, d, dtype=torch.bfloat16, device=dev)
+        kc = as_logical(torch.randn(shape, dtype=torch.bfloat16, device=dev))
+        vc = as_logical(torch.randn(shape, dtype=torch.bfloat16, device=dev))
         kd = vd = None
     else:
         fmax = 448.0 if kv == "fp8_e4m3" else 57344.0
         kd = torch.tensor([4.0 / fmax], dtype=torch.float32, device=dev)
         vd = kd.clone()
-        kc = (torch.randn(num_blocks, bs, hkv, d, device=dev) / kd).clamp(-fmax, fmax).to(FP8_TORCH[kv])
-        vc = (torch.randn(num_blocks, bs, hkv, d, device=dev) / vd).clamp(-fmax, fmax).to(FP8_TORCH[kv])
+        kc = as_logical((torch.randn(shape, device=dev) / kd).clamp(-fmax, fmax).to(FP8_TORCH[kv]))
+        vc = as_logical((torch.randn(shape, device=dev) / vd).clamp(-fmax, fmax).to(FP8_TORCH[kv]))
     tables = shuffled_tables(num_blocks, B, nb, sets, dev)
     q = [torch.randn(B * q_len, hq, d, dtype=torch.bfloat16, device=dev) for _ in range(sets)]
     cu_q = torch.arange(0, B * q_len + 1, q_len, dtype=torch.int32, device=dev)
@@ -229,36 +286,8 @@ def _sdpa_backend(name: str):
 
 
 def _sdpa_fns(data: PagedData, q_sets, k_sets, v_sets):
-    """Candidate SDPA factories (variant, factory() -> fn(k) -> out as [total_q, Hq, D]), best first."""
-    B, sq, hq, hkv, d, g = data.B, data.q_len, data.hq, data.hkv, data.d, data.groups
-    scale = data.scale
-    if sq == 1:  # decode: fold the group into the query length
-        def folded():
-            qf = [q.view(B, hkv, g, d) for q in q_sets]
-
-            def fn(k):
-                o = F.scaled_dot_product_attention(qf[k], k_sets[k], v_sets[k], scale=scale)
-                return o.reshape(B, hq, d)
-            return fn
-        return [("gqa folded into q_len", folded)]
-    qp = [q.view(B, sq, hq, d).transpose(1, 2).contiguous() for q in q_sets]
-
-    def gqa():
-        def fn(k):
-            o = F.scaled_dot_product_attention(qp[k], k_sets[k], v_sets[k], is_causal=True, scale=scale,
-                                               enable_gqa=True)
-            return o.transpose(1, 2).reshape(B * sq, hq, d)
-        return fn
-
-    def repeated():
-        kr = [x.repeat_interleave(g, dim=1) for x in k_sets]
-        vr = [x.repeat_interleave(g, dim=1) for x in v_sets]
-
-        def fn(k):
-            o = F.scaled_dot_product_attention(qp[k], kr[k], vr[k], is_causal=True, scale=scale)
-            return o.transpose(1, 2).reshape(B * sq, hq, d)
-        return fn
-    return [("enable_gqa", gqa), ("kv repeated to Hq heads (outside timing)", repeated)]
+    """Candidate SDPA configurations (peers.sdpa_candidates; legacy.py uses them too)."""
+    return peerlib.sdpa_candidates(data, q_sets, k_sets, v_sets)
 
 
 def _first_working(ctx: Ctx, candidates, ref, info: dict):
@@ -279,7 +308,32 @@ def _first_working(ctx: Ctx, candidates, ref, info: dict):
     raise RuntimeError("; ".join(errors))
 
 
-def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
+def unsupported(p: dict) -> str | None:
+    """Why the op cannot run this case (its registry does not list the cache dtype), or None."""
+    try:
+        from pagedattn.ops.attention import AttnFwdSpec  # noqa: PLC0415
+    except ImportError:
+        return None  # flash_fn() found the op elsewhere: let the call say
+    kv = p["kv_cache_dtype"]
+    if kv not in AttnFwdSpec.SUPPORTED.get("kv_cache_dtype", (kv,)):
+        return f"kv_cache_dtype {kv!r} (supported: {', '.join(AttnFwdSpec.SUPPORTED['kv_cache_dtype'])})"
+    return None
+
+
+def _ours_fn(fa, data: PagedData):
+    kwargs = {}
+    if data.kv != "auto":  # the caches are float8 tensors: their dtype names the format
+        kwargs.update(k_descale=data.k_descale, v_descale=data.v_descale)
+
+    def ours(k):
+        res = fa(data.q[k], data.kc, data.vc, data.q_len, data.cu_q, data.ctx_len, seqused_k=data.seqused,
+                 causal=True, block_table=data.tables[k], softmax_scale=data.scale,
+                 return_softmax_lse=False, num_splits=0, **kwargs)
+        return res[0] if isinstance(res, (tuple, list)) else res
+    return ours
+
+
+def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> None:
     fa = flash_fn()
     if not hasattr(pagedattn, "flash_attn_varlen_func"):
         rec.note("called as pagedattn.ops.attention.flash_attn_varlen_func (not exported yet)")
@@ -292,19 +346,14 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
         rec.work("GB/s", kv_bytes, "copy")
     else:
         rec.work("TFLOP/s", 4 * B * hq * d * sq * L / 2, "matmul")
+    why = unsupported(p)
+    if why is not None:
+        rec.skip(f"unsupported by pagedattn: {why}")
+        return
     sets = ctx.sets_for(kv_bytes + io_bytes, cap=8)
     data = build(ctx, p, sets)
-    rec.extra(sets=sets, kv_bytes=kv_bytes, num_blocks=data.kc.shape[0])
-
-    kwargs = {}
-    if fp8:  # the caches are float8 tensors: their dtype names the format
-        kwargs.update(k_descale=data.k_descale, v_descale=data.v_descale)
-
-    def ours(k):
-        res = fa(data.q[k], data.kc, data.vc, sq, data.cu_q, L, seqused_k=data.seqused, causal=True,
-                 block_table=data.tables[k], softmax_scale=data.scale, return_softmax_lse=False,
-                 num_splits=0, **kwargs)
-        return res[0] if isinstance(res, (tuple, list)) else res
+    rec.extra(sets=sets, kv_bytes=kv_bytes, num_blocks=data.kc.shape[0], methods=list(METHODS))
+    ours = _ours_fn(fa, data)
 
     # -- correctness once, then timing (a failure is the case's error; the peers still run) -------
     ref_box: dict = {}
@@ -315,9 +364,14 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
                                              k_descale=data.k_descale, v_descale=data.v_descale)
     rec.attempt("float32 reference", reference)
     ref = ref_box.get("ref")
+    refused: dict = {}
 
     def check_and_time():
-        out = ours(0)
+        try:
+            out = ours(0)
+        except (pagedattn.UnsupportedError, NotImplementedError) as exc:
+            refused["why"] = short_error(exc)
+            return
         ctx.sync()
         if tuple(out.shape) != (B * sq, hq, d):
             rec.check(False, "rel_l2", f"output shape {tuple(out.shape)}, expected {(B * sq, hq, d)}")
@@ -328,10 +382,39 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
                       if math.isfinite(err) else "output has NaN/Inf",
                       rel_l2=err if math.isfinite(err) else None)
         del out
-        rec.ours("pagedattn", ours, sets)
+        rec.ours("pagedattn", ours, sets, methods=METHODS)
     rec.attempt("pagedattn", check_and_time)
+    if refused:
+        rec.skip(f"unsupported by pagedattn: {refused['why']}")
+        return
 
     # -- peers ----------------------------------------------------------------------------------
+    role = p.get("peers", "all")
+    if role == "base":
+        _base_peer(ctx, rec, fa, p, sets)
+    elif role == "none":
+        rec.note("no peers: they would read the same bf16 copy as the fp8_e4m3 case")
+    else:
+        _torch_peers(ctx, rec, data, ref, sets, flex=role == "all")
+        if role == "all" and sq == 1:
+            _paged_peers(ctx, rec, data, ref, sets)
+    if fp8 and role != "none":
+        rec.note("torch peers read a bf16 dequantised copy (torch has no fp8-KV attention)")
+
+    # -- goals ----------------------------------------------------------------------------------
+    if ctx.tiny:
+        return
+    goals = goals or {}
+    if sq == 1 and goals.get("us") is not None:
+        rec.target(goals["us"], "us")
+    elif sq > 1:
+        rec.target(PREFILL_GOAL_TFLOPS, "TFLOP/s")
+    if goals.get("vs"):
+        rec.goal_ratio(*goals["vs"])
+
+
+def _torch_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int, flex: bool) -> None:
+    B, sq, L, hq, hkv, d, g = data.B, data.q_len, data.ctx_len, data.hq, data.hkv, data.d, data.groups
     k_sets, v_sets = [], []
     for s in range(sets):
         kk, vv = data.contiguous_kv(s)
@@ -343,50 +426,77 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
         if not ctx.is_cuda:
             rec.peer_failed(name, "needs CUDA")
             continue
-        rec.peer(name, lambda: _first_working(ctx, _sdpa_fns(data, data.q, k_sets, v_sets), ref, info),
-                 sets, context=_sdpa_backend(backend))
+        rec.peer(name, lambda: peerlib.fastest(ctx, _sdpa_fns(data, data.q, k_sets, v_sets), ref, info, sets),
+                 sets, context=_sdpa_backend(backend), methods=METHODS)
         _merge_info(rec, name, info)
 
-    name, info = "gather+sdpa", {}
-    g = data.groups
-
-    def gather_fn(k):
+    def gathered(k):  # [B, Hkv, L, D] views of this set's pages (dequantised for fp8)
         kv = []
         for cache, descale in ((data.kc, data.k_descale), (data.vc, data.v_descale)):
             x = gather_pages(cache, data.tables[k])[:, :L]
-            if fp8:
+            if cache.dtype in FP8_DTYPES:
                 x = data.dequant(x, descale, torch.bfloat16)
-            kv.append(x.transpose(1, 2))  # [B, Hkv, L, D], strided
+            kv.append(x.transpose(1, 2))
+        return kv
+
+    def gather_candidates():
         if sq == 1:
-            o = F.scaled_dot_product_attention(data.q[k].view(B, hkv, g, d), kv[0], kv[1],
-                                               scale=data.scale)
-            return o.reshape(B, hq, d)
-        qp = data.q[k].view(B, sq, hq, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qp, kv[0], kv[1], is_causal=True, scale=data.scale,
-                                           enable_gqa=True)
-        return o.transpose(1, 2).reshape(B * sq, hq, d)
-    rec.peer(name, lambda: _first_working(ctx, [("gather then sdpa, default backend",
-                                                  lambda: gather_fn)], ref, info), sets)
+            def gqa(k):
+                kk, vv = gathered(k)
+                o = F.scaled_dot_product_attention(data.q[k].view(B, hq, 1, d), kk, vv, scale=data.scale,
+                                                   enable_gqa=True)
+                return o.reshape(B, hq, d)
+
+            def folded(k):
+                kk, vv = gathered(k)
+                o = F.scaled_dot_product_attention(data.q[k].view(B, hkv, g, d), kk, vv, scale=data.scale)
+                return o.reshape(B, hq, d)
+            return [("gather then sdpa enable_gqa, default backend", lambda: gqa),
+                    ("gather then sdpa folded, default backend", lambda: folded)]
+
+        def prefill(k):
+            kk, vv = gathered(k)
+            qp = data.q[k].view(B, sq, hq, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qp, kk, vv, is_causal=True, scale=data.scale, enable_gqa=True)
+            return o.transpose(1, 2).reshape(B * sq, hq, d)
+        return [("gather then sdpa enable_gqa, default backend", lambda: prefill)]
+    name, info = "gather+sdpa", {}
+    rec.peer(name, lambda: peerlib.fastest(ctx, gather_candidates(), ref, info, sets), sets, methods=METHODS)
     _merge_info(rec, name, info)
 
     flex_skip = ("needs CUDA" if not ctx.is_cuda else "--quick" if ctx.quick else "--no-flex" if ctx.no_flex
-                 else "fp8 case (its peers read the bf16 copy the bf16 case measures)" if fp8
-                 else "one compile per shape: run at B=1, B=64 and prefill only" if (sq == 1 and B == 16)
-                 else None)
+                 else "fp8 case (its peers read the bf16 copy the bf16 case measures)" if not flex
+                 else f"one compile per shape: decode runs it at (B, ctx) in {FLEX_DECODE} only"
+                 if (sq == 1 and (B, L) not in FLEX_DECODE) else None)
     if flex_skip is None:
         name, info = "flex", {}
-        rec.peer(name, lambda: _make_flex(ctx, data, k_sets, v_sets, ref, info), sets)
+        rec.peer(name, lambda: _make_flex(ctx, data, k_sets, v_sets, ref, info), sets, methods=METHODS)
         _merge_info(rec, name, info)
     else:
         rec.note(f"flex not run: {flex_skip}")
-    if fp8:
-        rec.note("peers read a bf16 dequantised copy (torch has no fp8-KV attention)")
 
-    # -- goals ----------------------------------------------------------------------------------
-    if sq == 1 and (B, L, p["kv_cache_dtype"]) in DECODE_GOALS_US and not ctx.tiny:
-        rec.target(DECODE_GOALS_US[(B, L, p["kv_cache_dtype"])], "us")
-    elif sq > 1 and not ctx.tiny:
-        rec.target(PREFILL_GOAL_TFLOPS, "TFLOP/s")
+
+def _paged_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int) -> None:
+    """FA4 and vLLM's Triton kernel on our paged cache (optional packages)."""
+    for name, candidates in (("fa4 paged", peerlib.fa4_candidates), ("vllm triton", peerlib.vllm_candidates)):
+        if not ctx.is_cuda:
+            rec.peer_failed(name, "needs CUDA")
+            continue
+        try:
+            cands = candidates(data)
+        except Exception as exc:  # noqa: BLE001 - ImportError, or the package breaks on import
+            rec.peer_failed(name, f"not available: {short_error(exc, 300)}")
+            continue
+        info: dict = {}
+        rec.peer(name, lambda c=cands, i=info: peerlib.fastest(ctx, c, ref, i, sets), sets, methods=METHODS)
+        _merge_info(rec, name, info)
+
+
+def _base_peer(ctx: Ctx, rec: Recorder, fa, p: dict, sets: int) -> None:
+    """Ours on a plain NHD cache with the default block size, same shape: what a layout or block-size
+    case is held to (its correctness is the plain case's business)."""
+    base = dict(p, layout="NHD", bs=_dims(ctx)["bs"])
+    rec.peer(BASE_PEER, lambda: _ours_fn(fa, build(ctx, base, sets, gen_seed=1)), sets, methods=METHODS)
 
 
 def _merge_info(rec: Recorder, name: str, info: dict) -> None:

@@ -1,6 +1,7 @@
 """What every suite shares: the run context, case definitions, the per-case recorder, small helpers."""
 from __future__ import annotations
 
+import contextlib
 import math
 import traceback
 from dataclasses import dataclass, field
@@ -41,10 +42,11 @@ class Ctx:
             torch.cuda.set_device(dev)
             props = torch.cuda.get_device_properties(dev)
             l2 = int(getattr(props, "L2_cache_size", 0) or H200_L2)
-            timer = Timer(budget_s=0.12 if quick else 0.3, min_reps=15 if quick else 30)
+            timer = Timer(budget_s=0.12 if quick else 0.3, min_reps=15 if quick else 30, l2_bytes=l2,
+                          device=dev)
         else:
             l2 = 4 * 2**20
-            timer = CpuTimer(budget_s=0.01, min_reps=3, max_reps=50)
+            timer = CpuTimer(budget_s=0.01, min_reps=3, max_reps=50, flush_nbytes=2**20, device=dev)
         return cls(dev, quick, tiny, timer, dict(ceilings or {}), l2, say, case_timeout_s, no_flex)
 
     def sets_for(self, working_set_bytes: float, cap: int = 64) -> int:
@@ -89,14 +91,24 @@ class Recorder:
         self.record["target"] = {"value": value, "unit": unit, "met": None}
         self._derived()
 
+    def goal_ratio(self, peer: str, value: float) -> None:
+        """A relative goal: ours at least `value` times as fast as `peer` (schema.goal_met)."""
+        self.record.setdefault("goals", []).append({"value": value, "unit": "ratio", "peer": peer,
+                                                     "met": None})
+        self._derived()
+
     # -- measurements -------------------------------------------------------------------------------
     def _derived(self):
         schema.derive(self.record, self.ctx.ceilings)
 
-    def ours(self, name: str, fn, sets: int = 1) -> dict:
-        """Time our implementation; failures propagate (the case fails)."""
-        t = self.ctx.timer(fn, sets)
-        self.record["ours"] = schema.impl_from_timing(name, t.as_dict())
+    def _time(self, name: str, fn, sets: int, methods) -> dict:
+        timings = self.ctx.timer.measure(fn, sets, tuple(methods))
+        return schema.impl_from_methods(name, {m: t.as_dict() for m, t in timings.items()})
+
+    def ours(self, name: str, fn, sets: int = 1, methods=("rot",)) -> dict:
+        """Time our implementation under each of `methods` (timing.METHODS); failures propagate
+        (the case fails)."""
+        self.record["ours"] = self._time(name, fn, sets, methods)
         self._derived()
         self._emit(self.record)
         return self.record["ours"]
@@ -110,18 +122,14 @@ class Recorder:
         self._emit(self.record)
         return impl
 
-    def peer(self, name: str, make_fn, sets: int = 1, context=None) -> dict:
-        """Time a peer. `make_fn()` builds the callable fn(k) (and may raise: the peer is then
-        reported as unavailable with the reason). `context()` wraps the whole measurement."""
+    def peer(self, name: str, make_fn, sets: int = 1, context=None, methods=("rot",)) -> dict:
+        """Time a peer under each of `methods`. `make_fn()` builds the callable fn(k) (and may raise:
+        the peer is then reported as unavailable with the reason). `context()` wraps the whole
+        measurement."""
         try:
-            if context is not None:
-                with context():
-                    fn = make_fn()
-                    t = self.ctx.timer(fn, sets)
-            else:
+            with (context() if context is not None else contextlib.nullcontext()):
                 fn = make_fn()
-                t = self.ctx.timer(fn, sets)
-            impl = schema.impl_from_timing(name, t.as_dict())
+                impl = self._time(name, fn, sets, methods)
         except Exception as exc:  # noqa: BLE001 - a peer's failure is data
             impl = schema.impl_error(name, short_error(exc))
             if self.ctx.is_cuda:

@@ -135,6 +135,43 @@ def fmt_target(t) -> str:
     return goal + mark
 
 
+def fmt_goal(g) -> str:
+    """A relative goal: "≥ 1× sdpa cudnn ✓" (ours at least that many times the peer's speed)."""
+    mark = {True: " ✓", False: " ✗"}.get(g.get("met"), " ?")
+    return f"≥ {g.get('value', 0):.2g}× {g.get('peer')}{mark}"
+
+
+def goals_cell(case: dict) -> str:
+    parts = [fmt_target(case.get("target"))] + [fmt_goal(g) for g in case.get("goals") or []
+                                                 if isinstance(g, dict)]
+    return "; ".join(p for p in parts if p)
+
+
+def has_methods(cases: list[dict]) -> bool:
+    return any((impl or {}).get("methods") for c in cases
+               for impl in [c.get("ours")] + list((c.get("peers") or {}).values()))
+
+
+def fmt_methods(impl: dict | None) -> str:
+    """'50.1 / 52.3 µs': the medians under each method (rot / flush), one unit when they share it."""
+    parts = [fmt_us(method_us(impl, m)) for m in schema.METHODS]
+    units = {p.rsplit(" ", 1)[-1] for p in parts if " " in p}
+    if len(units) == 1 and all(" " in p for p in parts):
+        unit = units.pop()
+        return " / ".join(p.rsplit(" ", 1)[0] for p in parts) + f" {unit}"
+    return " / ".join(parts)
+
+
+def method_us(impl: dict | None, method: str):
+    """The median under one timing method (a file from before the methods: "rot" is its `us`)."""
+    if not impl or impl.get("error"):
+        return None
+    entry = (impl.get("methods") or {}).get(method)
+    if entry is not None:
+        return entry.get("us")
+    return impl.get("us") if method == impl.get("method", "rot") else None
+
+
 def fmt_check(c) -> str:
     if not c:
         return "-"
@@ -167,6 +204,8 @@ def peer_cell(case: dict, name: str) -> str:
         return "n/a"
     if case.get("unit") in ("s", "ms", "us"):
         t = fmt_value(peer.get("value"), case["unit"])
+    elif peer.get("methods"):  # "rot / flush"
+        t = fmt_methods(peer)
     else:
         t = fmt_us(peer.get("us"))
     r = case.get("ratios", {}).get(name)
@@ -204,13 +243,34 @@ def suite_table(data: dict, suite: str) -> tuple[list[str], list[list[str]]]:
         return header, rows
     value_unit = next((c.get("unit") for c in cases if c.get("unit")), "")
     ceiling = next((c.get("ceiling") for c in cases if c.get("ceiling")), None)
-    header = ["case", "ours", value_unit or "value", f"of {ceiling}" if ceiling else "of ceiling",
-              "goal (H200)", "check"] + peers + ["status"]
+    of = f"of {ceiling}" if ceiling else "of ceiling"
+    if has_methods(cases):
+        return _methods_table(cases, peers, value_unit, of)
+    header = ["case", "ours", value_unit or "value", of, "goal (H200)", "check"] + peers + ["status"]
     rows = []
     for c in cases:
         ours = c.get("ours") or {}
         rows.append([case_label(c), ours_cell(c), fmt_value(ours.get("value"), c.get("unit")),
-                     fmt_frac(ours.get("fraction")), fmt_target(c.get("target")), fmt_check(c.get("check"))]
+                     fmt_frac(ours.get("fraction")), goals_cell(c), fmt_check(c.get("check"))]
+                    + [peer_cell(c, n) for n in peers] + [status_cell(c)])
+    return header, rows
+
+
+def _methods_table(cases, peers, value_unit, of) -> tuple[list[str], list[list[str]]]:
+    """Cases timed under both methods: a time column per method; throughput, ratios and goals from
+    the worse; the fraction of the ceiling per method; the floor (work at the ceiling)."""
+    cols = [f"us_{m}" for m in schema.METHODS]
+    header = (["case"] + cols + [f"{value_unit or 'value'} (worse)", f"{of} ({' / '.join(schema.METHODS)})",
+                                 "floor", "goal (H200)", "check"]
+              + peers + ["status"])
+    rows = []
+    for c in cases:
+        ours = c.get("ours") or {}
+        per = [(ours.get("methods") or {}).get(m) or {} for m in schema.METHODS]
+        fracs = " / ".join(fmt_frac(e.get("fraction")) for e in per) if any(per) else "-"
+        rows.append([case_label(c)] + [fmt_us(method_us(ours, m)) for m in schema.METHODS]
+                    + [fmt_value(ours.get("value"), c.get("unit")), fracs,
+                       fmt_us(c.get("floor_us")), goals_cell(c), fmt_check(c.get("check"))]
                     + [peer_cell(c, n) for n in peers] + [status_cell(c)])
     return header, rows
 
@@ -266,7 +326,10 @@ def render_markdown(files: list[tuple[Path, dict]], plots_rel: str | None = "plo
     out += [_meta_line(p, d) for p, d in files]
     out += ["", "Times are medians of CUDA-event timings (µs); `ours N×` = the peer's time over ours "
             "(above 1: ours is faster); `of copy` / `of matmul` = fraction of the ceiling measured in "
-            "the same run. `n/a`: the peer could not run (reason in the JSON).", ""]
+            "the same run. `n/a`: the peer could not run (reason in the JSON). Where a suite shows "
+            "`us_rot` / `us_flush`, each case is timed back to back with rotated inputs and with the L2 "
+            "flushed before every call (as `triton.testing.do_bench`); throughput, `N×` and goals use the "
+            "worse of the two, and `floor` is the case's bytes (or flops) at the ceiling.", ""]
     for suite in schema.SUITES:
         latest = latest_per_gpu(files, suite)
         if not latest:
@@ -410,21 +473,28 @@ def describe(case: dict) -> str:
             parts.append(f"| ours {fmt_us(ours.get('us'))}")
     elif unit in ("s", "ms", "us"):
         parts.append(fmt_value(ours.get("value"), unit))
+    elif ours.get("methods"):
+        parts.append(f"{' / '.join(schema.METHODS)} {fmt_methods(ours)}")
+        if ours.get("value") is not None:
+            parts.append(f"(worse: {fmt_value(ours['value'], unit)}")
+            parts[-1] += f", {fmt_frac(ours.get('fraction'))} of {case.get('ceiling')})" \
+                if ours.get("fraction") is not None else ")"
     else:
         parts.append(fmt_us(ours.get("us")))
         if ours.get("value") is not None:
             parts.append(fmt_value(ours["value"], unit))
         if ours.get("fraction") is not None:
             parts.append(f"({fmt_frac(ours['fraction'])} of {case.get('ceiling')})")
-    if case.get("target"):
-        parts.append(f"goal {fmt_target(case['target'])}")
+    if case.get("target") or case.get("goals"):
+        parts.append(f"goal {goals_cell(case)}")
     for name, peer in case.get("peers", {}).items():
         if peer.get("error"):
             parts.append(f"| {name}: n/a")
         else:
             r = case.get("ratios", {}).get(name)
-            parts.append(f"| {name} {fmt_us(peer.get('us')) if unit not in ('s', 'ms', 'us') else fmt_value(peer.get('value'), unit)}"
-                         + (f" (ours {fmt_ratio(r)})" if r else ""))
+            shown = (fmt_value(peer.get("value"), unit) if unit in ("s", "ms", "us")
+                     else fmt_methods(peer) if peer.get("methods") else fmt_us(peer.get("us")))
+            parts.append(f"| {name} {shown}" + (f" (ours {fmt_ratio(r)})" if r else ""))
     chk = case.get("check")
     if chk is not None:
         parts.append("| check ok" if chk.get("ok") else f"| CHECK FAILED: {chk.get('detail')}")

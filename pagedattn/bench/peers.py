@@ -1,0 +1,180 @@
+"""The attention peers, each at its best configuration.
+
+A peer is a list of candidate configurations `(variant, factory)`; `factory()` returns fn(k) -> out
+[total_q, Hq, D] for input set k, or raises (that configuration cannot run here). `fastest` runs each
+candidate once, rejects those that fail or disagree with the float32 reference, probes the rest for a
+few calls (timing.probe_us) and keeps the fastest; the record names the variant chosen and what each
+candidate did. So a peer is never measured in a configuration that is slower than another it has.
+
+- SDPA (cuDNN, flash, or the default dispatch after a gather) on contiguous KV [B, Hkv, L, D]:
+  decode offers `enable_gqa=True` with q [B, Hq, 1, D] and the group folded into the query length
+  (q [B, Hkv, Hq/Hkv, D], exact for one query token). cuDNN at B=1 ctx 32768 runs ~50 µs with
+  enable_gqa against 379 µs folded (issue 17; the folded number is in
+  perf/results/h200_sm90_20261130_decode_write_603002d.json, where flash folded ran 50.7 µs): each
+  backend gets whichever is faster here. Prefill offers enable_gqa and KV repeated to Hq heads.
+- FA4 (`flash_attn.cute.flash_attn_varlen_func`, the flash-attn-4 package) on the paged cache
+  through `page_table`, num_splits 0 (its heuristic) or 1 (sm_90 has no split-KV in FA4).
+- vLLM's Triton unified attention (`unified_attention`) on the paged cache, 2D or 3D (16 segments
+  and a reduce). Both optional: when the package does not import, the peer is reported as
+  unavailable with the reason, and the rest of the case runs.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from .common import Ctx, rel_l2, short_error
+from .timing import probe_us
+
+WRONG = 5e-2  # relative L2 above which a candidate's output is wrong (ours passes at 2e-2)
+VLLM_MODULES = ("vllm.v1.attention.ops.triton_unified_attention",
+                "vllm.attention.ops.triton_unified_attention")
+
+
+# -- SDPA on contiguous KV -------------------------------------------------------------------------
+def sdpa_candidates(data, q_sets, k_sets, v_sets):
+    """SDPA configurations on contiguous [B, Hkv, L, D] copies of the KV, for the current backend."""
+    B, sq, hq, hkv, d, g = data.B, data.q_len, data.hq, data.hkv, data.d, data.groups
+    scale = data.scale
+    if sq == 1:  # decode: no causal mask (one query token sees every key)
+        def gqa():
+            qg = [q.view(B, hq, 1, d) for q in q_sets]
+
+            def fn(k):
+                o = F.scaled_dot_product_attention(qg[k], k_sets[k], v_sets[k], scale=scale, enable_gqa=True)
+                return o.reshape(B, hq, d)
+            return fn
+
+        def folded():
+            qf = [q.view(B, hkv, g, d) for q in q_sets]
+
+            def fn(k):
+                o = F.scaled_dot_product_attention(qf[k], k_sets[k], v_sets[k], scale=scale)
+                return o.reshape(B, hq, d)
+            return fn
+        return [("enable_gqa", gqa), ("gqa folded into q_len", folded)]
+    qp = [q.view(B, sq, hq, d).transpose(1, 2).contiguous() for q in q_sets]
+
+    def gqa_prefill():
+        def fn(k):
+            o = F.scaled_dot_product_attention(qp[k], k_sets[k], v_sets[k], is_causal=True, scale=scale,
+                                               enable_gqa=True)
+            return o.transpose(1, 2).reshape(B * sq, hq, d)
+        return fn
+
+    def repeated():
+        kr = [x.repeat_interleave(g, dim=1) for x in k_sets]
+        vr = [x.repeat_interleave(g, dim=1) for x in v_sets]
+
+        def fn(k):
+            o = F.scaled_dot_product_attention(qp[k], kr[k], vr[k], is_causal=True, scale=scale)
+            return o.transpose(1, 2).reshape(B * sq, hq, d)
+        return fn
+    return [("enable_gqa", gqa_prefill), ("kv repeated to Hq heads (outside timing)", repeated)]
+
+
+# -- FA4 and vLLM on the paged cache ---------------------------------------------------------------
+def _only_known(fn, kwargs: dict) -> dict:
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def fa4_candidates(data):
+    """flash_attn.cute.flash_attn_varlen_func over our paged cache; raises ImportError without it."""
+    from flash_attn.cute import flash_attn_varlen_func as fa4  # noqa: PLC0415 - optional peer
+
+    if "page_table" not in inspect.signature(fa4).parameters:
+        raise ImportError("this flash_attn.cute.flash_attn_varlen_func has no page_table argument")
+
+    def make(num_splits: int):
+        def factory():
+            kw = _only_known(fa4, {"cu_seqlens_q": data.cu_q, "max_seqlen_q": data.q_len,
+                                   "max_seqlen_k": data.ctx_len, "seqused_k": data.seqused,
+                                   "softmax_scale": data.scale, "causal": True, "num_splits": num_splits})
+
+            def fn(k):
+                res = fa4(data.q[k], data.kc, data.vc, page_table=data.tables[k], **kw)
+                return res[0] if isinstance(res, (tuple, list)) else res
+            return fn
+        return factory
+    return [("paged, num_splits=0 (its heuristic)", make(0)), ("paged, num_splits=1", make(1))]
+
+
+def vllm_candidates(data):
+    """vLLM's Triton unified_attention over our paged cache; raises ImportError without vLLM."""
+    errors = []
+    for name in VLLM_MODULES:
+        try:
+            ua = importlib.import_module(name).unified_attention
+            break
+        except Exception as exc:  # noqa: BLE001 - vLLM failing to import is "not available"
+            errors.append(f"{name}: {short_error(exc, 160)}")
+    else:
+        raise ImportError("; ".join(errors))
+    dev = data.q[0].device
+    one = torch.ones(1, dtype=torch.float32, device=dev)
+    out = torch.empty_like(data.q[0])
+    total_q = out.shape[0]
+    d_pad = 1 << (data.d - 1).bit_length()
+
+    def make(segments: int):
+        def factory():
+            kw = {"cu_seqlens_q": data.cu_q, "max_seqlen_q": data.q_len, "seqused_k": data.seqused,
+                  "max_seqlen_k": data.ctx_len, "softmax_scale": data.scale, "causal": True,
+                  "window_size": (-1, -1), "softcap": 0.0, "q_descale": None, "k_descale": one,
+                  "v_descale": one}
+            if segments:
+                if "num_par_softmax_segments" not in inspect.signature(ua).parameters:
+                    raise RuntimeError("this vLLM has no segmented (3D) decode path")
+                kw.update(seq_threshold_3D=data.B, num_par_softmax_segments=segments,
+                          softmax_segm_output=torch.empty(total_q, data.hq, segments, d_pad,
+                                                          dtype=torch.float32, device=dev),
+                          softmax_segm_max=torch.empty(total_q, data.hq, segments, dtype=torch.float32,
+                                                       device=dev),
+                          softmax_segm_expsum=torch.empty(total_q, data.hq, segments, dtype=torch.float32,
+                                                          device=dev))
+            kw = _only_known(ua, kw)
+
+            def fn(k):
+                ua(q=data.q[k], k=data.kc, v=data.vc, out=out, block_table=data.tables[k], **kw)
+                return out
+            return fn
+        return factory
+    return [("2D (whole sequence per program)", make(0)), ("3D, 16 segments + reduce", make(16))]
+
+
+# -- choosing -------------------------------------------------------------------------------------
+def fastest(ctx: Ctx, candidates, ref, info: dict, sets: int = 1):
+    """The fastest candidate whose output matches `ref` (any that runs, off CUDA); `info` gets
+    variant, rel_l2 and candidates (what each did). Raises RuntimeError when none can run."""
+    tried, best = [], None
+    for variant, factory in candidates:
+        try:
+            fn = factory()
+            out = fn(0)
+            ctx.sync()
+            err = rel_l2(out, ref) if ref is not None else None
+            del out
+            if err is not None and not err <= WRONG:
+                tried.append(f"{variant}: wrong output (relative L2 {err:.2e})")
+                continue
+            us = probe_us(fn, sets) if ctx.is_cuda else None
+        except Exception as exc:  # noqa: BLE001 - a configuration that cannot run is data
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            tried.append(f"{variant}: {type(exc).__name__}: {first}")
+            continue
+        tried.append(f"{variant}: {us:.1f} us" if us is not None else f"{variant}: runs")
+        if best is None or (us is not None and us < best[0]):
+            best = (us if us is not None else 0.0, variant, fn, err)
+        if not ctx.is_cuda:
+            break  # no timing to compare: the first that runs
+    info["candidates"] = "; ".join(tried)
+    if best is None:
+        raise RuntimeError(info["candidates"])
+    _, info["variant"], fn, info["rel_l2"] = best
+    return fn
