@@ -116,26 +116,6 @@ __device__ __forceinline__ void kv_write(KvWriteParams const& p) {
   }
 }
 
-// (block, offset in block) of a slot in [0, num_slots) -> element offset of its head `head`. The
-// division by block_size is a shift for power-of-two block sizes (block_shift >= 0) and 32-bit whenever
-// the slot fits (caches below 2^31 slots); block * block_stride etc. are 64-bit.
-__device__ __forceinline__ int64_t slot_head_offset(CacheGeometry const& g, int block_shift, int64_t slot,
-                                                    int head) {
-  int64_t block, offset;
-  if (block_shift >= 0) {
-    block = slot >> block_shift;
-    offset = slot & (g.block_size - 1);
-  } else if (slot <= int64_t(0x7fffffff)) {
-    uint32_t const b = uint32_t(slot) / uint32_t(g.block_size);
-    block = b;
-    offset = int64_t(uint32_t(slot) - b * uint32_t(g.block_size));
-  } else {
-    block = slot / g.block_size;
-    offset = slot - block * g.block_size;
-  }
-  return block * g.block_stride + offset * g.page_stride + int64_t(head) * g.head_stride;
-}
-
 // q = n / d for n < 2^63, d < 2^31: 32-bit when n fits (the common case; a 64-bit division is a long
 // subroutine, on the critical path of a short write).
 __device__ __forceinline__ int64_t div_small(int64_t n, int d) {

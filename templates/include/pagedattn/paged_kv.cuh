@@ -19,6 +19,26 @@ struct CacheGeometry {
   int32_t head_size;
 };
 
+// (block, offset in block) of a slot in [0, num_slots) -> element offset of its head `head`. The
+// division by block_size is a shift for power-of-two block sizes (block_shift >= 0) and 32-bit whenever
+// the slot fits (caches below 2^31 slots); block * block_stride etc. are 64-bit.
+__device__ __forceinline__ int64_t slot_head_offset(CacheGeometry const& g, int block_shift, int64_t slot,
+                                                    int head) {
+  int64_t block, offset;
+  if (block_shift >= 0) {
+    block = slot >> block_shift;
+    offset = slot & (g.block_size - 1);
+  } else if (slot <= int64_t(0x7fffffff)) {
+    uint32_t const b = uint32_t(slot) / uint32_t(g.block_size);
+    block = b;
+    offset = int64_t(uint32_t(slot) - b * uint32_t(g.block_size));
+  } else {
+    block = slot / g.block_size;
+    offset = slot - block * g.block_size;
+  }
+  return block * g.block_stride + offset * g.page_stride + int64_t(head) * g.head_stride;
+}
+
 // A cache tensor (K or V) of one element type, indexed (block, slot in block, head, d).
 template <class CacheElement>
 struct PagedCache {
@@ -37,11 +57,8 @@ struct PagedCache {
   }
 
   // First element of `head` in flat slot `slot` (slot = physical block * block_size + offset).
-  __device__ __forceinline__ CacheElement* slot_head(int64_t slot, int head) const {
-    auto mCache = tensor();  // (num_blocks, block_size, H, D)
-    int64_t const block = slot / g.block_size;
-    int const offset = int(slot - block * g.block_size);
-    return &mCache(block, offset, head, 0);
+  __device__ __forceinline__ CacheElement* slot_head(int64_t slot, int head, int block_shift = -1) const {
+    return base + slot_head_offset(g, block_shift, slot, head);
   }
 };
 
@@ -62,6 +79,24 @@ struct PagedKV {
   int32_t block_size, block_shift, num_blocks;
   int64_t first_row;           // non-paged: cu_seqlens_k[b]
 
+  // Keys a request's block_table row can map (max_blocks_per_seq entries): no key at or past it is read.
+  static __device__ __forceinline__ int table_capacity(int max_blocks_per_seq, int block_size) {
+    return max_blocks_per_seq * block_size;
+  }
+
+  // Slot of key j inside its page.
+  __device__ __forceinline__ int offset(int j) const {
+    return block_shift >= 0 ? j & (block_size - 1) : j % block_size;
+  }
+
+  // Pull `lines` 128-byte lines of a block_table row into L2 from entry `first` on, one per calling
+  // thread t < lines (entries first + 32 t), ahead of the loads that will need them.
+  static __device__ __forceinline__ void prefetch_table(int32_t const* row, int entries, int first, int lines) {
+    int const t = int(threadIdx.x);
+    int const entry = first + 32 * t;
+    if (t < lines && entry < entries) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + entry));
+  }
+
   // Physical block holding key j (one block_table read); 0 when not paged. Reading it apart from
   // rows() lets a caller fetch it well before it needs the addresses.
   __device__ __forceinline__ int page(int j) const {
@@ -77,7 +112,7 @@ struct PagedKV {
       v_row = v_base + (first_row + j) * v_row_stride;
       return true;
     }
-    int const off = block_shift >= 0 ? j & (block_size - 1) : j % block_size;
+    int const off = offset(j);
     bool const valid = phys >= 0 && phys < num_blocks;
     int64_t const row = valid ? phys : 0;
     k_row = k_base + row * k_block_stride + int64_t(off) * k_row_stride;

@@ -12,6 +12,7 @@
 
 #include "pagedattn/nvrtc_compat.cuh"
 #include "pagedattn/softmax_merge.cuh"
+#include "pagedattn/attn_tile.cuh"
 
 namespace pagedattn {
 
@@ -104,6 +105,50 @@ __device__ __forceinline__ void combine_split_row(float const* part, int64_t par
     }
   }
   if (lane == 0 && lse_out != nullptr) *lse_out = total;
+}
+
+}  // namespace pagedattn
+
+namespace pagedattn {
+
+// Split-KV: after a tile's split has written its partials (epilogue.cuh), the last CTA of the tile
+// to arrive merges every split's partials into O and LSE. The flag lives in the (now free) dynamic
+// shared memory: static shared memory would push a variant whose dynamic size is exactly the 48 KiB
+// default over the launch limit. Release/acquire through thread 0 (bar.sync orders every thread's
+// partials before its fence, and its fence after the counter before every thread's reads): one
+// gpu-scope fence on each side, not a sequentially consistent fence per thread.
+template <class Traits, class Features>
+__device__ __forceinline__ void merge_splits_if_last(TileCtx<Traits> const& c) {
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  AttnParams const& p = c.p;
+  AttnWork const& w = c.w;
+  int* is_last = c.smem.last_split_flag();
+  __syncthreads();  // every thread's partials are written and the epilogue's shared memory is read
+  if (c.tidx == 0) {
+    int* counter = p.split_counters + (int64_t(blockIdx.x) * gridDim.y + blockIdx.y);
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");  // this CTA's partials before its arrival
+    bool const last = atomicAdd(counter, 1) == p.num_splits - 1;
+    if (last) {
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");  // the other splits' partials before our reads
+      *counter = 0;  // all splits arrived: zero again for the next call on this stream
+    }
+    *is_last = last;
+  }
+  __syncthreads();
+  if (!*is_last) return;
+  int64_t const part_stride = int64_t(p.total_q) * p.num_q_heads * kHeadDim;
+  for (int m = c.tidx / 32; m < Traits::kBlockM; m += Traits::kThreads / 32) {  // a warp per row
+    int const R = w.row0 + m, t = R / p.group, g = R - t * p.group;
+    if (t >= w.q_len) break;
+    int const token = w.q_start + t, head = w.kv_head * p.group + g;
+    combine_split_row<Element>(
+        p.o_accum + (int64_t(token) * p.num_q_heads + head) * kHeadDim, part_stride,
+        p.lse_accum + int64_t(head) * p.total_q + token, int64_t(p.num_q_heads) * p.total_q,
+        static_cast<Element*>(p.out) + int64_t(token) * p.o_row_stride + int64_t(head) * p.o_head_stride,
+        p.lse != nullptr ? p.lse + int64_t(head) * p.total_q + token : nullptr, p.head_size, p.num_splits,
+        c.tidx % 32, Features::kSinks ? p.sinks[head] : kNegInf);
+  }
 }
 
 }  // namespace pagedattn

@@ -11,6 +11,7 @@
 
 #include "pagedattn/nvrtc_compat.cuh"
 #include "pagedattn/attn_params.cuh"
+#include "pagedattn/paged_kv.cuh"
 #include <cute/tensor.hpp>
 
 namespace pagedattn {
@@ -77,7 +78,7 @@ __device__ __forceinline__ bool schedule(AttnParams const& p, int tile, AttnWork
   int k_len;
   w.k_start = 0;
   if (p.block_table != nullptr) {
-    k_len = cute::min(p.seqused_k[w.b], p.max_blocks_per_seq * p.block_size);  // never read past the table
+    k_len = cute::min(p.seqused_k[w.b], PagedKV::table_capacity(p.max_blocks_per_seq, p.block_size));
   } else {
     w.k_start = clamp_to(p.cu_seqlens_k[w.b], 0, p.total_k);
     k_len = clamp_to(p.cu_seqlens_k[w.b + 1], w.k_start, p.total_k) - w.k_start;

@@ -1,0 +1,59 @@
+// The dynamic shared memory of attn_fwd, region by region: the one place that knows where each
+// lives. Sizes come from AttnTraits (kSmemBytes is the total the host mirrors in smem_bytes(); the
+// rendered source asserts the two agree).
+//
+//   mainloop:  [Q tile][K Element stages][V Element stages][raw K stages][raw V stages]
+//   epilogue:  [O of each warp group][m][l], then the split-KV "last CTA" flag: the mainloop's bytes,
+//              reused once every K/V read is done
+//   TMA:       one mbarrier per (warp, ring slot), after both (never reused)
+#pragma once
+
+#include "pagedattn/nvrtc_compat.cuh"
+
+namespace pagedattn {
+
+template <class Traits>
+struct AttnSmem {
+  using Element = typename Traits::Element;
+  static constexpr int kElemStageBytes = Traits::kElemStages * Traits::kSmemStageElems * int(sizeof(Element));
+  static constexpr int kOffK = Traits::kSmemQ;
+  static constexpr int kOffV = kOffK + kElemStageBytes;
+  static constexpr int kOffRawK = kOffV + kElemStageBytes;
+  static constexpr int kOffRawV = kOffRawK + Traits::kStages * Traits::kSmemStageRaw;
+  static constexpr int kOffBars = (Traits::kSmemMain + 7) / 8 * 8;
+  static constexpr int kEpilogueRows = Traits::kWarpsN * Traits::kBlockM;
+  static_assert(kOffBars + Traits::kSmemBarriers == Traits::kSmemBytes, "regions and kSmemBytes disagree");
+
+  char* base;
+
+  // mainloop
+  __device__ __forceinline__ Element* q() const { return reinterpret_cast<Element*>(base); }
+  // Element tile the MMAs read: (stage, warp group); fp8 widens into stage 0 only
+  __device__ __forceinline__ Element* k_tile(int stage, int group) const {
+    return reinterpret_cast<Element*>(base + kOffK) + (stage * Traits::kWarpsN + group) * Traits::kTileElems;
+  }
+  __device__ __forceinline__ Element* v_tile(int stage, int group) const {
+    return reinterpret_cast<Element*>(base + kOffV) + (stage * Traits::kWarpsN + group) * Traits::kTileElems;
+  }
+  // fp8 bytes of `keys` rows from row `row` of stage `stage` (kHeadDim bytes a row, unpadded)
+  __device__ __forceinline__ uint8_t* raw_k(int stage, int row = 0) const {
+    return reinterpret_cast<uint8_t*>(base + kOffRawK) + (stage * Traits::kStageKeys + row) * Traits::kHeadDim;
+  }
+  __device__ __forceinline__ uint8_t* raw_v(int stage, int row = 0) const {
+    return reinterpret_cast<uint8_t*>(base + kOffRawV) + (stage * Traits::kStageKeys + row) * Traits::kHeadDim;
+  }
+  // TMA ring barriers of warp group `group`: kStages of them
+  __device__ __forceinline__ uint64_t* ring_bars(int group) const {
+    return reinterpret_cast<uint64_t*>(base + kOffBars) + group * Traits::kStages;
+  }
+
+  // epilogue
+  __device__ __forceinline__ float* o(int group, int row) const {
+    return reinterpret_cast<float*>(base) + (group * Traits::kBlockM + row) * Traits::kHeadDim;
+  }
+  __device__ __forceinline__ float* m() const { return reinterpret_cast<float*>(base) + kEpilogueRows * Traits::kHeadDim; }
+  __device__ __forceinline__ float* l() const { return m() + kEpilogueRows; }
+  __device__ __forceinline__ int* last_split_flag() const { return reinterpret_cast<int*>(base); }
+};
+
+}  // namespace pagedattn

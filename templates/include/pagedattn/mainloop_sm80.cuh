@@ -1,0 +1,300 @@
+// The SM80-class mainloop of attn_fwd (mma.sync tensor cores; sm_80 ... sm_90) and its K/V loaders.
+//
+// Per step of kStageKeys keys, each warp group takes its kBlockN-key sub-tile:
+//   1. the loader has the step's stage in shared memory: this file's CpAsyncKVLoader (the whole CTA,
+//      kStages - 1 stages ahead) or TMA decode's ring per warp (TmaKVLoader, mainloop_tma.cuh);
+//   2. fp8 caches: the group widens its sub-tile to Element in shared memory, or (kFp8Regs) each
+//      thread converts its MMA operands in registers (attn_fp8_regs.cuh); scales are folded in later;
+//   3. S = Q K^T, the mask policy (mask.cuh), online softmax, O += P V.
+// Rows are located through PagedKV; keys past the end, columns past the head size and rows of corrupt
+// pages are zero-filled.
+#pragma once
+
+#include "pagedattn/nvrtc_compat.cuh"
+#include "pagedattn/async_copy.cuh"
+#include "pagedattn/attn_fp8_regs.cuh"
+#include "pagedattn/attn_tile.cuh"
+#include "pagedattn/epilogue.cuh"
+#include "pagedattn/mask.cuh"
+#include "pagedattn/numeric.cuh"
+#include "pagedattn/softmax.cuh"
+#include "pagedattn/tma_copy.cuh"
+
+namespace pagedattn {
+
+
+// Packed rows of the tile -> (token, head) rows of q, into the swizzled Q tile (one cp.async group
+// with the first K/V stage).
+template <class Traits>
+__device__ __forceinline__ void load_q_tile(TileCtx<Traits> const& c) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kChunks = Traits::kHeadDim / 8;
+  AttnParams const& p = c.p;
+  AttnWork const& w = c.w;
+  Tensor sQ = make_tensor(make_smem_ptr(c.smem.q()), typename Traits::SmemLayoutQ{});
+  Element const* q = static_cast<Element const*>(p.q);
+  for (int i = c.tidx; i < Traits::kBlockM * kChunks; i += Traits::kThreads) {
+    int const r = i / kChunks, col = (i % kChunks) * 8;
+    int const R = w.row0 + r, t = R / p.group, g = R - t * p.group;
+    bool const ok = t < w.q_len && col < p.head_size;
+    Element const* src = q + (int64_t(w.q_start + t) * p.q_row_stride +
+                              int64_t(w.kv_head * p.group + g) * p.q_head_stride + col);
+    cp_async_16(&sQ(r, col), ok ? src : q, ok);
+  }
+}
+
+// cp.async K/V loader: the whole CTA copies stage `step` (every warp group's sub-tile) into stage
+// buffer `stage`. 16-bit caches land in the swizzled Element tiles the MMAs read; fp8 caches land raw.
+// kAsyncProxy: the stages are read by wgmma (the async proxy): fence each thread's cp.async bytes
+// before the barrier that publishes them.
+template <class Traits, bool kAsyncProxy = false>
+struct CpAsyncKVLoader {
+  TileCtx<Traits> const& c;
+  int n_steps;
+  bool fp8_rows_16b;  // fp8 rows 16-byte aligned (else two 8-byte halves)
+
+  __device__ __forceinline__ CpAsyncKVLoader(TileCtx<Traits> const& ctx, int steps)
+      : c(ctx), n_steps(steps),
+        fp8_rows_16b(ctx.p.head_size % 16 == 0 &&
+                     ((ctx.p.k_block_stride | ctx.p.k_row_stride | ctx.p.k_head_stride | ctx.p.v_block_stride |
+                       ctx.p.v_row_stride | ctx.p.v_head_stride) & 15) == 0) {}
+
+  __device__ __forceinline__ void load(int step, int stage) const {
+    constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN;
+    int const key0 = step * Traits::kStageKeys, D = c.p.head_size;
+    PagedKV const& kv = c.kv;
+    if constexpr (!Traits::kIsFp8) {
+      constexpr int kChunks = kHeadDim / 8;
+      for (int i = c.tidx; i < Traits::kStageKeys * kChunks; i += Traits::kThreads) {
+        int const row = i / kChunks, col = (i % kChunks) * 8;
+        int const j = key0 + row;
+        char const *k_row = kv.k_base, *v_row = kv.v_base;
+        bool const ok = j < c.w.k_len && kv.locate(j, k_row, v_row) && col < D;
+        int const off = int(typename Traits::SmemLayoutKV{}(row % kBlockN, col));
+        cp_async_16(c.smem.k_tile(stage, row / kBlockN) + off, ok ? k_row + col * 2 : kv.k_base, ok);
+        cp_async_16(c.smem.v_tile(stage, row / kBlockN) + off, ok ? v_row + col * 2 : kv.v_base, ok);
+      }
+    } else {
+      constexpr int kChunks = kHeadDim / 16;
+      for (int i = c.tidx; i < Traits::kStageKeys * kChunks; i += Traits::kThreads) {
+        int const row = i / kChunks, col = (i % kChunks) * 16;
+        int const j = key0 + row;
+        char const *k_row = kv.k_base, *v_row = kv.v_base;
+        bool const ok = j < c.w.k_len && kv.locate(j, k_row, v_row) && col < D;
+        uint8_t* k_dst = c.smem.raw_k(stage, row) + col;
+        uint8_t* v_dst = c.smem.raw_v(stage, row) + col;
+        if (fp8_rows_16b) {
+          cp_async_16(k_dst, ok ? k_row + col : kv.k_base, ok);
+          cp_async_16(v_dst, ok ? v_row + col : kv.v_base, ok);
+        } else {  // rows only 8-byte aligned (D % 16 == 8): two halves, the second may lie past D
+          bool const ok_hi = ok && col + 8 < D;
+          cp_async_8(k_dst, ok ? k_row + col : kv.k_base, ok);
+          cp_async_8(v_dst, ok ? v_row + col : kv.v_base, ok);
+          cp_async_8(k_dst + 8, ok_hi ? k_row + col + 8 : kv.k_base, ok_hi);
+          cp_async_8(v_dst + 8, ok_hi ? v_row + col + 8 : kv.v_base, ok_hi);
+        }
+      }
+    }
+  }
+
+  // The first kStages - 1 stages (the Q tile, loaded before, rides in the first group).
+  __device__ __forceinline__ void prologue() const {
+#pragma unroll
+    for (int s = 0; s < Traits::kStages - 1; ++s) {
+      if (s < n_steps) load(c.w.step_begin + s, s);
+      cp_async_commit();
+    }
+  }
+
+  // Before step `it`: its stage landed for every thread (and stage it-1 is free), then the stage
+  // kStages - 1 ahead is issued.
+  __device__ __forceinline__ void wait(int it) const {
+    constexpr int kStages = Traits::kStages;
+    cp_async_wait<kStages - 2>();
+    if constexpr (kAsyncProxy) fence_proxy_async_smem();
+    __syncthreads();
+    if (it + kStages - 1 < n_steps) load(c.w.step_begin + it + kStages - 1, (it + kStages - 1) % kStages);
+    cp_async_commit();
+  }
+
+  // Where step `it`'s tiles of this warp group are (16-bit caches; fp8 stages are raw bytes).
+  __device__ __forceinline__ int stage_of(int it) const { return it % Traits::kStages; }
+};
+
+
+// Barrier over one warp group (named barrier 1 + group; the whole CTA when there is one group).
+template <class Traits>
+__device__ __forceinline__ void group_sync(int group_idx) {
+  if constexpr (Traits::kWarpsN == 1) {
+    __syncthreads();
+  } else if constexpr (Traits::kGroupThreads == 32) {
+    __syncwarp();
+  } else {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group_idx), "n"(Traits::kGroupThreads));
+  }
+}
+
+template <class Traits, class Features, class Loader>
+__device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& loader) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages, kStageKeys = Traits::kStageKeys;
+  // TMA decode keeps Q's MMA fragments in registers (kHeadDim / 4 of them); the others reload them
+  // from shared memory for every K tile.
+  constexpr bool kQInRegs = Traits::kTma && kHeadDim <= 128;
+  int const gtid = c.gtid, group_idx = c.group_idx;
+  AttnWork const& w = c.w;
+
+  // ---- MMA setup (per warp group)
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(gtid);
+  Tensor sQ = make_tensor(make_smem_ptr(c.smem.q()), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
+  Tensor sK0 = make_tensor(make_smem_ptr(c.smem.k_tile(0, 0)), typename Traits::SmemLayoutKV{});
+  Tensor sVt0 = make_tensor(make_smem_ptr(c.smem.v_tile(0, 0)), typename Traits::SmemLayoutVt{});
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);     // (MMA, kMmaM, kHeadDim/16)
+  Tensor tSrK = thr_mma.partition_fragment_B(sK0);    // (MMA, kBlockN/8, kHeadDim/16)
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVt0);  // (MMA, kHeadDim/8, kBlockN/16)
+  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, kMmaM, kHeadDim/8)
+  clear(acc_o);
+
+  auto s2r_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto s2r_q_thr = s2r_q.get_thread_slice(gtid);
+  Tensor tSsQ = s2r_q_thr.partition_S(sQ);
+  Tensor tSrQ_view = s2r_q_thr.retile_D(tSrQ);
+  auto s2r_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto s2r_k_thr = s2r_k.get_thread_slice(gtid);
+  Tensor tSrK_view = s2r_k_thr.retile_D(tSrK);
+  auto s2r_v = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, tiled_mma);
+  auto s2r_v_thr = s2r_v.get_thread_slice(gtid);
+  Tensor tOrVt_view = s2r_v_thr.retile_D(tOrVt);
+
+  // (row, key) of each accumulator entry, and the keys each of this thread's rows may see
+  Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  AttnMask<Traits::kRows, Features> const mask(c.p, w, tScS);
+
+  // kFp8Regs: fp16 MMAs; bf16 queries enter as q * 2^-8 (see attn_fp8_regs.cuh)
+  constexpr float kQScale = Traits::kIsBf16 ? 1.f / 256.f : 1.f;
+  float const scale_log2 = Traits::kFp8Regs ? c.scale_log2 * (1.f / kQScale) : c.scale_log2;
+  constexpr bool kFp8QRegs = Traits::kFp8Regs && kHeadDim <= 128;
+  uint32_t q_frag[kFp8QRegs ? kHeadDim / 16 : 1][4];
+  OnlineSoftmax<Traits::kRows> softmax;
+
+  // ---- mainloop: a kStages-deep pipeline over stages [step_begin, step_end)
+  int const n_steps = w.step_end - w.step_begin;
+  loader.prologue();
+  if constexpr (Traits::kTma) {  // the prologue waited for Q
+    if constexpr (Traits::kFp8Regs) {
+      if constexpr (kFp8QRegs) {
+        CUTE_UNROLL
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) fp8_regs_q<Element>(sQ, kk, gtid, kQScale, q_frag[kk]);
+      }
+    } else if constexpr (kQInRegs) {
+      copy(s2r_q, tSsQ, tSrQ_view);  // Q stays in registers for the whole mainloop
+    }
+  }
+  for (int it = 0; it < n_steps; ++it) {
+    int const stage = it % kStages;
+    loader.wait(it);
+
+    if constexpr (Traits::kFp8Regs) {
+      int const key0 = (w.step_begin + it) * kStageKeys + group_idx * kBlockN;
+      if (key0 >= w.k_len) continue;
+      uint8_t const* k_sub = c.smem.raw_k(stage, group_idx * kBlockN);
+      uint8_t const* v_sub = c.smem.raw_v(stage, group_idx * kBlockN);
+      Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      fp8_regs_qk<kHeadDim, kBlockN, Traits::kFp8>(k_sub, gtid, acc_s, [&](int kk, uint32_t (&a)[4]) {
+        if constexpr (kFp8QRegs) {
+          CUTE_UNROLL
+          for (int x = 0; x < 4; ++x) a[x] = q_frag[kk][x];
+        } else {
+          fp8_regs_q<Element>(sQ, kk, gtid, kQScale, a);
+        }
+      });
+      float const s_scale = mask.template apply<kBlockN>(acc_s, tScS, key0, scale_log2);
+      softmax.update(acc_s, acc_o, s_scale);
+      fp8_regs_pv<kHeadDim, kBlockN, Traits::kFp8>(v_sub, gtid, acc_s, acc_o);
+      continue;
+    }
+
+    Element* k_tile;
+    Element* v_tile;
+    if constexpr (Traits::kIsFp8) {
+      // each warp group widens its own sub-tile into the one Element stage; only the group waits for it
+      constexpr int kChunks = kHeadDim / 16;
+      typename Traits::SmemLayoutKV layout;
+      k_tile = c.smem.k_tile(0, group_idx);
+      v_tile = c.smem.v_tile(0, group_idx);
+      uint8_t const* raw_k = c.smem.raw_k(stage, group_idx * kBlockN);
+      uint8_t const* raw_v = c.smem.raw_v(stage, group_idx * kBlockN);
+      for (int i = gtid; i < kBlockN * kChunks; i += Traits::kGroupThreads) {
+        int const r = i / kChunks, col = (i % kChunks) * 16;
+        int const raw_off = r * kHeadDim + col;
+        uint4 lo, hi;
+        dequant_fp8x16<Traits::kIsBf16, Traits::kFp8>(*reinterpret_cast<uint4 const*>(raw_k + raw_off), lo, hi);
+        *reinterpret_cast<uint4*>(k_tile + layout(r, col)) = lo;
+        *reinterpret_cast<uint4*>(k_tile + layout(r, col + 8)) = hi;
+        dequant_fp8x16<Traits::kIsBf16, Traits::kFp8>(*reinterpret_cast<uint4 const*>(raw_v + raw_off), lo, hi);
+        *reinterpret_cast<uint4*>(v_tile + layout(r, col)) = lo;
+        *reinterpret_cast<uint4*>(v_tile + layout(r, col + 8)) = hi;
+      }
+      group_sync<Traits>(group_idx);
+    } else {
+      k_tile = c.smem.k_tile(stage, group_idx);
+      v_tile = c.smem.v_tile(stage, group_idx);
+    }
+    int const key0 = (w.step_begin + it) * kStageKeys + group_idx * kBlockN;
+    if (key0 >= w.k_len) continue;  // this group's sub-tile lies past the end: nothing to add
+
+    Tensor sK = make_tensor(make_smem_ptr(k_tile), typename Traits::SmemLayoutKV{});
+    Tensor sVt = make_tensor(make_smem_ptr(v_tile), typename Traits::SmemLayoutVt{});
+    Tensor tSsK = s2r_k_thr.partition_S(sK);
+    Tensor tOsVt = s2r_v_thr.partition_S(sVt);
+
+    // S = Q K^T. With few independent MMA chains (narrow sub-tiles), even and odd k-steps go to two
+    // accumulators so consecutive MMAs do not wait on each other.
+    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, kMmaM, kBlockN/8)
+    clear(acc_s);
+    constexpr bool kTwoChains = kBlockN / 8 * Traits::kMmaM < 4;
+    Tensor acc_s_odd = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    if constexpr (kTwoChains) clear(acc_s_odd);
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tSrQ); ++k) {
+      if constexpr (!kQInRegs) copy(s2r_q, tSsQ(_, _, k), tSrQ_view(_, _, k));
+      copy(s2r_k, tSsK(_, _, k), tSrK_view(_, _, k));
+      if (kTwoChains && k % 2 == 1) {
+        cute::gemm(tiled_mma, tSrQ(_, _, k), tSrK(_, _, k), acc_s_odd);
+      } else {
+        cute::gemm(tiled_mma, tSrQ(_, _, k), tSrK(_, _, k), acc_s);
+      }
+    }
+    if constexpr (kTwoChains) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) acc_s(i) += acc_s_odd(i);
+    }
+
+    float const s_scale = mask.template apply<kBlockN>(acc_s, tScS, key0, scale_log2);
+    softmax.update(acc_s, acc_o, s_scale);
+
+    // O += P V (P converted to Element in the A-operand layout)
+    Tensor tOrP = make_tensor<Element>(Shape<_8, Int<Traits::kMmaM>, Int<kBlockN / 16>>{});
+    CUTE_UNROLL
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      CUTE_UNROLL
+      for (int mi = 0; mi < Traits::kMmaM; ++mi) {
+        CUTE_UNROLL
+        for (int v = 0; v < 8; ++v) tOrP(v, mi, kk) = Element(acc_s(v % 4, mi, 2 * kk + v / 4));
+      }
+    }
+    CUTE_UNROLL
+    for (int k = 0; k < kBlockN / 16; ++k) {
+      copy(s2r_v, tOsVt(_, _, k), tOrVt_view(_, _, k));
+      cute::gemm(tiled_mma, tOrP(_, _, k), tOrVt(_, _, k), acc_o);
+    }
+  }
+  write_tile<Traits, Features>(c, acc_o, softmax,
+                               thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+}
+
+}  // namespace pagedattn

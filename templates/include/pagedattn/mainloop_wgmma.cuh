@@ -1,0 +1,64 @@
+// The sm_90a prefill mainloop (Traits::kWgmma): warpgroup MMAs (attn_wgmma.cuh) over the cp.async
+// K/V pipeline (mainloop_sm80.cuh's loader, publishing each stage to the async proxy). One step at a
+// time: S = Q K^T, mask, online softmax, O += P V, each waited for; the four warpgroups of a CTA keep
+// the tensor cores busy between them. (Overlapping step i+1's S with step i's P V inside a warpgroup
+// measured slower: perf/results/history/prefill_sweep_h200_overlap_8e4b57c.json.)
+#pragma once
+
+#include "pagedattn/nvrtc_compat.cuh"
+#include "pagedattn/attn_tile.cuh"
+#include "pagedattn/attn_wgmma.cuh"
+#include "pagedattn/epilogue.cuh"
+#include "pagedattn/mainloop_sm80.cuh"
+#include "pagedattn/mask.cuh"
+#include "pagedattn/softmax.cuh"
+
+namespace pagedattn {
+
+template <class Traits, class Features>
+__device__ __forceinline__ void mainloop_wgmma(TileCtx<Traits> const& c) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  using Tiles = WgmmaTiles<Traits>;
+  typename Tiles::TiledMmaQK mma_qk;
+  typename Tiles::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(c.tidx);
+  auto thr_pv = mma_pv.get_thread_slice(c.tidx);
+  Tensor tSrQ = thr_qk.partition_fragment_A(make_tensor(make_smem_ptr(c.smem.q()), typename Tiles::SmemLayoutQ{}));
+  Tensor acc_o = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_o);
+  // flat (4, 1, columns / 8) views of the accumulators for OnlineSoftmax (see attn_wgmma.cuh)
+  Tensor o_rows = make_tensor(acc_o.data(), Layout<Shape<_4, _1, Int<kHeadDim / 8>>>{});
+  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  AttnMask<2, Features> const mask(c.p, c.w, tScS);  // rows g and g + 8 of this thread's warp
+  OnlineSoftmax<2> softmax;
+
+  auto stage_k = [&](int stage) {
+    return make_tensor(make_smem_ptr(c.smem.k_tile(stage, 0)), typename Tiles::SmemLayoutK{});
+  };
+  auto stage_vt = [&](int stage) {
+    return make_tensor(make_smem_ptr(c.smem.v_tile(stage, 0)), typename Tiles::SmemLayoutVt{});
+  };
+  typename Tiles::FragP tOrP;  // P of the step, in the A-operand order of P V
+
+  int const n_steps = c.w.step_end - c.w.step_begin;
+  CpAsyncKVLoader<Traits, /*kAsyncProxy=*/true> const loader(c, n_steps);
+  loader.prologue();
+  for (int it = 0; it < n_steps; ++it) {
+    int const stage = it % Traits::kStages;
+    loader.wait(it);
+    Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    wgmma_gemm<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(stage_k(stage)), acc_s);
+    float const s_scale = mask.template apply<kBlockN>(acc_s, tScS, (c.w.step_begin + it) * kBlockN, c.scale_log2);
+    Tensor s_rows = make_tensor(acc_s.data(), Layout<Shape<_4, _1, Int<kBlockN / 8>>>{});
+    softmax.update(s_rows, o_rows, s_scale);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_s); ++i) tOrP(i) = Element(acc_s(i));
+    wgmma_gemm<false>(mma_pv, tOrP, thr_pv.partition_fragment_B(stage_vt(stage)), acc_o);
+  }
+  write_tile<Traits, Features>(c, o_rows, softmax,
+                               thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+}
+
+}  // namespace pagedattn
