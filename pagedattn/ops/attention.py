@@ -12,10 +12,13 @@ from typing import ClassVar
 import torch
 
 from .. import envs
-from ..contract import CacheSpec, ContractError, check_scale_values, describe, kv_cache_dtype_name
+from ..contract import CacheSpec, ContractError, check_scale_values, describe, kv_cache_dtype_name, traced
 from ..dtypes import CUTLASS_TYPE, FP8_FORMAT, short
 from ..registry import KernelSpec, UnsupportedError, arch_for_device, get_kernel, register, sm_count
+from . import workspace
 from .params import AttnParams
+
+_is_capturing = torch.cuda.is_current_stream_capturing
 
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 SMEM_LIMIT = 227 * 1024  # shared memory of one CTA on sm_90 (the variants built for sm_80 stay under its 163 KiB)
@@ -201,6 +204,10 @@ def _given(x) -> str:
 def _count_arg(name, x) -> None:
     if type(x) is int and x >= 0:  # the usual case, first: this runs on every call
         return
+    if isinstance(x, torch.SymInt):  # traced (fake implementations): a guard, not a value
+        if x < 0:
+            raise ContractError(f"{name} must be a non-negative int, got {x}")
+        return
     if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0:
         raise ContractError(f"{name} must be a non-negative int, got {_given(x)}")
 
@@ -357,13 +364,15 @@ def _batch(n_cu, *others) -> None:
 
 
 def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, kv_cache_dtype,
-             k_descale, v_descale) -> _Call:
+             k_descale, v_descale, pointers: bool = True) -> _Call:
     """Every check of a call's tensor metadata; no syncs. q's device is the reference: every tensor
     must be on it. That it is a GPU is checked after this (_require_cuda), so CPU tensors reach every
-    check here and the value checks (check_values); q on any other device is refused at once."""
+    check here and the value checks (check_values); q on any other device is refused at once.
+    pointers=False (the fake implementations of pagedattn.ops.library: fake and meta tensors have no
+    data) skips the base-pointer alignment and the device-type checks; the real op makes them."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ContractError(f"q must be a 3-D tensor [total_q, Hq, D], got {describe(q)}")
-    if q.device.type not in ("cuda", "cpu"):
+    if pointers and q.device.type not in ("cuda", "cpu"):
         _require_cuda(q)
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ContractError(f"q dtype {q.dtype} is not supported (fp16, bf16)")
@@ -373,7 +382,8 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k
     if Hq == 0:
         raise ContractError(f"q has no heads: shape {tuple(q.shape)}")
     _check_strides("q", q, "")
-    _check_aligned("q", q)
+    if pointers:
+        _check_aligned("q", q)
     want = kv_cache_dtype_name(kv_cache_dtype)
     _int32_vector("cu_seqlens_q", cu_seqlens_q, q, "[B + 1]")
     n_cu = cu_seqlens_q.numel()
@@ -401,7 +411,7 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k
         if isinstance(k_descale, torch.Tensor) and k_descale.numel() > 1:
             scale = "head"
         try:
-            spec = CacheSpec.from_tensors(k, v, kv_cache_dtype=want, scale=scale)
+            spec = CacheSpec.from_tensors(k, v, kv_cache_dtype=want, scale=scale, pointers=pointers)
         except ContractError as e:  # its messages say key_cache / value_cache: here they are k / v
             raise ContractError(f"k, v (the paged caches): {e}") from None
         if spec.layout not in ("NHD", "HND"):
@@ -424,7 +434,8 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k
                                     f"got {describe(t)}")
             _on_device(name, t, q)
             _check_strides(name, t, "")
-            _check_aligned(name, t)
+            if pointers:
+                _check_aligned(name, t)
         if k.shape != v.shape or k.dtype != v.dtype:
             raise ContractError(f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} differ")
         if k.dtype in (torch.float16, torch.bfloat16):
@@ -465,7 +476,8 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k
                                 f"{tuple(out.shape)} and {out.dtype}")
         _on_device("out", out, q)
         _check_strides("out", out, " (like q)")
-        _check_aligned("out", out)
+        if pointers:
+            _check_aligned("out", out)
     ks = k.stride()
     vs = v.stride()
     if paged:  # logical [num_blocks, block_size, Hkv, D]
@@ -625,14 +637,23 @@ class _Plan:
             hit = self._kernels[(mode, flags)] = (spec, get_kernel(spec).launcher(self.device))
         return hit
 
-    def tma_maps(self, k, v):
-        """tma_maps for this plan's geometry, per cache (an engine alternates one cache per layer)."""
+    def tma_maps(self, k, v, capturing: bool = False):
+        """tma_maps for this plan's geometry, per cache (an engine alternates one cache per layer).
+        Encoding copies host memory to the GPU, which a capturing stream cannot do: a capture needs
+        one call with the same caches before it (a warm-up). Maps a capture used live as long as
+        the process (workspace.keep_for_graphs): evicting them here would free what a graph reads."""
         key = (k.data_ptr(), v.data_ptr())
         hit = self._tma.get(key)
         if hit is None:
+            if capturing:
+                raise ContractError("flash_attn_varlen_func: the TMA descriptors of these k/v caches are built "
+                                    "on first use, which cannot happen during CUDA-graph capture; run one "
+                                    "eager call with the same caches before capturing (a warm-up)")
             if len(self._tma) >= 512:
                 self._tma.clear()
             hit = self._tma[key] = tma_maps(k, v, self.call, self.head_dim)
+        elif capturing:
+            workspace.keep_for_graphs(hit[0])
         return hit
 
 
@@ -700,21 +721,15 @@ MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 
 
 _PLANS: dict[tuple, _Plan] = {}
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
-def split_counters(device: int, n: int) -> torch.Tensor:
-    """Arrival counters of split-KV tiles (attn_fwd.cuh: the last split of a tile merges them all).
-    The last CTA zeroes its counter again, so the counters are zero between calls and one buffer per
-    (device, stream) serves every call on that stream. A capturing stream gets a fresh zeroed buffer
-    every call: the graph owns it, and its zero-fill is replayed with the graph."""
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(n, dtype=torch.int32, device=f"cuda:{device}")
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=f"cuda:{device}")
-    return buf
+def check_unsupported(unsupported: dict, who: str = "flash_attn_varlen_func") -> None:
+    """FlashAttention keywords pagedattn accepts only at their harmless values."""
+    for name, value in unsupported.items():
+        if name not in _UNSUPPORTED_OK:
+            raise TypeError(f"{who}() got an unexpected keyword argument {name!r}")
+        if not _is_default(value, _UNSUPPORTED_OK[name]):
+            raise NotImplementedError(f"pagedattn.{who} does not support {name}={value!r} yet")
 
 
 def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None,
@@ -735,12 +750,67 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     devices); repeated calls only re-check the scalars, token counts and pointer alignment.
     validate=True (or PAGEDATTN_DEBUG=1) also checks the values on every call (check_values: offsets,
     lengths, block ids, descales; syncs).
+
+    Under torch.compile this calls the custom op torch.ops.pagedattn.flash_attn_varlen_func (its
+    .out overload when out is given; pagedattn.ops.library), whose fake implementation runs the same
+    metadata checks; in eager it runs `attend` directly (the dispatcher would cost host time).
     """
-    for name, value in unsupported.items():
-        if name not in _UNSUPPORTED_OK:
-            raise TypeError(f"flash_attn_varlen_func() got an unexpected keyword argument {name!r}")
-        if not _is_default(value, _UNSUPPORTED_OK[name]):
-            raise NotImplementedError(f"pagedattn.flash_attn_varlen_func does not support {name}={value!r} yet")
+    if unsupported:
+        check_unsupported(unsupported)
+    if s_aux is not None and sinks is not None:
+        raise ContractError("give the sink logits once: s_aux (vLLM's name) or sinks, not both")
+    if s_aux is not None:
+        sinks = s_aux
+    if torch.compiler.is_compiling() or traced(q):
+        from . import library
+
+        return library.varlen_op(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k,
+                                 softmax_scale, causal, block_table, return_softmax_lse, out, num_splits,
+                                 k_descale, v_descale, kv_cache_dtype, window_size, softcap, alibi_slopes,
+                                 sinks)
+    out, lse = attend(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k,
+                      softmax_scale, causal, block_table, return_softmax_lse, out, num_splits, k_descale,
+                      v_descale, kv_cache_dtype, window_size, softcap, alibi_slopes, sinks, validate)
+    return (out, lse) if return_softmax_lse else out
+
+
+def fake_attend(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, softmax_scale,
+                causal, block_table, return_softmax_lse, out, num_splits, k_descale, v_descale,
+                kv_cache_dtype, window_size, softcap, alibi_slopes, sinks):
+    """What `attend` checks and returns, for tensors without data (the fake implementations of
+    pagedattn.ops.library): the same checks in the same order, so the same ContractErrors."""
+    check_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, num_splits)
+    call = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, kv_cache_dtype,
+                     k_descale, v_descale, pointers=False)
+    features_of(call, q.device, causal, window_size, softcap, alibi_slopes, sinks)
+    return outputs(q, call.Hq, return_softmax_lse, out)
+
+
+def outputs(q, Hq, return_softmax_lse, out=None):
+    """(out like q, lse float32 [Hq, total_q] or None): what attend allocates, fake or real."""
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(Hq, q.shape[0], dtype=torch.float32, device=q.device) if return_softmax_lse else None
+    return out, lse
+
+
+def attend(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, softmax_scale,
+           causal, block_table, return_softmax_lse, out, num_splits, k_descale, v_descale, kv_cache_dtype,
+           window_size, softcap, alibi_slopes, sinks, validate=False):
+    """flash_attn_varlen_func's implementation (the eager call and the custom op both run it):
+    returns (out, lse or None)."""
+    checked = check_call(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k,
+                         softmax_scale, causal, block_table, out, num_splits, k_descale, v_descale, kv_cache_dtype,
+                         window_size, softcap, alibi_slopes, sinks, validate)
+    return launch(checked, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, causal,
+                  block_table, return_softmax_lse, out, num_splits, k_descale, v_descale)
+
+
+def check_call(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, softmax_scale,
+               causal, block_table, out, num_splits, k_descale, v_descale, kv_cache_dtype, window_size, softcap,
+               alibi_slopes, sinks, validate=False):
+    """Every check of a call, before anything runs: (plan, softmax_scale, features) for `launch`.
+    The metadata part is validated once per distinct signature (_PLANS)."""
     softmax_scale = check_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, num_splits)
     debug = validate or envs.debug()
     try:
@@ -769,17 +839,19 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
             _PLANS[sig] = plan
     elif debug:
         check_values(plan.call, *values)
+    features = features_of(plan.call, q.device, causal, window_size, softcap, alibi_slopes, sinks)
+    return plan, softmax_scale, features
+
+
+def launch(checked, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, causal,
+           block_table, return_softmax_lse, out, num_splits, k_descale, v_descale):
+    """Allocate the outputs, choose variant and splits, launch: a call check_call accepted."""
+    plan, softmax_scale, (flags, w_left, w_right, cap, alibi_slopes, alibi_stride, sinks) = checked
     call = plan.call
     total_q = q.shape[0]
-    if s_aux is not None and sinks is not None:
-        raise ContractError("give the sink logits once: s_aux (vLLM's name) or sinks, not both")
-    flags, w_left, w_right, cap, alibi_slopes, alibi_stride, sinks = features_of(
-        call, q.device, causal, window_size, softcap, alibi_slopes, s_aux if s_aux is not None else sinks)
-    if out is None:
-        out = torch.empty_like(q)
-    lse = torch.empty(call.Hq, total_q, dtype=torch.float32, device=q.device) if return_softmax_lse else None
+    out, lse = outputs(q, call.Hq, return_softmax_lse, out)
     if total_q == 0 or call.B == 0:
-        return (out, lse) if return_softmax_lse else out
+        return out, lse
     group = call.Hq // call.Hkv
     # max_seqlen_q / max_seqlen_k choose the variant and size the grid. Every index stays inside the
     # tensors whatever they say (tile_scheduler.cuh); rows past an understated max_seqlen_q come back
@@ -788,26 +860,29 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     spec, launcher = plan.kernel(plan.mode_for(rows), flags)
     m_blocks = -(-min(rows, total_q * group) // spec.tiles["kBlockM"])
     m_blocks = min(max(1, m_blocks), MAX_GRID_Y)
-    # splits divide the keys a tile can see: with a left window edge, at most the window and the rows
+    # splits divide the keys a tile can see: with a left window edge, at most the window and the rows.
+    # The split plan depends on shapes and max_seqlen_k only (never on seqused_k's values): a CUDA
+    # graph captured with it stays right for any lengths up to max_seqlen_k.
     keys = max(0, int(max_seqlen_k))
     if w_left >= 0:
         keys = min(keys, w_left + 1 + max(0, int(max_seqlen_q)) + (0 if causal or w_right < 0 else w_right))
     splits = choose_splits(int(num_splits), call.B * call.Hkv * m_blocks, keys, spec, plan.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(call.D)
-    o_accum = lse_accum = None
+    capturing = _is_capturing()
+    o_ptr = lse_ptr = counters_ptr = 0
     if splits > 1:
-        o_accum = torch.empty(splits, total_q, call.Hq, spec.head_dim, dtype=torch.float32, device=q.device)
-        lse_accum = torch.empty(splits, call.Hq, total_q, dtype=torch.float32, device=q.device)
-    counters = split_counters(plan.device, call.B * call.Hkv * m_blocks) if splits > 1 else None
+        o_accum, lse_accum = workspace.split_workspace(plan.device, splits, total_q, call.Hq, spec.head_dim)
+        o_ptr, lse_ptr = o_accum.data_ptr(), lse_accum.data_ptr()
+        counters_ptr = workspace.split_counters(plan.device, call.B * call.Hkv * m_blocks).data_ptr()
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    maps, row_dim = plan.tma_maps(k, v) if spec.mode == "decode_tma" else (None, 0)
+    maps, row_dim = plan.tma_maps(k, v, capturing) if spec.mode == "decode_tma" else (None, 0)
     values = (
         q.data_ptr(), out.data_ptr(), ptr(lse), k.data_ptr(), v.data_ptr(), ptr(block_table),
         cu_seqlens_q.data_ptr(), ptr(seqused_k), ptr(cu_seqlens_k), ptr(k_descale), ptr(v_descale),
-        ptr(o_accum), ptr(lse_accum), ptr(maps), ptr(counters), ptr(alibi_slopes), ptr(sinks),
+        o_ptr, lse_ptr, ptr(maps), counters_ptr, ptr(alibi_slopes), ptr(sinks),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *call.k_strides, *call.v_strides,
         plan.bt_stride, plan.bt_width, call.num_blocks, call.block_size, plan.block_shift, call.B, call.Hq,
         call.Hkv, group, call.D, total_q, 0 if call.paged else k.shape[0], splits, int(bool(causal)),
         plan.dbs, plan.dhs, row_dim, w_left, w_right, alibi_stride, scale * LOG2E, cap)
     launcher((call.B * call.Hkv, m_blocks, splits), (spec.threads, 1, 1), values)
-    return (out, lse) if return_softmax_lse else out
+    return out, lse

@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 
 from .. import envs
-from ..contract import CacheSpec, ContractError, check_scale_values, describe
+from ..contract import CacheSpec, ContractError, check_scale_values, describe, traced
 from ..dtypes import CUDA_TYPE, FP8_FORMAT, short
 from ..registry import KernelSpec, get_kernel, register, sm_count
 from .params import KvWriteParams
@@ -376,7 +376,14 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
 
     Validation runs once per distinct tensor metadata (shapes without T, strides, dtypes, devices);
     later calls with the same metadata only re-check what can change (token counts, alignment).
+
+    Under torch.compile this calls the custom op torch.ops.pagedattn.reshape_and_cache_flash
+    (pagedattn.ops.library; PAGEDATTN_DEBUG still applies, validate= does not); in eager it runs here.
     """
+    if torch.compiler.is_compiling() or traced(key_cache):
+        torch.ops.pagedattn.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
+                                                    kv_cache_dtype or "auto", k_scale, v_scale)
+        return
     try:
         sig = (key.shape[1:], key.stride(), key.dtype, key.device, value.shape[1:], value.stride(),
                value.dtype, key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
@@ -393,11 +400,8 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
             _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
                     num_tokens, validate)
             return
-    scale = "tensor"
-    if isinstance(k_scale, torch.Tensor) and k_scale.numel() > 1:
-        scale = "head"
-    spec = CacheSpec.from_tensors(key_cache, value_cache, kv_cache_dtype=kv_cache_dtype, scale=scale)
-    num_tokens, scale_stride = validate_inputs(spec, key, value, key_cache, slot_mapping, k_scale, v_scale)
+    spec, num_tokens, scale_stride = check_metadata(key, value, key_cache, value_cache, slot_mapping,
+                                                    kv_cache_dtype, k_scale, v_scale)
     _require_cuda(key_cache)
     plan = _Plan(spec, key, value, key_cache, slot_mapping, scale_stride)
     if len(_PLANS) > 256:
@@ -405,3 +409,17 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     _PLANS[sig] = plan
     _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
             validate)
+
+
+def check_metadata(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+                   pointers: bool = True):
+    """Every metadata check of a write, no syncs: (CacheSpec, num_tokens, scale_stride). The eager
+    call and the fake implementation of torch.ops.pagedattn.reshape_and_cache_flash (pointers=False:
+    no base-pointer checks on tensors without data) both run it."""
+    scale = "tensor"
+    if isinstance(k_scale, torch.Tensor) and k_scale.numel() > 1:
+        scale = "head"
+    spec = CacheSpec.from_tensors(key_cache, value_cache, kv_cache_dtype=kv_cache_dtype, scale=scale,
+                                  pointers=pointers)
+    num_tokens, scale_stride = validate_inputs(spec, key, value, key_cache, slot_mapping, k_scale, v_scale)
+    return spec, num_tokens, scale_stride

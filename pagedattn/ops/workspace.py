@@ -1,0 +1,74 @@
+"""Split-KV scratch memory that CUDA-graph capture can rely on.
+
+One float32 workspace (partial O and LSE) and one int32 arrival-counter buffer per (device, stream),
+grown geometrically and allocated outside capture whenever the caller warmed up first. A buffer that
+a capture has used is never freed (a graph keeps its address): when it is outgrown it moves to
+`_KEPT`. The counters are zero between calls (the last split CTA of a tile re-zeroes its counter);
+a counter buffer that had to be allocated during a capture is "dirty" (its zero-fill belongs to that
+graph only), so every captured call that uses it zeroes its slice inside the graph and the next eager
+call zeroes it once.
+
+Replays run on whatever stream the caller replays on, with the buffers of the stream the graph was
+captured on: do not run eager pagedattn calls on the capture stream concurrently with a replay.
+"""
+from __future__ import annotations
+
+import torch
+
+_is_capturing = torch.cuda.is_current_stream_capturing
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
+
+
+class _Buffer:
+    __slots__ = ("tensor", "captured", "dirty")
+
+    def __init__(self, tensor, dirty):
+        self.tensor = tensor
+        self.captured = False
+        self.dirty = dirty
+
+
+_BUFFERS: dict[tuple[str, int, int], _Buffer] = {}
+_KEPT: list[torch.Tensor] = []   # outgrown buffers that a graph may still use
+GRAPH_REFS: dict[int, torch.Tensor] = {}   # other device memory graphs hold (tensor maps), by address
+
+
+def keep_for_graphs(t: torch.Tensor) -> None:
+    """During capture: keep `t` alive for as long as the process runs (a graph holds its address)."""
+    GRAPH_REFS.setdefault(t.data_ptr(), t)
+
+
+def _get(kind: str, device: int, numel: int, dtype) -> torch.Tensor:
+    capturing = _is_capturing()
+    key = (kind, device, _raw_stream(device))
+    buf = _BUFFERS.get(key)
+    if buf is None or buf.tensor.numel() < numel:
+        if buf is not None and buf.captured:
+            _KEPT.append(buf.tensor)
+        size = max(numel, 2 * buf.tensor.numel() if buf is not None else 0, 1024)
+        # outside capture: zeroed now, for good; inside, the zero-fill is a node of this graph only
+        buf = _BUFFERS[key] = _Buffer(torch.zeros(size, dtype=dtype, device=f"cuda:{device}"), capturing)
+    if capturing:
+        buf.captured = True
+    elif buf.dirty and kind == "counters":
+        buf.tensor.zero_()
+        buf.dirty = False
+    return buf.tensor
+
+
+def split_counters(device: int, n: int) -> torch.Tensor:
+    """Arrival counters of split-KV tiles (attn_fwd.cuh: the last split of a tile merges them all),
+    zero on entry."""
+    t = _get("counters", device, n, torch.int32)
+    if _is_capturing() and _BUFFERS[("counters", device, _raw_stream(device))].dirty:
+        t[:n].zero_()
+    return t
+
+
+def split_workspace(device: int, splits: int, total_q: int, heads: int, head_dim: int):
+    """(o_accum [splits, total_q, heads, head_dim], lse_accum [splits, heads, total_q]), float32 views
+    of the stream's workspace (16-byte aligned: head_dim is a multiple of 16)."""
+    n_o = splits * total_q * heads * head_dim
+    n_l = splits * heads * total_q
+    t = _get("workspace", device, n_o + n_l, torch.float32)
+    return t[:n_o].view(splits, total_q, heads, head_dim), t[n_o:n_o + n_l].view(splits, heads, total_q)
