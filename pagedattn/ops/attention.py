@@ -831,16 +831,17 @@ def check_call(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, 
                          k_descale, v_descale)
         if debug:  # before the CUDA check: CPU tensors get the value checks too
             check_values(call, *values)
+        features = features_of(call, q.device, causal, window_size, softcap, alibi_slopes, sinks)
         _require_cuda(q)
         plan = _Plan(call, q, block_table, k_descale, v_descale)
         if sig is not None:
             if len(_PLANS) > 256:
                 _PLANS.clear()
             _PLANS[sig] = plan
-    elif debug:
+        return plan, softmax_scale, features
+    if debug:
         check_values(plan.call, *values)
-    features = features_of(plan.call, q.device, causal, window_size, softcap, alibi_slopes, sinks)
-    return plan, softmax_scale, features
+    return plan, softmax_scale, features_of(plan.call, q.device, causal, window_size, softcap, alibi_slopes, sinks)
 
 
 def launch(checked, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, causal,

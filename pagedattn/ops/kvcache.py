@@ -106,7 +106,7 @@ def _int32_range(device, count: int, step: int) -> torch.Tensor:
     hit = _RANGES.get(key)
     if hit is None:
         hit = _build_range(device, count, step)
-        if not isinstance(hit, FakeTensor) and not torch.cuda.is_current_stream_capturing():
+        if not isinstance(hit, FakeTensor) and not (hit.is_cuda and torch.cuda.is_current_stream_capturing()):
             if len(_RANGES) > 256:
                 _RANGES.clear()
             _RANGES[key] = hit
