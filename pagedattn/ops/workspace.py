@@ -72,3 +72,8 @@ def split_workspace(device: int, splits: int, total_q: int, heads: int, head_dim
     n_l = splits * heads * total_q
     t = _get("workspace", device, n_o + n_l, torch.float32)
     return t[:n_o].view(splits, total_q, heads, head_dim), t[n_o:n_o + n_l].view(splits, heads, total_q)
+
+
+def counter_buffers() -> dict[tuple[int, int], torch.Tensor]:
+    """(device, stream) -> the split counters in use there (tests and the fuzzer check they are zero)."""
+    return {(dev, stream): buf.tensor for (kind, dev, stream), buf in _BUFFERS.items() if kind == "counters"}
