@@ -283,8 +283,9 @@ def features_of(call: _Call, device, causal, window_size, softcap, alibi_slopes,
     (window_left, window_right, softcap, alibi_slopes, alibi batch stride, sinks), checked: every bad
     value is a ContractError naming the argument. FlashAttention's semantics: window (-1, -1) and
     softcap 0 are off; causal makes the window's right edge 0."""
-    if alibi_slopes is None and sinks is None and _is_default(softcap, (0.0,)) and \
-            _is_default(window_size, ((-1, -1), [-1, -1], None)):
+    if alibi_slopes is None and sinks is None and (softcap.__class__ is float or softcap.__class__ is int) \
+            and softcap == 0 and (window_size is None or window_size.__class__ in (tuple, list) and
+                                  len(window_size) == 2 and window_size[0] == -1 == window_size[1]):
         return _NO_FEATURES
     left = right = -1
     if window_size is not None:
@@ -566,18 +567,29 @@ def choose_splits(num_splits: int, ctas: int, max_seqlen_k: int, spec: AttnFwdSp
     """num_splits=0: the split count with the least whole-wave cost (split_cost), so that a batch
     neither underfills the GPU nor leaves a mostly empty last wave (measured on H200: 512 decode CTAs
     over 396 slots ran 1.29 waves, i.e. two)."""
-    stage_keys = spec.tiles["kBlockN"] * spec.tiles["kWarpsN"]
-    max_steps = max(1, -(-max_seqlen_k // stage_keys))
-    if num_splits > 0:
-        return max(1, min(num_splits, max_steps, 256))
+    return splits_for(num_splits, ctas, max_seqlen_k, stage_keys(spec), split_capacity(spec, device))
+
+
+def stage_keys(spec: AttnFwdSpec) -> int:
+    return spec.tiles["kBlockN"] * spec.tiles["kWarpsN"]
+
+
+def split_capacity(spec: AttnFwdSpec, device: int) -> int:
+    """Resident CTAs of one wave of this variant."""
     sms = sm_count(device)
     if spec.tiles["kTma"]:
         # TMA decode streams at near the SM's bandwidth share with one CTA per SM; a second resident
         # CTA adds little, so a wave is one CTA per SM (H200, perf/results/attn_quick_*: B=16 ctx 4096
         # 96 us with 1 split vs 110 with 2; B=1 ctx 32768 78 us with 16 splits vs 83 with 32).
-        capacity = sms
-    else:
-        capacity = sms * max(1, SMEM_LIMIT // max(spec.dynamic_smem(), 1))
+        return sms
+    return sms * max(1, SMEM_LIMIT // max(spec.dynamic_smem(), 1))
+
+
+def splits_for(num_splits: int, ctas: int, max_seqlen_k: int, stage_keys: int, capacity: int) -> int:
+    """choose_splits with the variant's constants already known (_Variant keeps them)."""
+    max_steps = max(1, -(-max_seqlen_k // stage_keys))
+    if num_splits > 0:
+        return max(1, min(num_splits, max_steps, 256))
     return _best_splits(ctas, max_seqlen_k, max_steps, capacity)
 
 
@@ -594,10 +606,23 @@ def _sig(t):
     return (t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t)
 
 
+class _Variant:
+    """A variant of a plan with what every launch reads from its spec, looked up once."""
+    __slots__ = ("spec", "launcher", "mode", "block_m", "threads", "stage_keys", "capacity", "head_dim")
+
+    def __init__(self, spec: AttnFwdSpec, launcher, device: int):
+        self.spec, self.launcher, self.mode, self.head_dim = spec, launcher, spec.mode, spec.head_dim
+        self.block_m = spec.tiles["kBlockM"]
+        self.threads = (spec.threads, 1, 1)
+        self.stage_keys = stage_keys(spec)
+        self.capacity = split_capacity(spec, device)
+
+
 class _Plan:
     """What a call's tensor metadata decides, validated once and reused while it repeats."""
     __slots__ = ("call", "device", "dtype", "head_dim", "dbs", "dhs", "block_shift", "bt_stride",
-                 "bt_width", "decode_mode", "prefill_mode", "wgmma_rows", "_kernels", "_tma")
+                 "bt_width", "decode_mode", "prefill_mode", "wgmma_rows", "_kernels", "_tma", "group",
+                 "tiles_per_row", "default_scale", "geometry")
 
     def __init__(self, call: _Call, q, block_table, k_descale, v_descale):
         self.call = call
@@ -622,6 +647,12 @@ class _Plan:
         self.wgmma_rows = tile_config(self.head_dim, "prefill")["kBlockM"]
         self._kernels: dict = {}
         self._tma: dict = {}
+        self.group = call.Hq // call.Hkv
+        self.tiles_per_row = call.B * call.Hkv  # CTAs of one row tile (gridDim.x)
+        self.default_scale = 1.0 / math.sqrt(call.D)
+        # AttnParams from k_block_stride to head_size: fixed by the metadata
+        self.geometry = (*call.k_strides, *call.v_strides, self.bt_stride, self.bt_width, call.num_blocks,
+                         call.block_size, self.block_shift, call.B, call.Hq, call.Hkv, self.group, call.D)
 
     def mode_for(self, rows: int) -> str:
         """The variant for a batch whose longest request has `rows` packed query rows."""
@@ -629,12 +660,12 @@ class _Plan:
             return self.decode_mode
         return self.prefill_mode if rows > self.wgmma_rows else "prefill"
 
-    def kernel(self, mode: str, flags: tuple = (False, False, False, False)):
-        """(spec, launcher) of the decode or prefill variant with these feature flags (FEATURES order)."""
+    def kernel(self, mode: str, flags: tuple = (False, False, False, False)) -> "_Variant":
+        """The decode or prefill variant with these feature flags (FEATURES order)."""
         hit = self._kernels.get((mode, flags))
         if hit is None:
             spec = AttnFwdSpec(self.dtype, self.call.kv_name, self.head_dim, mode, *flags)
-            hit = self._kernels[(mode, flags)] = (spec, get_kernel(spec).launcher(self.device))
+            hit = self._kernels[(mode, flags)] = _Variant(spec, get_kernel(spec).launcher(self.device), self.device)
         return hit
 
     def tma_maps(self, k, v, capturing: bool = False):
@@ -814,10 +845,12 @@ def check_call(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, 
     softmax_scale = check_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, num_splits)
     debug = validate or envs.debug()
     try:
-        sig = (q.shape[1:], q.stride(), q.dtype, q.device, _sig(k), _sig(v), _sig(cu_seqlens_q),
-               _sig(cu_seqlens_k), _sig(seqused_k), _sig(block_table),
+        # flat, one attribute lookup each: this runs on every call (a non-tensor fails here, below)
+        sig = (q.shape[1:], q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+               v.shape, v.stride(), v.dtype, v.device, cu_seqlens_q.shape, cu_seqlens_q.stride(),
+               cu_seqlens_q.dtype, cu_seqlens_q.device, _sig(cu_seqlens_k), _sig(seqused_k), _sig(block_table),
                None if out is None else _sig(out)[1:] + (out.shape[1:],), kv_cache_dtype,
-               _sig(k_descale), _sig(v_descale))
+               None if k_descale is None else _sig(k_descale), None if v_descale is None else _sig(v_descale))
         plan = _PLANS.get(sig)
     except (AttributeError, TypeError):  # not tensors: the full validation explains
         sig, plan = None, None
@@ -853,13 +886,13 @@ def launch(checked, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlen
     out, lse = outputs(q, call.Hq, return_softmax_lse, out)
     if total_q == 0 or call.B == 0:
         return out, lse
-    group = call.Hq // call.Hkv
+    group = plan.group
     # max_seqlen_q / max_seqlen_k choose the variant and size the grid. Every index stays inside the
     # tensors whatever they say (tile_scheduler.cuh); rows past an understated max_seqlen_q come back
     # NaN (attn_fwd.cuh). A request's rows are at most total_q: no more row tiles than that.
     rows = max(0, int(max_seqlen_q)) * group
-    spec, launcher = plan.kernel(plan.mode_for(rows), flags)
-    m_blocks = -(-min(rows, total_q * group) // spec.tiles["kBlockM"])
+    variant = plan.kernel(plan.mode_for(rows), flags)
+    m_blocks = -(-min(rows, total_q * group) // variant.block_m)
     m_blocks = min(max(1, m_blocks), MAX_GRID_Y)
     # splits divide the keys a tile can see: with a left window edge, at most the window and the rows.
     # The split plan depends on shapes and max_seqlen_k only (never on seqused_k's values): a CUDA
@@ -867,23 +900,27 @@ def launch(checked, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlen
     keys = max(0, int(max_seqlen_k))
     if w_left >= 0:
         keys = min(keys, w_left + 1 + max(0, int(max_seqlen_q)) + (0 if causal or w_right < 0 else w_right))
-    splits = choose_splits(int(num_splits), call.B * call.Hkv * m_blocks, keys, spec, plan.device)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(call.D)
-    capturing = _is_capturing()
+    ctas = plan.tiles_per_row * m_blocks
+    splits = splits_for(int(num_splits), ctas, keys, variant.stage_keys, variant.capacity)
+    scale = softmax_scale if softmax_scale is not None else plan.default_scale
+    capturing = _is_capturing() if splits > 1 or variant.mode == "decode_tma" else False
     o_ptr = lse_ptr = counters_ptr = 0
     if splits > 1:
-        o_accum, lse_accum = workspace.split_workspace(plan.device, splits, total_q, call.Hq, spec.head_dim)
-        o_ptr, lse_ptr = o_accum.data_ptr(), lse_accum.data_ptr()
-        counters_ptr = workspace.split_counters(plan.device, call.B * call.Hkv * m_blocks).data_ptr()
-    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    maps, row_dim = plan.tma_maps(k, v, capturing) if spec.mode == "decode_tma" else (None, 0)
+        o_ptr, lse_ptr, counters_ptr = workspace.split_scratch(plan.device, splits, total_q, call.Hq,
+                                                               variant.head_dim, ctas, capturing)
+    maps_ptr = row_dim = 0
+    if variant.mode == "decode_tma":
+        maps, row_dim = plan.tma_maps(k, v, capturing)
+        maps_ptr = maps.data_ptr()
+    q_stride, out_stride = q.stride(), out.stride()
     values = (
-        q.data_ptr(), out.data_ptr(), ptr(lse), k.data_ptr(), v.data_ptr(), ptr(block_table),
-        cu_seqlens_q.data_ptr(), ptr(seqused_k), ptr(cu_seqlens_k), ptr(k_descale), ptr(v_descale),
-        o_ptr, lse_ptr, ptr(maps), counters_ptr, ptr(alibi_slopes), ptr(sinks),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *call.k_strides, *call.v_strides,
-        plan.bt_stride, plan.bt_width, call.num_blocks, call.block_size, plan.block_shift, call.B, call.Hq,
-        call.Hkv, group, call.D, total_q, 0 if call.paged else k.shape[0], splits, int(bool(causal)),
+        q.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(), k.data_ptr(), v.data_ptr(),
+        0 if block_table is None else block_table.data_ptr(), cu_seqlens_q.data_ptr(),
+        0 if seqused_k is None else seqused_k.data_ptr(), 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
+        0 if k_descale is None else k_descale.data_ptr(), 0 if v_descale is None else v_descale.data_ptr(),
+        o_ptr, lse_ptr, maps_ptr, counters_ptr, 0 if alibi_slopes is None else alibi_slopes.data_ptr(),
+        0 if sinks is None else sinks.data_ptr(), q_stride[0], q_stride[1], out_stride[0], out_stride[1],
+        *plan.geometry, total_q, 0 if call.paged else k.shape[0], splits, int(bool(causal)),
         plan.dbs, plan.dhs, row_dim, w_left, w_right, alibi_stride, scale * LOG2E, cap)
-    launcher((call.B * call.Hkv, m_blocks, splits), (spec.threads, 1, 1), values)
+    variant.launcher((plan.tiles_per_row, m_blocks, splits), variant.threads, values)
     return out, lse

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-_is_capturing = torch.cuda.is_current_stream_capturing
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
 
 
@@ -38,9 +37,8 @@ def keep_for_graphs(t: torch.Tensor) -> None:
     GRAPH_REFS.setdefault(t.data_ptr(), t)
 
 
-def _get(kind: str, device: int, numel: int, dtype) -> torch.Tensor:
-    capturing = _is_capturing()
-    key = (kind, device, _raw_stream(device))
+def _get(kind: str, device: int, stream: int, numel: int, dtype, capturing: bool) -> _Buffer:
+    key = (kind, device, stream)
     buf = _BUFFERS.get(key)
     if buf is None or buf.tensor.numel() < numel:
         if buf is not None and buf.captured:
@@ -50,28 +48,27 @@ def _get(kind: str, device: int, numel: int, dtype) -> torch.Tensor:
         buf = _BUFFERS[key] = _Buffer(torch.zeros(size, dtype=dtype, device=f"cuda:{device}"), capturing)
     if capturing:
         buf.captured = True
-    elif buf.dirty and kind == "counters":
-        buf.tensor.zero_()
-        buf.dirty = False
-    return buf.tensor
+    return buf
 
 
-def split_counters(device: int, n: int) -> torch.Tensor:
-    """Arrival counters of split-KV tiles (attn_fwd.cuh: the last split of a tile merges them all),
-    zero on entry."""
-    t = _get("counters", device, n, torch.int32)
-    if _is_capturing() and _BUFFERS[("counters", device, _raw_stream(device))].dirty:
-        t[:n].zero_()
-    return t
-
-
-def split_workspace(device: int, splits: int, total_q: int, heads: int, head_dim: int):
-    """(o_accum [splits, total_q, heads, head_dim], lse_accum [splits, heads, total_q]), float32 views
-    of the stream's workspace (16-byte aligned: head_dim is a multiple of 16)."""
+def split_scratch(device: int, splits: int, total_q: int, heads: int, head_dim: int, tiles: int,
+                  capturing: bool) -> tuple[int, int, int]:
+    """Addresses of o_accum float32 [splits, total_q, heads, head_dim], lse_accum float32 [splits,
+    heads, total_q] (one workspace; lse_accum 16-byte aligned as head_dim is a multiple of 16) and
+    `tiles` int32 arrival counters (attn_fwd.cuh: the last split of a tile merges them all), zero on
+    entry. Addresses, not views: a view costs more host time than the whole lookup."""
+    stream = _raw_stream(device)
     n_o = splits * total_q * heads * head_dim
-    n_l = splits * heads * total_q
-    t = _get("workspace", device, n_o + n_l, torch.float32)
-    return t[:n_o].view(splits, total_q, heads, head_dim), t[n_o:n_o + n_l].view(splits, heads, total_q)
+    work = _get("workspace", device, stream, n_o + splits * heads * total_q, torch.float32, capturing).tensor
+    counters = _get("counters", device, stream, tiles, torch.int32, capturing)
+    if counters.dirty:
+        if capturing:  # this graph zeroes what it uses, whichever graph allocated the buffer
+            counters.tensor[:tiles].zero_()
+        else:
+            counters.tensor.zero_()
+            counters.dirty = False
+    base = work.data_ptr()
+    return base, base + 4 * n_o, counters.tensor.data_ptr()
 
 
 def counter_buffers() -> dict[tuple[int, int], torch.Tensor]:
