@@ -321,3 +321,38 @@ def test_kvcache_slots():
             pos = int(seqlens[b]) + i
             want = int(table[b, pos // 16]) * 16 + pos % 16 if pos < 64 else -1
             assert int(slots[b, i]) == want
+
+
+def test_compiled_step_matches_the_ops_with_cpu_reference_kernels(cpu_kernels):
+    """aot_eager functionalizes the cache writes: the attention that follows in the same graph must
+    read the written cache, and the caches and out= must come back mutated exactly as eager does."""
+    x = decode_inputs()
+    pos = x["seq"].long() - 1  # the new token is each request's last key
+    x["slots"] = x["table"].long().gather(1, (pos // 16)[:, None])[:, 0] * 16 + pos % 16
+    q4, k4 = x["q"].view(3, 1, 8, 64), x["key"].view(3, 1, 2, 64)
+    lens = (x["seq"] - 1).clamp_min(0)
+
+    def step(kc, vc, out):
+        pagedattn.reshape_and_cache_flash(x["key"], x["key"], kc, vc, x["slots"])
+        o = pagedattn.flash_attn_varlen_func(x["q"], kc, vc, 1, x["cu"], 64, seqused_k=x["seq"], block_table=x["table"])
+        o4, lse = pagedattn.flash_attn_with_kvcache(q4, kc, vc, k4, k4, cache_seqlens=lens, block_table=x["table"],
+                                                    causal=True, return_softmax_lse=True)
+        pagedattn.flash_attn_varlen_func(x["q"], kc, vc, 1, x["cu"], 64, seqused_k=x["seq"], block_table=x["table"],
+                                         out=out, window_size=(8, 0), softcap=5.0)
+        return o.flatten(1) @ x["w"], o4, lse, out * 2
+
+    def step_ops(kc, vc, out):  # what eager on the GPU runs: the same implementations, op by op
+        OPS.reshape_and_cache_flash(x["key"], x["key"], kc, vc, x["slots"], "auto", None, None)
+        o, _ = OPS.flash_attn_varlen_func(*varlen_args(dict(x, kc=kc, vc=vc)))
+        o4, lse = OPS.flash_attn_with_kvcache(q4, kc, vc, k4, k4, lens, x["table"], None, True, [-1, -1], 0.0, None,
+                                              0, None, None, None, None, 64)
+        OPS.flash_attn_varlen_func.out(*varlen_args(dict(x, kc=kc, vc=vc), window_size=[8, 0], softcap=5.0), out)
+        return o.flatten(1) @ x["w"], o4, lse, out * 2
+
+    torch._dynamo.reset()
+    eager = [x["kc"].clone(), x["vc"].clone(), torch.empty_like(x["q"])]
+    traced = [x["kc"].clone(), x["vc"].clone(), torch.empty_like(x["q"])]
+    want = step_ops(*eager)
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(*traced)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert all(torch.equal(a, b) for a, b in zip(eager, traced))
