@@ -215,6 +215,12 @@ def _count_arg(name, x) -> None:
 def check_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, num_splits):
     """The scalar arguments, on every call (cheap). Returns softmax_scale as a float, or None for the
     default 1 / sqrt(D). A 0-d tensor scale is read with float() (a sync when it is on the GPU)."""
+    if type(max_seqlen_q) is int and type(max_seqlen_k) is int and type(num_splits) is int and \
+            max_seqlen_q >= 0 and max_seqlen_k >= 0 and num_splits >= 0:  # the usual call, at once
+        if softmax_scale is None:
+            return None
+        if type(softmax_scale) is float and 0 < softmax_scale < math.inf:
+            return softmax_scale
     _count_arg("max_seqlen_q", max_seqlen_q)
     _count_arg("max_seqlen_k", max_seqlen_k)
     _count_arg("num_splits", num_splits)

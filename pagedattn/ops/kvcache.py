@@ -183,8 +183,20 @@ def _slots(cache_seqlens, block_table, block_size: int, s_new: int) -> torch.Ten
     width = block_table.shape[1]
     if width == 0:
         raise ContractError("block_table has no columns: there is nowhere to append k/v")
-    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=cache_seqlens.device)
+    pos = cache_seqlens.long()[:, None] + _int64_steps(cache_seqlens.device, s_new)  # [B, s_new]
     blk = pos // block_size
-    ids = block_table.long().gather(1, blk.clamp(0, width - 1))
-    slots = torch.where((blk < width) & (pos >= 0), ids * block_size + pos % block_size, -1)
-    return slots.reshape(-1)
+    slots = block_table.gather(1, blk.clamp(0, width - 1)) * block_size + pos % block_size
+    return slots.masked_fill_(blk >= width, -1).view(-1)
+
+
+def _int64_steps(device, n: int) -> torch.Tensor:
+    """int64 [0, 1, ..., n - 1], kept like _int32_range's tensors."""
+    if torch.compiler.is_compiling():
+        return torch.arange(n, device=device)
+    key = (device, n, "int64")
+    hit = _RANGES.get(key)
+    if hit is None:
+        hit = torch.arange(n, device=device)
+        if not isinstance(hit, FakeTensor) and not (hit.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _RANGES[key] = hit
+    return hit
