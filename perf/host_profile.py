@@ -7,6 +7,7 @@ allocator's (of the same order).
 
     python perf/host_profile.py            # µs of this thread's CPU time per call, best of 7 runs
     python perf/host_profile.py --profile [CASE]  # and a cProfile of one case (default: the decode call)
+    python perf/host_profile.py --json     # and the results as one JSON line
 """
 from __future__ import annotations
 
@@ -125,6 +126,7 @@ def main(argv):
     stub_cuda()
     torch.set_num_threads(1)
     all_cases = cases()
+    results = {}
     for name, fn in all_cases.items():
         try:
             fn()
@@ -132,7 +134,11 @@ def main(argv):
             print(f"{name:45s}    n/a ({type(exc).__name__})")
             continue
         n = 4000 if "kvcache" in name or name.startswith("op ") else 20000
-        print(f"{name:45s} {per_call_us(fn, n):6.2f} us")
+        results[name] = per_call_us(fn, n)
+        print(f"{name:45s} {results[name]:6.2f} us")
+    if "--json" in argv:  # one line of results, for perf/results/host_profile_*.json
+        import json
+        print(json.dumps(results))
     if "--profile" in argv:
         rest = argv[argv.index("--profile") + 1:]
         fn = all_cases[rest[0] if rest else "flash_attn_varlen_func decode"]
