@@ -93,6 +93,7 @@ def test_compiled_decode_step_is_bit_identical_without_graph_breaks():
     torch._dynamo.reset()
     explain = torch._dynamo.explain(decode_step)(_clone_state(x))
     assert explain.graph_count == 1 and explain.graph_break_count == 0, explain.break_reasons
+    torch._dynamo.reset()
     compiled = torch.compile(decode_step, fullgraph=True)
     for it in range(3):  # new lengths, tables and slots each step: the same compiled graph
         if it:
