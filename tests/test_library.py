@@ -355,3 +355,20 @@ def test_compiled_step_matches_the_ops_with_cpu_reference_kernels(cpu_kernels):
     got = torch.compile(step, backend="aot_eager", fullgraph=True)(*traced)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert all(torch.equal(a, b) for a, b in zip(eager, traced))
+
+
+def test_compiled_kvcache_fails_at_trace_time_with_the_eager_message():
+    """flash_attn_with_kvcache's own checks run while Dynamo traces it (before the op): the same message."""
+    x = decode_inputs()
+    eager = _message(lambda: pagedattn.flash_attn_with_kvcache(x["q"], x["kc"], x["vc"], cache_seqlens=x["seq"],
+                                                               block_table=x["table"]))
+    assert eager.startswith("q must be a 4-D tensor")
+
+    def step(x):
+        return pagedattn.flash_attn_with_kvcache(x["q"], x["kc"], x["vc"], cache_seqlens=x["seq"],
+                                                 block_table=x["table"])
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(step, backend=lambda gm, example_inputs: gm.forward, fullgraph=True)(_meta(x))
+    assert eager.replace("on cpu", "on meta") in str(info.value)
