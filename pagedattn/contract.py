@@ -80,7 +80,7 @@ class CacheSpec:
         object.__setattr__(self, "kv_cache_dtype", kv_cache_dtype_name(self.kv_cache_dtype))
         for name in ("num_blocks", "block_size", "num_kv_heads", "head_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, (int, torch.SymInt)) or value <= 0:  # SymInt: fake tensors, traced
                 raise ContractError(f"CacheSpec.{name} must be a positive int, got {value!r}")
         if self.layout not in LAYOUTS:
             raise ContractError(f"CacheSpec.layout={self.layout!r}; supported: {LAYOUTS}")
@@ -182,8 +182,10 @@ class CacheSpec:
 
     @classmethod
     def from_tensors(cls, key_cache: torch.Tensor, value_cache: torch.Tensor, *,
-                     kv_cache_dtype: str | None = "auto", scale: str = "tensor") -> "CacheSpec":
-        """Infer and validate the spec of a (key_cache, value_cache) pair."""
+                     kv_cache_dtype: str | None = "auto", scale: str = "tensor",
+                     pointers: bool = True) -> "CacheSpec":
+        """Infer and validate the spec of a (key_cache, value_cache) pair. pointers=False (fake or
+        meta tensors, which have no data) skips the base-pointer alignment check."""
         for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
             if not isinstance(t, torch.Tensor):
                 raise ContractError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -219,7 +221,7 @@ class CacheSpec:
             raise ContractError(
                 f"key_cache / value_cache strides {stride} are neither NHD {cls._layout_strides('NHD', b, h, d)} nor "
                 f"HND {cls._layout_strides('HND', b, h, d)} for shape {tuple(key_cache.shape)}")
-        for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        for name, t in (("key_cache", key_cache), ("value_cache", value_cache)) if pointers else ():
             if t.data_ptr() % 16:
                 raise ContractError(f"{name} base pointer is not 16-byte aligned "
                                     f"(address % 16 = {t.data_ptr() % 16})")
@@ -313,3 +315,9 @@ class CacheSpec:
 def fp8_view(t: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
     """A float8 view of an fp8 cache stored as uint8 (vLLM's convention) or float8."""
     return t.view(NAME_TO_TORCH[kv_cache_dtype]) if t.dtype == torch.uint8 else t
+
+
+def traced(t) -> bool:
+    """t is a tensor subclass of a tracing mode (fake, functional, proxy): the public functions then
+    call their torch.ops.pagedattn op, whose fake implementation handles it."""
+    return isinstance(t, torch.Tensor) and type(t) is not torch.Tensor

@@ -21,6 +21,12 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+# debug() runs on every kernel call: when the variable is unset (the usual case) one lookup in
+# os.environ's own mapping answers, without encoding the name; os.environ writes update it.
+_ENVIRON = getattr(os.environ, "_data", None)
+_DEBUG_KEY = os.environ.encodekey("PAGEDATTN_DEBUG") if _ENVIRON is not None else None
+
+
 def cache_dir() -> Path:
     explicit = os.environ.get("PAGEDATTN_CACHE_DIR")
     if explicit:
@@ -49,6 +55,8 @@ def log_level() -> str:
 
 
 def debug() -> bool:
+    if _ENVIRON is not None and _DEBUG_KEY not in _ENVIRON:
+        return False
     return _flag("PAGEDATTN_DEBUG")
 
 

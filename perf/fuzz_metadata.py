@@ -558,9 +558,9 @@ def kernel_ops() -> Ops:
 def split_counters_problem() -> str | None:
     """The split-KV arrival counters must be zero between calls (else the next split call merges
     wrongly). Zeroes them again so that later cases stay independent of this one."""
-    from pagedattn.ops import attention as attention_ops
+    from pagedattn.ops import workspace
 
-    for key, buf in getattr(attention_ops, "_COUNTERS", {}).items():
+    for key, buf in workspace.counter_buffers().items():
         if bool(buf.any()):
             buf.zero_()
             return f"split-KV counters of {key} are not zero after the call"

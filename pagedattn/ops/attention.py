@@ -12,10 +12,13 @@ from typing import ClassVar
 import torch
 
 from .. import envs
-from ..contract import CacheSpec, ContractError, check_scale_values, describe, kv_cache_dtype_name
+from ..contract import CacheSpec, ContractError, check_scale_values, describe, kv_cache_dtype_name, traced
 from ..dtypes import CUTLASS_TYPE, FP8_FORMAT, short
 from ..registry import KernelSpec, UnsupportedError, arch_for_device, get_kernel, register, sm_count
+from . import workspace
 from .params import AttnParams
+
+_is_capturing = torch.cuda.is_current_stream_capturing
 
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 SMEM_LIMIT = 227 * 1024  # shared memory of one CTA on sm_90 (the variants built for sm_80 stay under its 163 KiB)
@@ -201,6 +204,10 @@ def _given(x) -> str:
 def _count_arg(name, x) -> None:
     if type(x) is int and x >= 0:  # the usual case, first: this runs on every call
         return
+    if isinstance(x, torch.SymInt):  # traced (fake implementations): a guard, not a value
+        if x < 0:
+            raise ContractError(f"{name} must be a non-negative int, got {x}")
+        return
     if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0:
         raise ContractError(f"{name} must be a non-negative int, got {_given(x)}")
 
@@ -208,6 +215,12 @@ def _count_arg(name, x) -> None:
 def check_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, num_splits):
     """The scalar arguments, on every call (cheap). Returns softmax_scale as a float, or None for the
     default 1 / sqrt(D). A 0-d tensor scale is read with float() (a sync when it is on the GPU)."""
+    if type(max_seqlen_q) is int and type(max_seqlen_k) is int and type(num_splits) is int and \
+            max_seqlen_q >= 0 and max_seqlen_k >= 0 and num_splits >= 0:  # the usual call, at once
+        if softmax_scale is None:
+            return None
+        if type(softmax_scale) is float and 0 < softmax_scale < math.inf:
+            return softmax_scale
     _count_arg("max_seqlen_q", max_seqlen_q)
     _count_arg("max_seqlen_k", max_seqlen_k)
     _count_arg("num_splits", num_splits)
@@ -276,8 +289,9 @@ def features_of(call: _Call, device, causal, window_size, softcap, alibi_slopes,
     (window_left, window_right, softcap, alibi_slopes, alibi batch stride, sinks), checked: every bad
     value is a ContractError naming the argument. FlashAttention's semantics: window (-1, -1) and
     softcap 0 are off; causal makes the window's right edge 0."""
-    if alibi_slopes is None and sinks is None and _is_default(softcap, (0.0,)) and \
-            _is_default(window_size, ((-1, -1), [-1, -1], None)):
+    if alibi_slopes is None and sinks is None and (softcap.__class__ is float or softcap.__class__ is int) \
+            and softcap == 0 and (window_size is None or window_size.__class__ in (tuple, list) and
+                                  len(window_size) == 2 and window_size[0] == -1 == window_size[1]):
         return _NO_FEATURES
     left = right = -1
     if window_size is not None:
@@ -357,13 +371,15 @@ def _batch(n_cu, *others) -> None:
 
 
 def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, kv_cache_dtype,
-             k_descale, v_descale) -> _Call:
+             k_descale, v_descale, pointers: bool = True) -> _Call:
     """Every check of a call's tensor metadata; no syncs. q's device is the reference: every tensor
     must be on it. That it is a GPU is checked after this (_require_cuda), so CPU tensors reach every
-    check here and the value checks (check_values); q on any other device is refused at once."""
+    check here and the value checks (check_values); q on any other device is refused at once.
+    pointers=False (the fake implementations of pagedattn.ops.library: fake and meta tensors have no
+    data) skips the base-pointer alignment and the device-type checks; the real op makes them."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ContractError(f"q must be a 3-D tensor [total_q, Hq, D], got {describe(q)}")
-    if q.device.type not in ("cuda", "cpu"):
+    if pointers and q.device.type not in ("cuda", "cpu"):
         _require_cuda(q)
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ContractError(f"q dtype {q.dtype} is not supported (fp16, bf16)")
@@ -373,7 +389,8 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k
     if Hq == 0:
         raise ContractError(f"q has no heads: shape {tuple(q.shape)}")
     _check_strides("q", q, "")
-    _check_aligned("q", q)
+    if pointers:
+        _check_aligned("q", q)
     want = kv_cache_dtype_name(kv_cache_dtype)
     _int32_vector("cu_seqlens_q", cu_seqlens_q, q, "[B + 1]")
     n_cu = cu_seqlens_q.numel()
@@ -401,7 +418,7 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k
         if isinstance(k_descale, torch.Tensor) and k_descale.numel() > 1:
             scale = "head"
         try:
-            spec = CacheSpec.from_tensors(k, v, kv_cache_dtype=want, scale=scale)
+            spec = CacheSpec.from_tensors(k, v, kv_cache_dtype=want, scale=scale, pointers=pointers)
         except ContractError as e:  # its messages say key_cache / value_cache: here they are k / v
             raise ContractError(f"k, v (the paged caches): {e}") from None
         if spec.layout not in ("NHD", "HND"):
@@ -424,7 +441,8 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k
                                     f"got {describe(t)}")
             _on_device(name, t, q)
             _check_strides(name, t, "")
-            _check_aligned(name, t)
+            if pointers:
+                _check_aligned(name, t)
         if k.shape != v.shape or k.dtype != v.dtype:
             raise ContractError(f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} differ")
         if k.dtype in (torch.float16, torch.bfloat16):
@@ -465,7 +483,8 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k
                                 f"{tuple(out.shape)} and {out.dtype}")
         _on_device("out", out, q)
         _check_strides("out", out, " (like q)")
-        _check_aligned("out", out)
+        if pointers:
+            _check_aligned("out", out)
     ks = k.stride()
     vs = v.stride()
     if paged:  # logical [num_blocks, block_size, Hkv, D]
@@ -554,18 +573,29 @@ def choose_splits(num_splits: int, ctas: int, max_seqlen_k: int, spec: AttnFwdSp
     """num_splits=0: the split count with the least whole-wave cost (split_cost), so that a batch
     neither underfills the GPU nor leaves a mostly empty last wave (measured on H200: 512 decode CTAs
     over 396 slots ran 1.29 waves, i.e. two)."""
-    stage_keys = spec.tiles["kBlockN"] * spec.tiles["kWarpsN"]
-    max_steps = max(1, -(-max_seqlen_k // stage_keys))
-    if num_splits > 0:
-        return max(1, min(num_splits, max_steps, 256))
+    return splits_for(num_splits, ctas, max_seqlen_k, stage_keys(spec), split_capacity(spec, device))
+
+
+def stage_keys(spec: AttnFwdSpec) -> int:
+    return spec.tiles["kBlockN"] * spec.tiles["kWarpsN"]
+
+
+def split_capacity(spec: AttnFwdSpec, device: int) -> int:
+    """Resident CTAs of one wave of this variant."""
     sms = sm_count(device)
     if spec.tiles["kTma"]:
         # TMA decode streams at near the SM's bandwidth share with one CTA per SM; a second resident
         # CTA adds little, so a wave is one CTA per SM (H200, perf/results/attn_quick_*: B=16 ctx 4096
         # 96 us with 1 split vs 110 with 2; B=1 ctx 32768 78 us with 16 splits vs 83 with 32).
-        capacity = sms
-    else:
-        capacity = sms * max(1, SMEM_LIMIT // max(spec.dynamic_smem(), 1))
+        return sms
+    return sms * max(1, SMEM_LIMIT // max(spec.dynamic_smem(), 1))
+
+
+def splits_for(num_splits: int, ctas: int, max_seqlen_k: int, stage_keys: int, capacity: int) -> int:
+    """choose_splits with the variant's constants already known (_Variant keeps them)."""
+    max_steps = max(1, -(-max_seqlen_k // stage_keys))
+    if num_splits > 0:
+        return max(1, min(num_splits, max_steps, 256))
     return _best_splits(ctas, max_seqlen_k, max_steps, capacity)
 
 
@@ -582,10 +612,23 @@ def _sig(t):
     return (t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t)
 
 
+class _Variant:
+    """A variant of a plan with what every launch reads from its spec, looked up once."""
+    __slots__ = ("spec", "launcher", "mode", "block_m", "threads", "stage_keys", "capacity", "head_dim")
+
+    def __init__(self, spec: AttnFwdSpec, launcher, device: int):
+        self.spec, self.launcher, self.mode, self.head_dim = spec, launcher, spec.mode, spec.head_dim
+        self.block_m = spec.tiles["kBlockM"]
+        self.threads = (spec.threads, 1, 1)
+        self.stage_keys = stage_keys(spec)
+        self.capacity = split_capacity(spec, device)
+
+
 class _Plan:
     """What a call's tensor metadata decides, validated once and reused while it repeats."""
     __slots__ = ("call", "device", "dtype", "head_dim", "dbs", "dhs", "block_shift", "bt_stride",
-                 "bt_width", "decode_mode", "prefill_mode", "wgmma_rows", "_kernels", "_tma")
+                 "bt_width", "decode_mode", "prefill_mode", "wgmma_rows", "_kernels", "_tma", "group",
+                 "tiles_per_row", "default_scale", "geometry")
 
     def __init__(self, call: _Call, q, block_table, k_descale, v_descale):
         self.call = call
@@ -610,6 +653,12 @@ class _Plan:
         self.wgmma_rows = tile_config(self.head_dim, "prefill")["kBlockM"]
         self._kernels: dict = {}
         self._tma: dict = {}
+        self.group = call.Hq // call.Hkv
+        self.tiles_per_row = call.B * call.Hkv  # CTAs of one row tile (gridDim.x)
+        self.default_scale = 1.0 / math.sqrt(call.D)
+        # AttnParams from k_block_stride to head_size: fixed by the metadata
+        self.geometry = (*call.k_strides, *call.v_strides, self.bt_stride, self.bt_width, call.num_blocks,
+                         call.block_size, self.block_shift, call.B, call.Hq, call.Hkv, self.group, call.D)
 
     def mode_for(self, rows: int) -> str:
         """The variant for a batch whose longest request has `rows` packed query rows."""
@@ -617,22 +666,31 @@ class _Plan:
             return self.decode_mode
         return self.prefill_mode if rows > self.wgmma_rows else "prefill"
 
-    def kernel(self, mode: str, flags: tuple = (False, False, False, False)):
-        """(spec, launcher) of the decode or prefill variant with these feature flags (FEATURES order)."""
+    def kernel(self, mode: str, flags: tuple = (False, False, False, False)) -> "_Variant":
+        """The decode or prefill variant with these feature flags (FEATURES order)."""
         hit = self._kernels.get((mode, flags))
         if hit is None:
             spec = AttnFwdSpec(self.dtype, self.call.kv_name, self.head_dim, mode, *flags)
-            hit = self._kernels[(mode, flags)] = (spec, get_kernel(spec).launcher(self.device))
+            hit = self._kernels[(mode, flags)] = _Variant(spec, get_kernel(spec).launcher(self.device), self.device)
         return hit
 
-    def tma_maps(self, k, v):
-        """tma_maps for this plan's geometry, per cache (an engine alternates one cache per layer)."""
+    def tma_maps(self, k, v, capturing: bool = False):
+        """tma_maps for this plan's geometry, per cache (an engine alternates one cache per layer).
+        Encoding copies host memory to the GPU, which a capturing stream cannot do: a capture needs
+        one call with the same caches before it (a warm-up). Maps a capture used live as long as
+        the process (workspace.keep_for_graphs): evicting them here would free what a graph reads."""
         key = (k.data_ptr(), v.data_ptr())
         hit = self._tma.get(key)
         if hit is None:
+            if capturing:
+                raise ContractError("flash_attn_varlen_func: the TMA descriptors of these k/v caches are built "
+                                    "on first use, which cannot happen during CUDA-graph capture; run one "
+                                    "eager call with the same caches before capturing (a warm-up)")
             if len(self._tma) >= 512:
                 self._tma.clear()
             hit = self._tma[key] = tma_maps(k, v, self.call, self.head_dim)
+        elif capturing:
+            workspace.keep_for_graphs(hit[0])
         return hit
 
 
@@ -700,21 +758,15 @@ MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 
 
 _PLANS: dict[tuple, _Plan] = {}
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
-def split_counters(device: int, n: int) -> torch.Tensor:
-    """Arrival counters of split-KV tiles (attn_fwd.cuh: the last split of a tile merges them all).
-    The last CTA zeroes its counter again, so the counters are zero between calls and one buffer per
-    (device, stream) serves every call on that stream. A capturing stream gets a fresh zeroed buffer
-    every call: the graph owns it, and its zero-fill is replayed with the graph."""
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(n, dtype=torch.int32, device=f"cuda:{device}")
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=f"cuda:{device}")
-    return buf
+def check_unsupported(unsupported: dict, who: str = "flash_attn_varlen_func") -> None:
+    """FlashAttention keywords pagedattn accepts only at their harmless values."""
+    for name, value in unsupported.items():
+        if name not in _UNSUPPORTED_OK:
+            raise TypeError(f"{who}() got an unexpected keyword argument {name!r}")
+        if not _is_default(value, _UNSUPPORTED_OK[name]):
+            raise NotImplementedError(f"pagedattn.{who} does not support {name}={value!r} yet")
 
 
 def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None,
@@ -735,19 +787,76 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     devices); repeated calls only re-check the scalars, token counts and pointer alignment.
     validate=True (or PAGEDATTN_DEBUG=1) also checks the values on every call (check_values: offsets,
     lengths, block ids, descales; syncs).
+
+    Under torch.compile this calls the custom op torch.ops.pagedattn.flash_attn_varlen_func (its
+    .out overload when out is given; pagedattn.ops.library), whose fake implementation runs the same
+    metadata checks; in eager it runs `attend` directly (the dispatcher would cost host time).
     """
-    for name, value in unsupported.items():
-        if name not in _UNSUPPORTED_OK:
-            raise TypeError(f"flash_attn_varlen_func() got an unexpected keyword argument {name!r}")
-        if not _is_default(value, _UNSUPPORTED_OK[name]):
-            raise NotImplementedError(f"pagedattn.flash_attn_varlen_func does not support {name}={value!r} yet")
+    if unsupported:
+        check_unsupported(unsupported)
+    if s_aux is not None and sinks is not None:
+        raise ContractError("give the sink logits once: s_aux (vLLM's name) or sinks, not both")
+    if s_aux is not None:
+        sinks = s_aux
+    if torch.compiler.is_compiling() or traced(q):
+        from . import library
+
+        return library.varlen_op(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k,
+                                 softmax_scale, causal, block_table, return_softmax_lse, out, num_splits,
+                                 k_descale, v_descale, kv_cache_dtype, window_size, softcap, alibi_slopes,
+                                 sinks)
+    out, lse = attend(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k,
+                      softmax_scale, causal, block_table, return_softmax_lse, out, num_splits, k_descale,
+                      v_descale, kv_cache_dtype, window_size, softcap, alibi_slopes, sinks, validate)
+    return (out, lse) if return_softmax_lse else out
+
+
+def fake_attend(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, softmax_scale,
+                causal, block_table, return_softmax_lse, out, num_splits, k_descale, v_descale,
+                kv_cache_dtype, window_size, softcap, alibi_slopes, sinks):
+    """What `attend` checks and returns, for tensors without data (the fake implementations of
+    pagedattn.ops.library): the same checks in the same order, so the same ContractErrors."""
+    check_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, num_splits)
+    call = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, kv_cache_dtype,
+                     k_descale, v_descale, pointers=False)
+    features_of(call, q.device, causal, window_size, softcap, alibi_slopes, sinks)
+    return outputs(q, call.Hq, return_softmax_lse, out)
+
+
+def outputs(q, Hq, return_softmax_lse, out=None):
+    """(out like q, lse float32 [Hq, total_q] or None): what attend allocates, fake or real."""
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(Hq, q.shape[0], dtype=torch.float32, device=q.device) if return_softmax_lse else None
+    return out, lse
+
+
+def attend(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, softmax_scale,
+           causal, block_table, return_softmax_lse, out, num_splits, k_descale, v_descale, kv_cache_dtype,
+           window_size, softcap, alibi_slopes, sinks, validate=False):
+    """flash_attn_varlen_func's implementation (the eager call and the custom op both run it):
+    returns (out, lse or None)."""
+    checked = check_call(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k,
+                         softmax_scale, causal, block_table, out, num_splits, k_descale, v_descale, kv_cache_dtype,
+                         window_size, softcap, alibi_slopes, sinks, validate)
+    return launch(checked, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, causal,
+                  block_table, return_softmax_lse, out, num_splits, k_descale, v_descale)
+
+
+def check_call(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, softmax_scale,
+               causal, block_table, out, num_splits, k_descale, v_descale, kv_cache_dtype, window_size, softcap,
+               alibi_slopes, sinks, validate=False):
+    """Every check of a call, before anything runs: (plan, softmax_scale, features) for `launch`.
+    The metadata part is validated once per distinct signature (_PLANS)."""
     softmax_scale = check_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, num_splits)
     debug = validate or envs.debug()
     try:
-        sig = (q.shape[1:], q.stride(), q.dtype, q.device, _sig(k), _sig(v), _sig(cu_seqlens_q),
-               _sig(cu_seqlens_k), _sig(seqused_k), _sig(block_table),
+        # flat, one attribute lookup each: this runs on every call (a non-tensor fails here, below)
+        sig = (q.shape[1:], q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+               v.shape, v.stride(), v.dtype, v.device, cu_seqlens_q.shape, cu_seqlens_q.stride(),
+               cu_seqlens_q.dtype, cu_seqlens_q.device, _sig(cu_seqlens_k), _sig(seqused_k), _sig(block_table),
                None if out is None else _sig(out)[1:] + (out.shape[1:],), kv_cache_dtype,
-               _sig(k_descale), _sig(v_descale))
+               None if k_descale is None else _sig(k_descale), None if v_descale is None else _sig(v_descale))
         plan = _PLANS.get(sig)
     except (AttributeError, TypeError):  # not tensors: the full validation explains
         sig, plan = None, None
@@ -761,53 +870,63 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
                          k_descale, v_descale)
         if debug:  # before the CUDA check: CPU tensors get the value checks too
             check_values(call, *values)
+        features = features_of(call, q.device, causal, window_size, softcap, alibi_slopes, sinks)
         _require_cuda(q)
         plan = _Plan(call, q, block_table, k_descale, v_descale)
         if sig is not None:
             if len(_PLANS) > 256:
                 _PLANS.clear()
             _PLANS[sig] = plan
-    elif debug:
+        return plan, softmax_scale, features
+    if debug:
         check_values(plan.call, *values)
+    return plan, softmax_scale, features_of(plan.call, q.device, causal, window_size, softcap, alibi_slopes, sinks)
+
+
+def launch(checked, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, causal,
+           block_table, return_softmax_lse, out, num_splits, k_descale, v_descale):
+    """Allocate the outputs, choose variant and splits, launch: a call check_call accepted."""
+    plan, softmax_scale, (flags, w_left, w_right, cap, alibi_slopes, alibi_stride, sinks) = checked
     call = plan.call
     total_q = q.shape[0]
-    if s_aux is not None and sinks is not None:
-        raise ContractError("give the sink logits once: s_aux (vLLM's name) or sinks, not both")
-    flags, w_left, w_right, cap, alibi_slopes, alibi_stride, sinks = features_of(
-        call, q.device, causal, window_size, softcap, alibi_slopes, s_aux if s_aux is not None else sinks)
-    if out is None:
-        out = torch.empty_like(q)
-    lse = torch.empty(call.Hq, total_q, dtype=torch.float32, device=q.device) if return_softmax_lse else None
+    out, lse = outputs(q, call.Hq, return_softmax_lse, out)
     if total_q == 0 or call.B == 0:
-        return (out, lse) if return_softmax_lse else out
-    group = call.Hq // call.Hkv
+        return out, lse
+    group = plan.group
     # max_seqlen_q / max_seqlen_k choose the variant and size the grid. Every index stays inside the
     # tensors whatever they say (tile_scheduler.cuh); rows past an understated max_seqlen_q take a slow
     # out-of-line path (attn_fwd.cuh). A request's rows are at most total_q: no more row tiles than that.
     rows = max(0, int(max_seqlen_q)) * group
-    spec, launcher = plan.kernel(plan.mode_for(rows), flags)
-    m_blocks = -(-min(rows, total_q * group) // spec.tiles["kBlockM"])
+    variant = plan.kernel(plan.mode_for(rows), flags)
+    m_blocks = -(-min(rows, total_q * group) // variant.block_m)
     m_blocks = min(max(1, m_blocks), MAX_GRID_Y)
-    # splits divide the keys a tile can see: with a left window edge, at most the window and the rows
+    # splits divide the keys a tile can see: with a left window edge, at most the window and the rows.
+    # The split plan depends on shapes and max_seqlen_k only (never on seqused_k's values): a CUDA
+    # graph captured with it stays right for any lengths up to max_seqlen_k.
     keys = max(0, int(max_seqlen_k))
     if w_left >= 0:
         keys = min(keys, w_left + 1 + max(0, int(max_seqlen_q)) + (0 if causal or w_right < 0 else w_right))
-    splits = choose_splits(int(num_splits), call.B * call.Hkv * m_blocks, keys, spec, plan.device)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(call.D)
-    o_accum = lse_accum = None
+    ctas = plan.tiles_per_row * m_blocks
+    splits = splits_for(int(num_splits), ctas, keys, variant.stage_keys, variant.capacity)
+    scale = softmax_scale if softmax_scale is not None else plan.default_scale
+    capturing = _is_capturing() if splits > 1 or variant.mode == "decode_tma" else False
+    o_ptr = lse_ptr = counters_ptr = 0
     if splits > 1:
-        o_accum = torch.empty(splits, total_q, call.Hq, spec.head_dim, dtype=torch.float32, device=q.device)
-        lse_accum = torch.empty(splits, call.Hq, total_q, dtype=torch.float32, device=q.device)
-    counters = split_counters(plan.device, call.B * call.Hkv * m_blocks) if splits > 1 else None
-    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    maps, row_dim = plan.tma_maps(k, v) if spec.mode == "decode_tma" else (None, 0)
+        o_ptr, lse_ptr, counters_ptr = workspace.split_scratch(plan.device, splits, total_q, call.Hq,
+                                                               variant.head_dim, ctas, capturing)
+    maps_ptr = row_dim = 0
+    if variant.mode == "decode_tma":
+        maps, row_dim = plan.tma_maps(k, v, capturing)
+        maps_ptr = maps.data_ptr()
+    q_stride, out_stride = q.stride(), out.stride()
     values = (
-        q.data_ptr(), out.data_ptr(), ptr(lse), k.data_ptr(), v.data_ptr(), ptr(block_table),
-        cu_seqlens_q.data_ptr(), ptr(seqused_k), ptr(cu_seqlens_k), ptr(k_descale), ptr(v_descale),
-        ptr(o_accum), ptr(lse_accum), ptr(maps), ptr(counters), ptr(alibi_slopes), ptr(sinks),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *call.k_strides, *call.v_strides,
-        plan.bt_stride, plan.bt_width, call.num_blocks, call.block_size, plan.block_shift, call.B, call.Hq,
-        call.Hkv, group, call.D, total_q, 0 if call.paged else k.shape[0], splits, int(bool(causal)),
+        q.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(), k.data_ptr(), v.data_ptr(),
+        0 if block_table is None else block_table.data_ptr(), cu_seqlens_q.data_ptr(),
+        0 if seqused_k is None else seqused_k.data_ptr(), 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
+        0 if k_descale is None else k_descale.data_ptr(), 0 if v_descale is None else v_descale.data_ptr(),
+        o_ptr, lse_ptr, maps_ptr, counters_ptr, 0 if alibi_slopes is None else alibi_slopes.data_ptr(),
+        0 if sinks is None else sinks.data_ptr(), q_stride[0], q_stride[1], out_stride[0], out_stride[1],
+        *plan.geometry, total_q, 0 if call.paged else k.shape[0], splits, int(bool(causal)),
         plan.dbs, plan.dhs, row_dim, w_left, w_right, alibi_stride, scale * LOG2E, cap)
-    launcher((call.B * call.Hkv, m_blocks, splits), (spec.threads, 1, 1), values)
-    return (out, lse) if return_softmax_lse else out
+    variant.launcher((plan.tiles_per_row, m_blocks, splits), variant.threads, values)
+    return out, lse

@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 
 from .. import envs
-from ..contract import CacheSpec, ContractError, check_scale_values, describe
+from ..contract import CacheSpec, ContractError, check_scale_values, describe, traced
 from ..dtypes import CUDA_TYPE, FP8_FORMAT, short
 from ..registry import KernelSpec, get_kernel, register, sm_count
 from .params import KvWriteParams
@@ -280,7 +280,7 @@ def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
 class _Plan:
     """Everything about a call that depends only on tensor metadata: validated once, reused."""
     __slots__ = ("spec", "device", "base_spec", "base", "block_few", "block_many", "flat", "flat_tokens",
-                 "flat_shape", "tail", "is_fp8", "num_slots", "slot64")
+                 "flat_shape", "tail", "is_fp8", "num_slots", "slot64", "flat_grids")
 
     def __init__(self, spec: CacheSpec, key, value, key_cache, slot_mapping, scale_stride):
         elem = key.element_size()
@@ -317,6 +317,7 @@ class _Plan:
         self.is_fp8 = spec.is_fp8
         self.num_slots = spec.num_slots
         self.slot64 = int(slot_mapping.dtype == torch.int64)
+        self.flat_grids: dict[int, tuple] = {}  # num_tokens -> _flat_shape (engines repeat a few counts)
 
     def base_launcher(self):
         if self.base is None:
@@ -348,7 +349,12 @@ def _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_s
             k_scale.data_ptr() if plan.is_fp8 else 0, v_scale.data_ptr() if plan.is_fp8 else 0,
             key.stride(0), value.stride(0)) + plan.tail
     if num_tokens in plan.flat_tokens and not (kp | vp) & 15:  # write_path == "flat"
-        grid, block = _flat_shape(num_tokens, *plan.flat_shape)
+        shape = plan.flat_grids.get(num_tokens)
+        if shape is None:
+            if len(plan.flat_grids) >= 1024:
+                plan.flat_grids.clear()
+            shape = plan.flat_grids[num_tokens] = _flat_shape(num_tokens, *plan.flat_shape)
+        grid, block = shape
         plan.flat(grid, block, head + (plan.slot64, num_tokens))
         return
     plan.base_launcher()((num_tokens, 1, 1), plan.block_many if num_tokens >= MANY_TOKENS else plan.block_few,
@@ -376,10 +382,17 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
 
     Validation runs once per distinct tensor metadata (shapes without T, strides, dtypes, devices);
     later calls with the same metadata only re-check what can change (token counts, alignment).
+
+    Under torch.compile this calls the custom op torch.ops.pagedattn.reshape_and_cache_flash
+    (pagedattn.ops.library; PAGEDATTN_DEBUG still applies, validate= does not); in eager it runs here.
     """
+    if torch.compiler.is_compiling() or traced(key_cache):
+        torch.ops.pagedattn.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
+                                                    kv_cache_dtype or "auto", k_scale, v_scale)
+        return
     try:
         sig = (key.shape[1:], key.stride(), key.dtype, key.device, value.shape[1:], value.stride(),
-               value.dtype, key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
+               value.dtype, value.device, key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
                value_cache.shape, value_cache.stride(), value_cache.dtype, value_cache.device,
                slot_mapping.dim(), slot_mapping.stride(), slot_mapping.dtype, slot_mapping.device,
                kv_cache_dtype, _scale_sig(k_scale), _scale_sig(v_scale))
@@ -393,11 +406,8 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
             _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
                     num_tokens, validate)
             return
-    scale = "tensor"
-    if isinstance(k_scale, torch.Tensor) and k_scale.numel() > 1:
-        scale = "head"
-    spec = CacheSpec.from_tensors(key_cache, value_cache, kv_cache_dtype=kv_cache_dtype, scale=scale)
-    num_tokens, scale_stride = validate_inputs(spec, key, value, key_cache, slot_mapping, k_scale, v_scale)
+    spec, num_tokens, scale_stride = check_metadata(key, value, key_cache, value_cache, slot_mapping,
+                                                    kv_cache_dtype, k_scale, v_scale)
     _require_cuda(key_cache)
     plan = _Plan(spec, key, value, key_cache, slot_mapping, scale_stride)
     if len(_PLANS) > 256:
@@ -405,3 +415,17 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     _PLANS[sig] = plan
     _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
             validate)
+
+
+def check_metadata(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+                   pointers: bool = True):
+    """Every metadata check of a write, no syncs: (CacheSpec, num_tokens, scale_stride). The eager
+    call and the fake implementation of torch.ops.pagedattn.reshape_and_cache_flash (pointers=False:
+    no base-pointer checks on tensors without data) both run it."""
+    scale = "tensor"
+    if isinstance(k_scale, torch.Tensor) and k_scale.numel() > 1:
+        scale = "head"
+    spec = CacheSpec.from_tensors(key_cache, value_cache, kv_cache_dtype=kv_cache_dtype, scale=scale,
+                                  pointers=pointers)
+    num_tokens, scale_stride = validate_inputs(spec, key, value, key_cache, slot_mapping, k_scale, v_scale)
+    return spec, num_tokens, scale_stride

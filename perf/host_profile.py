@@ -1,0 +1,154 @@
+"""Host-side cost of the public ops without a GPU: the eager Python path on CPU tensors, with the
+driver stubbed (the real Launcher packs its Params and calls a no-op C function through ctypes in
+place of cuLaunchKernel) and the CUDA-only pieces (device queries, tensor maps, capture state)
+replaced by constants. What it measures is the Python/torch work per call that perf/launch_overhead.py
+measures on the GPU, minus the driver's own cost; CPU allocations stand in for the caching
+allocator's (of the same order).
+
+    python perf/host_profile.py            # µs of this thread's CPU time per call, best of 7 runs
+    python perf/host_profile.py --profile [CASE]  # and a cProfile of one case (default: the decode call)
+    python perf/host_profile.py --json     # and the results as one JSON line
+"""
+from __future__ import annotations
+
+import cProfile
+import ctypes
+import pstats
+import sys
+import time
+
+import torch
+
+
+def stub_cuda():
+    """Make the eager paths run on CPU tensors with a stubbed launch."""
+    from pagedattn.codegen import launch
+    from pagedattn.ops import attention, kv_write
+
+    try:
+        from pagedattn.ops import workspace
+    except ImportError:  # an older tree (to compare with): a stand-in with the attributes set below
+        import types
+        workspace = types.SimpleNamespace(_BUFFERS={})
+
+    class FakeKernel:
+        def __init__(self, spec):
+            self.spec = spec
+
+        def launcher(self, device):
+            lau = launch.Launcher.__new__(launch.Launcher)
+            noop = ctypes.PyDLL(None).labs  # ignores the extra arguments, as cuLaunchKernel's stand-in
+            noop.restype = ctypes.c_int
+            lau._launch, lau._func, lau._device = noop, ctypes.c_void_p(0), device  # labs(0) == 0: success
+            lau._smem, lau._ctx = 0, 0
+            lau._pack = launch.packer(self.spec.PARAMS).pack_into
+            lau._size = ctypes.sizeof(self.spec.PARAMS)
+            import threading
+            lau._local = threading.local()
+            lau._raw_stream = lambda device: 0
+            lau.max_active_blocks = lambda threads: 4
+            return lau
+
+    attention.get_kernel = kv_write.get_kernel = FakeKernel
+    attention._require_cuda = kv_write._require_cuda = lambda t: None
+    attention.arch_for_device = lambda device: "sm_90a"
+    attention.sm_count = kv_write.sm_count = lambda device: 132
+    attention.tma_maps = lambda k, v, call, head_dim: (torch.zeros(256, dtype=torch.uint8), 2)
+    attention._is_capturing = lambda: False
+    if hasattr(attention, "split_counters"):  # older trees kept the counters in attention.py
+        attention.split_counters = lambda device, n: torch.zeros(max(n, 1024), dtype=torch.int32)
+    workspace._raw_stream = lambda device: 0
+    def cpu_get(kind, device, stream, numel, dtype, capturing):
+        key = (kind, device, stream)
+        buf = workspace._BUFFERS.get(key)
+        if buf is None or buf.tensor.numel() < numel:
+            workspace._BUFFERS[key] = buf = workspace._Buffer(torch.zeros(max(numel, 1024), dtype=dtype), False)
+        return buf
+
+    workspace._get = cpu_get
+    torch.cuda.is_current_stream_capturing = lambda: False
+    torch.cuda.current_device = lambda: 0
+
+
+def per_call_us(fn, n=20000, runs=7):
+    """This thread's CPU time per call (thread_time: other processes on a shared machine do not
+    count), the best of `runs`."""
+    for _ in range(500):
+        fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.thread_time_ns()
+        for _ in range(n):
+            fn()
+        times.append((time.thread_time_ns() - t0) / n / 1e3)
+    return min(times)
+
+
+def cases():
+    import pagedattn
+    from pagedattn import CacheSpec
+
+    kc, vc = CacheSpec(16, 16, 8, 128, torch.bfloat16).allocate("cpu", fill=0.0)
+    key = torch.randn(1, 8, 128, dtype=torch.bfloat16)
+    slots = torch.tensor([3])
+    ak, av = CacheSpec(64, 16, 8, 128, torch.bfloat16).allocate("cpu", fill=0.0)
+    q = torch.randn(4, 32, 128, dtype=torch.bfloat16)
+    table = torch.arange(64, dtype=torch.int32).view(4, 16)
+    cu_q = torch.arange(5, dtype=torch.int32)
+    seq = torch.full((4,), 256, dtype=torch.int32)
+    ops = torch.ops.pagedattn
+
+    def attend(splits):
+        return pagedattn.flash_attn_varlen_func(q, ak, av, 1, cu_q, 256, seqused_k=seq, block_table=table,
+                                                num_splits=splits)
+
+    def attend_op(splits):
+        return ops.flash_attn_varlen_func(q, ak, av, 1, cu_q, 256, None, seq, None, False, table, splits, None,
+                                          None, None, [-1, -1], 0.0, None, None)
+    q4, k4 = q.view(4, 1, 32, 128), key.expand(4, 8, 128).contiguous().view(4, 1, 8, 128)
+    lens = torch.full((4,), 200, dtype=torch.int32)
+    return {
+        "reshape_and_cache_flash": lambda: pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots),
+        "op reshape_and_cache_flash": lambda: ops.reshape_and_cache_flash(key, key, kc, vc, slots, "auto", None,
+                                                                          None),
+        "flash_attn_varlen_func decode": lambda: attend(1),
+        "flash_attn_varlen_func decode split4": lambda: attend(4),
+        "op flash_attn_varlen_func decode": lambda: attend_op(1),
+        "op flash_attn_varlen_func decode split4": lambda: attend_op(4),
+        "flash_attn_with_kvcache decode (append 1)": lambda: pagedattn.flash_attn_with_kvcache(
+            q4, ak, av, k4, k4, cache_seqlens=lens, block_table=table, num_splits=1),
+        "torch.empty_like(q)": lambda: torch.empty_like(q),
+        "key.add(key)": lambda: key.add(key),
+    }
+
+
+def main(argv):
+    stub_cuda()
+    torch.set_num_threads(1)
+    all_cases = cases()
+    results = {}
+    for name, fn in all_cases.items():
+        try:
+            fn()
+        except (AttributeError, RuntimeError) as exc:  # an older tree without the op
+            print(f"{name:45s}    n/a ({type(exc).__name__})")
+            continue
+        n = 4000 if "kvcache" in name or name.startswith("op ") else 20000
+        results[name] = per_call_us(fn, n)
+        print(f"{name:45s} {results[name]:6.2f} us")
+    if "--json" in argv:  # one line of results, for perf/results/host_profile_*.json
+        import json
+        print(json.dumps(results))
+    if "--profile" in argv:
+        rest = argv[argv.index("--profile") + 1:]
+        fn = all_cases[rest[0] if rest else "flash_attn_varlen_func decode"]
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20000):
+            fn()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
