@@ -106,7 +106,10 @@ def test_manifest(built):
     for v in m["variants"]:
         assert v["arch"] == ARCH and v["family"] == "kv_write"
         assert not Path(v["file"]).is_absolute() and v["file"].startswith("kernels/")
-        data = (out / v["file"]).read_bytes()
+        assert v["file"].endswith(".cubin.xz") and v["compression"] == "xz"
+        stored = (out / v["file"]).read_bytes()
+        assert len(stored) == v["stored_size"] < v["size"] / 4   # cubins compress about 14x
+        data = bundle.unpack(stored, "xz")
         assert data[:4] == b"\x7fELF" and len(data) == v["size"]
         import hashlib
         assert hashlib.sha256(data).hexdigest() == v["sha256"]
@@ -114,7 +117,7 @@ def test_manifest(built):
         # the key is the one the run-time lookup computes
         assert aot.plan([spec], [ARCH])[0].key == v["key"]
     assert str(out) not in (out / "manifest.json").read_text()   # relocatable: no absolute paths
-    assert summary.bundle_kernels == 6 and summary.bundle_bytes == sum(v["size"] for v in m["variants"])
+    assert summary.bundle_kernels == 6 and summary.bundle_bytes == sum(v["stored_size"] for v in m["variants"])
 
 
 def test_rerun_compiles_nothing(built, capsys):
@@ -191,7 +194,7 @@ def test_jit_off_resolves_every_variant_from_bundle(bundle_copy, jit_off, monkey
     for v in _manifest(bundle_copy)["variants"]:
         art = get_kernel(_spec(v)).artifact(v["arch"])
         assert art.origin.startswith("aot:") and str(bundle_copy) in art.origin
-        assert art.cubin == (bundle_copy / v["file"]).read_bytes()
+        assert art.cubin == bundle.unpack((bundle_copy / v["file"]).read_bytes(), v["compression"])
     assert jit_off.compiles == 0
     # a variant outside the bundle: MissingKernelError, still no compile
     with pytest.raises(MissingKernelError, match="kv_write_fp32_auto_span"):
@@ -250,6 +253,39 @@ def _cache_cli(argv) -> int:
     return args.func(args)
 
 
+def test_stored_file_that_decodes_to_another_cubin_is_corrupt(bundle_copy, pagedattn_log):
+    """A well-formed xz file holding different bytes fails the cubin's own sha256."""
+    victim = _manifest(bundle_copy)["variants"][1]
+    path = bundle_copy / victim["file"]
+    cubin = bytearray(bundle.unpack(path.read_bytes(), "xz"))
+    cubin[len(cubin) // 2] ^= 0xFF
+    path.write_bytes(bundle.pack(bytes(cubin)))
+    report = bundle.verify(bundle_copy)
+    assert [e["key"] for e, _ in report.corrupt] == [victim["key"]]
+    assert "sha256 mismatch" in report.corrupt[0][1]
+
+
+def test_schema_1_bundle_of_plain_cubins_is_still_read(bundle_copy, jit_off, monkeypatch):
+    """Bundles written before compression (schema 1: .cubin files, no compression field) load as
+    they are."""
+    m = _manifest(bundle_copy)
+    for v in m["variants"]:
+        plain = v["file"][: -len(".xz")]
+        (bundle_copy / plain).write_bytes(bundle.unpack((bundle_copy / v["file"]).read_bytes(), "xz"))
+        (bundle_copy / v["file"]).unlink()
+        v["file"] = plain
+        del v["compression"], v["stored_size"]
+    m["schema"] = 1
+    (bundle_copy / "manifest.json").write_text(json.dumps(m))
+    bundle.forget()
+    monkeypatch.setenv("PAGEDATTN_AOT_DIR", str(bundle_copy))
+    assert bundle.verify(bundle_copy).ok
+    for v in m["variants"]:
+        art = get_kernel(_spec(v)).artifact(v["arch"])
+        assert art.origin.startswith("aot:") and art.cubin == (bundle_copy / v["file"]).read_bytes()
+    assert jit_off.compiles == 0
+
+
 def test_corrupt_artifact_found_by_bundle_verify_and_cache_verify(bundle_copy, fresh_cache,
                                                                    monkeypatch, capsys,
                                                                    pagedattn_log):
@@ -263,7 +299,7 @@ def test_corrupt_artifact_found_by_bundle_verify_and_cache_verify(bundle_copy, f
 
     assert aot.main(["bundle", "verify", str(bundle_copy)]) == 1
     out = capsys.readouterr().out
-    assert f"corrupt: {victim['name']} ({ARCH}): corrupt file {victim['file']}: sha256" in out
+    assert f"corrupt: {victim['name']} ({ARCH}): corrupt file {victim['file']}: undecodable xz" in out
     assert "rebuild: pagedattn precompile" in out and "1 corrupt" in out
 
     # a JIT cache entry with a bad cubin, beside the bundle
