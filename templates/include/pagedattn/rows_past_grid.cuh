@@ -21,7 +21,6 @@ template <class Traits, class Features>
 __device__ __noinline__ void attn_rows_past_grid(AttnParams const& p, AttnWork const& w) {
   using Element = typename Traits::Element;
   constexpr int kPerLane = (Traits::kHeadDim + 31) / 32;  // lane holds columns lane, lane + 32, ...
-  constexpr int kCacheBytes = Traits::kCacheBytes;
   int const lane = threadIdx.x % 32;
   int const warps = blockDim.x / 32;
   int const first = int(gridDim.y) * Traits::kBlockM, rows = w.q_len * p.group, D = p.head_size;
