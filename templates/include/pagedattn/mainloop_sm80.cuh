@@ -64,24 +64,18 @@ struct CpAsyncKVLoader {
     constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN;
     int const key0 = step * Traits::kStageKeys, D = c.p.head_size;
     PagedKV const& kv = c.kv;
-    if constexpr (!Traits::kIsFp8) {
-      constexpr int kChunks = kHeadDim / 8;
-      for (int i = c.tidx; i < Traits::kStageKeys * kChunks; i += Traits::kThreads) {
-        int const row = i / kChunks, col = (i % kChunks) * 8;
-        int const j = key0 + row;
-        char const *k_row = kv.k_base, *v_row = kv.v_base;
-        bool const ok = j < c.w.k_len && kv.locate(j, k_row, v_row) && col < D;
+    constexpr int kCols = 16 / Traits::kCacheBytes;  // columns of one 16-byte chunk of a cache row
+    constexpr int kChunks = kHeadDim / kCols;
+    for (int i = c.tidx; i < Traits::kStageKeys * kChunks; i += Traits::kThreads) {
+      int const row = i / kChunks, col = (i % kChunks) * kCols;
+      int const j = key0 + row;
+      char const *k_row = kv.k_base, *v_row = kv.v_base;
+      bool const ok = j < c.w.k_len && kv.locate(j, k_row, v_row) && col < D;
+      if constexpr (!Traits::kIsFp8) {
         int const off = int(typename Traits::SmemLayoutKV{}(row % kBlockN, col));
         cp_async_16(c.smem.k_tile(stage, row / kBlockN) + off, ok ? k_row + col * 2 : kv.k_base, ok);
         cp_async_16(c.smem.v_tile(stage, row / kBlockN) + off, ok ? v_row + col * 2 : kv.v_base, ok);
-      }
-    } else {
-      constexpr int kChunks = kHeadDim / 16;
-      for (int i = c.tidx; i < Traits::kStageKeys * kChunks; i += Traits::kThreads) {
-        int const row = i / kChunks, col = (i % kChunks) * 16;
-        int const j = key0 + row;
-        char const *k_row = kv.k_base, *v_row = kv.v_base;
-        bool const ok = j < c.w.k_len && kv.locate(j, k_row, v_row) && col < D;
+      } else {
         uint8_t* k_dst = c.smem.raw_k(stage, row) + col;
         uint8_t* v_dst = c.smem.raw_v(stage, row) + col;
         if (fp8_rows_16b) {
