@@ -174,3 +174,41 @@ def test_former_names_still_import():
                                          split_capacity, tile_config, tma_maps, tma_ok, validate, wgmma_ok)
     assert callable(validate) and attention.validate is validate  # the function, not the submodule
     assert not hasattr(attention, "_UNSUPPORTED_KW")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,kv,splits", [(256, "auto", 0), (192, "fp8_e4m3", 3)])
+def test_small_smem_decode_matches_reference(D, kv, splits, monkeypatch):
+    """The decode tiles of sm_86/sm_89 (fewer warps over the keys), compiled for this GPU: the plan
+    is made to build the small_smem twin (registered for sm_86/sm_89 only) with the cp.async loader."""
+    import torch
+
+    from pagedattn import reference
+    from test_attention import build_case, rel_l2
+
+    for_arch = AttnFwdSpec.for_arch.__func__
+    monkeypatch.setattr(AttnFwdSpec, "for_arch",
+                        classmethod(lambda cls, arch, *a, **k: for_arch(cls, "sm_86", *a, **k)))
+    monkeypatch.setattr(AttnFwdSpec, "supports_arch", lambda self, arch: True)
+    monkeypatch.setattr(attention, "tma_ok", lambda call, arch, head_dim: False)
+    attention._PLANS.clear()
+    try:
+        gen = torch.Generator().manual_seed(20 + D)
+        lens_q, lens_k = [1, 1, 1], [300, 1000, 37]
+        case = build_case(lens_q, lens_k, 8, 2, D, 16, "NHD", torch.bfloat16, kv, "tensor", gen)
+        o = attention.flash_attn_varlen_func(case["q"], case["kc"], case["vc"], 1, case["cu_q"], max(lens_k),
+                                             seqused_k=case["seqused"], block_table=case["table"],
+                                             num_splits=splits, k_descale=case["ks"], v_descale=case["vs"],
+                                             kv_cache_dtype=kv)
+        (plan,) = attention._PLANS.values()
+        (variant,) = plan._kernels.values()
+        assert variant.spec.small_smem and variant.spec.mode == "decode" and variant.spec.dynamic_smem() <= 99 * 1024
+        args = (case["q"], case["kc"], case["vc"], case["cu_q"], case["seqused"], case["table"])
+        kw = dict(kv_cache_dtype=kv, k_descale=case["ks"], v_descale=case["vs"])
+        ref = reference.paged_attention(*args, **kw, compute_dtype=torch.float64)
+        low = reference.paged_attention(*args, **kw, compute_dtype=torch.bfloat16)
+        assert not o.isnan().any(), "NaN in the output"
+        err, err_low = rel_l2(o, ref), rel_l2(low.to(torch.bfloat16), ref)
+        assert err <= max(2 * err_low, 2e-3) and err < 2e-2, (err, err_low)
+    finally:
+        attention._PLANS.clear()

@@ -208,6 +208,77 @@ def _batch(n_cu, *others) -> None:
                             "describe the same B requests")
 
 
+def _paged_kv(q, k, v, n_cu, cu_seqlens_k, seqused_k, block_table, want, k_descale, pointers):
+    """validate's paged half: block_table, seqused_k and the caches k, v [num_blocks, block_size, Hkv, D]
+    (NHD or HND). Returns (kv cache dtype name, Hkv, D, num_blocks, block_size)."""
+    B = n_cu - 1
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+        hint = " (int64 tables are not accepted: convert with .int())" \
+            if getattr(block_table, "dtype", None) == torch.int64 else ""
+        raise ContractError(f"block_table must be an int32 [B, max_blocks_per_seq] tensor, got "
+                            f"{describe(block_table)}{hint}")
+    if block_table.shape[0] > 0 and block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        raise ContractError(f"block_table rows must be contiguous, got shape {tuple(block_table.shape)} "
+                            f"strides {block_table.stride()}")
+    _on_device("block_table", block_table, q)
+    if seqused_k is None:
+        raise ContractError("paged attention (a block_table) needs seqused_k: a contiguous int32 [B] tensor")
+    _int32_vector("seqused_k", seqused_k, q, "[B]")
+    _batch(n_cu, ("block_table", block_table.shape[0], "rows", B), ("seqused_k", seqused_k.numel(), "entries", B))
+    if cu_seqlens_k is not None:
+        raise ContractError("give either block_table + seqused_k (paged) or cu_seqlens_k (contiguous), not both")
+    scale = "tensor"
+    if isinstance(k_descale, torch.Tensor) and k_descale.numel() > 1:
+        scale = "head"
+    try:
+        spec = CacheSpec.from_tensors(k, v, kv_cache_dtype=want, scale=scale, pointers=pointers)
+    except ContractError as e:  # its messages say key_cache / value_cache: here they are k / v
+        raise ContractError(f"k, v (the paged caches): {e}") from None
+    if spec.layout not in ("NHD", "HND"):
+        raise ContractError(f"cache layout {spec.layout} cannot be read by the flash kernels")
+    _on_device("k", k, q)
+    return spec.kv_cache_dtype, spec.num_kv_heads, spec.head_size, spec.num_blocks, spec.block_size
+
+
+def _varlen_kv(q, k, v, n_cu, cu_seqlens_k, seqused_k, want, kv_cache_dtype, pointers):
+    """validate's contiguous half: cu_seqlens_k, the optional seqused_k and k, v [total_k, Hkv, D].
+    Returns (kv cache dtype name, Hkv, D, 0, 0)."""
+    B = n_cu - 1
+    if cu_seqlens_k is None:
+        raise ContractError("give block_table + seqused_k (paged) or cu_seqlens_k (contiguous varlen)")
+    _int32_vector("cu_seqlens_k", cu_seqlens_k, q, "[B + 1]")
+    counts = [("cu_seqlens_k", cu_seqlens_k.numel(), "entries", B + 1)]
+    if seqused_k is not None:
+        _int32_vector("seqused_k", seqused_k, q, "[B]")
+        counts.append(("seqused_k", seqused_k.numel(), "entries", B))
+    _batch(n_cu, *counts)
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ContractError(f"{name} must be a 3-D tensor [total_k, Hkv, D] without a block_table, "
+                                f"got {describe(t)}")
+        _on_device(name, t, q)
+        _check_strides(name, t, "")
+        if pointers:
+            _check_aligned(name, t)
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ContractError(f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} differ")
+    if k.dtype in (torch.float16, torch.bfloat16):
+        kv_name = "auto"
+    elif k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        kv_name = short(k.dtype)
+    elif k.dtype == torch.uint8 and want != "auto":
+        kv_name = want
+    else:
+        raise ContractError(f"k/v dtype {k.dtype} is not supported (fp16/bf16 like q; float8, or uint8 "
+                            "with kv_cache_dtype='fp8_e4m3'/'fp8_e5m2')")
+    if want not in ("auto", kv_name):
+        raise ContractError(f"kv_cache_dtype={kv_cache_dtype!r} does not match k/v of dtype {k.dtype}")
+    _, Hkv, Dk = k.shape
+    if Hkv == 0:
+        raise ContractError(f"k has no heads: shape {tuple(k.shape)}")
+    return kv_name, Hkv, Dk, 0, 0
+
+
 def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, kv_cache_dtype,
              k_descale, v_descale, pointers: bool = True) -> _Call:
     """Every check of a call's tensor metadata; no syncs. q's device is the reference: every tensor
@@ -237,67 +308,11 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k
     B = n_cu - 1
     paged = block_table is not None
     if paged:
-        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
-            hint = " (int64 tables are not accepted: convert with .int())" \
-                if getattr(block_table, "dtype", None) == torch.int64 else ""
-            raise ContractError(f"block_table must be an int32 [B, max_blocks_per_seq] tensor, got "
-                                f"{describe(block_table)}{hint}")
-        if block_table.shape[0] > 0 and block_table.shape[1] > 1 and block_table.stride(1) != 1:
-            raise ContractError(f"block_table rows must be contiguous, got shape {tuple(block_table.shape)} "
-                                f"strides {block_table.stride()}")
-        _on_device("block_table", block_table, q)
-        if seqused_k is None:
-            raise ContractError("paged attention (a block_table) needs seqused_k: a contiguous int32 [B] tensor")
-        _int32_vector("seqused_k", seqused_k, q, "[B]")
-        _batch(n_cu, ("block_table", block_table.shape[0], "rows", B), ("seqused_k", seqused_k.numel(), "entries", B))
-        if cu_seqlens_k is not None:
-            raise ContractError("give either block_table + seqused_k (paged) or cu_seqlens_k (contiguous), not both")
-        scale = "tensor"
-        if isinstance(k_descale, torch.Tensor) and k_descale.numel() > 1:
-            scale = "head"
-        try:
-            spec = CacheSpec.from_tensors(k, v, kv_cache_dtype=want, scale=scale, pointers=pointers)
-        except ContractError as e:  # its messages say key_cache / value_cache: here they are k / v
-            raise ContractError(f"k, v (the paged caches): {e}") from None
-        if spec.layout not in ("NHD", "HND"):
-            raise ContractError(f"cache layout {spec.layout} cannot be read by the flash kernels")
-        _on_device("k", k, q)
-        kv_name, Hkv, Dk = spec.kv_cache_dtype, spec.num_kv_heads, spec.head_size
-        num_blocks, block_size = spec.num_blocks, spec.block_size
+        kv_name, Hkv, Dk, num_blocks, block_size = _paged_kv(q, k, v, n_cu, cu_seqlens_k, seqused_k, block_table,
+                                                             want, k_descale, pointers)
     else:
-        if cu_seqlens_k is None:
-            raise ContractError("give block_table + seqused_k (paged) or cu_seqlens_k (contiguous varlen)")
-        _int32_vector("cu_seqlens_k", cu_seqlens_k, q, "[B + 1]")
-        counts = [("cu_seqlens_k", cu_seqlens_k.numel(), "entries", B + 1)]
-        if seqused_k is not None:
-            _int32_vector("seqused_k", seqused_k, q, "[B]")
-            counts.append(("seqused_k", seqused_k.numel(), "entries", B))
-        _batch(n_cu, *counts)
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 3:
-                raise ContractError(f"{name} must be a 3-D tensor [total_k, Hkv, D] without a block_table, "
-                                    f"got {describe(t)}")
-            _on_device(name, t, q)
-            _check_strides(name, t, "")
-            if pointers:
-                _check_aligned(name, t)
-        if k.shape != v.shape or k.dtype != v.dtype:
-            raise ContractError(f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} differ")
-        if k.dtype in (torch.float16, torch.bfloat16):
-            kv_name = "auto"
-        elif k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            kv_name = short(k.dtype)
-        elif k.dtype == torch.uint8 and want != "auto":
-            kv_name = want
-        else:
-            raise ContractError(f"k/v dtype {k.dtype} is not supported (fp16/bf16 like q; float8, or uint8 "
-                                "with kv_cache_dtype='fp8_e4m3'/'fp8_e5m2')")
-        if want not in ("auto", kv_name):
-            raise ContractError(f"kv_cache_dtype={kv_cache_dtype!r} does not match k/v of dtype {k.dtype}")
-        _, Hkv, Dk = k.shape
-        if Hkv == 0:
-            raise ContractError(f"k has no heads: shape {tuple(k.shape)}")
-        num_blocks = block_size = 0
+        kv_name, Hkv, Dk, num_blocks, block_size = _varlen_kv(q, k, v, n_cu, cu_seqlens_k, seqused_k, want,
+                                                              kv_cache_dtype, pointers)
     if Dk != D:
         raise ContractError(f"head size differs: q has {D}, the KV cache {Dk}")
     if Hq % Hkv:
