@@ -23,21 +23,17 @@ from ...dtypes import CUTLASS_TYPE, FP8_FORMAT, short
 from ...registry import KernelSpec, UnsupportedError, arch_for_device, get_kernel, register, sm_count
 from .. import workspace
 from ..params import AttnParams
-from .heuristics import MAX_SPLITS, _best_splits, mode_for, split_cost, splits_for, tma_ok, wave_capacity, wgmma_ok
-from .tiles import (HEAD_DIMS, MODES, SMALL_SMEM_ARCH, SMEM_LIMIT, SMEM_PER_CTA, _tiles, fp8_regs, smem_bytes,
-                    smem_limit, tile_config)
-from .tma import TMA_L2_PROMOTION, tma_maps
-from .validate import (_INT32_MAX, _NO_FEATURES, _UNSUPPORTED_OK, _batch, _Call, _check_aligned, _check_strides,
-                       _count_arg, _descale_strides, _given, _head_vector, _int32_vector, _is_default, _offsets,
-                       _on_device, _require_cuda, check_scalars, check_tables, check_unsupported, check_values,
-                       features_of, validate)
-
-__all__ = ["AttnFwdSpec", "flash_attn_varlen_func", "kernel_head_dim", "tile_config", "validate"]
-# names re-exported for `from pagedattn.ops.attention import X` (the package's former single module)
-_REEXPORTED = (MAX_SPLITS, SMEM_LIMIT, _best_splits, mode_for, split_cost, tma_ok, wgmma_ok, HEAD_DIMS, MODES, SMEM_PER_CTA,
-               _tiles, fp8_regs, smem_bytes, TMA_L2_PROMOTION, _INT32_MAX, _NO_FEATURES, _UNSUPPORTED_OK, _batch,
-               _check_aligned, _check_strides, _count_arg, _given, _head_vector, _int32_vector, _is_default,
-               _offsets, _on_device, check_tables, check_values)
+# re-exported: `from pagedattn.ops.attention import X` finds every name of the former single module
+from .heuristics import MAX_SPLITS, _best_splits, mode_for, split_cost, splits_for  # noqa: F401
+from .heuristics import tma_ok, wave_capacity, wgmma_ok  # noqa: F401
+from .tiles import HEAD_DIMS, MODES, SMALL_SMEM_ARCH, SMEM_LIMIT, SMEM_PER_CTA, _tiles  # noqa: F401
+from .tiles import fp8_regs, smem_bytes, smem_limit, tile_config  # noqa: F401
+from .tma import TMA_L2_PROMOTION, tma_maps  # noqa: F401
+from .validate import _INT32_MAX, _NO_FEATURES, _UNSUPPORTED_OK, _batch, _Call, _check_aligned  # noqa: F401
+from .validate import _check_strides, _count_arg, _descale_strides, _given, _head_vector  # noqa: F401
+from .validate import _int32_vector, _is_default, _offsets, _on_device, _require_cuda  # noqa: F401
+from .validate import check_scalars, check_tables, check_unsupported, check_values  # noqa: F401
+from .validate import features_of, validate  # noqa: F401
 
 _is_capturing = torch.cuda.is_current_stream_capturing
 _validate = validate  # flash_attn_varlen_func's validate= argument shadows the name
@@ -119,6 +115,11 @@ class AttnFwdSpec(KernelSpec):
     def tiles(self) -> dict:
         return tile_config(self.head_dim, self.mode, self.kv_cache_dtype != "auto", self.tile_arch)
 
+    @property
+    def default_tiles(self) -> dict:
+        """The tiles of sm_90a and sm_80 (those of this variant unless small_smem)."""
+        return tile_config(self.head_dim, self.mode, self.kv_cache_dtype != "auto")
+
     def context(self) -> dict:
         tiles = dict(self.tiles)
         # never promise more resident CTAs than shared memory allows: the register cap would be wasted
@@ -137,7 +138,7 @@ class AttnFwdSpec(KernelSpec):
         if self.small_smem:
             fp8 = self.kv_cache_dtype != "auto"
             if self.mode not in ("decode", "prefill") or \
-                    tile_config(self.head_dim, self.mode, fp8, SMALL_SMEM_ARCH) == tile_config(self.head_dim, self.mode, fp8):
+                    tile_config(self.head_dim, self.mode, fp8, SMALL_SMEM_ARCH) == self.default_tiles:
                 raise UnsupportedError(f"attn_fwd: small_smem is for the decode/prefill tiles that do not fit "
                                        f"{SMALL_SMEM_ARCH}'s shared memory; {self.mode} at head_dim "
                                        f"{self.head_dim} uses its default tiles there")
