@@ -55,7 +55,8 @@ class KernelSpec:
         return 0
 
     def supports_arch(self, arch: str) -> bool:
-        """False for a variant that uses instructions `arch` lacks (it is never compiled for it)."""
+        """False for a variant that needs instructions `arch` lacks, or more shared memory than it gives
+        a CTA: it is never compiled for it."""
         return True
 
     @classmethod
@@ -150,8 +151,8 @@ class Kernel:
     def artifact(self, arch: str) -> Artifact:
         if not self.spec.supports_arch(arch):
             built = ", ".join(a for a in SUPPORTED_ARCHS if self.spec.supports_arch(a))
-            raise UnsupportedError(f"{self.name} needs instructions {arch} does not have; it is built "
-                                   f"for {built} only")
+            raise UnsupportedError(f"{self.name} needs instructions or shared memory {arch} does not have; "
+                                   f"it is built for {built} only")
         return kernel_cache().get(self.name, self.source, arch, debug=False,
                                   precompile_hint=precompile_command(self.spec, arch))
 

@@ -50,8 +50,8 @@ def _patch(config: str) -> str:
         warps, stages, min_blocks, loader, block_n = (config.split(",") + ["tma", "16"][len(config.split(",")) - 3:])[:5]
         base = attention.tile_config
 
-        def patched(head_dim, mode, fp8=False):
-            cfg = base(head_dim, mode, fp8)
+        def patched(head_dim, mode, fp8=False, arch="sm_90a"):
+            cfg = base(head_dim, mode, fp8, arch)
             if mode.startswith("decode"):
                 cfg.update(kWarpsN=int(warps), kStages=int(stages), kMinBlocks=int(min_blocks), kBlockN=int(block_n))
             return cfg
@@ -87,8 +87,8 @@ def child(config: str):
 
     _patch(config)
     if os.environ.get("TMA_PROMOTION"):
-        from pagedattn.ops import attention
-        attention.TMA_L2_PROMOTION = os.environ["TMA_PROMOTION"]
+        from pagedattn.ops.attention import tma
+        tma.TMA_L2_PROMOTION = os.environ["TMA_PROMOTION"]  # tma_maps reads it there
     cases = _cases()
     timer = Timer(budget_s=0.2)  # the bench's method: device time of back-to-back calls
     for name, B, ctx, kv, splits in cases:

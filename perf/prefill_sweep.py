@@ -27,8 +27,8 @@ def _patch(config: str) -> None:
     bm, bn, wm, st = (int(x) for x in config.split(","))
     base = attention.tile_config
 
-    def patched(head_dim, mode, fp8=False):
-        cfg = base(head_dim, mode, fp8)
+    def patched(head_dim, mode, fp8=False, arch="sm_90a"):
+        cfg = base(head_dim, mode, fp8, arch)
         if mode == "prefill_wgmma":
             cfg.update(kBlockM=bm, kBlockN=bn, kWarpsM=wm, kStages=st)
         return cfg

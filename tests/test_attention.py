@@ -727,7 +727,8 @@ def test_tiles_beyond_shared_memory_are_refused(monkeypatch):
 
     base = attention.tile_config
     monkeypatch.setattr(attention, "tile_config",
-                        lambda d, mode, fp8=False: {**base(d, mode, fp8), "kBlockN": 128, "kStages": 4})
+                        lambda d, mode, fp8=False, arch="sm_90a": {**base(d, mode, fp8, arch), "kBlockN": 128,
+                                                                    "kStages": 4})
     with pytest.raises(UnsupportedError, match="shared memory"):
         AttnFwdSpec("bf16", "auto", 128, "prefill_wgmma")
 

@@ -1,0 +1,446 @@
+"""flash_attn_varlen_func over a paged KV cache: the kernel family, the plan cache, dispatch, launch.
+
+The steps live in small modules, re-exported here (every `pagedattn.ops.attention.X` keeps working):
+  tiles.py       tile sizes per (head dim, mode, cache dtype, arch) and their shared memory
+  heuristics.py  mode choice and split count, pure functions (MAX_SPLITS)
+  validate.py    the checks of a call: keywords, scalars, tensor metadata, values
+  tma.py         the CUtensorMaps of decode_tma
+This module keeps what reads the device or a monkeypatchable name at run time (tests and perf sweeps
+replace `tile_config`, `tma_ok`, `wgmma_ok`, `tma_maps`, `sm_count` here): the spec, the plan and
+the launch."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from ... import envs
+from ...contract import ContractError, traced
+from ...dtypes import CUTLASS_TYPE, FP8_FORMAT, short
+from ...registry import KernelSpec, UnsupportedError, arch_for_device, get_kernel, register, sm_count
+from .. import workspace
+from ..params import AttnParams
+# re-exported: `from pagedattn.ops.attention import X` finds every name of the former single module
+from .heuristics import MAX_SPLITS, _best_splits, mode_for, split_cost, splits_for  # noqa: F401
+from .heuristics import tma_ok, wave_capacity, wgmma_ok  # noqa: F401
+from .tiles import HEAD_DIMS, MODES, SMALL_SMEM_ARCH, SMEM_LIMIT, SMEM_PER_CTA, _tiles  # noqa: F401
+from .tiles import fp8_regs, smem_bytes, smem_limit, tile_config  # noqa: F401
+from .tma import TMA_L2_PROMOTION, tma_maps  # noqa: F401
+from .validate import _INT32_MAX, _NO_FEATURES, _UNSUPPORTED_OK, _batch, _Call, _check_aligned  # noqa: F401
+from .validate import _check_strides, _count_arg, _descale_strides, _given, _head_vector  # noqa: F401
+from .validate import _int32_vector, _is_default, _offsets, _on_device, _require_cuda  # noqa: F401
+from .validate import check_scalars, check_tables, check_unsupported, check_values  # noqa: F401
+from .validate import features_of, validate  # noqa: F401
+
+_is_capturing = torch.cuda.is_current_stream_capturing
+_validate = validate  # flash_attn_varlen_func's validate= argument shadows the name
+
+LOG2E = 1.4426950408889634
+
+
+FEATURES = ("window", "softcap", "alibi", "sinks")
+# Feature sets that bundles and `pagedattn list` cover, by the models that need them: Mistral/Qwen2
+# sliding-window layers; Gemma 2/3 (softcap + window; softcap alone in global layers); gpt-oss (sinks,
+# with and without a window); BLOOM/MPT/Baichuan (ALiBi).
+FEATURE_SETS = ("none", "window", "softcap", "window+softcap", "sinks", "window+sinks", "alibi")
+
+
+@register
+@dataclass(frozen=True)
+class AttnFwdSpec(KernelSpec):
+    """Paged FlashAttention forward: query dtype, cache dtype, head-dim tile, decode/prefill tiles."""
+    FAMILY: ClassVar[str] = "attn_fwd"
+    TEMPLATE: ClassVar[str] = "attn_fwd.cu.j2"
+    ENTRY: ClassVar[str] = "attn_fwd_kernel"
+    PARAMS: ClassVar = AttnParams
+    SUPPORTED: ClassVar[dict] = {
+        "dtype": ("fp16", "bf16"),
+        "kv_cache_dtype": ("auto", "fp8_e4m3", "fp8_e5m2"),
+        "head_dim": HEAD_DIMS,
+        "mode": MODES,
+        **{f: (False, True) for f in FEATURES},
+        "small_smem": (False, True),
+        "features": FEATURE_SETS,  # derived (the property below): what AOT selections and `list` name
+    }
+
+    dtype: str
+    kv_cache_dtype: str = field(metadata={"prefix": "kv"})
+    head_dim: int = field(metadata={"prefix": "d"})
+    mode: str
+    # score and mask features (AttnFeatures in tile_scheduler.cuh); each appears in the name when on
+    window: bool = False
+    softcap: bool = False
+    alibi: bool = False
+    sinks: bool = False
+    # the tiles of the 99 KiB archs (sm_86, sm_89: tile_config with SMALL_SMEM_ARCH), only where the
+    # default tiles do not fit there; `for_arch` sets it. Off, the name and the source are the defaults'.
+    small_smem: bool = False
+
+    @classmethod
+    def for_arch(cls, arch: str, dtype: str, kv_cache_dtype: str, head_dim: int, mode: str,
+                 flags: tuple = (False, False, False, False)) -> "AttnFwdSpec":
+        """The variant the plan builds for `arch`: the one whose tiles are tile_config's for it."""
+        fp8 = kv_cache_dtype != "auto"
+        small = tile_config(head_dim, mode, fp8, arch) != tile_config(head_dim, mode, fp8)
+        return cls(dtype, kv_cache_dtype, head_dim, mode, *flags, small_smem=small)
+
+    @property
+    def features(self) -> str:
+        """The feature set as AOT selections and FEATURE_SETS spell it: 'none' or e.g. 'window+softcap'."""
+        return "+".join(f for f in FEATURES if getattr(self, f)) or "none"
+
+    @classmethod
+    def all_variants(cls):
+        """Every tile/dtype variant with each feature set of FEATURE_SETS (any other combination still
+        compiles on first use; these are the ones `pagedattn list`, bundles and the compile tests cover)."""
+        for spec in super().all_variants():
+            if spec.features == "none":
+                for fs in FEATURE_SETS:
+                    yield spec if fs == "none" else dataclasses.replace(spec, **{f: True for f in fs.split("+")})
+
+    @property
+    def tile_arch(self) -> str:
+        """The arch whose shared memory these tiles were chosen for (the defaults: sm_90a's, which
+        also fit sm_80's for every mode sm_80 runs)."""
+        return SMALL_SMEM_ARCH if self.small_smem else "sm_90a"
+
+    @property
+    def smem_limit(self) -> int:
+        return smem_limit(self.tile_arch)
+
+    @property
+    def tiles(self) -> dict:
+        return tile_config(self.head_dim, self.mode, self.kv_cache_dtype != "auto", self.tile_arch)
+
+    @property
+    def default_tiles(self) -> dict:
+        """The tiles of sm_90a and sm_80 (those of this variant unless small_smem)."""
+        return tile_config(self.head_dim, self.mode, self.kv_cache_dtype != "auto")
+
+    def context(self) -> dict:
+        tiles = dict(self.tiles)
+        # never promise more resident CTAs than shared memory allows: the register cap would be wasted
+        tiles["kMinBlocks"] = max(1, min(tiles["kMinBlocks"], self.smem_limit // self.dynamic_smem()))
+        return {"Element": CUTLASS_TYPE[self.dtype], "kFp8": FP8_FORMAT[self.kv_cache_dtype],
+                "kHeadDim": self.head_dim, "kSmemBytes": self.dynamic_smem(), **tiles,
+                **{f: getattr(self, f) for f in FEATURES}}
+
+    def check(self) -> None:
+        if self.mode == "decode_tma" and self.kv_cache_dtype == "auto" and self.head_dim % 64:
+            raise UnsupportedError(f"attn_fwd: mode=decode_tma needs head_dim a multiple of 64 for 16-bit "
+                                   f"caches (128-byte swizzled TMA boxes), got {self.head_dim}")
+        if self.mode == "prefill_wgmma" and (self.kv_cache_dtype != "auto" or self.head_dim % 64):
+            raise UnsupportedError(f"attn_fwd: mode=prefill_wgmma needs a 16-bit cache and head_dim a multiple "
+                                   f"of 64 (128-byte swizzled tiles), got {self.kv_cache_dtype}, {self.head_dim}")
+        if self.small_smem:
+            fp8 = self.kv_cache_dtype != "auto"
+            if self.mode not in ("decode", "prefill") or \
+                    tile_config(self.head_dim, self.mode, fp8, SMALL_SMEM_ARCH) == self.default_tiles:
+                raise UnsupportedError(f"attn_fwd: small_smem is for the decode/prefill tiles that do not fit "
+                                       f"{SMALL_SMEM_ARCH}'s shared memory; {self.mode} at head_dim "
+                                       f"{self.head_dim} uses its default tiles there")
+        if self.dynamic_smem() > self.smem_limit:
+            raise UnsupportedError(f"attn_fwd: the {self.mode} tiles {self.tiles} need {self.dynamic_smem()} bytes "
+                                   f"of shared memory at head_dim {self.head_dim}; a CTA gets at most "
+                                   f"{self.smem_limit}")
+
+    def supports_arch(self, arch: str) -> bool:
+        """sm_90a-only modes aside, a variant is built for the archs whose tile_config it holds (so a
+        default tile too large for sm_86/sm_89 is never built there: its small_smem twin is)."""
+        if self.mode in ("decode_tma", "prefill_wgmma") and arch != "sm_90a":
+            return False
+        try:
+            return tile_config(self.head_dim, self.mode, self.kv_cache_dtype != "auto", arch) == self.tiles
+        except UnsupportedError:  # no tile fits that arch
+            return False
+
+    def dynamic_smem(self) -> int:
+        return smem_bytes(self.tiles, self.head_dim, self.kv_cache_dtype != "auto")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.tiles["kWarpsM"] * self.tiles["kWarpsN"]
+
+
+def kernel_head_dim(head_size: int) -> int:
+    """Compiled head dims: 64, 80, 96, 128, 192, 256. Any other multiple of 8 up to 256 runs on the
+    next larger one; the extra columns are zero-filled on load and never stored."""
+    for d in HEAD_DIMS:
+        if head_size <= d:
+            return d
+    raise UnsupportedError(f"attn_fwd: head_size={head_size} is not supported; at most 256 "
+                           f"(compiled: {', '.join(map(str, HEAD_DIMS))})")
+
+
+def choose_splits(num_splits: int, ctas: int, max_seqlen_k: int, spec: AttnFwdSpec, device: int) -> int:
+    """num_splits=0: the split count with the least whole-wave cost (split_cost), so that a batch
+    neither underfills the GPU nor leaves a mostly empty last wave (measured on H200: 512 decode CTAs
+    over 396 slots ran 1.29 waves, i.e. two)."""
+    return splits_for(num_splits, ctas, max_seqlen_k, stage_keys(spec), split_capacity(spec, device))
+
+
+def stage_keys(spec: AttnFwdSpec) -> int:
+    return spec.tiles["kBlockN"] * spec.tiles["kWarpsN"]
+
+
+def split_capacity(spec: AttnFwdSpec, device: int) -> int:
+    """Resident CTAs of one wave of this variant (heuristics.wave_capacity on this device)."""
+    return wave_capacity(sm_count(device), spec.tiles["kTma"], spec.dynamic_smem(), spec.smem_limit)
+
+
+def _sig(t):
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t)
+
+
+class _Variant:
+    """A variant of a plan with what every launch reads from its spec, looked up once."""
+    __slots__ = ("spec", "launcher", "mode", "block_m", "threads", "stage_keys", "capacity", "head_dim")
+
+    def __init__(self, spec: AttnFwdSpec, launcher, device: int):
+        self.spec, self.launcher, self.mode, self.head_dim = spec, launcher, spec.mode, spec.head_dim
+        self.block_m = spec.tiles["kBlockM"]
+        self.threads = (spec.threads, 1, 1)
+        self.stage_keys = stage_keys(spec)
+        self.capacity = split_capacity(spec, device)
+
+
+class _Plan:
+    """What a call's tensor metadata decides, validated once and reused while it repeats."""
+    __slots__ = ("call", "device", "dtype", "head_dim", "dbs", "dhs", "block_shift", "bt_stride",
+                 "bt_width", "arch", "decode_mode", "prefill_mode", "wgmma_rows", "_kernels", "_tma", "group",
+                 "tiles_per_row", "default_scale", "geometry")
+
+    def __init__(self, call: _Call, q, block_table, k_descale, v_descale):
+        self.call = call
+        self.device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        self.dtype = short(q.dtype)
+        self.head_dim = kernel_head_dim(call.D)
+        self.dbs = self.dhs = 0
+        if call.kv_name != "auto":
+            self.dbs, self.dhs = _descale_strides("k_descale", k_descale, call.B, call.Hkv, q.device)
+            if _descale_strides("v_descale", v_descale, call.B, call.Hkv, q.device) != (self.dbs, self.dhs):
+                raise ContractError("k_descale and v_descale must have the same shape")
+        bs = call.block_size
+        self.block_shift = bs.bit_length() - 1 if bs and bs & (bs - 1) == 0 else -1
+        self.bt_stride = block_table.stride(0) if block_table is not None else 0
+        self.bt_width = block_table.shape[1] if block_table is not None else 0
+        self.arch = arch = arch_for_device(self.device)
+        self.decode_mode = "decode_tma" if tma_ok(call, arch, self.head_dim) else "decode"
+        self.prefill_mode = "prefill_wgmma" if wgmma_ok(call, arch, self.head_dim) else "prefill"
+        # prefill_wgmma's tiles are larger: it takes over once the rows overflow one SM80 prefill tile.
+        # Measured on H200 (perf/results/prefill_modes_nvidia_h200_20261130_short_3eaa587.json, d128,
+        # B=32 over 4096 keys): q_len 5-32 (20-128 rows) ran 17 % slower on wgmma, q_len 64 1.7x faster.
+        self.wgmma_rows = tile_config(self.head_dim, "prefill", False, arch)["kBlockM"]
+        self._kernels: dict = {}
+        self._tma: dict = {}
+        self.group = call.Hq // call.Hkv
+        self.tiles_per_row = call.B * call.Hkv  # CTAs of one row tile (gridDim.x)
+        self.default_scale = 1.0 / math.sqrt(call.D)
+        # AttnParams from k_block_stride to head_size: fixed by the metadata
+        self.geometry = (*call.k_strides, *call.v_strides, self.bt_stride, self.bt_width, call.num_blocks,
+                         call.block_size, self.block_shift, call.B, call.Hq, call.Hkv, self.group, call.D)
+
+    def mode_for(self, rows: int) -> str:
+        """The variant for a batch whose longest request has `rows` packed query rows."""
+        return mode_for(rows, self.decode_mode, self.prefill_mode, self.wgmma_rows)
+
+    def kernel(self, mode: str, flags: tuple = (False, False, False, False)) -> "_Variant":
+        """The decode or prefill variant with these feature flags (FEATURES order)."""
+        hit = self._kernels.get((mode, flags))
+        if hit is None:
+            spec = AttnFwdSpec.for_arch(self.arch, self.dtype, self.call.kv_name, self.head_dim, mode, flags)
+            hit = self._kernels[(mode, flags)] = _Variant(spec, get_kernel(spec).launcher(self.device), self.device)
+        return hit
+
+    def tma_maps(self, k, v, capturing: bool = False):
+        """tma_maps for this plan's geometry, per cache (an engine alternates one cache per layer).
+        Encoding copies host memory to the GPU, which a capturing stream cannot do: a capture needs
+        one call with the same caches before it (a warm-up). Maps a capture used live as long as
+        the process (workspace.keep_for_graphs): evicting them here would free what a graph reads."""
+        key = (k.data_ptr(), v.data_ptr())
+        hit = self._tma.get(key)
+        if hit is None:
+            if capturing:
+                raise ContractError("flash_attn_varlen_func: the TMA descriptors of these k/v caches are built "
+                                    "on first use, which cannot happen during CUDA-graph capture; run one "
+                                    "eager call with the same caches before capturing (a warm-up)")
+            if len(self._tma) >= 512:
+                self._tma.clear()
+            hit = self._tma[key] = tma_maps(k, v, self.call, self.head_dim)
+        elif capturing:
+            workspace.keep_for_graphs(hit[0])
+        return hit
+
+
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None,
+                           seqused_k=None, softmax_scale=None, causal=False, block_table=None,
+                           return_softmax_lse=False, out=None, num_splits=0, k_descale=None,
+                           v_descale=None, kv_cache_dtype=None, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, s_aux=None, sinks=None, validate: bool = False, **unsupported):
+    """FlashAttention over packed variable-length queries and a paged (or contiguous) KV cache.
+
+    Paged: k, v are caches [num_blocks, block_size, Hkv, D] (NHD or HND), block_table int32
+    [B, max_blocks], seqused_k int32 [B]. Contiguous: k, v [total_k, Hkv, D] and cu_seqlens_k.
+    q [total_q, Hq, D] fp16/bf16, cu_seqlens_q int32 [B + 1]. Causal masking is bottom-right aligned.
+    fp8 caches (uint8 + kv_cache_dtype, or float8 tensors) need k_descale / v_descale ([1], [Hkv] or
+    [B, Hkv]); they are dequantised inside the kernel. Returns out, or (out, lse [Hq, total_q]).
+    num_splits: 0 = heuristic, 1 = no split-KV, >1 = that many splits (capped by the KV length).
+
+    Validation runs once per distinct tensor metadata (shapes without total_q, strides, dtypes,
+    devices); repeated calls only re-check the scalars, token counts and pointer alignment.
+    validate=True (or PAGEDATTN_DEBUG=1) also checks the values on every call (check_values: offsets,
+    lengths, block ids, descales; syncs).
+
+    Under torch.compile this calls the custom op torch.ops.pagedattn.flash_attn_varlen_func (its
+    .out overload when out is given; pagedattn.ops.library), whose fake implementation runs the same
+    metadata checks; in eager it runs `attend` directly (the dispatcher would cost host time).
+    """
+    if unsupported:
+        check_unsupported(unsupported)
+    if s_aux is not None and sinks is not None:
+        raise ContractError("give the sink logits once: s_aux (vLLM's name) or sinks, not both")
+    if s_aux is not None:
+        sinks = s_aux
+    if torch.compiler.is_compiling() or traced(q):
+        from .. import library
+
+        return library.varlen_op(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k,
+                                 softmax_scale, causal, block_table, return_softmax_lse, out, num_splits,
+                                 k_descale, v_descale, kv_cache_dtype, window_size, softcap, alibi_slopes,
+                                 sinks)
+    out, lse = attend(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k,
+                      softmax_scale, causal, block_table, return_softmax_lse, out, num_splits, k_descale,
+                      v_descale, kv_cache_dtype, window_size, softcap, alibi_slopes, sinks, validate)
+    return (out, lse) if return_softmax_lse else out
+
+
+def fake_attend(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, softmax_scale,
+                causal, block_table, return_softmax_lse, out, num_splits, k_descale, v_descale,
+                kv_cache_dtype, window_size, softcap, alibi_slopes, sinks):
+    """What `attend` checks and returns, for tensors without data (the fake implementations of
+    pagedattn.ops.library): the same checks in the same order, so the same ContractErrors."""
+    check_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, num_splits)
+    call = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, kv_cache_dtype,
+                     k_descale, v_descale, pointers=False)
+    features_of(call, q.device, causal, window_size, softcap, alibi_slopes, sinks)
+    return outputs(q, call.Hq, return_softmax_lse, out)
+
+
+def outputs(q, Hq, return_softmax_lse, out=None):
+    """(out like q, lse float32 [Hq, total_q] or None): what attend allocates, fake or real."""
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(Hq, q.shape[0], dtype=torch.float32, device=q.device) if return_softmax_lse else None
+    return out, lse
+
+
+def attend(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, softmax_scale,
+           causal, block_table, return_softmax_lse, out, num_splits, k_descale, v_descale, kv_cache_dtype,
+           window_size, softcap, alibi_slopes, sinks, validate=False):
+    """flash_attn_varlen_func's implementation (the eager call and the custom op both run it):
+    returns (out, lse or None)."""
+    checked = check_call(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k,
+                         softmax_scale, causal, block_table, out, num_splits, k_descale, v_descale, kv_cache_dtype,
+                         window_size, softcap, alibi_slopes, sinks, validate)
+    return launch(checked, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, causal,
+                  block_table, return_softmax_lse, out, num_splits, k_descale, v_descale)
+
+
+def check_call(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, softmax_scale,
+               causal, block_table, out, num_splits, k_descale, v_descale, kv_cache_dtype, window_size, softcap,
+               alibi_slopes, sinks, validate=False):
+    """Every check of a call, before anything runs: (plan, softmax_scale, features) for `launch`.
+    The metadata part is validated once per distinct signature (_PLANS)."""
+    softmax_scale = check_scalars(max_seqlen_q, max_seqlen_k, softmax_scale, num_splits)
+    debug = validate or envs.debug()
+    try:
+        # flat, one attribute lookup each: this runs on every call (a non-tensor fails here, below)
+        sig = (q.shape[1:], q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+               v.shape, v.stride(), v.dtype, v.device, cu_seqlens_q.shape, cu_seqlens_q.stride(),
+               cu_seqlens_q.dtype, cu_seqlens_q.device, _sig(cu_seqlens_k), _sig(seqused_k), _sig(block_table),
+               None if out is None else _sig(out)[1:] + (out.shape[1:],), kv_cache_dtype,
+               None if k_descale is None else _sig(k_descale), None if v_descale is None else _sig(v_descale))
+        plan = _PLANS.get(sig)
+    except (AttributeError, TypeError):  # not tensors: the full validation explains
+        sig, plan = None, None
+    if plan is not None and ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 or
+                             (out is not None and (out.shape[0] != q.shape[0] or out.data_ptr() & 15))):
+        plan = None  # something only the full validation can name
+    values = (q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
+              k_descale, v_descale) if debug else None
+    if plan is None:
+        call = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, kv_cache_dtype,
+                         k_descale, v_descale)
+        if debug:  # before the CUDA check: CPU tensors get the value checks too
+            check_values(call, *values)
+        features = features_of(call, q.device, causal, window_size, softcap, alibi_slopes, sinks)
+        _require_cuda(q)
+        plan = _Plan(call, q, block_table, k_descale, v_descale)
+        if sig is not None:
+            if len(_PLANS) > 256:
+                _PLANS.clear()
+            _PLANS[sig] = plan
+        return plan, softmax_scale, features
+    if debug:
+        check_values(plan.call, *values)
+    return plan, softmax_scale, features_of(plan.call, q.device, causal, window_size, softcap, alibi_slopes, sinks)
+
+
+def launch(checked, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, causal,
+           block_table, return_softmax_lse, out, num_splits, k_descale, v_descale):
+    """Allocate the outputs, choose variant and splits, launch: a call check_call accepted."""
+    plan, softmax_scale, (flags, w_left, w_right, cap, alibi_slopes, alibi_stride, sinks) = checked
+    call = plan.call
+    total_q = q.shape[0]
+    out, lse = outputs(q, call.Hq, return_softmax_lse, out)
+    if total_q == 0 or call.B == 0:
+        return out, lse
+    group = plan.group
+    # max_seqlen_q / max_seqlen_k choose the variant and size the grid. Every index stays inside the
+    # tensors whatever they say (tile_scheduler.cuh); rows past an understated max_seqlen_q take a slow
+    # out-of-line path (attn_fwd.cuh). A request's rows are at most total_q: no more row tiles than that.
+    rows = max(0, int(max_seqlen_q)) * group
+    variant = plan.kernel(plan.mode_for(rows), flags)
+    m_blocks = -(-min(rows, total_q * group) // variant.block_m)
+    m_blocks = min(max(1, m_blocks), MAX_GRID_Y)
+    # splits divide the keys a tile can see: with a left window edge, at most the window and the rows.
+    # The split plan depends on shapes and max_seqlen_k only (never on seqused_k's values): a CUDA
+    # graph captured with it stays right for any lengths up to max_seqlen_k.
+    keys = max(0, int(max_seqlen_k))
+    if w_left >= 0:
+        keys = min(keys, w_left + 1 + max(0, int(max_seqlen_q)) + (0 if causal or w_right < 0 else w_right))
+    ctas = plan.tiles_per_row * m_blocks
+    splits = splits_for(int(num_splits), ctas, keys, variant.stage_keys, variant.capacity)
+    scale = softmax_scale if softmax_scale is not None else plan.default_scale
+    capturing = _is_capturing() if splits > 1 or variant.mode == "decode_tma" else False
+    o_ptr = lse_ptr = counters_ptr = 0
+    if splits > 1:
+        o_ptr, lse_ptr, counters_ptr = workspace.split_scratch(plan.device, splits, total_q, call.Hq,
+                                                               variant.head_dim, ctas, capturing)
+    maps_ptr = row_dim = 0
+    if variant.mode == "decode_tma":
+        maps, row_dim = plan.tma_maps(k, v, capturing)
+        maps_ptr = maps.data_ptr()
+    q_stride, out_stride = q.stride(), out.stride()
+    values = (
+        q.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(), k.data_ptr(), v.data_ptr(),
+        0 if block_table is None else block_table.data_ptr(), cu_seqlens_q.data_ptr(),
+        0 if seqused_k is None else seqused_k.data_ptr(), 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
+        0 if k_descale is None else k_descale.data_ptr(), 0 if v_descale is None else v_descale.data_ptr(),
+        o_ptr, lse_ptr, maps_ptr, counters_ptr, 0 if alibi_slopes is None else alibi_slopes.data_ptr(),
+        0 if sinks is None else sinks.data_ptr(), q_stride[0], q_stride[1], out_stride[0], out_stride[1],
+        *plan.geometry, total_q, 0 if call.paged else k.shape[0], splits, int(bool(causal)),
+        plan.dbs, plan.dhs, row_dim, w_left, w_right, alibi_stride, scale * LOG2E, cap)
+    variant.launcher((plan.tiles_per_row, m_blocks, splits), variant.threads, values)
+    return out, lse

@@ -1,0 +1,77 @@
+"""Launch choices of flash_attn_varlen_func as pure functions: which mode (decode or prefill, and
+whether the sm_90a TMA / warpgroup-MMA loaders apply) and how many KV splits.
+
+Nothing here reads a device or a tensor: the plan (`_Plan` in the package) asks these with what a
+call's metadata and the device say, so every rule can be tested on the CPU."""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .validate import _Call
+
+# THE cap on KV splits: a forced num_splits is clamped to it, the heuristic stops at half of it, and
+# the in-kernel combine (split_combine.cuh) holds 32 * kMaxChunks = 256 split LSEs per row
+# (tests/test_attention_tiles.py checks that the two agree).
+MAX_SPLITS = 256
+
+
+def tma_ok(call: _Call, arch: str, head_dim: int) -> bool:
+    """decode_tma needs sm_90, a paged cache whose pages hold whole 16-key sub-tiles, strides the
+    tensor map can describe (multiples of 16 bytes; bases are 16-byte aligned already) and, for 16-bit
+    caches, a compiled head dim that is a multiple of 64."""
+    fp8 = call.kv_name != "auto"
+    width = 1 if fp8 else 2
+    return (arch == "sm_90a" and call.paged and call.block_size % 16 == 0 and (fp8 or head_dim % 64 == 0)
+            and all(x * width % 16 == 0 for x in (*call.k_strides, *call.v_strides, call.D)))
+
+
+def wgmma_ok(call: _Call, arch: str, head_dim: int) -> bool:
+    """prefill_wgmma: sm_90a, a 16-bit cache, a compiled head dim that is a multiple of 64."""
+    return arch == "sm_90a" and call.kv_name == "auto" and head_dim % 64 == 0
+
+
+def mode_for(rows: int, decode_mode: str, prefill_mode: str, wgmma_rows: int) -> str:
+    """The variant for a batch whose longest request has `rows` packed query rows: decode up to one
+    16-row tile; prefill_wgmma (when the plan allows it) once the rows overflow one SM80 prefill tile
+    (`wgmma_rows`), plain prefill in between."""
+    if rows <= 16:
+        return decode_mode
+    return prefill_mode if rows > wgmma_rows else "prefill"
+
+
+def wave_capacity(sms: int, tma: bool, smem: int, smem_limit: int) -> int:
+    """Resident CTAs of one wave of a variant using `smem` bytes of the `smem_limit` of an SM."""
+    if tma:
+        # TMA decode streams at near the SM's bandwidth share with one CTA per SM; a second resident
+        # CTA adds little, so a wave is one CTA per SM (H200, perf/results/attn_quick_*: B=16 ctx 4096
+        # 96 us with 1 split vs 110 with 2; B=1 ctx 32768 78 us with 16 splits vs 83 with 32).
+        return sms
+    return sms * max(1, smem_limit // max(smem, 1))
+
+
+def split_cost(ctas: int, splits: int, capacity: int, keys: int, fixed_keys: int = 128) -> float:
+    """Relative run time of `ctas` x `splits` CTAs over `capacity` resident slots: whole waves (a
+    partial last wave costs a full one) times the per-CTA work, 1/splits of a request's keys plus a
+    fixed prologue/epilogue worth `fixed_keys` keys."""
+    waves = -(-ctas * splits // capacity)
+    return waves * (1.0 / splits + fixed_keys / max(keys, 1))
+
+
+def splits_for(num_splits: int, ctas: int, max_seqlen_k: int, stage_keys: int, capacity: int) -> int:
+    """The split count: num_splits > 0 is taken as given (at most MAX_SPLITS and one per stage of
+    keys); 0 asks for the count with the least whole-wave cost (split_cost), so that a batch neither
+    underfills the GPU nor leaves a mostly empty last wave (measured on H200: 512 decode CTAs over
+    396 slots ran 1.29 waves, i.e. two)."""
+    max_steps = max(1, -(-max_seqlen_k // stage_keys))
+    if num_splits > 0:
+        return max(1, min(num_splits, max_steps, MAX_SPLITS))
+    return _best_splits(ctas, max_seqlen_k, max_steps, capacity)
+
+
+@functools.lru_cache(maxsize=4096)
+def _best_splits(ctas: int, max_seqlen_k: int, max_steps: int, capacity: int) -> int:
+    """Memoised: the search runs once per batch shape, not on every call."""
+    most = max(1, min(MAX_SPLITS // 2, max_steps // 2))  # each split keeps at least two stages of keys
+    return min(range(1, most + 1), key=lambda s: (split_cost(ctas, s, capacity, max_seqlen_k), s))

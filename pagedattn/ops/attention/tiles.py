@@ -1,0 +1,92 @@
+"""Tile sizes of the attn_fwd kernels: THE choice per (head dim, mode, cache dtype, arch), the
+shared memory each needs, and what each arch gives a CTA.
+
+The measured defaults (`_tiles`) serve sm_80 and sm_90a alike (one rendered source per variant).
+sm_86 and sm_89 give a CTA only 99 KiB: where a default tile needs more (decode at head dims 192 and
+256), `tile_config` halves the warps that split the keys until the stages fit; a tile that still
+cannot fit is refused with an UnsupportedError."""
+from __future__ import annotations
+
+from ...registry import UnsupportedError
+
+HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+MODES = ("decode", "decode_tma", "prefill", "prefill_wgmma")
+# Shared memory one CTA may use (the opt-in maximum of cudaFuncSetAttribute), per NVRTC target.
+SMEM_PER_CTA = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90a": 227 * 1024}
+SMEM_LIMIT = SMEM_PER_CTA["sm_90a"]  # the budget of the default tiles (every one of them also fits sm_80's)
+SMALL_SMEM_ARCH = "sm_86"  # the tiles of AttnFwdSpec.small_smem: those of the 99 KiB archs (sm_86, sm_89)
+
+
+def tile_config(head_dim: int, mode: str, fp8: bool = False, arch: str = "sm_90a") -> dict:
+    """THE choice of tile sizes per (head dim, mode, arch). Decode packs few rows, so its warps split
+    the KV range (kWarpsN); prefill's warps split the rows (kWarpsM). decode_tma is decode with each
+    warp filling its own ring by TMA (sm_90, paged caches; see attn_traits.cuh); prefill_wgmma is
+    prefill with warpgroup MMAs (sm_90a, 16-bit caches, head dims that are multiples of 64).
+    On an arch with less shared memory than the default tile needs, fewer warps split the keys
+    (each stage holds kBlockN x kWarpsN keys); UnsupportedError if even one warp's stages overflow."""
+    cfg = dict(kWgmma=mode == "prefill_wgmma", **_tiles(head_dim, mode, fp8))
+    limit = smem_limit(arch)
+    while smem_bytes(cfg, head_dim, fp8) > limit and cfg["kWarpsN"] > 1:
+        cfg["kWarpsN"] //= 2
+    if smem_bytes(cfg, head_dim, fp8) > limit:
+        raise UnsupportedError(f"attn_fwd: no {mode} tile fits in shared memory at head_dim {head_dim}"
+                               f"{' (fp8 cache)' if fp8 else ''}: {smem_bytes(cfg, head_dim, fp8)} bytes, "
+                               f"a CTA gets at most {limit} on {arch}")
+    return cfg
+
+
+def smem_limit(arch: str) -> int:
+    """Shared memory one CTA may use on `arch`."""
+    try:
+        return SMEM_PER_CTA[arch]
+    except KeyError:
+        raise UnsupportedError(f"attn_fwd: no shared-memory size known for arch {arch!r} "
+                               f"(known: {', '.join(SMEM_PER_CTA)})") from None
+
+def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
+    if mode == "decode":
+        # Measured on H200 (perf/results/history/attn_tile_sweep_*): with cp.async, decode is bound by
+        # warps per SM, so the smallest sub-tile and two stages (68 KiB at d128: three CTAs) win.
+        return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=2, kMinBlocks=3, kTma=False)
+    if mode == "decode_tma":
+        # Measured on H200 (perf/results/decode_sweep_*): 16-bit caches, two ring slots in flight per
+        # warp and two CTAs per SM; fp8 caches (more work per byte: widening) prefer more warps, three
+        # CTAs with one slot in flight each.
+        if fp8 and fp8_regs(head_dim, True):
+            # fp8 operands converted in registers (attn_fp8_regs.cuh): sub-tiles of 4096 / head_dim keys
+            # keep the 8 KiB slots of the 16-bit tiles
+            return dict(kBlockM=16, kBlockN=4096 // head_dim, kWarpsM=1, kWarpsN=4, kStages=3, kMinBlocks=2,
+                        kTma=True)
+        if fp8:
+            return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=2, kMinBlocks=3, kTma=True)
+        return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=3, kMinBlocks=2, kTma=True)
+    if mode == "prefill_wgmma":
+        # Measured on H200, B=4 S=4096 causal d128 (perf/results/history/prefill_sweep_h200_*): more
+        # warpgroups sharing each K/V stage win. rows x keys: 128x128 227 TFLOP/s, 192x128 300-309,
+        # 256x64 325-333, 256x64 with three stages 339 (row tiles in reverse order). Head dims above
+        # 128 keep two warpgroups (O needs the registers) and two stages (shared memory at d256).
+        if head_dim <= 128:
+            return dict(kBlockM=256, kBlockN=64, kWarpsM=16, kWarpsN=1, kStages=3, kMinBlocks=1, kTma=False)
+        return dict(kBlockM=128, kBlockN=64, kWarpsM=8, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False)
+    if head_dim <= 128:
+        return dict(kBlockM=128, kBlockN=64, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False)
+    return dict(kBlockM=64, kBlockN=32, kWarpsM=4, kWarpsN=1, kStages=2, kMinBlocks=1, kTma=False)
+
+
+def fp8_regs(head_dim: int, tma: bool) -> bool:
+    """AttnTraits::kFp8Regs for an fp8 cache: TMA decode converts fp8 operands in registers when the
+    rows split into 128-byte swizzled blocks."""
+    return tma and head_dim % 128 == 0
+
+
+def smem_bytes(cfg: dict, head_dim: int, fp8: bool) -> int:
+    """Mirror of AttnTraits::kSmemBytes (attn_traits.cuh); the rendered source static_asserts it."""
+    stage = cfg["kBlockN"] * cfg["kWarpsN"] * head_dim
+    q = cfg["kBlockM"] * head_dim * 2
+    elem_stages = (0 if fp8_regs(head_dim, cfg["kTma"]) else 1) if fp8 else cfg["kStages"]
+    kv = (2 * cfg["kStages"] * stage if fp8 else 0) + 2 * elem_stages * stage * 2
+    epilogue = cfg["kWarpsN"] * cfg["kBlockM"] * (head_dim + 2) * 4
+    main = max(q + kv, epilogue)
+    barriers = 8 * cfg["kWarpsN"] * cfg["kStages"] if cfg["kTma"] else 0
+    return -(-main // 8) * 8 + barriers
+
