@@ -76,3 +76,18 @@ def test_check_tensors_names_the_difference():
     k, v = CacheSpec(4, 16, 2, 64, torch.float16, layout="HND").allocate("cpu")
     with pytest.raises(ContractError, match="layout"):
         spec.check_tensors(k, v)
+
+
+def test_plan_cache_is_bounded_and_shared_by_every_op():
+    from pagedattn.ops import attention, kv_write, legacy_attention
+    from pagedattn.ops.plans import PlanCache
+
+    cache = PlanCache(limit=3)
+    for i in range(3):
+        cache.remember(i, f"plan {i}")
+    assert len(cache) == 3
+    cache.remember(3, "plan 3")          # full: forgets everything, keeps the newest
+    assert dict(cache) == {3: "plan 3"}
+    assert cache.remember(None, "x") == "x" and None not in cache   # no key: not cached
+    for op in (attention, kv_write, legacy_attention):
+        assert isinstance(op._PLANS, PlanCache) and op._PLANS.limit == 256

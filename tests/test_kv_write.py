@@ -9,6 +9,7 @@ import pagedattn
 from pagedattn import CacheSpec, ContractError, reference
 from pagedattn.codegen.compile import compile_source, nvrtc_options
 from pagedattn.codegen.toolchain import toolchain
+from pagedattn.ops.plans import PlanCache
 from pagedattn.ops import kv_write
 from pagedattn.ops.kv_write import KvWriteSpec
 from pagedattn.registry import Kernel, get_kernel, variant_name
@@ -200,7 +201,7 @@ def force_path(request, monkeypatch):
     others, e.g. source=unaligned, must fall back to span/head)."""
     monkeypatch.setattr(kv_write, "FLAT_FOR", ALL_FLAT if request.param == "flat" else frozenset())
     monkeypatch.setattr(kv_write, "FLAT_MIN_TOKENS", 1)
-    monkeypatch.setattr(kv_write, "_PLANS", {})
+    monkeypatch.setattr(kv_write, "_PLANS", PlanCache())
     return request.param
 
 
@@ -275,7 +276,7 @@ def _check_against_reference(spec, key, value, slots, kv, ks, vs):
 def max_items(request, monkeypatch):
     """Re-render the flat variants with kItems = FLAT_MAX_ITEMS = request.param (and back afterwards)."""
     monkeypatch.setattr(kv_write, "FLAT_MAX_ITEMS", request.param)
-    monkeypatch.setattr(kv_write, "_PLANS", {})
+    monkeypatch.setattr(kv_write, "_PLANS", PlanCache())
     get_kernel.cache_clear()
     yield request.param
     get_kernel.cache_clear()
@@ -329,7 +330,7 @@ def test_flat_streaming(waves, stream_items, layout, kv, scale, T, H, D, dtype, 
     monkeypatch.setattr(kv_write, "FLAT_MIN_TOKENS", 1)
     monkeypatch.setattr(kv_write, "FLAT_STREAM_WAVES", waves)
     monkeypatch.setattr(kv_write, "FLAT_STREAM_ITEMS", stream_items)
-    monkeypatch.setattr(kv_write, "_PLANS", {})
+    monkeypatch.setattr(kv_write, "_PLANS", PlanCache())
     get_kernel.cache_clear()  # the variant's source depends on FLAT_STREAM_ITEMS
     request.addfinalizer(get_kernel.cache_clear)
     gen = torch.Generator("cuda").manual_seed(T * 3 + stream_items)
@@ -353,7 +354,7 @@ def test_flat_fallback_rows_not_aligned(D, offset, monkeypatch):
     """bf16 D=36 (72-byte rows) and an unaligned base take span/head, aligned ones flat; the same plan
     serves calls whose base pointers differ in alignment."""
     monkeypatch.setattr(kv_write, "FLAT_FOR", ALL_FLAT)
-    monkeypatch.setattr(kv_write, "_PLANS", {})
+    monkeypatch.setattr(kv_write, "_PLANS", PlanCache())
     T, H = 300, 4
     spec = CacheSpec(32, 16, H, D, torch.bfloat16, "auto", "HND")
     flat = torch.randn(2 * T * H * D + 16, dtype=torch.bfloat16, device="cuda")

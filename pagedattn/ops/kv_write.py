@@ -7,6 +7,7 @@ from typing import ClassVar
 import torch
 
 from .. import envs
+from .plans import PlanCache
 from ..contract import CacheSpec, ContractError, check_scale_values, describe, traced
 from ..dtypes import CUDA_TYPE, FP8_FORMAT, short
 from ..registry import KernelSpec, get_kernel, register, sm_count
@@ -366,7 +367,7 @@ def _scale_sig(t):
         if isinstance(t, torch.Tensor) else type(t)
 
 
-_PLANS: dict[tuple, _Plan] = {}
+_PLANS = PlanCache()
 
 
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
@@ -410,9 +411,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
                                                     kv_cache_dtype, k_scale, v_scale)
     _require_cuda(key_cache)
     plan = _Plan(spec, key, value, key_cache, slot_mapping, scale_stride)
-    if len(_PLANS) > 256:
-        _PLANS.clear()
-    _PLANS[sig] = plan
+    _PLANS.remember(sig, plan)
     _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
             validate)
 

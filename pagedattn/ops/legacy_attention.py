@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 
 from .. import envs
+from .plans import PlanCache
 from ..contract import CacheSpec, ContractError, check_scale_values, describe
 from ..dtypes import CUDA_TYPE, FP8_FORMAT, short
 from ..registry import KernelSpec, UnsupportedError, get_kernel, register
@@ -301,7 +302,7 @@ class Plan:
                         (out.data_ptr(),) + partials + (seq_lens.data_ptr(),) + self.reduce_tail)
 
 
-_PLANS: dict[tuple, Plan] = {}
+_PLANS = PlanCache()
 
 
 def _meta(a):
@@ -341,10 +342,7 @@ def run(version: str, out, query, key_cache, value_cache, num_kv_heads, scale, b
             check_tables(call)
         _require_cuda(call)
         plan = Plan(call, chosen, stride)
-        if key is not None:
-            if len(_PLANS) > 256:
-                _PLANS.clear()
-            _PLANS[key] = plan
+        _PLANS.remember(key, plan)
     elif version == "auto" and plan.version == "v2":
         partials = allocate_partials(query, max_seq_len)
     plan.launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, k_scale, v_scale,

@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 
 from ... import envs
+from ..plans import PlanCache
 from ...contract import ContractError, traced
 from ...dtypes import CUTLASS_TYPE, FP8_FORMAT, short
 from ...registry import KernelSpec, UnsupportedError, arch_for_device, get_kernel, register, sm_count
@@ -280,7 +281,7 @@ class _Plan:
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 
 
-_PLANS: dict[tuple, _Plan] = {}
+_PLANS = PlanCache()
 
 
 def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None,
@@ -387,10 +388,7 @@ def check_call(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, 
         features = features_of(call, q.device, causal, window_size, softcap, alibi_slopes, sinks)
         _require_cuda(q)
         plan = _Plan(call, q, block_table, k_descale, v_descale)
-        if sig is not None:
-            if len(_PLANS) > 256:
-                _PLANS.clear()
-            _PLANS[sig] = plan
+        _PLANS.remember(sig, plan)
         return plan, softmax_scale, features
     if debug:
         check_values(plan.call, *values)
