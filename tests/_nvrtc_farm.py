@@ -51,17 +51,29 @@ def _store(key: str, result) -> None:
         os.replace(tmp, folder / f"{key}.pkl")
 
 
+def _claim(key: str) -> bool:
+    """True for the one process (farm worker or caller) that compiles `key`; False: another one does."""
+    try:
+        os.close(os.open(_folder() / f"{key}.claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
 def _lookup(key: str):
-    """A result of this session, waiting for it when the farm has it queued; None: compile here."""
+    """A result of this session, waiting for it while another process compiles it; None: compile here
+    (a queued job that no farm worker has started yet is taken over, so no caller waits on the queue)."""
     hit = _memory.get(key)
     if hit is not None:
         return hit
     folder = _folder()
     if folder is None:
         return None
-    done, queued, failed = (folder / f"{key}{ext}" for ext in (".pkl", ".queued", ".failed"))
+    done, failed = folder / f"{key}.pkl", folder / f"{key}.failed"
+    if not done.exists() and _claim(key):
+        return None
     deadline = time.monotonic() + WAIT_S
-    while not done.exists() and queued.exists() and not failed.exists() and time.monotonic() < deadline:
+    while not done.exists() and not failed.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     if not done.exists():
         return None
@@ -77,8 +89,13 @@ def compile_source(source: str, *, variant: str, arch: str, options: list[str],
     if result is not None:
         stats["reused"] += 1
         return result
-    result = real_compile_source(source, variant=variant, arch=arch, options=options,
-                                  source_path=source_path)
+    try:
+        result = real_compile_source(source, variant=variant, arch=arch, options=options,
+                                     source_path=source_path)
+    except BaseException:
+        if _folder() is not None:
+            (_folder() / f"{key}.failed").touch()  # whoever waits for it compiles it and sees the error
+        raise
     stats["nvrtc"] += 1
     _store(key, result)
     return result
@@ -93,6 +110,8 @@ def install() -> None:
 def _farm_job(key: str, source: str, variant: str, arch: str, options: list[str]) -> None:
     """Worker: compile one job into the session folder, or mark it failed (the caller repeats it)."""
     folder = _folder()
+    if not _claim(key):
+        return  # a caller took it over
     try:
         result = real_compile_source(source, variant=variant, arch=arch, options=options)
     except BaseException:
@@ -122,8 +141,6 @@ def start(jobs, workers: int):
             todo[key] = (source, variant, arch, options)
     if not todo:
         return None
-    for key in todo:
-        (folder / f"{key}.queued").touch()
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
     pool = ProcessPoolExecutor(max_workers=max(1, min(workers, len(todo))), mp_context=ctx)
