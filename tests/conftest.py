@@ -31,6 +31,9 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The tests that compile run last (in their order), so that the others run while the farm compiles
+    # (a module's tests stay together where all of them or none compile: module fixtures are built once).
+    items[:] = sorted(items, key=lambda item: item.get_closest_marker("compiles") is not None)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
