@@ -9,17 +9,30 @@ BIN := $(VENV)/bin
 
 .PHONY: setup install test test-all demo clean
 
+# Stamps in the venv: `make test` installs again only what changed since the last install.
+DEPS_STAMP    := $(VENV)/.pagedattn-deps
+INSTALL_STAMP := $(VENV)/.pagedattn-installed
+PACKAGE_FILES := pyproject.toml $(shell find pagedattn codegen templates -type f \
+                   -not -name '*.pyc' -not -path '*/__pycache__/*' 2>/dev/null)
+
 $(BIN)/python:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 
-setup: $(BIN)/python
+$(DEPS_STAMP): pyproject.toml | $(BIN)/python
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
 	@extra=$$($(BIN)/python -c "import torch; v=torch.version.cuda; print('cu12' if v and v.startswith('12') else 'cu13')"); \
 	  echo "installing pagedattn[$$extra,test,bench] (non-editable)"; \
 	  $(BIN)/pip install -q ".[$$extra,test,bench]"
+	@touch $@
 
-install: setup
-	$(BIN)/pip install -q --no-deps --force-reinstall .
+$(INSTALL_STAMP): $(DEPS_STAMP) $(PACKAGE_FILES)
+	@echo "installing pagedattn from this tree"
+	@$(BIN)/pip install -q --no-deps --force-reinstall .
+	@touch $@
+
+setup: $(DEPS_STAMP)
+
+install: $(INSTALL_STAMP)
 
 # CPU tests always run; GPU tests skip without CUDA. pytest's exit code (5 = nothing ran) fails make.
 # `make test` compiles a representative subset of the attention variants; `make test-all` compiles

@@ -1,23 +1,87 @@
 import os
+import shutil
 import tempfile
 
 import pytest
 
-# Tests never touch the user's cache; each session gets its own unless the caller set one.
-os.environ.setdefault("PAGEDATTN_CACHE_DIR", tempfile.mkdtemp(prefix="pagedattn-test-cache-"))
+# Tests never touch the user's cache; each session gets its own unless the caller set one, and
+# everything a session writes for itself (that cache, the NVRTC memo of _nvrtc_farm) is removed at its end.
+_SESSION_DIR = tempfile.mkdtemp(prefix="pagedattn-test-")
+os.environ.setdefault("PAGEDATTN_CACHE_DIR", os.path.join(_SESSION_DIR, "cache"))
+os.environ["PAGEDATTN_TEST_NVRTC_MEMO"] = os.path.join(_SESSION_DIR, "nvrtc")
+os.mkdir(os.environ["PAGEDATTN_TEST_NVRTC_MEMO"])
 
 import torch  # noqa: E402
+
+import _nvrtc_farm  # noqa: E402
+
+_nvrtc_farm.install()  # before the test modules import compile_source
 
 HAS_CUDA = torch.cuda.is_available()
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "compiles(*jobs): the test compiles these (spec, arch) kernels; without "
+                                       "arguments its `spec` and `arch` parameters (see _nvrtc_farm)")
+
+
+def pytest_unconfigure(config):
+    if os.getpid() == _nvrtc_farm.OWNER:
+        shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
+    # The tests that compile run last (in their order), so that the others run while the farm compiles
+    # (a module's tests stay together where all of them or none compile: module fixtures are built once).
+    items[:] = sorted(items, key=lambda item: item.get_closest_marker("compiles") is not None)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _declared_jobs(items):
+    """(spec, arch) pairs of the `compiles` markers of the tests that will run, in their order, once."""
+    seen = set()
+    for item in items:
+        if item.get_closest_marker("skip"):
+            continue
+        for mark in item.iter_markers("compiles"):
+            params = getattr(item, "callspec", None)
+            pairs = mark.args or [(params.params["spec"], params.params["arch"])]
+            for spec, arch in pairs:
+                if spec.supports_arch(arch) and (spec, arch) not in seen:
+                    seen.add((spec, arch))
+                    yield spec, arch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nvrtc_farm_session(request):
+    """Compile every declared kernel once, in parallel processes, while the tests run."""
+    workers = int(os.environ.get("PAGEDATTN_TEST_JOBS") or len(os.sched_getaffinity(0)))
+    jobs = [_nvrtc_farm.kernel_job(spec, arch) for spec, arch in _declared_jobs(request.session.items)]
+    pool = _nvrtc_farm.start(jobs, workers) if jobs and workers > 1 else None
+    yield
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    s = _nvrtc_farm.stats
+    if any(s.values()):
+        terminalreporter.write_line(f"NVRTC: {s['farmed']} kernels compiled by the farm, {s['nvrtc']} in the test "
+                                    f"process, {s['reused']} compiles reused")
+
+
+@pytest.fixture
+def real_nvrtc(monkeypatch):
+    """Every compile of the test runs NVRTC, none reuses the session's (for tests of determinism)."""
+    from pagedattn.codegen import cache, compile
+
+    monkeypatch.setattr(compile, "compile_source", _nvrtc_farm.real_compile_source)
+    monkeypatch.setattr(cache, "compile_source", _nvrtc_farm.real_compile_source)
 
 
 @pytest.fixture

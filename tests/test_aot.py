@@ -1,7 +1,8 @@
 """AOT: `pagedattn precompile`, relocatable bundles, JIT-off mode, `bundle verify` / `cache verify`.
 
-CPU only: NVRTC compiles sm_90a without a GPU. One small bundle (4 kv_write variants) is built once
-per module; tests that change a bundle work on a copy. About 9 compiles in all.
+CPU only: NVRTC compiles sm_90a without a GPU. One small bundle (6 kv_write variants) is built once
+per module; tests that change a bundle work on a copy. 7 kernels, each compiled once per session
+(conftest.py), and 2 again by the serial run that must give the same bytes.
 """
 import argparse
 import dataclasses
@@ -28,6 +29,11 @@ LLAMA = DATA / "llama2_7b_config.json"
 QWEN = DATA / "qwen3_0.6b_config.json"
 SMALL = ["--ops", "kv_write", "--dtypes", "bf16", "--kv-cache-dtypes", "auto,fp8_e4m3"]
 ARCH = "sm_90a"
+# What this module compiles, started at the beginning of the session in parallel (conftest.py):
+# the SMALL matrix and the good one of test_failed_variant_does_not_stop_others.
+pytestmark = pytest.mark.compiles(*[(KvWriteSpec("bf16", kv, path), ARCH) for kv in ("auto", "fp8_e4m3")
+                                    for path in ("span", "head", "flat")],
+                                  (KvWriteSpec("fp16", "auto", "head"), ARCH))
 
 
 def precompile(*argv) -> int:
@@ -151,7 +157,7 @@ def test_rerun_rebuilds_only_missing_corrupt_or_stale(bundle_copy, capsys):
     assert after["variants"][1]["sha256"] == bad["sha256"]                 # same bytes again
 
 
-def test_parallel_precompile_gives_serial_bytes(built, tmp_path):
+def test_parallel_precompile_gives_serial_bytes(built, tmp_path, real_nvrtc):
     out, _ = built
     wanted = sorted(_manifest(out)["variants"], key=lambda v: v["name"])[:2]
     serial = tmp_path / "serial"

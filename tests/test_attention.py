@@ -98,6 +98,7 @@ CI_SPECS = [AttnFwdSpec("bf16", "auto", 128, "decode"), AttnFwdSpec("bf16", "aut
             AttnFwdSpec("bf16", "auto", 128, "prefill_wgmma")]
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 @pytest.mark.parametrize("spec", CI_SPECS, ids=variant_name)
 def test_attention_variants_compile(spec, arch):
@@ -109,6 +110,7 @@ def test_attention_variants_compile(spec, arch):
 
 
 @pytest.mark.slow
+@pytest.mark.compiles
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 @pytest.mark.parametrize("spec", [s for s in AttnFwdSpec.all_variants()
                                   if s not in CI_SPECS], ids=variant_name)

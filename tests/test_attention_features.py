@@ -140,6 +140,7 @@ FEATURE_CI_SPECS = [AttnFwdSpec("bf16", "auto", 128, "decode", window=True, soft
                                 sinks=True)]
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 @pytest.mark.parametrize("spec", FEATURE_CI_SPECS, ids=variant_name)
 def test_feature_variants_compile(spec, arch):

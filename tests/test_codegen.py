@@ -6,6 +6,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import time
 import traceback
 from pathlib import Path
 
@@ -21,8 +22,12 @@ from pagedattn.ops.kv_write import KvWriteSpec
 from pagedattn.registry import Kernel
 
 
+SPAN = KvWriteSpec("bf16", "auto", "span")  # the kernel of most tests here
+HEAD16 = KvWriteSpec("fp16", "auto", "head")  # a second one
+
+
 def _kernel():
-    return Kernel(KvWriteSpec("bf16", "auto", "span"))
+    return Kernel(SPAN)
 
 
 def test_render_is_deterministic():
@@ -37,6 +42,7 @@ def test_render_strict_undefined():
         krender.render("kv_write.cu.j2", variant_name="x")
 
 
+@pytest.mark.compiles((SPAN, "sm_80"), (SPAN, "sm_90a"))
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_nvrtc_compiles_cute_template(arch):
     k = _kernel()
@@ -84,6 +90,7 @@ def test_unknown_arch_is_rejected():
         nvrtc_options("sm_70", ktool.toolchain())
 
 
+@pytest.mark.compiles((SPAN, "sm_90a"))
 def test_miss_then_hit(fresh_cache):
     k = _kernel()
     a = fresh_cache.get(k.name, k.source, "sm_90a")
@@ -98,6 +105,7 @@ def test_miss_then_hit(fresh_cache):
     assert (a.path / "source.cu").read_text() == k.source
 
 
+@pytest.mark.compiles((SPAN, "sm_90a"), (SPAN, "sm_80"))
 def test_key_changes_with_arch_and_source(fresh_cache):
     k = _kernel()
     a = fresh_cache.get(k.name, k.source, "sm_90a")
@@ -138,6 +146,7 @@ def pristine_entry(tmp_path_factory):
     return art.path, art.cubin
 
 
+@pytest.mark.compiles((SPAN, "sm_90a"))
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_damaged_entry_is_rebuilt(pristine_entry, fresh_cache, damage, pagedattn_log):
     """Truncated, emptied or altered files are caught with one warning naming the file, rebuilt, and
@@ -160,12 +169,21 @@ def test_damaged_entry_is_rebuilt(pristine_entry, fresh_cache, damage, pagedattn
     assert len(_warnings(pagedattn_log)) == 1
 
 
+def _slow_compile(*args, **kwargs):
+    """The session's compile of the kernel (see _nvrtc_farm), held long enough for all 8 to contend."""
+    import _nvrtc_farm
+
+    time.sleep(2.0)
+    return _nvrtc_farm.compile_source(*args, **kwargs)
+
+
 def _race_worker(cache_dir, barrier, queue):
     try:
         os.environ["PAGEDATTN_CACHE_DIR"] = cache_dir
         from pagedattn.codegen import cache as c
 
-        k = Kernel(KvWriteSpec("fp16", "auto", "head"))
+        c.compile_source = _slow_compile
+        k = Kernel(HEAD16)
         src, cache = k.source, c.KernelCache()
         barrier.wait(timeout=240)  # everything slow (imports, rendering) is done before the start
         art = cache.get(k.name, src, "sm_90a")
@@ -175,6 +193,7 @@ def _race_worker(cache_dir, barrier, queue):
         raise
 
 
+@pytest.mark.compiles((HEAD16, "sm_90a"))
 def test_eight_processes_race_compile_once(tmp_path):
     """8 processes start together on one cold variant: NVRTC runs once, all 8 get the same cubin."""
     n = 8
@@ -228,12 +247,13 @@ def _unwritable_cache(mode, tmp_path, monkeypatch) -> Path:
     return root
 
 
+@pytest.mark.compiles((SPAN, "sm_90a"), (HEAD16, "sm_90a"))
 @pytest.mark.parametrize("mode", ["not_a_dir", "read_only", "disk_full"])
 def test_unwritable_cache_dir_warns_once(mode, tmp_path, monkeypatch, pagedattn_log):
     """Kernels compile in memory; one warning per process (not per kernel) names the dir and the fix."""
     root = _unwritable_cache(mode, tmp_path, monkeypatch)
     c = kcache.KernelCache()
-    kernels = [_kernel(), Kernel(KvWriteSpec("fp16", "auto", "head"))]
+    kernels = [_kernel(), Kernel(HEAD16)]
     arts = [c.get(k.name, k.source, "sm_90a") for k in kernels]
     assert [a.origin for a in arts] == ["jit-memory"] * 2 and c.compiles == 2
     assert all(a.cubin[:4] == b"\x7fELF" for a in arts)
@@ -252,6 +272,7 @@ def test_disable_jit_cold_key_raises(fresh_cache, monkeypatch):
     assert fresh_cache.compiles == 0
 
 
+@pytest.mark.compiles((SPAN, "sm_80"))
 def test_compile_log_line(fresh_cache, capfd):
     k = _kernel()
     fresh_cache.get(k.name, k.source, "sm_80")

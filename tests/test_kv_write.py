@@ -81,6 +81,7 @@ def test_every_path_is_a_variant():
         KvWriteSpec("fp16", "auto", "span")).source
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 @pytest.mark.parametrize("spec", list(KvWriteSpec.all_variants()), ids=variant_name)
 def test_every_write_variant_compiles(spec, arch):

@@ -574,6 +574,7 @@ def precompile(specs, archs, workers=None) -> list[str]:
         return [e for e in pool.map(_compile, jobs) if e]
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 @pytest.mark.parametrize("spec", COMPILE_SUBSET, ids=variant_name)
 def test_variant_subset_compiles(spec, arch):
