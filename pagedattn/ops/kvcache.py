@@ -10,6 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from ..contract import ContractError, describe, traced
 from . import attention, kv_write
 from .attention import _int32_vector
+from .plans import PlanCache
 
 _NOT_YET = {
     "rotary_cos": "rotary embedding: apply it to q and k before the call",
@@ -17,7 +18,7 @@ _NOT_YET = {
     "cache_batch_idx": "cache_batch_idx: index the caches (or the block_table rows) before the call",
     "cache_leftpad": "cache_leftpad",
 }
-_RANGES: dict[tuple, torch.Tensor] = {}   # _int32_range's tensors
+_RANGES = PlanCache()   # _range's tensors
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -76,7 +77,7 @@ def prepare(q, k_cache, k, v, cache_seqlens, block_table, max_seqlen_k):
         if k_cache.shape[0] != B:
             raise ContractError(f"without a block_table, k_cache [B, S_cache, Hkv, D] needs B = {B} rows (q's "
                                 f"batch), got shape {tuple(k_cache.shape)}")
-        block_table = _int32_range(q.device, B, 1).view(B, 1)
+        block_table = _range(q.device, B, 1).view(B, 1)
     elif not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
         raise ContractError(f"block_table must be an int32 [B, max_blocks_per_seq] tensor, got {describe(block_table)}")
     capacity = block_table.shape[1] * k_cache.shape[1]
@@ -97,26 +98,23 @@ def prepare(q, k_cache, k, v, cache_seqlens, block_table, max_seqlen_k):
     return block_table, cache_seqlens, max_seqlen_k
 
 
-def _int32_range(device, count: int, step: int) -> torch.Tensor:
-    """int32 [0, step, 2 * step, ...] of `count` entries, kept per (device, count, step) when built
+def _range(device, count: int, step: int, dtype=torch.int32) -> torch.Tensor:
+    """[0, step, 2 * step, ...] of `count` entries, kept per (device, count, step, dtype) when built
     outside capture and compilation (a tensor made during capture holds nothing until replay)."""
+    def build():
+        if step == 0:
+            return torch.zeros(count, dtype=dtype, device=device)
+        return torch.arange(0, count * step, step, dtype=dtype, device=device)
+
     if torch.compiler.is_compiling():  # traced: a graph input would be a guarded constant
-        return _build_range(device, count, step)
-    key = (device, count, step)
+        return build()
+    key = (device, count, step, dtype)
     hit = _RANGES.get(key)
     if hit is None:
-        hit = _build_range(device, count, step)
+        hit = build()
         if not isinstance(hit, FakeTensor) and not (hit.is_cuda and torch.cuda.is_current_stream_capturing()):
-            if len(_RANGES) > 256:
-                _RANGES.clear()
-            _RANGES[key] = hit
+            _RANGES.remember(key, hit)
     return hit
-
-
-def _build_range(device, count: int, step: int) -> torch.Tensor:
-    if step == 0:
-        return torch.zeros(count, dtype=torch.int32, device=device)
-    return torch.arange(0, count * step, step, dtype=torch.int32, device=device)
 
 
 def run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
@@ -139,7 +137,7 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, ca
     seqused = cache_seqlens + s_new if s_new else cache_seqlens
     q_rows = q.reshape(B * Sq, Hq, D)
     # the fake implementation needs only metadata: empty tensors of the same shapes and dtypes
-    cu_q = torch.empty(B + 1, dtype=torch.int32, device=q.device) if fake else _int32_range(q.device, B + 1, Sq)
+    cu_q = torch.empty(B + 1, dtype=torch.int32, device=q.device) if fake else _range(q.device, B + 1, Sq)
     attn = (q_rows, k_cache, v_cache, Sq, cu_q, max_seqlen_k, None, seqused)
     flags = (softmax_scale, causal, block_table, None, num_splits, k_descale, v_descale, kv_cache_dtype,
              window_size, softcap, alibi_slopes, sinks)
@@ -183,20 +181,7 @@ def _slots(cache_seqlens, block_table, block_size: int, s_new: int) -> torch.Ten
     width = block_table.shape[1]
     if width == 0:
         raise ContractError("block_table has no columns: there is nowhere to append k/v")
-    pos = cache_seqlens.long()[:, None] + _int64_steps(cache_seqlens.device, s_new)  # [B, s_new]
+    pos = cache_seqlens.long()[:, None] + _range(cache_seqlens.device, s_new, 1, torch.int64)  # [B, s_new]
     blk = pos // block_size
     slots = block_table.gather(1, blk.clamp(0, width - 1)) * block_size + pos % block_size
     return slots.masked_fill_(blk >= width, -1).view(-1)
-
-
-def _int64_steps(device, n: int) -> torch.Tensor:
-    """int64 [0, 1, ..., n - 1], kept like _int32_range's tensors."""
-    if torch.compiler.is_compiling():
-        return torch.arange(n, device=device)
-    key = (device, n, "int64")
-    hit = _RANGES.get(key)
-    if hit is None:
-        hit = torch.arange(n, device=device)
-        if not isinstance(hit, FakeTensor) and not (hit.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _RANGES[key] = hit
-    return hit
