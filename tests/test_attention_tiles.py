@@ -161,9 +161,11 @@ def test_small_smem_only_where_the_tiles_differ():
 
 def test_one_split_cap():
     """heuristics.MAX_SPLITS: the forced cap, twice the heuristic's, and what the combine holds."""
+    source = Kernel(AttnFwdSpec("bf16", "auto", 128, "decode")).source
+    assert re.search(r"#define PAGEDATTN_MAX_SPLITS (\d+)", source).group(1) == str(heuristics.MAX_SPLITS)
     header = (importlib.resources.files("pagedattn.templates") / "include/pagedattn/split_combine.cuh").read_text()
-    chunks = int(re.search(r"constexpr int kMaxChunks = (\d+);", header).group(1))
-    assert 32 * chunks == heuristics.MAX_SPLITS == attention.MAX_SPLITS
+    assert "kMaxChunks = PAGEDATTN_MAX_SPLITS / 32;" in header
+    assert heuristics.MAX_SPLITS == attention.MAX_SPLITS
     assert heuristics.splits_for(10 ** 6, 1, 10 ** 9, 16, 132) == heuristics.MAX_SPLITS
     assert heuristics.splits_for(0, 1, 10 ** 9, 16, 10 ** 6) <= heuristics.MAX_SPLITS // 2
 

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from .validate import _Call
 
 # THE cap on KV splits: a forced num_splits is clamped to it, the heuristic stops at half of it, and
-# the in-kernel combine (split_combine.cuh) holds 32 * kMaxChunks = 256 split LSEs per row
+# the in-kernel combine (split_combine.cuh) holds MAX_SPLITS split LSEs per row (rendered in)
 # (tests/test_attention_tiles.py checks that the two agree).
 MAX_SPLITS = 256
 
