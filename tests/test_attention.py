@@ -95,7 +95,7 @@ def test_reference_empty_request_and_fp8():
 CI_SPECS = [AttnFwdSpec("bf16", "auto", 128, "decode"), AttnFwdSpec("bf16", "auto", 128, "prefill"),
             AttnFwdSpec("fp16", "fp8_e4m3", 80, "decode"), AttnFwdSpec("bf16", "auto", 128, "decode_tma"),
             AttnFwdSpec("fp16", "fp8_e5m2", 80, "decode_tma"), AttnFwdSpec("bf16", "fp8_e4m3", 128, "decode_tma"),
-            AttnFwdSpec("bf16", "auto", 128, "prefill_wgmma")]
+            AttnFwdSpec("bf16", "auto", 128, "prefill_wgmma"), AttnFwdSpec("bf16", "auto", 512, "decode")]
 
 
 @pytest.mark.compiles
@@ -119,12 +119,31 @@ def test_every_attention_variant_compiles(spec, arch):
 
 
 def test_head_dim_mapping():
-    assert [kernel_head_dim(d) for d in (64, 72, 80, 88, 96, 104, 128, 136, 192, 200, 256)] == \
-        [64, 80, 80, 96, 96, 128, 128, 192, 192, 256, 256]
-    with pytest.raises(UnsupportedError, match="at most 256"):
-        kernel_head_dim(264)
+    assert [kernel_head_dim(d) for d in (64, 72, 80, 88, 96, 104, 128, 136, 192, 200, 256, 264, 320, 512)] == \
+        [64, 80, 80, 96, 96, 128, 128, 192, 192, 256, 256, 512, 512, 512]
+    with pytest.raises(UnsupportedError, match="at most 512"):
+        kernel_head_dim(520)
     with pytest.raises(UnsupportedError, match="head_dim"):
         AttnFwdSpec("bf16", "auto", 72, "decode")
+
+
+def test_head_dim_512_tiles():
+    """Head dim 512: two column groups of 256 (attn_traits.cuh kWarpsD), decode and prefill on the
+    cp.async loader only; no TMA ring or warpgroup MMAs there."""
+    for kv in ("auto", "fp8_e4m3"):
+        for mode in ("decode", "prefill"):
+            spec = AttnFwdSpec("bf16", kv, 512, mode)
+            assert spec.tiles["kWarpsD"] == 2 and spec.tiles["kWarpsN"] == 1 and not spec.tiles["kTma"]
+            assert spec.threads == 64 * spec.tiles["kWarpsM"]
+            assert spec.supports_arch("sm_80") and spec.supports_arch("sm_90a")
+            assert f"{spec.tiles['kWarpsD']}>;" in Kernel(spec).source
+    for mode in ("decode_tma", "prefill_wgmma"):
+        with pytest.raises(UnsupportedError, match="head dims up to 256"):
+            AttnFwdSpec("bf16", "auto", 512, mode)
+    # the 99 KiB archs: decode drops a stage, prefill does not fit
+    assert AttnFwdSpec.for_arch("sm_86", "bf16", "auto", 512, "decode").tiles["kStages"] == 2
+    assert not AttnFwdSpec("bf16", "auto", 512, "prefill").supports_arch("sm_86")
+    assert all(AttnFwdSpec("bf16", "auto", d, "decode").tiles["kWarpsD"] == 1 for d in (64, 128, 256))
 
 
 # ---------------------------------------------------------------- the kernel (GPU)
@@ -229,6 +248,22 @@ def test_attention_matches_reference(c, decode_loader):
     again = flash_attn_varlen_func(case["q"], case["kc"], case["vc"], **{**kw, "out": None})
     again = again[0] if c["lse"] else again
     assert torch.equal(again.view(torch.int16), o.view(torch.int16)), "rerun is not bit-identical"
+
+
+def _d512_grid(n, seed=5):
+    """Head dim 512 (and head sizes it serves: 320, 504 with its 8-byte fp8 rows), every path it has."""
+    rng = random.Random(seed)
+    axes = dict(dtype=[torch.float16, torch.bfloat16], D=[512, 512, 320, 504], layout=["NHD", "HND"],
+                bs=[1, 16, 256, 32], heads=[(8, 8), (32, 8), (16, 1)], causal=[False, True],
+                batch=["decode", "mixed", "prefill"], splits=[0, 1, 7], kv=KV, lse=[False, True],
+                out=[False, True], loader=["auto"])
+    return cover_axes(axes, n, rng, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", _d512_grid(48), ids=_case_id)
+def test_head_dim_512_matches_reference(c, decode_loader):
+    test_attention_matches_reference(c, decode_loader)
 
 
 @pytest.mark.gpu
@@ -362,7 +397,7 @@ BAD = {
     "out wrong shape": lambda c: dict(out=torch.zeros(3, 8, 32, dtype=torch.bfloat16, device=DEV)),
     "no seqused_k with table": lambda c: dict(seqused_k=None),
     "neither table nor cu_seqlens_k": lambda c: dict(block_table=None, seqused_k=None),
-    "head size 264": lambda c: dict(q=torch.zeros(3, 8, 264, dtype=torch.bfloat16, device=DEV)),
+    "head size 520": lambda c: dict(q=torch.zeros(3, 8, 520, dtype=torch.bfloat16, device=DEV)),
 }
 
 
@@ -508,8 +543,8 @@ MESSAGES = {
                        cu_seqlens_k=torch.tensor([0, 5, 10, 16], dtype=torch.int32)),
         r"cu_seqlens_q has 3 entries \(B = 2\) while cu_seqlens_k has 4 entries"),
     "head size 132": (lambda c: dict(q=torch.zeros(3, 8, 132, dtype=torch.bfloat16)),
-                      "head size 132 .*a multiple of 8, at most 256"),
-    "head size 264": (lambda c: dict(q=torch.zeros(3, 8, 264, dtype=torch.bfloat16)), "head size 264"),
+                      "head size 132 .*a multiple of 8, at most 512"),
+    "head size 520": (lambda c: dict(q=torch.zeros(3, 8, 520, dtype=torch.bfloat16)), "head size 520"),
     "out shape": (lambda c: dict(out=torch.zeros(3, 8, 32, dtype=torch.bfloat16)),
                   r"out must have q's shape \(3, 8, 64\) and dtype torch.bfloat16, got shape \(3, 8, 32\)"),
     "out dtype": (lambda c: dict(out=torch.zeros(3, 8, 64, dtype=torch.float16)), r"got shape .* and torch.float16"),

@@ -201,6 +201,13 @@ def test_features_with_understated_max_seqlen_q(c, decode_loader):
     _check_feature_case(c, decode_loader, max_q=1)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", [dict(c, D=512, loader="auto") for c in _feature_grid(160, seed=3)[::8]], ids=_fid)
+def test_features_at_head_dim_512(c, decode_loader):
+    """The score modifiers and masks at head dim 512 (the column-group mainloop)."""
+    _check_feature_case(c, decode_loader)
+
+
 def _check_feature_case(c, decode_loader, max_q=None):
     decode_loader(c["loader"])
     rng = random.Random(_fid(c))

@@ -44,7 +44,12 @@ def test_every_tile_fits_its_arch(arch):
         if not _valid(kv, d, mode) or not _runs(mode, arch):
             continue
         fp8 = kv != "auto"
-        cfg = tiles.tile_config(d, mode, fp8, arch)
+        try:
+            cfg = tiles.tile_config(d, mode, fp8, arch)
+        except UnsupportedError:  # refused by name, never built there: only prefill at d512 on 99 KiB
+            assert (d, mode, limit) == (512, "prefill", 99 * 1024), (arch, d, mode, kv)
+            assert not AttnFwdSpec("bf16", kv, d, mode).supports_arch(arch)
+            continue
         assert tiles.smem_bytes(cfg, d, fp8) <= limit, (arch, d, mode, kv, cfg)
         checked += 1
     assert checked >= 24
@@ -104,7 +109,11 @@ def test_every_registered_variant_holds_its_archs_tiles():
         for arch in ARCHS:
             if not _runs(mode, arch):
                 continue
-            spec = AttnFwdSpec.for_arch(arch, dtype, kv, d, mode, flags)
+            try:
+                spec = AttnFwdSpec.for_arch(arch, dtype, kv, d, mode, flags)
+            except UnsupportedError:  # a clear error for the call: prefill at d512 on the 99 KiB archs
+                assert (d, mode, tiles.SMEM_PER_CTA[arch]) == (512, "prefill", 99 * 1024), (arch, d, mode)
+                continue
             assert spec in variants and spec.supports_arch(arch), (spec, arch)
 
 
@@ -152,9 +161,11 @@ def test_small_smem_only_where_the_tiles_differ():
 
 def test_one_split_cap():
     """heuristics.MAX_SPLITS: the forced cap, twice the heuristic's, and what the combine holds."""
+    source = Kernel(AttnFwdSpec("bf16", "auto", 128, "decode")).source
+    assert re.search(r"#define PAGEDATTN_MAX_SPLITS (\d+)", source).group(1) == str(heuristics.MAX_SPLITS)
     header = (importlib.resources.files("pagedattn.templates") / "include/pagedattn/split_combine.cuh").read_text()
-    chunks = int(re.search(r"constexpr int kMaxChunks = (\d+);", header).group(1))
-    assert 32 * chunks == heuristics.MAX_SPLITS == attention.MAX_SPLITS
+    assert "kMaxChunks = PAGEDATTN_MAX_SPLITS / 32;" in header
+    assert heuristics.MAX_SPLITS == attention.MAX_SPLITS
     assert heuristics.splits_for(10 ** 6, 1, 10 ** 9, 16, 132) == heuristics.MAX_SPLITS
     assert heuristics.splits_for(0, 1, 10 ** 9, 16, 10 ** 6) <= heuristics.MAX_SPLITS // 2
 

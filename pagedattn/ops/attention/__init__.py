@@ -126,7 +126,7 @@ class AttnFwdSpec(KernelSpec):
         # never promise more resident CTAs than shared memory allows: the register cap would be wasted
         tiles["kMinBlocks"] = max(1, min(tiles["kMinBlocks"], self.smem_limit // self.dynamic_smem()))
         return {"Element": CUTLASS_TYPE[self.dtype], "kFp8": FP8_FORMAT[self.kv_cache_dtype],
-                "kHeadDim": self.head_dim, "kSmemBytes": self.dynamic_smem(), **tiles,
+                "kHeadDim": self.head_dim, "kSmemBytes": self.dynamic_smem(), "max_splits": MAX_SPLITS, **tiles,
                 **{f: getattr(self, f) for f in FEATURES}}
 
     def check(self) -> None:
@@ -163,16 +163,16 @@ class AttnFwdSpec(KernelSpec):
 
     @property
     def threads(self) -> int:
-        return 32 * self.tiles["kWarpsM"] * self.tiles["kWarpsN"]
+        return 32 * self.tiles["kWarpsM"] * self.tiles["kWarpsN"] * self.tiles["kWarpsD"]
 
 
 def kernel_head_dim(head_size: int) -> int:
-    """Compiled head dims: 64, 80, 96, 128, 192, 256. Any other multiple of 8 up to 256 runs on the
-    next larger one; the extra columns are zero-filled on load and never stored."""
+    """Compiled head dims: 64, 80, 96, 128, 192, 256, 512. Any other multiple of 8 up to 512 runs on
+    the next larger one; the extra columns are zero-filled on load and never stored."""
     for d in HEAD_DIMS:
         if head_size <= d:
             return d
-    raise UnsupportedError(f"attn_fwd: head_size={head_size} is not supported; at most 256 "
+    raise UnsupportedError(f"attn_fwd: head_size={head_size} is not supported; at most {HEAD_DIMS[-1]} "
                            f"(compiled: {', '.join(map(str, HEAD_DIMS))})")
 
 

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from .validate import _Call
 
 # THE cap on KV splits: a forced num_splits is clamped to it, the heuristic stops at half of it, and
-# the in-kernel combine (split_combine.cuh) holds 32 * kMaxChunks = 256 split LSEs per row
+# the in-kernel combine (split_combine.cuh) holds MAX_SPLITS split LSEs per row (rendered in)
 # (tests/test_attention_tiles.py checks that the two agree).
 MAX_SPLITS = 256
 
@@ -20,16 +20,18 @@ MAX_SPLITS = 256
 def tma_ok(call: _Call, arch: str, head_dim: int) -> bool:
     """decode_tma needs sm_90, a paged cache whose pages hold whole 16-key sub-tiles, strides the
     tensor map can describe (multiples of 16 bytes; bases are 16-byte aligned already) and, for 16-bit
-    caches, a compiled head dim that is a multiple of 64."""
+    caches, a compiled head dim that is a multiple of 64 (at most 256: above, warps split O's columns,
+    which only the cp.async loader does)."""
     fp8 = call.kv_name != "auto"
     width = 1 if fp8 else 2
-    return (arch == "sm_90a" and call.paged and call.block_size % 16 == 0 and (fp8 or head_dim % 64 == 0)
+    return (arch == "sm_90a" and call.paged and call.block_size % 16 == 0 and head_dim <= 256
+            and (fp8 or head_dim % 64 == 0)
             and all(x * width % 16 == 0 for x in (*call.k_strides, *call.v_strides, call.D)))
 
 
 def wgmma_ok(call: _Call, arch: str, head_dim: int) -> bool:
-    """prefill_wgmma: sm_90a, a 16-bit cache, a compiled head dim that is a multiple of 64."""
-    return arch == "sm_90a" and call.kv_name == "auto" and head_dim % 64 == 0
+    """prefill_wgmma: sm_90a, a 16-bit cache, a compiled head dim that is a multiple of 64, at most 256."""
+    return arch == "sm_90a" and call.kv_name == "auto" and head_dim % 64 == 0 and head_dim <= 256
 
 
 def mode_for(rows: int, decode_mode: str, prefill_mode: str, wgmma_rows: int) -> str:

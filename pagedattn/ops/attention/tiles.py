@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from ...registry import UnsupportedError
 
-HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
+# Above this head dim the warps split O's columns (kWarpsD groups; see attn_traits.cuh): decode and
+# prefill only (no TMA ring, no warpgroup MMAs).
+MAX_HEAD_DIM_PER_GROUP = 256
 MODES = ("decode", "decode_tma", "prefill", "prefill_wgmma")
 # Shared memory one CTA may use (the opt-in maximum of cudaFuncSetAttribute), per NVRTC target.
 SMEM_PER_CTA = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90a": 227 * 1024}
@@ -24,10 +27,15 @@ def tile_config(head_dim: int, mode: str, fp8: bool = False, arch: str = "sm_90a
     prefill with warpgroup MMAs (sm_90a, 16-bit caches, head dims that are multiples of 64).
     On an arch with less shared memory than the default tile needs, fewer warps split the keys
     (each stage holds kBlockN x kWarpsN keys); UnsupportedError if even one warp's stages overflow."""
-    cfg = dict(kWgmma=mode == "prefill_wgmma", **_tiles(head_dim, mode, fp8))
+    if head_dim > MAX_HEAD_DIM_PER_GROUP and mode not in ("decode", "prefill"):
+        raise UnsupportedError(f"attn_fwd: mode={mode} supports head dims up to {MAX_HEAD_DIM_PER_GROUP}, "
+                               f"got {head_dim} (decode and prefill run it)")
+    cfg = {"kWgmma": mode == "prefill_wgmma", "kWarpsD": 1, **_tiles(head_dim, mode, fp8)}
     limit = smem_limit(arch)
     while smem_bytes(cfg, head_dim, fp8) > limit and cfg["kWarpsN"] > 1:
         cfg["kWarpsN"] //= 2
+    while smem_bytes(cfg, head_dim, fp8) > limit and cfg["kStages"] > 2:
+        cfg["kStages"] -= 1
     if smem_bytes(cfg, head_dim, fp8) > limit:
         raise UnsupportedError(f"attn_fwd: no {mode} tile fits in shared memory at head_dim {head_dim}"
                                f"{' (fp8 cache)' if fp8 else ''}: {smem_bytes(cfg, head_dim, fp8)} bytes, "
@@ -44,6 +52,14 @@ def smem_limit(arch: str) -> int:
                                f"(known: {', '.join(SMEM_PER_CTA)})") from None
 
 def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
+    if head_dim > MAX_HEAD_DIM_PER_GROUP:
+        # two column groups of 256 (a warp's 16 x 256 fp32 O is the most its registers hold); every
+        # group reads each stage's keys, so stages stay at 16 keys (32 KiB of K+V at d512)
+        if mode == "decode":
+            return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=1, kWarpsD=2, kStages=3, kMinBlocks=2,
+                        kTma=False)
+        return dict(kBlockM=64, kBlockN=16, kWarpsM=4, kWarpsN=1, kWarpsD=2, kStages=2, kMinBlocks=1,
+                    kTma=False)
     if mode == "decode":
         # Measured on H200 (perf/results/history/attn_tile_sweep_*): with cp.async, decode is bound by
         # warps per SM, so the smallest sub-tile and two stages (68 KiB at d128: three CTAs) win.

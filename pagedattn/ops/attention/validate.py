@@ -12,6 +12,7 @@ import torch
 
 from ...contract import CacheSpec, ContractError, check_scale_values, describe, kv_cache_dtype_name
 from ...dtypes import short
+from .tiles import HEAD_DIMS
 
 # FlashAttention keywords pagedattn accepts only at these (harmless) values
 _UNSUPPORTED_OK = {"scheduler_metadata": (None,), "q_descale": (None,), "fa_version": (None, 2, 3),
@@ -293,8 +294,8 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ContractError(f"q dtype {q.dtype} is not supported (fp16, bf16)")
     _, Hq, D = q.shape
-    if D % 8 or not 0 < D <= 256:  # before the strides: a head size of 132 is the cause, not its stride
-        raise ContractError(f"head size {D} (q.shape[2]) is not supported: a multiple of 8, at most 256")
+    if D % 8 or not 0 < D <= HEAD_DIMS[-1]:  # before the strides: a head size of 132 is the cause, not its stride
+        raise ContractError(f"head size {D} (q.shape[2]) is not supported: a multiple of 8, at most {HEAD_DIMS[-1]}")
     if Hq == 0:
         raise ContractError(f"q has no heads: shape {tuple(q.shape)}")
     _check_strides("q", q, "")

@@ -19,13 +19,16 @@ struct TileCtx {
   PagedKV kv;
   int tidx;       // thread in the CTA
   int group_idx;  // warp group: which KV sub-tile of each stage it takes
+  int d_idx;      // column group (kWarpsD > 1): which kHeadDimO columns of O it accumulates
   int gtid;       // thread in the warp group (the MMA)
   float scale_log2;  // softmax scale * log2(e), times k_descale for fp8 caches
   float v_scale;     // v_descale for fp8 caches, else 1
 
   __device__ __forceinline__ TileCtx(AttnParams const& p_, AttnWork const& w_, char* smem_base)
       : p(p_), w(w_), smem{smem_base}, kv(request_kv(p_, w_)), tidx(int(threadIdx.x)),
-        group_idx(int(threadIdx.x) / Traits::kGroupThreads), gtid(int(threadIdx.x) % Traits::kGroupThreads),
+        group_idx(int(threadIdx.x) / Traits::kGroupThreads % Traits::kWarpsN),
+        d_idx(int(threadIdx.x) / (Traits::kGroupThreads * Traits::kWarpsN)),
+        gtid(int(threadIdx.x) % Traits::kGroupThreads),
         scale_log2(p_.scale_log2), v_scale(1.f) {
     if constexpr (Traits::kIsFp8) {
       int const di = w.b * p.descale_batch_stride + w.kv_head * p.descale_head_stride;

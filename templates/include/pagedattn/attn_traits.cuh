@@ -16,6 +16,11 @@
 //     swizzled rows of 128 columns when kFp8Regs, else plain rows). Warps never wait for each other
 //     inside the mainloop.
 //
+// kWarpsD > 1 (head dims above 256, where one warp's O accumulator would outgrow its registers): the
+// kWarpsD groups of kWarpsM warps share every stage's keys (kWarpsN == 1); each computes the whole
+// S = Q K^T (the same numbers in every group) and its own kHeadDimO-column slice of O += P V. The
+// softmax state is identical across the groups, so the epilogue has nothing to merge.
+//
 // kWgmma (sm_90a prefill, 16-bit caches): the same cp.async stages and swizzled tiles (they are the
 // 128-byte-swizzled K-major layout warpgroup MMAs read), but each warpgroup of four warps multiplies
 // its 64 rows with wgmma: S = Q K^T from shared memory, O += P V with P in registers (attn_wgmma.cuh).
@@ -31,7 +36,7 @@
 namespace pagedattn {
 
 template <class Element_, Fp8Format kFp8_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsM_,
-          int kWarpsN_, int kStages_, bool kTma_ = false, bool kWgmma_ = false>
+          int kWarpsN_, int kStages_, bool kTma_ = false, bool kWgmma_ = false, int kWarpsD_ = 1>
 struct AttnTraits {
   using Element = Element_;  // cutlass::half_t or cutlass::bfloat16_t: Q, O and both MMA operands
   static constexpr Fp8Format kFp8 = kFp8_;
@@ -47,13 +52,17 @@ struct AttnTraits {
   static constexpr int kStages = kStages_;   // stages of the CTA (cp.async) or slots of each warp's ring (TMA)
   static constexpr bool kTma = kTma_;
   static constexpr bool kWgmma = kWgmma_;
+  static constexpr int kWarpsD = kWarpsD_;    // warp groups that split O's columns (one sub-tile of keys)
+  static constexpr int kHeadDimO = kHeadDim / kWarpsD;  // columns of O each group accumulates
   static constexpr int kGroupThreads = 32 * kWarpsM;
-  static constexpr int kThreads = kGroupThreads * kWarpsN;
+  static constexpr int kThreads = kGroupThreads * kWarpsN * kWarpsD;
   static constexpr int kStageKeys = kBlockN * kWarpsN;
   static constexpr int kMmaM = kBlockM / (16 * kWarpsM);  // 16-row MMA tiles per warp
   static constexpr int kRows = 2 * kMmaM;                  // softmax rows held by each thread
 
-  static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "kHeadDim: a multiple of 16, at most 256");
+  static_assert(kHeadDim % 16 == 0 && kHeadDimO <= 256, "kHeadDim: a multiple of 16, at most 256 per column group");
+  static_assert(kWarpsD == 1 || (kWarpsN == 1 && !kTma && !kWgmma && kHeadDim % (64 * kWarpsD) == 0),
+                "column groups: one key sub-tile per stage, cp.async loading, whole 64-column swizzle atoms each");
   static_assert(kBlockM % (16 * kWarpsM) == 0, "kBlockM must be a multiple of 16 * kWarpsM");
   static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16 (one MMA K step of P.V)");
   static_assert(kStages >= 2, "the K/V pipeline needs at least two stages");
@@ -84,6 +93,12 @@ struct AttnTraits {
   using SmemLayoutVt = decltype(cute::composition(
       SmemLayoutKV{},
       cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+  // One column group's slice of V as (d, key): its kHeadDimO columns are whole column blocks of the
+  // tile, starting kBlockN * kHeadDimO elements in (a multiple of the swizzle's 512-element period, so
+  // the slice is swizzled exactly like a tile of its own width).
+  using SmemLayoutVtO = decltype(cute::composition(
+      cute::tile_to_shape(SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDimO>>{}),
+      cute::make_layout(cute::Shape<cute::Int<kHeadDimO>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
 
   using MmaOp = cute::conditional_t<kIsBf16, cute::SM80_16x8x16_F32BF16BF16F32_TN,
                                     cute::SM80_16x8x16_F32F16F16F32_TN>;

@@ -30,14 +30,15 @@ __device__ __forceinline__ void write_tile(TileCtx<Traits> const& c, AccO const&
   for (int r = 0; r < Traits::kRows; ++r) {
     SoftmaxPartial const st = softmax.row_state(r);
     int const m = get<0>(tOcO(2 * (r % 2), r / 2, 0));
-    if (c.gtid % 4 == 0) {
+    if (c.gtid % 4 == 0 && c.d_idx == 0) {  // column groups hold the same (m, l)
       c.smem.m()[c.group_idx * kBlockM + m] = st.m;
       c.smem.l()[c.group_idx * kBlockM + m] = st.l;
     }
   }
   CUTE_UNROLL
   for (int i = 0; i < size(acc_o); ++i) {
-    int const col = Traits::kFp8Regs ? fp8_regs_column(get<1>(tOcO(i))) : int(get<1>(tOcO(i)));
+    int const col = Traits::kFp8Regs ? fp8_regs_column(get<1>(tOcO(i)))
+                                     : c.d_idx * Traits::kHeadDimO + int(get<1>(tOcO(i)));
     c.smem.o(c.group_idx, get<0>(tOcO(i)))[col] = acc_o(i);
   }
   __syncthreads();

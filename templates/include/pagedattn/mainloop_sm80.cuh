@@ -134,6 +134,7 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
   using namespace cute;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kHeadDimO = Traits::kHeadDimO;  // this group's columns of O (kHeadDim unless kWarpsD > 1)
   constexpr int kStages = Traits::kStages, kStageKeys = Traits::kStageKeys;
   // TMA decode keeps Q's MMA fragments in registers (kHeadDim / 4 of them); the others reload them
   // from shared memory for every K tile.
@@ -146,11 +147,11 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
   auto thr_mma = tiled_mma.get_thread_slice(gtid);
   Tensor sQ = make_tensor(make_smem_ptr(c.smem.q()), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
   Tensor sK0 = make_tensor(make_smem_ptr(c.smem.k_tile(0, 0)), typename Traits::SmemLayoutKV{});
-  Tensor sVt0 = make_tensor(make_smem_ptr(c.smem.v_tile(0, 0)), typename Traits::SmemLayoutVt{});
+  Tensor sVt0 = make_tensor(make_smem_ptr(c.smem.v_tile(0, 0)), typename Traits::SmemLayoutVtO{});
   Tensor tSrQ = thr_mma.partition_fragment_A(sQ);     // (MMA, kMmaM, kHeadDim/16)
   Tensor tSrK = thr_mma.partition_fragment_B(sK0);    // (MMA, kBlockN/8, kHeadDim/16)
-  Tensor tOrVt = thr_mma.partition_fragment_B(sVt0);  // (MMA, kHeadDim/8, kBlockN/16)
-  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, kMmaM, kHeadDim/8)
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVt0);  // (MMA, kHeadDimO/8, kBlockN/16)
+  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDimO>>{});  // (MMA, kMmaM, kHeadDimO/8)
   clear(acc_o);
 
   auto s2r_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
@@ -215,14 +216,16 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
     Element* k_tile;
     Element* v_tile;
     if constexpr (Traits::kIsFp8) {
-      // each warp group widens its own sub-tile into the one Element stage; only the group waits for it
+      // each warp group widens its own sub-tile into the one Element stage (with the column groups
+      // that share it); only those threads wait for it
       constexpr int kChunks = kHeadDim / 16;
       typename Traits::SmemLayoutKV layout;
       k_tile = c.smem.k_tile(0, group_idx);
       v_tile = c.smem.v_tile(0, group_idx);
       uint8_t const* raw_k = c.smem.raw_k(stage, group_idx * kBlockN);
       uint8_t const* raw_v = c.smem.raw_v(stage, group_idx * kBlockN);
-      for (int i = gtid; i < kBlockN * kChunks; i += Traits::kGroupThreads) {
+      constexpr int kSubTileThreads = Traits::kGroupThreads * Traits::kWarpsD;
+      for (int i = gtid + c.d_idx * Traits::kGroupThreads; i < kBlockN * kChunks; i += kSubTileThreads) {
         int const r = i / kChunks, col = (i % kChunks) * 16;
         int const raw_off = r * kHeadDim + col;
         uint4 lo, hi;
@@ -242,7 +245,7 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
     if (key0 >= w.k_len) continue;  // this group's sub-tile lies past the end: nothing to add
 
     Tensor sK = make_tensor(make_smem_ptr(k_tile), typename Traits::SmemLayoutKV{});
-    Tensor sVt = make_tensor(make_smem_ptr(v_tile), typename Traits::SmemLayoutVt{});
+    Tensor sVt = make_tensor(make_smem_ptr(v_tile + c.d_idx * kBlockN * kHeadDimO), typename Traits::SmemLayoutVtO{});
     Tensor tSsK = s2r_k_thr.partition_S(sK);
     Tensor tOsVt = s2r_v_thr.partition_S(sVt);
 
@@ -288,7 +291,7 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
     }
   }
   write_tile<Traits, Features>(c, acc_o, softmax,
-                               thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+                               thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimO>>{})));
 }
 
 }  // namespace pagedattn

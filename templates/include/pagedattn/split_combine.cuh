@@ -24,7 +24,10 @@ template <class Element>
 __device__ __forceinline__ void combine_split_row(float const* part, int64_t part_stride, float const* lse_part,
                                                   int64_t lse_stride, Element* out, float* lse_out,
                                                   int head_size, int num_splits, int lane, float sink = kNegInf) {
-  constexpr int kMaxChunks = 8;  // splits <= 256 (choose_splits caps them there)
+  // PAGEDATTN_MAX_SPLITS: the host's one cap on splits (heuristics.MAX_SPLITS), rendered in; a lane
+  // holds the LSEs of splits lane, lane + 32, ...
+  static_assert(PAGEDATTN_MAX_SPLITS % 32 == 0, "the split cap is a whole number of warps");
+  constexpr int kMaxChunks = PAGEDATTN_MAX_SPLITS / 32;
   constexpr int kBatch = 16;     // partial rows in flight per lane
   // the first batch of partial rows (columns lane * 4 ..) is loaded with the LSEs: one round trip less
   float4 first[kBatch];
