@@ -192,7 +192,7 @@ def test_no_gpu_message():
 
 # -- the harness on the CPU ------------------------------------------------------------------------
 def test_suite_names():
-    assert suites.parse("all") == ["write", "decode", "prefill", "legacy", "jit"]
+    assert suites.parse("all") == ["write", "decode", "prefill", "features", "legacy", "jit"]
     assert suites.parse("jit,write") == ["write", "jit"]
     with pytest.raises(ValueError):
         suites.parse("write,bogus")
@@ -365,6 +365,32 @@ def test_attention_suites_not_available_without_the_kernel(monkeypatch):
     monkeypatch.setitem(sys.modules, "pagedattn.ops.attention", None)  # import fails
     ok, reason = attention.available(_cpu_ctx())
     assert not ok and "not available" in reason
+
+
+def _fake_flash_features(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=None, causal=False,
+                         block_table=None, softmax_scale=None, num_splits=0, s_aux=None, **features):
+    from pagedattn import reference
+    return reference.paged_attention(q, k, v, cu_seqlens_q, seqused_k, block_table, causal=causal,
+                                     softmax_scale=softmax_scale, sinks=s_aux, **features).to(q.dtype)
+
+
+def test_feature_cases_with_a_stand_in_kernel(monkeypatch):
+    """The features suite: each case checks ours against pagedattn.reference and times the plain
+    variant as its peer, with the ratio goal attached; head dim 512 is held to the copy ceiling."""
+    from pagedattn.bench import features
+    monkeypatch.setattr(pagedattn, "flash_attn_varlen_func", _fake_flash_features, raising=False)
+    ctx = _cpu_ctx()
+    cases = features.cases(ctx)
+    assert cases and {c.suite for c in cases} == {"features"}
+    for case in cases:
+        rec = _run_case(case, ctx)
+        assert rec["status"] == "ok", (case.id, rec["error"])
+        assert rec["check"]["ok"], rec["check"]
+        assert features.PLAIN in rec["peers"] and rec["goals"][0]["peer"] == features.PLAIN
+    real = [c.id for c in features.cases(Ctx.make("cpu", quick=True))]
+    assert "decode/B16/ctx32768/window4096" in real and "decode/B16/ctx4096/d512" in real
+    d512 = next(c for c in features.cases(Ctx.make("cpu", quick=True)) if c.id.endswith("d512"))
+    assert d512.params["d"] == 512
 
 
 def test_decode_and_prefill_cases_with_a_stand_in_kernel(monkeypatch):

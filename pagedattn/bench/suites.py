@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import importlib
 
-ORDER = ("write", "decode", "prefill", "legacy", "jit")
+ORDER = ("write", "decode", "prefill", "features", "legacy", "jit")
 _TABLE = {
     "ceilings": ("ceilings", "available", "cases"),
     "write": ("write", "available", "cases"),
     "decode": ("attention", "available", "decode_cases"),
     "prefill": ("attention", "available", "prefill_cases"),
+    "features": ("features", "available", "cases"),
     "legacy": ("legacy", "available", "cases"),
     "jit": ("jit", "available", "cases"),
     "_selftest": ("_selftest", "available", "cases"),  # the harness's own test (CPU), hidden

@@ -1,0 +1,127 @@
+"""The features suite: what the attention variants of issue 14 cost against the plain kernel, and head
+dim 512 against the copy ceiling (bf16, Hq=32, Hkv=8, block 16, NHD, causal; D=128 unless named).
+
+Each case times ours (the variant) and, as its peer, the plain variant it is held to, in the same
+process on the same GPU, under both timing methods (timing.METHODS):
+  decode B=16 ctx 32768 window 4096   at most 1.15x the time of plain decode B=16 ctx 4096
+  decode B=16 ctx 4096 softcap / ALiBi / sinks   within 5 % of plain decode at the same shape
+  prefill B=4 S=4096 softcap          within 15 % of plain prefill
+  decode B=16 ctx 4096 D=512          at least 85 % of the copy ceiling (no peer)
+Correctness once per case against pagedattn.reference (float32, K/V read through the block table)."""
+from __future__ import annotations
+
+import torch
+
+from .attention import BLOCK, HKV, HQ, TOLERANCE, build, flash_fn
+from .common import Case, Ctx, Recorder, rel_l2
+
+SOFTCAP = 30.0
+# (id, shape, features of ours, (peer shape, ratio goal) or fraction-of-copy goal)
+CASES = (
+    ("decode/B16/ctx32768/window4096", dict(B=16, ctx=32768, q_len=1), dict(window_size=(4096, 0)),
+     dict(peer=dict(B=16, ctx=4096, q_len=1), ratio=1 / 1.15)),
+    ("decode/B16/ctx4096/softcap", dict(B=16, ctx=4096, q_len=1), dict(softcap=SOFTCAP),
+     dict(peer=dict(B=16, ctx=4096, q_len=1), ratio=1 / 1.05)),
+    ("decode/B16/ctx4096/alibi", dict(B=16, ctx=4096, q_len=1), dict(alibi_slopes="head"),
+     dict(peer=dict(B=16, ctx=4096, q_len=1), ratio=1 / 1.05)),
+    ("decode/B16/ctx4096/sinks", dict(B=16, ctx=4096, q_len=1), dict(s_aux="head"),
+     dict(peer=dict(B=16, ctx=4096, q_len=1), ratio=1 / 1.05)),
+    ("prefill/B4/S4096/softcap", dict(B=4, ctx=4096, q_len=4096), dict(softcap=SOFTCAP),
+     dict(peer=dict(B=4, ctx=4096, q_len=4096), ratio=1 / 1.15)),
+    ("decode/B16/ctx4096/d512", dict(B=16, ctx=4096, q_len=1, d=512), {}, dict(fraction=0.85)),
+)
+TINY_CASES = (
+    ("decode/B2/ctx200/window64", dict(B=2, ctx=200, q_len=1), dict(window_size=(64, 0)),
+     dict(peer=dict(B=2, ctx=64, q_len=1), ratio=1 / 1.15)),
+    ("decode/B2/ctx80/sinks", dict(B=2, ctx=80, q_len=1), dict(s_aux="head"),
+     dict(peer=dict(B=2, ctx=80, q_len=1), ratio=1 / 1.05)),
+)
+PLAIN = "pagedattn plain"
+
+
+def available(ctx: Ctx):
+    if flash_fn() is None:
+        return False, "not available: pagedattn.flash_attn_varlen_func does not exist yet"
+    return True, None
+
+
+def cases(ctx: Ctx) -> list[Case]:
+    out = []
+    for cid, shape, feats, goal in (TINY_CASES if ctx.tiny else CASES):
+        params = _params(ctx, shape)
+        params["features"] = {k: (v if not isinstance(v, tuple) else list(v)) for k, v in feats.items()}
+        out.append(Case(cid, "features", params,
+                        lambda ctx, rec, p=params, f=feats, g=goal: run_case(ctx, rec, p, f, g)))
+    return out
+
+
+def _params(ctx: Ctx, shape: dict) -> dict:
+    dims = {"hq": 4, "hkv": 2, "d": 64, "bs": 16} if ctx.tiny else {"hq": HQ, "hkv": HKV, "d": 128, "bs": BLOCK}
+    dims.update({k: v for k, v in shape.items() if k == "d"})
+    return {"B": shape["B"], "q_len": shape["q_len"], "ctx": shape["ctx"], "kv_cache_dtype": "auto",
+            "cache": "bf16", "dtype": "bf16", "layout": "NHD", "causal": True, **dims}
+
+
+def _feature_kwargs(feats: dict, hq: int, device) -> dict:
+    """The call's feature arguments, with per-head tensors drawn for "head"."""
+    kw = dict(feats)
+    gen = torch.Generator().manual_seed(7)
+    if kw.get("alibi_slopes") == "head":
+        kw["alibi_slopes"] = (2.0 ** (-8.0 * torch.arange(1, hq + 1) / hq)).float().to(device)
+    if kw.get("s_aux") == "head":
+        kw["s_aux"] = torch.randn(hq, generator=gen).float().to(device)
+    return kw
+
+
+def _call(fa, data, kw: dict):
+    def fn(k):
+        return fa(data.q[k], data.kc, data.vc, data.q_len, data.cu_q, data.ctx_len, seqused_k=data.seqused,
+                  causal=True, block_table=data.tables[k], softmax_scale=data.scale, num_splits=0, **kw)
+    return fn
+
+
+def _work(rec: Recorder, p: dict, feats: dict) -> int:
+    """Bytes of K/V the case must read (decode: the window's, not the history's) or its FLOPs."""
+    B, sq, L, hkv, hq, d = p["B"], p["q_len"], p["ctx"], p["hkv"], p["hq"], p["d"]
+    if sq == 1:
+        keys = min(L, feats["window_size"][0] + 1) if "window_size" in feats else L
+        kv_bytes = 2 * B * keys * hkv * d * 2
+        rec.work("GB/s", kv_bytes, "copy")
+        return 2 * B * L * hkv * d * 2
+    rec.work("TFLOP/s", 4 * B * hq * d * sq * L / 2, "matmul")
+    return 2 * B * L * hkv * d * 2
+
+
+def run_case(ctx: Ctx, rec: Recorder, p: dict, feats: dict, goal: dict) -> None:
+    from .. import reference  # noqa: PLC0415
+    from .timing import METHODS  # noqa: PLC0415
+
+    fa = flash_fn()
+    cache_bytes = _work(rec, p, feats)
+    sets = ctx.sets_for(cache_bytes, cap=8)
+    data = build(ctx, p, sets)
+    kw = _feature_kwargs(feats, p["hq"], ctx.device)
+    ours = _call(fa, data, kw)
+    rec.extra(sets=sets, methods=list(METHODS))
+
+    def check_and_time():
+        out = ours(0)
+        ref_kw = {("sinks" if k == "s_aux" else k): v for k, v in kw.items()}
+        ref = reference.paged_attention(data.q[0], data.kc, data.vc, data.cu_q, data.seqused, data.tables[0],
+                                        causal=True, softmax_scale=data.scale, compute_dtype=torch.float32,
+                                        **ref_kw)
+        err = rel_l2(out, ref)
+        rec.check(err <= TOLERANCE, "rel_l2", f"relative L2 {err:.2e} vs pagedattn.reference (float32)",
+                  rel_l2=err)
+        del out, ref
+        rec.ours("pagedattn " + "+".join(feats) if feats else "pagedattn", ours, sets, methods=METHODS)
+    if not rec.attempt("pagedattn", check_and_time):
+        return
+    if "fraction" in goal:
+        rec.target(goal["fraction"], "fraction")
+        return
+    peer_p = dict(p, **goal["peer"])
+    peer_sets = ctx.sets_for(2 * peer_p["B"] * peer_p["ctx"] * p["hkv"] * p["d"] * 2, cap=8)
+    rec.peer(PLAIN, lambda: _call(fa, build(ctx, peer_p, peer_sets), {}), sets=peer_sets, methods=METHODS)
+    rec.extra(peer_shape={k: peer_p[k] for k in ("B", "q_len", "ctx")}, peer_sets=peer_sets)
+    rec.goal_ratio(PLAIN, goal["ratio"])
