@@ -50,6 +50,22 @@ for kv, D in (("auto", 128), ("fp8_e4m3", 72), ("fp8_e4m3", 128)):  # fp8 d128: 
             flash_attn_varlen_func(q, kc, vc, q_len, cu_q, 10**5, seqused_k=seq, block_table=table, causal=True,
                                    num_splits=splits, kv_cache_dtype=kv, k_descale=s, v_descale=s,
                                    return_softmax_lse=True)
+# the feature variants (window + sinks, softcap + ALiBi) and head dim 512, with the same corrupt tables
+for kv, D in (("auto", 128), ("fp8_e4m3", 128), ("auto", 512)):
+    spec = CacheSpec(6, 16, 2, D, torch.bfloat16 if kv == "auto" else torch.uint8, kv, "NHD")
+    kc, vc = spec.allocate("cuda", fill=0.5)
+    table = torch.tensor([[0, 5, 10**6], [-3, 2, 1]], dtype=torch.int32, device="cuda")
+    seq = torch.tensor([40, 10**5], dtype=torch.int32, device="cuda")
+    s = torch.ones(1, device="cuda")
+    feature_sets = (dict(window_size=(20, 0), s_aux=torch.randn(8, device="cuda")),
+                    dict(softcap=30.0, alibi_slopes=torch.rand(8, device="cuda")))
+    for q_len in (4, 40):
+        q = torch.randn(1 + q_len, 8, D, dtype=torch.bfloat16, device="cuda")
+        cu_q = torch.tensor([0, 1, 1 + q_len], dtype=torch.int32, device="cuda")
+        for feats in feature_sets:
+            flash_attn_varlen_func(q, kc, vc, q_len, cu_q, 10**5, seqused_k=seq, block_table=table, causal=True,
+                                   num_splits=3, kv_cache_dtype=kv, k_descale=s, v_descale=s,
+                                   return_softmax_lse=True, **feats)
 torch.cuda.synchronize()
 print("sanitize attention cases done")
 
