@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
 # (info precompile packbundle bundle tests alltests sanitize fuzz fuzzsanitize overhead attnquick decodesweep prefillsweep prefillmodes writesweep writequick aotcheck ncu benchdw
-# benchp benchq bench-full demo).
+# benchp benchq bench-full demo multigpu hfcb).
 # Logs and results go under $OUT; RESULTS.md and plots are regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
 set -uo pipefail
@@ -59,6 +59,9 @@ for stage in "$@"; do
     benchp)    python3 -m pagedattn.cli bench --suite prefill --quick --no-flex --no-report --out "$OUT/results" ;;
     bench-full) python3 -m pagedattn.cli bench --suite all --no-report --out "$OUT/results" ;;
     demo)      python3 -m pagedattn.demo ;;
+    # issue 21 on the GPUs of this host (one: a smoke test of the code path)
+    multigpu)  torchrun --nproc_per_node=${NGPUS:-$(nvidia-smi -L | wc -l)} "$ROOT/perf/multigpu.py" --out "$OUT/results" 2>&1 | tail -n 15 ;;
+    hfcb)      python3 "$ROOT/perf/hf_continuous_batching.py" --out "$OUT/results" ${HF_ARGS:-} > "$OUT/hf_cb.log" 2>&1; rc=$?; tail -n 25 "$OUT/hf_cb.log"; (exit $rc) ;;
     *)         echo "unknown stage $stage" ;;
   esac
   rc=${PIPESTATUS[0]}

@@ -1,0 +1,132 @@
+"""Several GPUs (issue 21): tensor-parallel heads and context-parallel decode over NCCL, one process
+per GPU. Checks, then times CP decode B=1 ctx 131072 against the same call on one GPU.
+
+    torchrun --nproc_per_node=2 perf/multigpu.py [--out perf/results]
+
+  tp: rank r owns Hkv / world KV heads of the cache and their query heads; the all-gathered output
+      must equal the single-GPU output bit for bit (same num_splits).
+  cp: each request's pages are split by tokens across ranks; each rank returns (out, LSE), the LSEs
+      and outputs are all-gathered and merged with pagedattn.merge_attn_states; the result must be
+      within 2e-3 relative L2 of the single-GPU output.
+Every rank builds the same cache (same seed) and computes the single-GPU result itself. With one
+process (world size 1) it runs as a smoke test of the code path. Rank 0 writes
+perf/results/multigpu_<gpu>_<date>_<commit>.json."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+from datetime import date
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import pagedattn
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+
+
+def cache(B: int, ctx: int, device):
+    torch.manual_seed(0)
+    pages = -(-ctx // BS)
+    kc = torch.randn(B * pages + 1, BS, HKV, D, dtype=torch.bfloat16, device=device)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(B * pages + 1, device=device)[:B * pages].view(B, pages).int()
+    q = torch.randn(B, HQ, D, dtype=torch.bfloat16, device=device)
+    return q, kc, vc, table
+
+
+def call(q, kc, vc, table, used, max_k, **kw):
+    B = q.shape[0]
+    cu = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+    return pagedattn.flash_attn_varlen_func(q, kc, vc, 1, cu, max_k, seqused_k=used, block_table=table,
+                                            causal=True, **kw)
+
+
+def cp_shard(table, ctx: int, rank: int, world: int):
+    """This rank's pages of each request (whole pages, by token order) and its key count."""
+    pages = table.shape[1]
+    lo, hi = pages * rank // world, pages * (rank + 1) // world
+    used = max(0, min(ctx, hi * BS) - lo * BS)
+    return table[:, lo:hi].contiguous(), used
+
+
+def time_us(fn, reps: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="perf/results")
+    ap.add_argument("--ctx", type=int, default=131072)
+    args = ap.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(dev)
+    res = {}
+
+    # tensor-parallel heads: B=8 ctx 4096, every rank its heads
+    q, kc, vc, table = cache(8, 4096, dev)
+    used = torch.full((8,), 4096, dtype=torch.int32, device=dev)
+    full = call(q, kc, vc, table, used, 4096, num_splits=2)
+    kh = slice(rank * HKV // world, (rank + 1) * HKV // world)
+    qh = slice(rank * HQ // world, (rank + 1) * HQ // world)
+    mine = call(q[:, qh].contiguous(), kc[:, :, kh], vc[:, :, kh], table, used, 4096, num_splits=2)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    res["tp_bit_identical"] = bool(torch.equal(torch.cat(gathered, dim=1), full))
+
+    # context-parallel decode: B=1 over args.ctx keys
+    q, kc, vc, table = cache(1, args.ctx, dev)
+    used_full = torch.tensor([args.ctx], dtype=torch.int32, device=dev)
+    full = call(q, kc, vc, table, used_full, args.ctx)
+    shard, n = cp_shard(table, args.ctx, rank, world)
+    used = torch.tensor([n], dtype=torch.int32, device=dev)
+
+    def cp_step():
+        o, lse = call(q, kc, vc, shard, used, max(n, 1), return_softmax_lse=True)
+        outs = [torch.empty_like(o) for _ in range(world)]
+        lses = [torch.empty_like(lse) for _ in range(world)]
+        dist.all_gather(outs, o)
+        dist.all_gather(lses, lse)
+        return pagedattn.merge_attn_states(outs, lses)
+    merged = cp_step()
+    err = ((merged.float() - full.float()).norm() / full.float().norm()).item()
+    res["cp_rel_l2"] = err
+    res["cp_ok"] = err <= 2e-3
+    res["cp_us"] = time_us(cp_step)
+    res["single_gpu_us"] = time_us(lambda: call(q, kc, vc, table, used_full, args.ctx))
+    if rank == 0:
+        commit = os.environ.get("PAGEDATTN_GIT_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        meta = {"gpu": torch.cuda.get_device_name(dev), "world_size": world, "torch": torch.__version__,
+                "driver": subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                         capture_output=True, text=True).stdout.split("\n")[0].strip() or None,
+                "commit": commit, "date": date.today().isoformat(),
+                "shapes": {"tp": "B=8 ctx 4096", "cp": f"B=1 ctx {args.ctx}"}, "hq": HQ, "hkv": HKV, "d": D}
+        name = f"multigpu_{meta['gpu'].lower().replace(' ', '_')}_x{world}_{meta['date'].replace('-', '')}_{commit}.json"
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / name).write_text(json.dumps({"kind": "multigpu", "metadata": meta, "results": res},
+                                                      indent=1))
+        print(json.dumps(res))
+    dist.destroy_process_group()
+    if not (res["tp_bit_identical"] and res["cp_ok"]):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
