@@ -129,3 +129,16 @@ def test_tensor_parallel_heads_are_bit_identical(world, splits):
         parts.append(_call(case, case["table"], case["seqused"], max(lens_k), q=case["q"][:, qh].contiguous(),
                            kc=case["kc"][:, :, kh], vc=case["vc"][:, :, kh], num_splits=splits))
     assert torch.equal(torch.cat(parts, dim=1).view(torch.int16), full.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tp_and_cp_over_nccl(tmp_path):
+    """perf/multigpu.py under torchrun on two GPUs: TP bit-identical, CP merge within 2e-3."""
+    import pathlib
+    import subprocess
+    import sys
+    script = pathlib.Path(__file__).resolve().parents[1] / "perf" / "multigpu.py"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script),
+                        "--out", str(tmp_path), "--ctx", "16384"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
