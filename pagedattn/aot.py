@@ -141,9 +141,14 @@ def read_model_config(path) -> ModelConfig:
 # -- specs <-> command line ---------------------------------------------------------------------------
 
 
+def spec_fields(spec) -> dict:
+    """A spec's fields by name, without those left at None (a family's default)."""
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if getattr(spec, f.name) is not None}
+
+
 def format_variant(spec) -> str:
     """`family:field=value ...`, the --variant form (registry.precompile_command prints it)."""
-    fields = " ".join(f"{f.name}={getattr(spec, f.name)}" for f in dataclasses.fields(spec))
+    fields = " ".join(f"{name}={value}" for name, value in spec_fields(spec).items())
     return f"{spec.FAMILY}:{fields}"
 
 
@@ -159,7 +164,7 @@ def _convert(cls, name: str, text: str):
         raise SelectionError(f"--variant {cls.FAMILY}: {name}={text!r} is not supported; supported: "
                              f"{', '.join(map(str, allowed))}")
     ftype = {f.name: f.type for f in dataclasses.fields(cls)}[name]
-    if ftype in (int, "int"):
+    if ftype in (int, "int", "int | None"):
         return int(text)
     if ftype in (bool, "bool"):
         return text.lower() in ("1", "true", "yes")
@@ -475,8 +480,7 @@ def precompile(jobs: list[Job], out, *, n_jobs: int | None = None, progress: boo
             log_path = _log_path(out, job)
             if ok:
                 writer.add(name=job.name, family=job.spec.FAMILY,
-                           spec={f.name: getattr(job.spec, f.name)
-                                 for f in dataclasses.fields(job.spec)},
+                           spec=spec_fields(job.spec),
                            arch=job.arch, key=job.key, cubin=cubin, compile_seconds=seconds)
                 summary.compiled += 1
                 log_path.unlink(missing_ok=True)
