@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-import pagedattn
 from pagedattn import CacheSpec
 from pagedattn.info import git_commit
 
