@@ -151,10 +151,16 @@ def test_small_smem_only_where_the_tiles_differ():
 
 
 def test_one_split_cap():
-    """heuristics.MAX_SPLITS: the forced cap, twice the heuristic's, and what the combine holds."""
+    """heuristics.MAX_SPLITS: the forced cap, twice the heuristic's, and what the combine holds (the
+    rendered source defines it; the combine's header has no number of its own)."""
     header = (importlib.resources.files("pagedattn.templates") / "include/pagedattn/split_combine.cuh").read_text()
-    chunks = int(re.search(r"constexpr int kMaxChunks = (\d+);", header).group(1))
-    assert 32 * chunks == heuristics.MAX_SPLITS == attention.MAX_SPLITS
+    assert "constexpr int kMaxChunks = PAGEDATTN_MAX_SPLITS / 32;" in header
+    assert not re.search(r"kMaxChunks = \d", header)
+    for spec in (AttnFwdSpec("bf16", "auto", 128, "decode_tma"), AttnFwdSpec("fp16", "fp8_e4m3", 80, "prefill")):
+        source = Kernel(spec).source
+        assert re.search(r"^#define PAGEDATTN_MAX_SPLITS (\d+)", source, re.M).group(1) == str(heuristics.MAX_SPLITS)
+        assert source.index("PAGEDATTN_MAX_SPLITS") < source.index('#include "pagedattn/attn_fwd.cuh"')
+    assert heuristics.MAX_SPLITS == attention.MAX_SPLITS and heuristics.MAX_SPLITS % 32 == 0
     assert heuristics.splits_for(10 ** 6, 1, 10 ** 9, 16, 132) == heuristics.MAX_SPLITS
     assert heuristics.splits_for(0, 1, 10 ** 9, 16, 10 ** 6) <= heuristics.MAX_SPLITS // 2
 

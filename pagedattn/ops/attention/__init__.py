@@ -126,7 +126,7 @@ class AttnFwdSpec(KernelSpec):
         # never promise more resident CTAs than shared memory allows: the register cap would be wasted
         tiles["kMinBlocks"] = max(1, min(tiles["kMinBlocks"], self.smem_limit // self.dynamic_smem()))
         return {"Element": CUTLASS_TYPE[self.dtype], "kFp8": FP8_FORMAT[self.kv_cache_dtype],
-                "kHeadDim": self.head_dim, "kSmemBytes": self.dynamic_smem(), **tiles,
+                "kHeadDim": self.head_dim, "kSmemBytes": self.dynamic_smem(), "kMaxSplits": MAX_SPLITS, **tiles,
                 **{f: getattr(self, f) for f in FEATURES}}
 
     def check(self) -> None:

@@ -12,8 +12,8 @@ if TYPE_CHECKING:
     from .validate import _Call
 
 # THE cap on KV splits: a forced num_splits is clamped to it, the heuristic stops at half of it, and
-# the in-kernel combine (split_combine.cuh) holds 32 * kMaxChunks = 256 split LSEs per row
-# (tests/test_attention_tiles.py checks that the two agree).
+# the in-kernel combine (split_combine.cuh) holds this many split LSEs per row (rendered into every
+# attn_fwd source as PAGEDATTN_MAX_SPLITS; a multiple of 32, one per lane and chunk).
 MAX_SPLITS = 256
 
 

@@ -14,6 +14,10 @@
 #include "pagedattn/softmax_merge.cuh"
 #include "pagedattn/attn_tile.cuh"
 
+#ifndef PAGEDATTN_MAX_SPLITS  // the host's split cap (heuristics.MAX_SPLITS), rendered by attn_fwd.cu.j2
+#error "PAGEDATTN_MAX_SPLITS must be defined before including split_combine.cuh"
+#endif
+
 namespace pagedattn {
 
 // part: split 0's partial row (fp32, split s at part + s * part_stride); lse_part: split 0's LSE
@@ -24,7 +28,8 @@ template <class Element>
 __device__ __forceinline__ void combine_split_row(float const* part, int64_t part_stride, float const* lse_part,
                                                   int64_t lse_stride, Element* out, float* lse_out,
                                                   int head_size, int num_splits, int lane, float sink = kNegInf) {
-  constexpr int kMaxChunks = 8;  // splits <= 256 (choose_splits caps them there)
+  static_assert(PAGEDATTN_MAX_SPLITS > 0 && PAGEDATTN_MAX_SPLITS % 32 == 0, "MAX_SPLITS: whole warps of LSEs");
+  constexpr int kMaxChunks = PAGEDATTN_MAX_SPLITS / 32;  // splits <= MAX_SPLITS (splits_for caps them there)
   constexpr int kBatch = 16;     // partial rows in flight per lane
   // the first batch of partial rows (columns lane * 4 ..) is loaded with the LSEs: one round trip less
   float4 first[kBatch];
