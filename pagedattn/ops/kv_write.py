@@ -16,6 +16,30 @@ from ..registry import KernelSpec, UnsupportedError, get_kernel, register, sm_co
 from .params import KvWriteParams
 
 
+# -- compile-time choices: the flat variants' shape (measurements: perf/README.md, "Write path") ------
+# kItems: the most packs per thread of the one-shot body; kStreamItems: the streaming body's batch
+# (0: none); __launch_bounds__(max_threads, min_blocks). Per cache dtype: "copy" (auto) or "fp8".
+FLAT_BUILD = {
+    "copy": dict(max_items=4,     # perf/results/history/write_sweep_h200_items8_5cf134a.json
+                 stream_items=0,  # copies do not stream: perf/results/history/write_sweep_h200_stream_2af0687.json
+                 max_threads=512, # perf/results/write_sweep_h200_20261130_flat.json
+                 min_blocks=0),
+    "fp8": dict(max_items=2,      # perf/results/history/write_sweep_h200_minblocks_8813aaf.json
+                stream_items=1,   # perf/results/history/write_sweep_h200_stream_shapes_a72ae13.json
+                max_threads=256,  # perf/results/history/write_sweep_h200_minblocks_8813aaf.json
+                min_blocks=4),    # perf/results/history/write_sweep_h200_minblocks_8813aaf.json (5 spills)
+}
+BUILD_FIELDS = tuple(FLAT_BUILD["copy"])
+_BUILD_RULES = {"max_items": (lambda v: v >= 2, "the one-shot body takes 2 or more"),
+                "stream_items": (lambda v: v >= 0, "0 (no streaming body) or the packs per batch"),
+                "max_threads": (lambda v: 32 <= v <= 512 and v % 32 == 0, "whole warps, at most 512"),
+                "min_blocks": (lambda v: v >= 0, "0 (no minimum) or CTAs per SM")}
+
+
+def _build_kind(kv_cache_dtype: str) -> str:
+    return "copy" if kv_cache_dtype == "auto" else "fp8"
+
+
 @register
 @dataclass(frozen=True)
 class KvWriteSpec(KernelSpec):
@@ -52,17 +76,10 @@ class KvWriteSpec(KernelSpec):
         given = [n for n in BUILD_FIELDS if getattr(self, n) is not None]
         if given and self.path != "flat":
             raise UnsupportedError(f"kv_write: {', '.join(given)} shape the flat path only, not path={self.path}")
-        if self.path != "flat":
-            return
-        b = self.build
-        if not (isinstance(b["max_items"], int) and b["max_items"] >= 2):
-            raise UnsupportedError(f"kv_write: max_items={b['max_items']!r}; the flat body needs 2 or more")
-        if not (isinstance(b["stream_items"], int) and b["stream_items"] >= 0):
-            raise UnsupportedError(f"kv_write: stream_items={b['stream_items']!r}; 0 (none) or packs per batch")
-        if not (isinstance(b["max_threads"], int) and 32 <= b["max_threads"] <= 512 and b["max_threads"] % 32 == 0):
-            raise UnsupportedError(f"kv_write: max_threads={b['max_threads']!r}; whole warps, at most 512")
-        if not (isinstance(b["min_blocks"], int) and b["min_blocks"] >= 0):
-            raise UnsupportedError(f"kv_write: min_blocks={b['min_blocks']!r}; 0 (no minimum) or CTAs per SM")
+        for name, value in self.build.items():
+            ok, rule = _BUILD_RULES[name]
+            if not (isinstance(value, int) and ok(value)):
+                raise UnsupportedError(f"kv_write: {name}={value!r}; {rule}")
 
     @property
     def build(self) -> dict:
@@ -88,26 +105,6 @@ class KvWriteSpec(KernelSpec):
             "kStreamItems": b.get("stream_items", 0),
             "launch_bounds": bounds,
         }
-
-
-# -- compile-time choices: the flat variants' shape (measurements: perf/README.md, "Write path") ------
-# kItems: the most packs per thread of the one-shot body; kStreamItems: the streaming body's batch
-# (0: none); __launch_bounds__(max_threads, min_blocks). Per cache dtype: "copy" (auto) or "fp8".
-FLAT_BUILD = {
-    "copy": dict(max_items=4,     # perf/results/history/write_sweep_h200_items8_5cf134a.json
-                 stream_items=0,  # copies do not stream: perf/results/history/write_sweep_h200_stream_2af0687.json
-                 max_threads=512, # perf/results/write_sweep_h200_20261130_flat.json
-                 min_blocks=0),
-    "fp8": dict(max_items=2,      # perf/results/history/write_sweep_h200_minblocks_8813aaf.json
-                stream_items=1,   # perf/results/history/write_sweep_h200_stream_shapes_a72ae13.json
-                max_threads=256,  # perf/results/history/write_sweep_h200_minblocks_8813aaf.json
-                min_blocks=4),    # perf/results/history/write_sweep_h200_minblocks_8813aaf.json (5 spills)
-}
-BUILD_FIELDS = ("max_items", "stream_items", "max_threads", "min_blocks")
-
-
-def _build_kind(kv_cache_dtype: str) -> str:
-    return "copy" if kv_cache_dtype == "auto" else "fp8"
 
 
 # -- launch-time choices: one WriteConfig per (cache, token count), from write_config ----------------
