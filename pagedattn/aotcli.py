@@ -10,8 +10,6 @@ from . import aot
 from .aot import FILTER_BY_OPTION, FILTERS, PRESETS, Selection, SelectionError, command_for, default_jobs
 from .info import human_bytes
 
-# -- commands ------------------------------------------------------------------------------------------
-
 
 def _flatten(values) -> list[str]:
     return [v.strip() for item in (values or []) for v in item.split(",") if v.strip()]
@@ -20,7 +18,7 @@ def _flatten(values) -> list[str]:
 def _selection_from_args(args) -> Selection:
     filters = {opt: _flatten(getattr(args, opt)) for opt in FILTER_BY_OPTION}
     return aot.select(ops=_flatten(args.ops), preset=args.preset, filters=filters,
-                  model_configs=args.model_config or (), variants=args.variant or ())
+                      model_configs=args.model_config or (), variants=args.variant or ())
 
 
 def _cmd_precompile(args) -> int:
