@@ -47,14 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="print every variant name")
     p.set_defaults(func=_cmd_list)
 
-    from . import cachecli
-    cachecli.add_parser(sub)
-    for module in ("aot", "bench"):  # optional command groups, present once their issues land
-        try:
-            mod = __import__(f"pagedattn.{module}", fromlist=["add_parser"])
-        except ImportError:
-            continue
-        mod.add_parser(sub)
+    from . import aotcli, bench, cachecli
+    for group in (cachecli, aotcli, bench):  # each command group adds its subcommands
+        group.add_parser(sub)
     return parser
 
 

@@ -61,7 +61,8 @@ class KernelSpec:
 
     @classmethod
     def all_variants(cls):
-        names = [f.name for f in dataclasses.fields(cls)]
+        """Every combination of the SUPPORTED fields; other fields (tuning) keep their defaults."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name in cls.SUPPORTED]
         for combo in itertools.product(*(cls.SUPPORTED[n] for n in names)):
             try:
                 yield cls(**dict(zip(names, combo)))
@@ -77,10 +78,12 @@ def _name_part(value) -> str:
 
 def variant_name(spec: KernelSpec) -> str:
     """Readable, unique name of a variant, e.g. `kv_write_bf16_fp8e4m3_span`. Bool fields appear
-    by name when true."""
+    by name when true; None fields (a family's default) not at all."""
     parts = [spec.FAMILY]
     for f in dataclasses.fields(spec):
         value = getattr(spec, f.name)
+        if value is None:
+            continue
         if isinstance(value, bool):
             if value:
                 parts.append(f.name)

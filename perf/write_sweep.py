@@ -1,17 +1,18 @@
 """Write-path sweep (issue 3): the one-CTA-per-token paths (span/head, at their defaults) against the flat
 path at packs per thread {1, 2, 4} x threads per CTA {64, 128, 256, 512}, and the library's defaults,
 at T=65536 (also with page-contiguous slots) and T=256, H=8, D=128, bf16 input, block size 16, for
-NHD/HND x {bf16 cache, fp8_e4m3 per-tensor scale, fp8_e4m3 per-head scales}. The path and CTA shape
-are forced through the module constants of pagedattn.ops.kv_write (FLAT_FOR, FLAT_ITEMS[_FEW],
-FLAT_THREADS[_FEW]); both are launch-time choices (packs per thread up to the compiled FLAT_MAX_ITEMS),
-so one variant per dtype serves every point. Timed as the bench suite times (pagedattn.bench.timing.
+NHD/HND x {bf16 cache, fp8_e4m3 per-tensor scale, fp8_e4m3 per-head scales}. Each point is an
+`overrides=` mapping of reshape_and_cache_flash: launch-time fields of kv_write.WriteConfig (flat,
+items, threads, stream_waves, span_packs) and compile-time fields of the flat variant (max_items,
+stream_items, max_threads, min_blocks; a point that changes them compiles its own variant). Timed as the bench suite times (pagedattn.bench.timing.
 Timer: device time per call, the host kept ahead; inputs rotated through enough sets to miss L2 at
 T=256). One line per point, a summary per config; writes <out>/write_sweep_*.json.
 What to read: frac_copy at T=65536 (goal >= 0.80 for HND and fp8; NHD bf16 >= 0.90) and us at T=256
-(goal <= 6 us) of flat against old, to set FLAT_FOR / FLAT_MIN_TOKENS / FLAT_ITEMS[_FEW] /
-FLAT_THREADS[_FEW] (the T=65536 rows for the plain names, T=256 for _FEW)."""
+(goal <= 6 us) of flat against old, to set kv_write.FLAT_FOR and the MANY / FEW shapes of write_config
+(the T=65536 rows for MANY, T=256 for FEW)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -20,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-import pagedattn
 from pagedattn import CacheSpec
 from pagedattn.info import git_commit
 
@@ -28,7 +28,6 @@ from _timing import copy_ceiling_gbs  # perf/ is on sys.path when run as a scrip
 from pagedattn.bench.timing import Timer, rotation_sets
 from pagedattn.bench.write import page_slots
 from pagedattn.ops import kv_write
-from pagedattn.registry import get_kernel
 
 H, D, BLOCK = 8, 128, 16
 TOKENS = (65536, 256)
@@ -36,51 +35,51 @@ CONFIGS = [  # (layout, kv_cache_dtype, scale)
     ("NHD", "auto", "tensor"), ("NHD", "fp8_e4m3", "tensor"), ("NHD", "fp8_e4m3", "head"),
     ("HND", "auto", "tensor"), ("HND", "fp8_e4m3", "tensor"), ("HND", "fp8_e4m3", "head"),
 ]
-ITEMS = (1, 2, 4)  # <= FLAT_MAX_ITEMS
+ITEMS = (1, 2, 4)  # <= the flat variants' max_items
 QUICK = bool(os.environ.get("WRITE_SWEEP_QUICK"))  # default, old path and the default flat shape only
 THREADS = (64, 128, 256, 512)
 TIMER = Timer(budget_s=0.1)
 L2_BYTES = 60 * 2**20  # H200 (rotation at T=256 only: T=65536 is far larger)
-KNOBS = ("FLAT_FOR", "FLAT_MIN_TOKENS", "FLAT_ITEMS", "FLAT_ITEMS_FEW", "FLAT_THREADS", "FLAT_THREADS_FEW",
-         "FLAT_STREAM_WAVES", "FLAT_STREAM_ITEMS", "FLAT_MAX_ITEMS", "SPAN_PACKS_PER_THREAD",
-         "FLAT_STREAM_MIN_BLOCKS")
 # Streaming points (fp8 configs, many tokens): WRITE_SWEEP_STREAM="1x4,2x4,1x2" = (resident waves x packs per
 # batch) of the capped grid, at the default packs per thread and threads; every other flat point runs
-# the one-shot schedule (FLAT_STREAM_WAVES = 0). Empty: one-shot and default points only.
-# WRITE_SWEEP_MAX_ITEMS=8: compile the flat variants with kItems = 8 (FLAT_MAX_ITEMS) and add one-shot points
+# the one-shot schedule (stream_waves = 0, variants without a streaming body). Empty: one-shot and
+# default points only.
+# WRITE_SWEEP_MAX_ITEMS=8: compile the flat variants with kItems = 8 (max_items) and add one-shot points
 # of 8 packs per thread. WRITE_SWEEP_SPAN="2,8": the span path (NHD, one scale) also at these packs per thread.
 MAX_ITEMS = int(os.environ.get("WRITE_SWEEP_MAX_ITEMS", "0"))
-# WRITE_SWEEP_MINB="0,4,6": the default streaming shape again with FLAT_STREAM_MIN_BLOCKS at these values
+# WRITE_SWEEP_MINB="0,4,6": the default streaming shape again with min_blocks at these values
 MIN_BLOCKS = [int(x) for x in os.environ.get("WRITE_SWEEP_MINB", "").split(",") if x]
 SPAN_PACKS = [int(x) for x in os.environ.get("WRITE_SWEEP_SPAN", "").split(",") if x]
-# A third number is the threads per CTA of that point ("1x1x128"; default FLAT_THREADS).
+# A third number is the threads per CTA of that point ("1x1x128"; default: write_config's).
 STREAMS = [tuple(float(v) if i == 0 else int(v) for i, v in enumerate(x.split("x")))
            for x in os.environ.get("WRITE_SWEEP_STREAM", "").split(",") if x]
 ALL = frozenset((layout, kind) for layout in ("NHD", "HND") for kind in ("copy", "fp8", "fp8_head"))
 
 
-def _force(path: str, items: int | None = None, threads: int | None = None, defaults=None,
-           stream: tuple | None = None, span: int | None = None) -> None:
-    """Make every following write take `path` ("old": span/head; "flat") with this CTA shape, or
-    ("default") whatever the module's defaults choose."""
+ONE_SHOT = dict(stream_items=0, max_items=4, max_threads=512, min_blocks=0)  # the flat copy variants' build
+
+
+def point(path: str, items: int | None = None, threads: int | None = None, stream: tuple | None = None,
+          span: int | None = None) -> dict | None:
+    """The overrides that make a write take `path` ("old": span/head; "flat") with this CTA shape;
+    None for "default" (whatever the library chooses). A flat point without `stream` runs the
+    one-shot schedule on a variant without a streaming body, as the copy variants are built."""
     if path == "default":
-        for k, v in defaults.items():
-            setattr(kv_write, k, v)
-        kv_write._PLANS.clear()
-        get_kernel.cache_clear()
-        return
-    kv_write.FLAT_FOR = ALL if path == "flat" else frozenset()
-    kv_write.FLAT_MIN_TOKENS = 1
+        return None
+    if path == "old":
+        return {"flat": False, **({"span_packs": span} if span else {})}
+    ov = {"flat": True, **ONE_SHOT, "stream_waves": 0}
     if items is not None:
-        kv_write.FLAT_ITEMS = kv_write.FLAT_ITEMS_FEW = items
+        ov["items"] = items
+        ov["max_items"] = max(MAX_ITEMS, 4) if items > 4 else 4
     if threads is not None:
-        kv_write.FLAT_THREADS = kv_write.FLAT_THREADS_FEW = threads
-    kv_write.FLAT_STREAM_WAVES, kv_write.FLAT_STREAM_ITEMS = stream[:2] if stream else (0, defaults["FLAT_STREAM_ITEMS"])
-    kv_write.FLAT_STREAM_MIN_BLOCKS = stream[2] if stream and len(stream) > 2 else defaults["FLAT_STREAM_MIN_BLOCKS"]
-    kv_write.FLAT_MAX_ITEMS = max(MAX_ITEMS, defaults["FLAT_MAX_ITEMS"]) if items and items > 4 else defaults["FLAT_MAX_ITEMS"]
-    kv_write.SPAN_PACKS_PER_THREAD = span or defaults["SPAN_PACKS_PER_THREAD"]
-    kv_write._PLANS.clear()
-    get_kernel.cache_clear()  # a variant's source depends on FLAT_STREAM_ITEMS
+        ov["threads"] = threads
+    if stream:
+        build = kv_write.FLAT_BUILD["fp8"]
+        ov.update(stream_waves=stream[0], stream_items=stream[1], max_items=build["max_items"],
+                  max_threads=build["max_threads"],
+                  min_blocks=stream[2] if len(stream) > 2 else build["min_blocks"])
+    return ov
 
 
 def _ran(path: str) -> str:
@@ -93,7 +92,8 @@ def _ran(path: str) -> str:
 
 def main(out_dir):
     copy_gbs = copy_ceiling_gbs()
-    defaults = {k: getattr(kv_write, k) for k in KNOBS}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fp8_spec = CacheSpec(1, BLOCK, H, D, torch.uint8, "fp8_e4m3")  # the defaults, recorded in the metadata
     rows = []
     try:
         for layout, kv, scale in CONFIGS:
@@ -114,35 +114,37 @@ def main(out_dir):
                 if T >= 4096 and not QUICK:
                     slot_sets["pages"] = [page_slots(spec.num_blocks, T, "cuda") for _ in range(sets)]
                 flat_points = [(i, t) for i in ITEMS for t in THREADS]
+                dflt = kv_write.write_config(spec, T, sms)
                 if QUICK:  # the library's own flat shape for this T only
-                    many = T >= kv_write.MANY_TOKENS
-                    flat_points = [(defaults["FLAT_ITEMS" if many else "FLAT_ITEMS_FEW"],
-                                    defaults["FLAT_THREADS" if many else "FLAT_THREADS_FEW"])]
+                    flat_points = [(dflt.items, dflt.threads)]
                 points = [("default", None, None, None, None), ("old", None, None, None, None)] + \
                     [("flat", i, t, None, None) for i, t in flat_points]
                 if fp8 and T >= kv_write.MANY_TOKENS:
-                    points += [("flat", defaults["FLAT_ITEMS"], st[2] if len(st) > 2 else defaults["FLAT_THREADS"],
-                                st[:2], None) for st in STREAMS]
-                    points += [("flat", defaults["FLAT_ITEMS"], defaults["FLAT_THREADS"],
-                                (defaults["FLAT_STREAM_WAVES"], defaults["FLAT_STREAM_ITEMS"], mb), None)
+                    points += [("flat", dflt.items, st[2] if len(st) > 2 else dflt.threads, st[:2], None)
+                               for st in STREAMS]
+                    points += [("flat", dflt.items, dflt.threads,
+                                (dflt.stream_waves, kv_write.FLAT_BUILD["fp8"]["stream_items"], mb), None)
                                for mb in MIN_BLOCKS]
                     if MAX_ITEMS > 4:
                         points += [("flat", MAX_ITEMS, t, None, None) for t in (128, 256)]
                     if layout == "NHD" and scale == "tensor":
                         points += [("old", None, None, None, sp) for sp in SPAN_PACKS]
                 for pattern, slots in slot_sets.items():
-                    def call(k, slots=slots):
-                        pagedattn.reshape_and_cache_flash(keys[k], vals[k], kc, vc, slots[k], kv, s, s)
                     for path, items, threads, stream, span in points:
-                        if pattern == "pages" and path == "flat" and items != defaults["FLAT_ITEMS"]:
+                        if pattern == "pages" and path == "flat" and items != dflt.items:
                             continue  # pages: old vs flat at the default packs per thread only
-                        _force(path, items, threads, defaults, stream, span)
+                        ov = point(path, items, threads, stream, span)
+
+                        def call(k, slots=slots, ov=ov):
+                            kv_write.reshape_and_cache_flash(keys[k], vals[k], kc, vc, slots[k], kv, s, s,
+                                                             overrides=ov)
+                        kv_write._PLANS.clear()
                         call(0)
                         took = _ran(path)
                         us = TIMER(call, sets).us
                         gbs = nbytes / us / 1e3
                         rows.append(dict(layout=layout, kv=kv, scale=scale, T=T, slots=pattern, path=took,
-                                         default=path == "default",
+                                         default=path == "default", overrides=ov,
                                          items=items, threads=threads, stream=stream, span_packs=span, us=us, gbs=gbs, frac_copy=gbs / copy_gbs,
                                          sets=sets))
                         shape = (f"items={items} threads={threads:3d}" + (f" stream={stream[0]:g}x{stream[1]}" + (f" minblocks={stream[2]}" if len(stream) > 2 else "")
@@ -155,14 +157,13 @@ def main(out_dir):
                 kc = vc = keys = vals = None  # free before the next config
                 torch.cuda.empty_cache()
     finally:
-        for k, v in defaults.items():
-            setattr(kv_write, k, v)
         kv_write._PLANS.clear()
     _summary(rows)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, commit=git_commit(),
                 date=date.today().isoformat(), copy_gbs=copy_gbs, H=H, D=D, block_size=BLOCK,
-                tokens=list(TOKENS), defaults={k: sorted(v) if isinstance(v, frozenset) else v
-                                                for k, v in defaults.items()})
+                tokens=list(TOKENS), defaults=dict(
+                    flat_for=sorted(kv_write.FLAT_FOR), build=kv_write.FLAT_BUILD,
+                    launch={str(T): dataclasses.asdict(kv_write.write_config(fp8_spec, T, sms)) for T in TOKENS}))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"write_sweep_h200_{meta['date'].replace('-', '')}.json").write_text(

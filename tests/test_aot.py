@@ -16,8 +16,7 @@ from typing import ClassVar
 
 import pytest
 
-from pagedattn import aot
-from pagedattn import cachecli
+from pagedattn import aot, aotcli, cachecli
 from pagedattn.codegen import bundle
 from pagedattn.codegen.cache import write_entry
 from pagedattn.codegen.errors import MissingKernelError
@@ -37,7 +36,7 @@ pytestmark = pytest.mark.compiles(*[(KvWriteSpec("bf16", kv, path), ARCH) for kv
 
 
 def precompile(*argv) -> int:
-    return aot.main(["precompile", "--arch", ARCH, "-q", *map(str, argv)])
+    return aotcli.main(["precompile", "--arch", ARCH, "-q", *map(str, argv)])
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +144,7 @@ def test_rerun_rebuilds_only_missing_corrupt_or_stale(bundle_copy, capsys):
     stale_key = stale["key"]
     stale["key"] = "0" * 64          # as if built from older templates: never looked up again
     (bundle_copy / "manifest.json").write_text(json.dumps(m))
-    assert aot.main(["bundle", "verify", str(bundle_copy)]) == 1
+    assert aotcli.main(["bundle", "verify", str(bundle_copy)]) == 1
     assert "1 kernel(s) were built from other kernel sources" in capsys.readouterr().out
     jobs = aot.plan([_spec(v) for v in m["variants"]], [ARCH])
     summary = aot.precompile(jobs, bundle_copy, n_jobs=1, progress=False)
@@ -218,7 +217,7 @@ def test_missing_kernel_hint_is_a_working_command(jit_off, monkeypatch, tmp_path
     assert command == precompile_command(spec, ARCH)
     argv = shlex.split(command)
     assert argv[:2] == ["pagedattn", "precompile"] and argv[argv.index("--out") + 1] == str(target)
-    assert aot.main(argv[1:] + ["-q"]) == 0
+    assert aotcli.main(argv[1:] + ["-q"]) == 0
     art = get_kernel(spec).artifact(ARCH)
     assert art.origin.startswith("aot:") and jit_off.compiles == 0
 
@@ -295,7 +294,7 @@ def test_schema_1_bundle_of_plain_cubins_is_still_read(bundle_copy, jit_off, mon
 def test_corrupt_artifact_found_by_bundle_verify_and_cache_verify(bundle_copy, fresh_cache,
                                                                    monkeypatch, capsys,
                                                                    pagedattn_log):
-    assert aot.main(["bundle", "verify", str(bundle_copy)]) == 0
+    assert aotcli.main(["bundle", "verify", str(bundle_copy)]) == 0
     assert "6 kernels checked, 0 corrupt" in capsys.readouterr().out
     victim = _manifest(bundle_copy)["variants"][2]
     path = bundle_copy / victim["file"]
@@ -303,7 +302,7 @@ def test_corrupt_artifact_found_by_bundle_verify_and_cache_verify(bundle_copy, f
     data[len(data) // 2] ^= 0xFF                               # same size, different bytes
     path.write_bytes(bytes(data))
 
-    assert aot.main(["bundle", "verify", str(bundle_copy)]) == 1
+    assert aotcli.main(["bundle", "verify", str(bundle_copy)]) == 1
     out = capsys.readouterr().out
     assert f"corrupt: {victim['name']} ({ARCH}): corrupt file {victim['file']}: undecodable xz" in out
     assert "rebuild: pagedattn precompile" in out and "1 corrupt" in out
@@ -354,7 +353,7 @@ def test_dry_run_lists_the_matrix(built, capsys):
                          "0 present, 18 to compile")
     # against an existing bundle: what it holds is marked, nothing is written
     before = sorted(p.name for p in out.rglob("*"))
-    assert aot.main(["precompile", "--arch", "sm_80,sm_90a", "--ops", "kv_write", "--dtypes", "bf16",
+    assert aotcli.main(["precompile", "--arch", "sm_80,sm_90a", "--ops", "kv_write", "--dtypes", "bf16",
                      "--dry-run", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert sum(line.endswith(" present") for line in text.splitlines()) == 6
@@ -431,15 +430,20 @@ def test_selection_errors(fake_family, kwargs, message):
 
 def test_variant_form_round_trips(fake_family, monkeypatch):
     monkeypatch.delenv("PAGEDATTN_AOT_DIR", raising=False)
-    specs = list(all_specs())
+    tuned = KvWriteSpec("bf16", "fp8_e4m3", "flat", stream_items=2, min_blocks=0)  # fields off their default
+    specs = list(all_specs()) + [tuned]
     assert any(s.FAMILY == "fake_attn" for s in specs)
+    assert aot.format_variant(tuned) == ("kv_write:dtype=bf16 kv_cache_dtype=fp8_e4m3 path=flat stream_items=2 "
+                                         "min_blocks=0")
+    assert aot.format_variant(KvWriteSpec("bf16", "auto", "span")) == \
+        "kv_write:dtype=bf16 kv_cache_dtype=auto path=span"  # defaults (None) are left out
     parser = argparse.ArgumentParser()
-    aot.add_parser(parser.add_subparsers())
+    aotcli.add_parser(parser.add_subparsers())
     for spec in specs:
         assert aot.parse_variant(aot.format_variant(spec)) == spec
         argv = shlex.split(precompile_command(spec, ARCH), comments=True)
         args = parser.parse_args(argv[1:])
-        assert aot._selection_from_args(args).specs == [spec]
+        assert aotcli._selection_from_args(args).specs == [spec]
 
 
 def test_arch_resolution(monkeypatch):
@@ -464,9 +468,9 @@ def test_arch_native_with_gpus(monkeypatch):
 
 
 def test_cli_errors_exit_2(capsys):
-    assert aot.main(["precompile", "--arch", "sm_90a", "--dtypes", "fp64", "--dry-run"]) == 2
+    assert aotcli.main(["precompile", "--arch", "sm_90a", "--dtypes", "fp64", "--dry-run"]) == 2
     assert "--dtypes: fp64" in capsys.readouterr().err
-    assert aot.main(["precompile", "--arch", "sm_90a", "--ops", "kv_write"]) == 2
+    assert aotcli.main(["precompile", "--arch", "sm_90a", "--ops", "kv_write"]) == 2
     assert "--out DIR is required" in capsys.readouterr().err
 
 
@@ -488,7 +492,7 @@ def test_gpu_write_and_decode_run_from_bundle_with_jit_off(fresh_cache, monkeypa
     given = os.environ.get("PAGEDATTN_TEST_BUNDLE")
     folder = Path(given) if given else tmp_path / "bundle"
     if not given:
-        assert aot.main(["precompile", "-q", "--arch", arch, "--ops", "kv_write,attn_fwd",
+        assert aotcli.main(["precompile", "-q", "--arch", arch, "--ops", "kv_write,attn_fwd",
                          "--dtypes", "bf16", "--kv-cache-dtypes", "auto", "--head-sizes", "128",
                          "--out", str(folder)]) == 0
     assert bundle.verify(folder).ok

@@ -1,5 +1,6 @@
 """reshape_and_cache_flash: reference semantics (CPU), every variant compiles (CPU), the kernel
 against the reference bit for bit on NaN-poisoned caches (GPU), and bad input (both)."""
+import dataclasses
 import itertools
 
 import pytest
@@ -9,10 +10,9 @@ import pagedattn
 from pagedattn import CacheSpec, ContractError, reference
 from pagedattn.codegen.compile import compile_source, nvrtc_options
 from pagedattn.codegen.toolchain import toolchain
-from pagedattn.ops.plans import PlanCache
 from pagedattn.ops import kv_write
-from pagedattn.ops.kv_write import KvWriteSpec
-from pagedattn.registry import Kernel, get_kernel, variant_name
+from pagedattn.ops.kv_write import KvWriteSpec, write_config
+from pagedattn.registry import Kernel, UnsupportedError, variant_name
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -70,15 +70,37 @@ def test_reference_fp8_e5m2_per_tensor_float8_storage():
 def test_every_path_is_a_variant():
     paths = {s.path for s in KvWriteSpec.all_variants()}
     assert paths == {"span", "head", "flat"}
+    fp8, copy = kv_write.FLAT_BUILD["fp8"], kv_write.FLAT_BUILD["copy"]
+    assert fp8["stream_items"] > 0 and copy["stream_items"] == 0  # the streaming body: fp8 only
     flat = Kernel(KvWriteSpec("bf16", "fp8_e4m3", "flat")).source
-    assert (f"kv_write_flat<__nv_bfloat16, uint8_t, pagedattn::Fp8Format::kE4M3, {kv_write.flat_max_items('fp8_e4m3')}, "
-            f"{kv_write.stream_items('fp8_e4m3')}>") in flat  # the streaming body when it is on for fp8
-    copy = Kernel(KvWriteSpec("bf16", "auto", "flat")).source
-    assert f"kv_write_flat<__nv_bfloat16, __nv_bfloat16, pagedattn::Fp8Format::kNone, {kv_write.FLAT_MAX_ITEMS}, 0>" in copy
-    assert f"__launch_bounds__({kv_write.FLAT_MAX_THREADS})" in copy
-    assert f"__launch_bounds__({kv_write.flat_bounds('fp8_e4m3')})" in flat
+    assert (f"kv_write_flat<__nv_bfloat16, uint8_t, pagedattn::Fp8Format::kE4M3, {fp8['max_items']}, "
+            f"{fp8['stream_items']}>") in flat
+    assert f"__launch_bounds__({fp8['max_threads']}, {fp8['min_blocks']})" in flat
+    src = Kernel(KvWriteSpec("bf16", "auto", "flat")).source
+    assert f"kv_write_flat<__nv_bfloat16, __nv_bfloat16, pagedattn::Fp8Format::kNone, {copy['max_items']}, 0>" in src
+    assert f"__launch_bounds__({copy['max_threads']})" in src
     assert "kv_write<__half, __half, pagedattn::Fp8Format::kNone, true>" in Kernel(
         KvWriteSpec("fp16", "auto", "span")).source
+
+
+def test_build_fields_name_and_render_the_variant():
+    """Compile-time knobs are spec fields: off their default they name the variant and reach the source;
+    at their default the spec, name and source are the default's."""
+    default = KvWriteSpec("bf16", "fp8_e4m3", "flat")
+    assert KvWriteSpec("bf16", "fp8_e4m3", "flat", **kv_write.FLAT_BUILD["fp8"]) == default
+    assert variant_name(default) == "kv_write_bf16_fp8e4m3_flat"
+    spec = KvWriteSpec("bf16", "fp8_e4m3", "flat", max_items=3, stream_items=4, max_threads=128, min_blocks=0)
+    assert variant_name(spec) == "kv_write_bf16_fp8e4m3_flat_items3_stream4_threads128_minblocks0"
+    src = Kernel(spec).source
+    assert "kv_write_flat<__nv_bfloat16, uint8_t, pagedattn::Fp8Format::kE4M3, 3, 4>" in src
+    assert "__launch_bounds__(128)" in src and spec.build == dict(max_items=3, stream_items=4, max_threads=128,
+                                                                   min_blocks=0)
+    assert list(KvWriteSpec.all_variants()).count(spec) == 0 and default in KvWriteSpec.all_variants()
+    with pytest.raises(UnsupportedError, match="shape the flat path only"):
+        KvWriteSpec("bf16", "auto", "span", max_items=2)
+    for bad in (dict(max_items=1), dict(stream_items=-1), dict(max_threads=1024), dict(max_threads=100)):
+        with pytest.raises(UnsupportedError, match=next(iter(bad))):
+            KvWriteSpec("bf16", "auto", "flat", **bad)
 
 
 @pytest.mark.compiles
@@ -111,7 +133,7 @@ def test_write_path_default(layout, kv, scale, want):
     assert kv_write.write_path(_spec(layout, kv, scale), 2, 256, aligned=True) == want
 
 
-def test_write_path_falls_back(monkeypatch):
+def test_write_path_falls_back():
     hnd = _spec("HND")
     assert kv_write.write_path(hnd, 2, 100, aligned=False) == "head"                # unaligned rows
     assert kv_write.write_path(_spec("HND", D=36), 2, 100, aligned=True) == "head"  # 72-byte rows
@@ -119,15 +141,41 @@ def test_write_path_falls_back(monkeypatch):
     assert kv_write.write_path(_spec("NHD", "fp8_e4m3", D=36), 2, 100, True) == "span"
     assert kv_write.write_path(_spec("NHD", "fp8_e4m3", "head", D=36), 2, 100, True) == "head"
     assert kv_write.write_path(hnd, 2, 1 << 30, aligned=True) == "head"             # beyond a 1-D grid
-    monkeypatch.setattr(kv_write, "FLAT_MIN_TOKENS", 1024)
-    assert kv_write.write_path(hnd, 2, 1023, aligned=True) == "head"
-    assert kv_write.write_path(hnd, 2, 1024, aligned=True) == "flat"
-    monkeypatch.setattr(kv_write, "FLAT_FOR", frozenset())
-    assert kv_write.write_path(hnd, 2, 4096, aligned=True) == "head"
-    assert kv_write.write_path(_spec("NHD"), 2, 4096, aligned=True) == "span"
-    monkeypatch.setattr(kv_write, "FLAT_FOR", ALL_FLAT)
-    assert kv_write.write_path(_spec("NHD", "fp8_e4m3"), 2, 4096, aligned=True) == "flat"
+    no_flat = dataclasses.replace(write_config(hnd, 4096, 132), flat=False)
+    assert kv_write.write_path(hnd, 2, 4096, aligned=True, config=no_flat) == "head"
+    assert kv_write.write_path(_spec("NHD"), 2, 4096, aligned=True, config=no_flat) == "span"
     assert kv_write.write_kind(_spec("NHD", "fp8_e4m3", "head")) == ("NHD", "fp8_head")
+    assert kv_write.FLAT_FOR == ALL_FLAT and kv_write.FLAT_MIN_TOKENS == 1  # the measured table: flat everywhere
+
+
+@pytest.mark.parametrize("layout,kv,scale", [("NHD", "auto", "tensor"), ("HND", "auto", "tensor"),
+                                             ("NHD", "fp8_e4m3", "tensor"), ("HND", "fp8_e5m2", "head")])
+def test_write_config_choices(layout, kv, scale):
+    """write_config: few tokens one pack per thread in CTAs of 128 (span: one pack, head: up to 8 warps);
+    from MANY_TOKENS on 4 packs in CTAs of 256 (span 4 packs, head 4 warps), fp8 streaming over one wave."""
+    spec = _spec(layout, kv, scale)
+    few, many = (write_config(spec, T, 132) for T in (kv_write.MANY_TOKENS - 1, kv_write.MANY_TOKENS))
+    assert few == kv_write.WriteConfig(flat=True, items=1, threads=128, stream_waves=0, sm_count=132,
+                                       span_packs=1, head_warps=8)
+    assert many == kv_write.WriteConfig(flat=True, items=4, threads=256, stream_waves=1 if kv != "auto" else 0,
+                                        sm_count=132, span_packs=4, head_warps=4)
+    assert write_config(spec, 1, 78).sm_count == 78 and write_config(spec, 65536, 132) == many
+
+
+def test_flat_launch_follows_config_and_variant():
+    """flat_launch: threads capped at the variant's max_threads, items at its max_items unless it
+    streams, and the grid capped at stream_waves x SMs x resident CTAs only where the variant streams."""
+    cfg = write_config(_spec("HND", "fp8_e4m3"), 65536, 132)
+    packs = 65536 * 256
+    stream = KvWriteSpec("bf16", "fp8_e4m3", "flat")
+    grid, block = kv_write.flat_launch(cfg, stream, packs, resident=lambda threads: 2048 // threads)
+    assert block == (256, 1, 1) and grid == (132 * 8, 1, 1)
+    grid, block = kv_write.flat_launch(dataclasses.replace(cfg, stream_waves=0.5, threads=512), stream, packs,
+                                       resident=lambda threads: 2048 // threads)
+    assert block == (256, 1, 1) and grid == (132 * 4, 1, 1)        # the variant's max_threads
+    one_shot = KvWriteSpec("bf16", "fp8_e4m3", "flat", stream_items=0, max_items=3)
+    grid, block = kv_write.flat_launch(cfg, one_shot, packs, resident=None)  # never asks for occupancy
+    assert block == (256, 1, 1) and grid == (-(-packs // (256 * 3)), 1, 1)  # items 4 capped at max_items 3
 
 
 def test_rows_aligned():
@@ -145,20 +193,98 @@ def test_rows_aligned():
 
 @pytest.mark.parametrize("T,token_packs", [(1, 256), (3, 18), (37, 72), (1023, 256), (1024, 256),
                                            (65536, 256), (5000, 1000), (777, 9)])
-@pytest.mark.parametrize("many,few", [((4, 256), (2, 128)), ((3, 96), (1, 32)), ((4, 512), (4, 64))])
-def test_flat_shape_covers_every_pack(T, token_packs, many, few):
+@pytest.mark.parametrize("items,want_threads", [(4, 256), (2, 128), (3, 96), (1, 32), (4, 512), (4, 64)])
+def test_flat_grid_covers_every_pack(T, token_packs, items, want_threads):
     """Every pack is some thread's, and the kernel's items = ceil(packs / grid threads) never exceeds
     what the host asked for."""
-    items, want_threads = many if T >= kv_write.MANY_TOKENS else few
-    grid, block = kv_write._flat_shape(T, token_packs, many, few)
+    grid, block = kv_write.flat_grid(T * token_packs, items, want_threads)
     threads, packs = block[0], T * token_packs
     assert threads % 32 == 0 and 32 <= threads <= want_threads and grid[1:] == (1, 1) and block[1:] == (1, 1)
     assert threads == min(want_threads, -(-packs // (32 * items)) * 32) or threads == 32
     assert (grid[0] - 1) * threads * items < packs <= grid[0] * threads * items
     kernel_items = -(-packs // (grid[0] * threads))
     assert 1 <= kernel_items <= items and grid[0] * threads * kernel_items >= packs
-    capped, _ = kv_write._flat_shape(T, token_packs, many, few, stream_ctas=7)
-    assert capped[0] == (min(grid[0], 7) if T >= kv_write.MANY_TOKENS else grid[0])
+    capped, _ = kv_write.flat_grid(T * token_packs, items, want_threads, max_ctas=7)
+    assert capped[0] == min(grid[0], 7)
+
+
+class _FakeKernel:
+    """get_kernel's stand-in for the CPU: records which variant each launch used, with grid and block."""
+    launches = []
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def launcher(self, device):
+        return self
+
+    def max_active_blocks(self, threads):
+        return 2048 // threads
+
+    def __call__(self, grid, block, params):
+        self.launches.append((self.spec, grid, block, params[-1]))
+
+
+@pytest.fixture
+def fake_launch(monkeypatch):
+    """reshape_and_cache_flash on CPU tensors up to the launch: the kernels are _FakeKernel."""
+    monkeypatch.setattr(kv_write, "get_kernel", _FakeKernel)
+    monkeypatch.setattr(kv_write, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kv_write, "_require_cuda", lambda key_cache: None)
+    kv_write._PLANS.clear()
+    _FakeKernel.launches = []
+    yield _FakeKernel.launches
+    kv_write._PLANS.clear()
+
+
+def _cpu_write(T, kv="auto", layout="HND", overrides=None, H=8, D=128):
+    spec = _spec(layout, kv, H=H, D=D)
+    kc, vc = spec.allocate("cpu")
+    key = torch.zeros(T, H, D, dtype=torch.bfloat16)
+    s = torch.ones(1) if kv != "auto" else None
+    kv_write.reshape_and_cache_flash(key, key, kc, vc, torch.arange(T), kv, s, s, overrides=overrides)
+    return spec
+
+
+def test_default_launch_is_write_configs(fake_launch):
+    _cpu_write(5000, "fp8_e4m3")
+    _cpu_write(100)
+    (fp8, g1, b1, t1), (copy, g2, b2, t2) = fake_launch
+    assert fp8 == KvWriteSpec("bf16", "fp8_e4m3", "flat") and (t1, b1) == (5000, (256, 1, 1))
+    assert g1 == (min(-(-5000 * 256 // (4 * 256)), 132 * 2048 // 256), 1, 1)  # capped at one resident wave
+    assert copy == KvWriteSpec("bf16", "auto", "flat") and b2 == (128, 1, 1) and g2 == (-(-100 * 256 // 128), 1, 1)
+
+
+def test_overrides_reach_the_launch(fake_launch):
+    """Compile-time overrides pick the variant (and its source), launch-time ones the grid and block;
+    each set of overrides gets its own plan, and no override leaks into the next call."""
+    _cpu_write(5000, "fp8_e4m3", overrides={"stream_items": 2, "min_blocks": 0, "stream_waves": 0.5,
+                                            "threads": 128})
+    _cpu_write(300, overrides={"flat": False, "head_warps": 2})
+    _cpu_write(300, "fp8_e4m3", "NHD", overrides={"flat": False, "span_packs": 2})
+    _cpu_write(300, overrides={"items": 2, "threads": 64})
+    _cpu_write(300)
+    (v1, g1, b1, _), (v2, g2, b2, _), (v3, g3, b3, _), (v4, g4, b4, _), (v5, g5, b5, _) = fake_launch
+    assert variant_name(v1) == "kv_write_bf16_fp8e4m3_flat_stream2_minblocks0"
+    assert "kv_write_flat<__nv_bfloat16, uint8_t, pagedattn::Fp8Format::kE4M3, 2, 2>" in Kernel(v1).source
+    assert "__launch_bounds__(256)" in Kernel(v1).source
+    assert b1 == (128, 1, 1) and g1 == (int(132 * 16 * 0.5), 1, 1)
+    assert v2 == KvWriteSpec("bf16", "auto", "head") and (g2, b2) == ((300, 1, 1), (64, 1, 1))
+    assert v3 == KvWriteSpec("bf16", "fp8_e4m3", "span") and b3 == (2 * 64, 1, 1)  # 128 packs / 2 per thread
+    assert v4 == KvWriteSpec("bf16", "auto", "flat") and b4 == (64, 1, 1) and g4 == (-(-300 * 256 // 128), 1, 1)
+    assert v5 == v4 and b5 == (128, 1, 1)
+    assert len(kv_write._PLANS) == 5
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"itemz": 2}, "overrides: unknown itemz; compile-time: max_items"),
+    ([("items", 2)], "overrides must be a mapping"),
+    ({"max_items": 1}, "overrides: kv_write: max_items=1"),
+])
+def test_bad_overrides_are_refused(overrides, match, fake_launch):
+    with pytest.raises(ContractError, match=match):
+        _cpu_write(8, overrides=overrides)
+    assert not fake_launch
 
 
 # ---------------------------------------------------------------- the kernel (GPU)
@@ -196,14 +322,19 @@ def _id(case):
     return f"{layout}-{str(dtype)[6:]}-{kv}-{scale}-d{D}-b{bs}-{source}-{'pad' if pad else 'nopad'}"
 
 
+@pytest.fixture
+def plans():
+    """An empty plan cache for the test (it inspects the plan its writes made)."""
+    kv_write._PLANS.clear()
+    yield kv_write._PLANS
+    kv_write._PLANS.clear()
+
+
 @pytest.fixture(params=["base", "flat"])
-def force_path(request, monkeypatch):
-    """base: every write takes span/head; flat: every write whose rows are aligned takes flat (the
-    others, e.g. source=unaligned, must fall back to span/head)."""
-    monkeypatch.setattr(kv_write, "FLAT_FOR", ALL_FLAT if request.param == "flat" else frozenset())
-    monkeypatch.setattr(kv_write, "FLAT_MIN_TOKENS", 1)
-    monkeypatch.setattr(kv_write, "_PLANS", PlanCache())
-    return request.param
+def force_path(request, plans):
+    """The overrides of a path: base: every write takes span/head; flat: every write whose rows are
+    aligned takes flat (the others, e.g. source=unaligned, must fall back to span/head)."""
+    return request.param, {"flat": request.param == "flat"}
 
 
 @pytest.mark.gpu
@@ -220,14 +351,15 @@ def test_write_matches_reference_bitwise(case, force_path):
     if pad:
         slots[torch.rand(T, device="cuda", generator=gen) < 0.3] = -1
     ks, vs = _random_scales(kv, scale, H, gen)
-    kc, vc = _check_against_reference(spec, key, value, slots, kv, ks, vs)
+    path, overrides = force_path
+    kc, vc = _check_against_reference(spec, key, value, slots, kv, ks, vs, overrides)
     # rerun: bit-identical
     kc2, vc2 = spec.allocate("cuda", fill=float("nan"))
-    pagedattn.reshape_and_cache_flash(key, value, kc2, vc2, slots, kv, ks, vs)
+    kv_write.reshape_and_cache_flash(key, value, kc2, vc2, slots, kv, ks, vs, overrides=overrides)
     assert torch.equal(bits(kc2), bits(kc)) and torch.equal(bits(vc2), bits(vc))
     # the forced path is the one that ran (unaligned rows fall back to span/head)
     (plan,) = kv_write._PLANS.values()
-    if force_path == "flat" and source != "unaligned":
+    if path == "flat" and source != "unaligned":
         assert plan.flat is not None and plan.base is None
     else:
         assert plan.base is not None
@@ -256,12 +388,12 @@ def _random_scales(kv, scale, H, gen):
     return (torch.rand(n, device="cuda", generator=gen) + 0.05, torch.rand(n, device="cuda", generator=gen) + 0.05)
 
 
-def _check_against_reference(spec, key, value, slots, kv, ks, vs):
-    """Write into NaN-poisoned caches; written slots must equal the reference bit for bit and every
-    other slot must still be poisoned. Returns the written caches."""
+def _check_against_reference(spec, key, value, slots, kv, ks, vs, overrides=None):
+    """Write (with these overrides) into NaN-poisoned caches; written slots must equal the reference
+    bit for bit and every other slot must still be poisoned. Returns the written caches."""
     kc, vc = spec.allocate("cuda", fill=float("nan"))
     rk, rv = kc.clone(), vc.clone()
-    pagedattn.reshape_and_cache_flash(key, value, kc, vc, slots, kv, ks, vs)
+    kv_write.reshape_and_cache_flash(key, value, kc, vc, slots, kv, ks, vs, overrides=overrides)
     reference.reshape_and_cache_flash(key, value, rk, rv, slots, kv, ks, vs)
     torch.cuda.synchronize()
     assert torch.equal(bits(kc), bits(rk)) and torch.equal(bits(vc), bits(rv))
@@ -273,18 +405,8 @@ def _check_against_reference(spec, key, value, slots, kv, ks, vs):
     return kc, vc
 
 
-@pytest.fixture
-def max_items(request, monkeypatch):
-    """Re-render the flat variants with kItems = FLAT_MAX_ITEMS = request.param (and back afterwards)."""
-    monkeypatch.setattr(kv_write, "FLAT_MAX_ITEMS", request.param)
-    monkeypatch.setattr(kv_write, "_PLANS", PlanCache())
-    get_kernel.cache_clear()
-    yield request.param
-    get_kernel.cache_clear()
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("max_items", [4, 3], indirect=True)
+@pytest.mark.parametrize("max_items", [4, 3])
 @pytest.mark.parametrize("items", [1, 2, 4])
 @pytest.mark.parametrize("threads", [32, 96, 512])
 @pytest.mark.parametrize("layout,kv,scale", [("NHD", "auto", "tensor"), ("HND", "auto", "tensor"),
@@ -292,16 +414,11 @@ def max_items(request, monkeypatch):
 @pytest.mark.parametrize("T,H,D,dtype", [(1, 1, 64, torch.bfloat16), (5, 3, 72, torch.float16),
                                          (1500, 3, 80, torch.bfloat16), (4099, 8, 128, torch.bfloat16),
                                          (2000, 2, 36, torch.float32)])
-def test_flat_many_tokens(max_items, items, threads, layout, kv, scale, T, H, D, dtype, monkeypatch):
-    """Flat with kItems 4 and 3, packs per thread 1, 2 and 4 (capped at kItems), CTAs of 1, 3 and 16
-    warps (fp8 variants cap CTAs at FLAT_STREAM_MAX_THREADS and stream their many-token writes): token
-    counts below and above MANY_TOKENS, odd H, rows of 9 and 10 packs."""
-    monkeypatch.setattr(kv_write, "FLAT_FOR", ALL_FLAT)
-    monkeypatch.setattr(kv_write, "FLAT_MIN_TOKENS", 1)
-    for name in ("FLAT_ITEMS", "FLAT_ITEMS_FEW"):
-        monkeypatch.setattr(kv_write, name, items)
-    for name in ("FLAT_THREADS", "FLAT_THREADS_FEW"):
-        monkeypatch.setattr(kv_write, name, threads)
+def test_flat_many_tokens(max_items, items, threads, layout, kv, scale, T, H, D, dtype, plans):
+    """Flat with kItems 4 and 3 (copies; fp8 variants keep theirs, cap CTAs at their max_threads, 256,
+    and stream their many-token writes), packs per thread 1, 2 and 4 (capped at kItems), CTAs of 1, 3
+    and 16 warps: token counts below and above MANY_TOKENS, odd H, rows of 9 and 10 packs."""
+    overrides = {"flat": True, "items": items, "threads": threads, **({"max_items": max_items} if kv == "auto" else {})}
     gen = torch.Generator("cuda").manual_seed(T * 7 + threads)
     bs = 16
     spec = CacheSpec(-(-2 * T // bs) + 1, bs, H, D, dtype if kv == "auto" else torch.uint8, kv, layout, scale)
@@ -310,9 +427,11 @@ def test_flat_many_tokens(max_items, items, threads, layout, kv, scale, T, H, D,
     slots = torch.randperm(spec.num_slots, device="cuda", generator=gen)[:T]
     slots[torch.rand(T, device="cuda", generator=gen) < 0.2] = -1
     ks, vs = _random_scales(kv, scale, H, gen)
-    _check_against_reference(spec, key, value, slots, kv, ks, vs)
-    _check_against_reference(spec, key, value, slots.int(), kv, ks, vs)  # int32 slot ids
-    assert len(kv_write._PLANS) == 2 and all(p.base is None for p in kv_write._PLANS.values())
+    _check_against_reference(spec, key, value, slots, kv, ks, vs, overrides)
+    _check_against_reference(spec, key, value, slots.int(), kv, ks, vs, overrides)  # int32 slot ids
+    assert len(plans) == 2 and all(p.base is None for p in plans.values())
+    want = max_items if kv == "auto" else kv_write.FLAT_BUILD["fp8"]["max_items"]
+    assert all(p.flat_spec.build["max_items"] == want for p in plans.values())
 
 
 @pytest.mark.gpu
@@ -323,17 +442,11 @@ def test_flat_many_tokens(max_items, items, threads, layout, kv, scale, T, H, D,
 @pytest.mark.parametrize("T,H,D,dtype", [(1500, 3, 80, torch.bfloat16), (4099, 8, 128, torch.bfloat16),
                                          (2000, 2, 32, torch.float32), (1024, 1, 64, torch.float16),
                                          (1100, 2, 72, torch.bfloat16)])
-def test_flat_streaming(waves, stream_items, layout, kv, scale, T, H, D, dtype, monkeypatch, request):
+def test_flat_streaming(waves, stream_items, layout, kv, scale, T, H, D, dtype, plans):
     """The streaming schedule (a grid capped at `waves` resident waves: 1, or a few CTAs so that every
     thread loops over many batches), batches of 4, 2 and 1 items, items of two packs (rows of 10, 16 and
     8 packs) and of one (D=72 bf16: 9 packs), against the reference bit for bit."""
-    monkeypatch.setattr(kv_write, "FLAT_FOR", ALL_FLAT)
-    monkeypatch.setattr(kv_write, "FLAT_MIN_TOKENS", 1)
-    monkeypatch.setattr(kv_write, "FLAT_STREAM_WAVES", waves)
-    monkeypatch.setattr(kv_write, "FLAT_STREAM_ITEMS", stream_items)
-    monkeypatch.setattr(kv_write, "_PLANS", PlanCache())
-    get_kernel.cache_clear()  # the variant's source depends on FLAT_STREAM_ITEMS
-    request.addfinalizer(get_kernel.cache_clear)
+    overrides = {"flat": True, "stream_waves": waves, "stream_items": stream_items}
     gen = torch.Generator("cuda").manual_seed(T * 3 + stream_items)
     bs = 16
     spec = CacheSpec(-(-2 * T // bs) + 1, bs, H, D, torch.uint8, kv, layout, scale)
@@ -341,21 +454,22 @@ def test_flat_streaming(waves, stream_items, layout, kv, scale, T, H, D, dtype, 
     slots = torch.randperm(spec.num_slots, device="cuda", generator=gen)[:T]
     slots[torch.rand(T, device="cuda", generator=gen) < 0.2] = -1
     ks, vs = _random_scales(kv, scale, H, gen)
-    _check_against_reference(spec, key, value, slots, kv, ks, vs)
-    (plan,) = kv_write._PLANS.values()
-    token_packs, (items, threads), _, cap = plan.flat_shape
-    assert plan.base is None and cap > 0
+    _check_against_reference(spec, key, value, slots, kv, ks, vs, overrides)
+    (plan,) = plans.values()
+    shape = plan.shapes[T]
+    (grid, _, _), (threads, _, _) = shape.flat
+    assert plan.base is None and plan.flat_spec.build["stream_items"] == stream_items
+    resident = plan.flat.max_active_blocks(threads)
+    assert shape.config.stream_waves == waves and grid <= max(1, int(shape.config.sm_count * resident * waves))
     if waves < 1:  # a few CTAs: every thread loops over many batches
-        assert cap < -(-T * token_packs // (items * threads)), "should stream"
+        assert grid < -(-T * plan.token_packs // (shape.config.items * threads)), "should stream"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,offset", [(36, 0), (64, 1), (64, 0)])
-def test_flat_fallback_rows_not_aligned(D, offset, monkeypatch):
+def test_flat_fallback_rows_not_aligned(D, offset, plans):
     """bf16 D=36 (72-byte rows) and an unaligned base take span/head, aligned ones flat; the same plan
     serves calls whose base pointers differ in alignment."""
-    monkeypatch.setattr(kv_write, "FLAT_FOR", ALL_FLAT)
-    monkeypatch.setattr(kv_write, "_PLANS", PlanCache())
     T, H = 300, 4
     spec = CacheSpec(32, 16, H, D, torch.bfloat16, "auto", "HND")
     flat = torch.randn(2 * T * H * D + 16, dtype=torch.bfloat16, device="cuda")
@@ -364,25 +478,25 @@ def test_flat_fallback_rows_not_aligned(D, offset, monkeypatch):
         value = flat[T * H * D + off:2 * T * H * D + off].view(T, H, D)
         _check_against_reference(spec, key, value, torch.randperm(spec.num_slots, device="cuda")[:T],
                                  "auto", None, None)
-    (plan,) = kv_write._PLANS.values()
+    (plan,) = plans.values()
     assert (plan.flat is None) == (D == 36) and (plan.base is not None) == (D == 36 or offset == 1)
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("force_path")
-def test_corrupt_slot_is_never_written():
+def test_corrupt_slot_is_never_written(force_path):
+    _, overrides = force_path
     spec = CacheSpec(4, 16, 2, 64, torch.float16)
     kc, vc = spec.allocate("cuda", fill=float("nan"))
     guard = torch.full((1 << 16,), 7.0, dtype=torch.float16, device="cuda")  # memory after the cache
     key = torch.randn(3, 2, 64, dtype=torch.float16, device="cuda")
     slots = torch.tensor([spec.num_slots, 2**40, 3], device="cuda")
-    pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots)
+    kv_write.reshape_and_cache_flash(key, key, kc, vc, slots, overrides=overrides)
     torch.cuda.synchronize()
     assert (guard == 7.0).all()
     assert kc.reshape(-1, 2, 64)[3].eq(key[2]).all()
     assert kc.reshape(-1, 2, 64)[torch.arange(64, device="cuda") != 3].isnan().all()
     with pytest.raises(ContractError, match=r"slot_mapping\[0\]"):
-        pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots, validate=True)
+        kv_write.reshape_and_cache_flash(key, key, kc, vc, slots, validate=True, overrides=overrides)
 
 
 @pytest.mark.gpu
@@ -483,16 +597,17 @@ def test_bad_input_raises_and_leaves_cache(name):
 
 
 def test_cta_shape_follows_token_count():
-    from pagedattn.ops.kv_write import _threads
+    from pagedattn.ops.kv_write import base_threads
 
     nhd = CacheSpec(8, 16, 8, 128, torch.bfloat16)
     hnd = CacheSpec(8, 16, 8, 128, torch.bfloat16, layout="HND")
-    assert _threads(nhd, "span", 2, many_tokens=False) == 256  # one 16-byte pack per thread
-    assert _threads(nhd, "span", 2, many_tokens=True) == 64    # four packs per thread
-    assert _threads(hnd, "head", 2, many_tokens=False) == 256  # a warp per head
-    assert _threads(hnd, "head", 2, many_tokens=True) == 128   # four warps, two heads each
+    few, many = write_config(nhd, 256, 132), write_config(nhd, 65536, 132)
+    assert base_threads(nhd, "span", 2, few) == 256   # one 16-byte pack per thread
+    assert base_threads(nhd, "span", 2, many) == 64   # four packs per thread
+    assert base_threads(hnd, "head", 2, few) == 256   # a warp per head
+    assert base_threads(hnd, "head", 2, many) == 128  # four warps, two heads each
     tiny = CacheSpec(8, 16, 1, 64, torch.float16)
-    assert _threads(tiny, "span", 2, many_tokens=True) == 64    # at least a warp per tensor
+    assert base_threads(tiny, "span", 2, many) == 64  # at least a warp per tensor
 
 
 # ---------------------------------------------------------------- issue #18: scales (CPU unless marked)

@@ -1,7 +1,9 @@
 """reshape_and_cache_flash: validation at the API boundary, variant choice, launch."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -10,9 +12,32 @@ from .. import envs
 from .plans import PlanCache
 from ..contract import CacheSpec, ContractError, check_scale_values, describe, traced
 from ..dtypes import CUDA_TYPE, FP8_FORMAT, short
-from ..registry import KernelSpec, get_kernel, register, sm_count
+from ..registry import KernelSpec, UnsupportedError, get_kernel, register, sm_count
 from .params import KvWriteParams
 
+
+# -- compile-time choices: the flat variants' shape (measurements: perf/README.md, "Write path") ------
+# kItems: the most packs per thread of the one-shot body; kStreamItems: the streaming body's batch
+# (0: none); __launch_bounds__(max_threads, min_blocks). Per cache dtype: "copy" (auto) or "fp8".
+FLAT_BUILD = {
+    "copy": dict(max_items=4,     # perf/results/history/write_sweep_h200_items8_5cf134a.json
+                 stream_items=0,  # copies do not stream: perf/results/history/write_sweep_h200_stream_2af0687.json
+                 max_threads=512, # perf/results/write_sweep_h200_20261130_flat.json
+                 min_blocks=0),
+    "fp8": dict(max_items=2,      # perf/results/history/write_sweep_h200_minblocks_8813aaf.json
+                stream_items=1,   # perf/results/history/write_sweep_h200_stream_shapes_a72ae13.json
+                max_threads=256,  # perf/results/history/write_sweep_h200_minblocks_8813aaf.json
+                min_blocks=4),    # perf/results/history/write_sweep_h200_minblocks_8813aaf.json (5 spills)
+}
+BUILD_FIELDS = tuple(FLAT_BUILD["copy"])
+_BUILD_RULES = {"max_items": (lambda v: v >= 2, "the one-shot body takes 2 or more"),
+                "stream_items": (lambda v: v >= 0, "0 (no streaming body) or the packs per batch"),
+                "max_threads": (lambda v: 32 <= v <= 512 and v % 32 == 0, "whole warps, at most 512"),
+                "min_blocks": (lambda v: v >= 0, "0 (no minimum) or CTAs per SM")}
+
+
+def _build_kind(kv_cache_dtype: str) -> str:
+    return "copy" if kv_cache_dtype == "auto" else "fp8"
 
 
 @register
@@ -32,102 +57,113 @@ class KvWriteSpec(KernelSpec):
     dtype: str
     kv_cache_dtype: str
     path: str   # span: NHD + one scale; head: HND or per-head scales; flat: any, rows 16-byte aligned
+    # The flat variants' compile-time shape (FLAT_BUILD: kItems, kStreamItems, __launch_bounds__).
+    # None is the default of the cache dtype; a value equal to it is stored as None, so only the others
+    # appear in the name (kv_write_bf16_fp8e4m3_flat_stream2). span/head have none of them.
+    max_items: int | None = field(default=None, metadata={"prefix": "items"})
+    stream_items: int | None = field(default=None, metadata={"prefix": "stream"})
+    max_threads: int | None = field(default=None, metadata={"prefix": "threads"})
+    min_blocks: int | None = field(default=None, metadata={"prefix": "minblocks"})
+
+    def __post_init__(self):
+        if self.path == "flat":
+            for name, default in FLAT_BUILD[_build_kind(self.kv_cache_dtype)].items():
+                if getattr(self, name) == default:
+                    object.__setattr__(self, name, None)
+        super().__post_init__()
+
+    def check(self) -> None:
+        given = [n for n in BUILD_FIELDS if getattr(self, n) is not None]
+        if given and self.path != "flat":
+            raise UnsupportedError(f"kv_write: {', '.join(given)} shape the flat path only, not path={self.path}")
+        for name, value in self.build.items():
+            ok, rule = _BUILD_RULES[name]
+            if not (isinstance(value, int) and ok(value)):
+                raise UnsupportedError(f"kv_write: {name}={value!r}; {rule}")
+
+    @property
+    def build(self) -> dict:
+        """The flat variant's compile-time shape, defaults filled in (span/head: {})."""
+        if self.path != "flat":
+            return {}
+        defaults = FLAT_BUILD[_build_kind(self.kv_cache_dtype)]
+        return {n: defaults[n] if getattr(self, n) is None else getattr(self, n) for n in BUILD_FIELDS}
 
     def context(self) -> dict:
         cache = self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        b = self.build
+        bounds = "1024"
+        if b:
+            bounds = f"{b['max_threads']}, {b['min_blocks']}" if b["min_blocks"] else str(b["max_threads"])
         return {
             "Element": CUDA_TYPE[self.dtype],
             "CacheElement": CUDA_TYPE[cache],
             "kFp8": FP8_FORMAT[self.kv_cache_dtype],
             "path": self.path,
             "kSpan": "true" if self.path == "span" else "false",
-            "kItems": flat_max_items(self.kv_cache_dtype),
-            "kStreamItems": stream_items(self.kv_cache_dtype) if self.path == "flat" else 0,
-            "launch_bounds": (flat_bounds(self.kv_cache_dtype) if self.path == "flat" else "1024"),
+            "kItems": b.get("max_items", FLAT_BUILD["copy"]["max_items"]),
+            "kStreamItems": b.get("stream_items", 0),
+            "launch_bounds": bounds,
         }
 
 
-# CTA shape of span/head. A CTA writes one token and spends most of its short life waiting (the slot
-# id, then the K/V packs). With many tokens, small CTAs with several packs per thread -- many CTAs per
-# SM -- keep more bytes in flight; with few tokens the GPU is far from full and one pack per thread
-# finishes first.
-# Measured on H200, H=8 D=128 bf16 NHD: T=65536 1 pack/thread 79 % of copy, 4 packs 90 %
-# (perf/results/h200_sm90_20261130_write.json, history/write_sweep_*.json); T=256 5.8 us with 1 pack,
-# 7.2 us with 4 (h200_sm90_20261130.json vs _write.json).
-MANY_TOKENS = 1024         # from here on, the many-token shapes below
-SPAN_PACKS_PER_THREAD = 4  # span path, many tokens: threads per tensor = packs / 4, whole warps
-HEAD_WARPS = 4             # head path, many tokens: warps per CTA, heads strided over them
-
-# The flat path (kv_write.cuh): no CTA per token; each thread takes `items` 16-byte packs of the flat
-# (token, K/V, head, pack) space and issues all their loads before any store. Which writes take it is
-# the table FLAT_FOR of (layout, kind) pairs, kind "copy" (cache dtype = input dtype), "fp8" (one
-# scale) or "fp8_head" (per-head scales); perf/write_sweep.py (stage writesweep) measures each pair
-# both ways. Whatever the table says, flat needs every head row 16-byte aligned (D * element size %
-# 16 == 0, key/value base pointers and token strides multiples of 16 bytes); other writes take
-# span/head, as do writes of fewer than FLAT_MIN_TOKENS tokens.
-# Measured on H200 (write_sweep, H=8 D=128 bf16 input, block 16, random slots; fraction of the copy
-# ceiling at T=65536, us at T=256), old path -> flat at the defaults below:
-#   NHD copy     92 % -> 92 %, 5.76 -> 5.57 us      HND copy     79 % -> 93 %, 5.76 -> 5.60 us
-#   NHD fp8      73 % -> 60 %, 5.82 -> 5.95 us      HND fp8      44 % -> 60 %, 6.18 -> 5.98 us
-#   NHD fp8_head 44 % -> 60 %, 6.14 -> 5.95 us      HND fp8_head 44 % -> 60 %, 6.21 -> 5.98 us
-# so NHD fp8 with one scale stayed on span (one slot and one scale per CTA) until the streaming schedule
-# below passed it. Packs per thread: 4 from MANY_TOKENS on (2: 48 %, 1: 39 % for one-shot fp8; copy
-# 93 / 87 / 57 %); 1 below (fp8 at T=256: 2 packs 6.3 us, 1 pack 5.95). Threads per CTA matter little
-# (64-256 within 1 %; 512 is worse everywhere).
-FLAT_FOR = frozenset({("NHD", "copy"), ("NHD", "fp8"), ("NHD", "fp8_head"),
-                      ("HND", "copy"), ("HND", "fp8"), ("HND", "fp8_head")})
-FLAT_MIN_TOKENS = 1
-FLAT_MAX_ITEMS = 4         # kItems compiled into the flat variants: they run 1, 2 or this many packs
-                           # per thread (changing it at run time: clear registry.get_kernel too)
-FLAT_ITEMS = 4             # packs per thread from MANY_TOKENS tokens on (run time; others round up)
-FLAT_ITEMS_FEW = 1         # below MANY_TOKENS
-FLAT_THREADS = 256         # threads per CTA from MANY_TOKENS tokens on
-FLAT_THREADS_FEW = 128     # below MANY_TOKENS
-FLAT_MAX_THREADS = 512     # __launch_bounds__ of the flat variants
-# Streaming schedule of the flat path (kv_write.cuh, kStream), fp8 only: from MANY_TOKENS tokens on,
-# the writes of the kinds in FLAT_STREAM_FOR get a grid capped at FLAT_STREAM_WAVES resident waves
-# (occupancy calculator); each thread loops over batches of FLAT_STREAM_ITEMS items (an item: two packs
-# of one head row where rows pair up, one 16-byte fp8 store) and loads batch i + 1 while it converts
-# batch i, so the per-thread setup (cursor divisions, scale loads, inverses) is paid once.
-# Why: ncu of the one-shot HND fp8 write (perf/results/ncu/ncu_write_HND_fp8_e0eb45b.txt) showed
-# issue slots 70 % busy and DRAM 47 %: about 240 instructions per 16-byte pack, 70 of them conversion.
-# The streaming body is compiled only into the variants of these kinds, and those variants are built
-# for occupancy: one-shot bodies of at most FLAT_STREAM_ONESHOT_ITEMS packs (more streams), CTAs of at
-# most FLAT_STREAM_MAX_THREADS threads, __launch_bounds__ asking for FLAT_STREAM_MIN_BLOCKS CTAs per SM
-# (ptxas sizes a kernel for its largest body). Measured on H200 (write_sweep, T=65536, fraction of
-# copy; perf/results/history/write_sweep_h200_*):
-#   one-shot, 4 packs/thread (e0eb45b):         fp8 54 % in every layout/scale (NHD fp8 span 78 %)
-#   streaming, batches of 1 item, min blocks 4:  NHD fp8 87, NHD fp8_head 90, HND fp8 82, HND fp8_head 84 %
-#   worse: min blocks 5 (48 registers, spills) 76-83 %, min blocks 6 58 %; one-pack items 61-65 %;
-#          batches of 2 items 68-72 %, of 4 items 55-60 %; one-shot 8 packs/thread 35 %
-FLAT_STREAM_FOR = frozenset({"fp8", "fp8_head"})
-FLAT_STREAM_WAVES = 1
-FLAT_STREAM_ITEMS = 1
-FLAT_STREAM_ONESHOT_ITEMS = 2
-FLAT_STREAM_MAX_THREADS = 256
-FLAT_STREAM_MIN_BLOCKS = 4
+# -- launch-time choices: one WriteConfig per (cache, token count), from write_config ----------------
+@dataclass(frozen=True)
+class WriteConfig:
+    """How one write is launched. write_config picks it; tests and perf/write_sweep.py change fields
+    through `reshape_and_cache_flash(..., overrides={...})`."""
+    flat: bool            # take the flat path where rows allow it (flat_tokens, 16-byte aligned bases)
+    items: int            # flat: packs per thread (capped at the variant's max_items unless it streams)
+    threads: int          # flat: threads per CTA (capped at the variant's max_threads)
+    stream_waves: float   # flat, variants with a streaming body: grid capped at this many resident
+                          # waves (0: never capped, one-shot)
+    sm_count: int         # the device's SMs, the unit of a wave
+    span_packs: int       # span: 16-byte packs per thread
+    head_warps: int       # head: warps per CTA (heads strided over them)
 
 
-def stream_items(kv_cache_dtype: str) -> int:
-    """Batch size of the streaming body compiled into the flat variant of this kv_cache_dtype (0: none)."""
-    kinds = {"copy"} if kv_cache_dtype == "auto" else {"fp8", "fp8_head"}
-    return FLAT_STREAM_ITEMS if kinds & FLAT_STREAM_FOR and FLAT_STREAM_WAVES > 0 else 0
+# Launch-time defaults (measurements: perf/README.md, "Write path"):
+MANY_TOKENS = 1024  # from here on the many-token shapes: perf/results/h200_sm90_20261130_write.json
+FLAT_FOR = frozenset({("NHD", "copy"), ("NHD", "fp8"), ("NHD", "fp8_head"),   # (layout, kind) taking flat:
+                      ("HND", "copy"), ("HND", "fp8"), ("HND", "fp8_head")})  # write_sweep_h200_20261130_flat.json
+FLAT_MIN_TOKENS = 1       # perf/results/write_sweep_h200_20261130_flat.json
+STREAM_FOR = frozenset({"fp8", "fp8_head"})  # kinds that stream: history/write_sweep_h200_stream_2af0687.json
+STREAM_WAVES = 1          # perf/results/history/write_sweep_h200_stream_shapes_a72ae13.json
+MANY = dict(items=4, threads=256, span_packs=4, head_warps=4)  # write_sweep_h200_20261130_flat.json, _write.json
+FEW = dict(items=1, threads=128, span_packs=1, head_warps=8)   # (the T=256 rows of the same files)
 
 
-def flat_max_items(kv_cache_dtype: str) -> int:
-    """kItems of the flat variant: the most packs per thread of its one-shot schedule."""
-    return min(FLAT_MAX_ITEMS, FLAT_STREAM_ONESHOT_ITEMS) if stream_items(kv_cache_dtype) else FLAT_MAX_ITEMS
+def write_kind(spec: CacheSpec) -> tuple[str, str]:
+    """The (layout, kind) entry of FLAT_FOR that a write of this cache falls under."""
+    kind = "copy" if not spec.is_fp8 else "fp8_head" if spec.scale == "head" else "fp8"
+    return spec.layout, kind
 
 
-def flat_max_threads(kv_cache_dtype: str) -> int:
-    return FLAT_STREAM_MAX_THREADS if stream_items(kv_cache_dtype) else FLAT_MAX_THREADS
+def write_config(spec: CacheSpec, num_tokens: int, sm_count: int) -> WriteConfig:
+    """THE launch choice of a write of `num_tokens` tokens into this cache: path, CTA shape, schedule.
+    Pure: the plan memoises it per token count."""
+    many = num_tokens >= MANY_TOKENS
+    kind = write_kind(spec)
+    return WriteConfig(flat=kind in FLAT_FOR and num_tokens >= FLAT_MIN_TOKENS,
+                       stream_waves=STREAM_WAVES if many and kind[1] in STREAM_FOR else 0,
+                       sm_count=sm_count, **(MANY if many else FEW))
 
 
-def flat_bounds(kv_cache_dtype: str) -> str:
-    """__launch_bounds__ arguments of the flat variant."""
-    if stream_items(kv_cache_dtype) and FLAT_STREAM_MIN_BLOCKS:
-        return f"{FLAT_STREAM_MAX_THREADS}, {FLAT_STREAM_MIN_BLOCKS}"
-    return str(flat_max_threads(kv_cache_dtype))
+LAUNCH_FIELDS = tuple(f.name for f in dataclasses.fields(WriteConfig))
+
+
+def split_overrides(overrides) -> tuple[dict, dict]:
+    """(compile-time, launch-time) parts of an overrides mapping; an unknown name is a ContractError."""
+    if overrides is None:
+        return {}, {}
+    if not isinstance(overrides, Mapping):
+        raise ContractError(f"overrides must be a mapping of field names to values, got {describe(overrides)}")
+    unknown = sorted(set(overrides) - set(BUILD_FIELDS) - set(LAUNCH_FIELDS))
+    if unknown:
+        raise ContractError(f"overrides: unknown {', '.join(map(str, unknown))}; compile-time: "
+                            f"{', '.join(BUILD_FIELDS)}; launch-time: {', '.join(LAUNCH_FIELDS)}")
+    return ({k: v for k, v in overrides.items() if k in BUILD_FIELDS},
+            {k: v for k, v in overrides.items() if k in LAUNCH_FIELDS})
 
 
 _MAX_GRID = (1 << 31) - 1
@@ -138,20 +174,14 @@ def base_path(spec: CacheSpec) -> str:
     return "span" if spec.layout == "NHD" and (spec.scale == "tensor" or not spec.is_fp8) else "head"
 
 
-def write_kind(spec: CacheSpec) -> tuple[str, str]:
-    """The (layout, kind) entry of FLAT_FOR that a write of this cache falls under."""
-    kind = "copy" if not spec.is_fp8 else "fp8_head" if spec.scale == "head" else "fp8"
-    return spec.layout, kind
-
-
 def flat_tokens(spec: CacheSpec, elem_bytes: int) -> range:
-    """Token counts for which a write of this cache and input element size takes the flat path
-    (empty when FLAT_FOR does not name it or its head rows cannot be 16-byte aligned)."""
-    if write_kind(spec) not in FLAT_FOR or spec.head_size * elem_bytes % 16:
+    """Token counts the flat path can launch for this cache and input element size (empty when its
+    head rows cannot be 16-byte aligned)."""
+    if spec.head_size * elem_bytes % 16:
         return range(0)
     token_packs = 2 * spec.num_kv_heads * spec.head_size * elem_bytes // 16
     # grid <= 2^31 - 1 even for CTAs of one warp and one pack per thread
-    return range(max(FLAT_MIN_TOKENS, 1), min(_MAX_GRID, _MAX_GRID * 32 // token_packs) + 1)  # int32 num_tokens
+    return range(1, min(_MAX_GRID, _MAX_GRID * 32 // token_packs) + 1)  # int32 num_tokens
 
 
 def rows_aligned(key, value) -> bool:
@@ -159,38 +189,49 @@ def rows_aligned(key, value) -> bool:
     return not any((t.data_ptr() | t.stride(0) * t.element_size()) & 15 for t in (key, value))
 
 
-def write_path(spec: CacheSpec, elem_bytes: int, num_tokens: int, aligned: bool) -> str:
-    """The one place a write's path is chosen: flat when flat_tokens() admits the token count and the
-    rows are aligned (rows_aligned), else base_path. (_Plan/_launch apply exactly this, split into
-    the part fixed by tensor metadata and the per-call part: token count and base pointers.)"""
-    if aligned and num_tokens in flat_tokens(spec, elem_bytes):
+def write_path(spec: CacheSpec, elem_bytes: int, num_tokens: int, aligned: bool,
+               config: WriteConfig | None = None) -> str:
+    """The one place a write's path is chosen: flat when the config asks for it (write_config's by
+    default), flat_tokens() admits the token count and the rows are aligned (rows_aligned), else
+    base_path. (_Plan/_launch apply exactly this, split into the part fixed by tensor metadata and the
+    per-call part: token count and base pointers.)"""
+    config = config or write_config(spec, num_tokens, 1)
+    if config.flat and aligned and num_tokens in flat_tokens(spec, elem_bytes):
         return "flat"
     return base_path(spec)
 
 
-def _threads(spec: CacheSpec, path: str, elem_bytes: int, many_tokens: bool) -> int:
+def base_threads(spec: CacheSpec, path: str, elem_bytes: int, config: WriteConfig) -> int:
     """Threads per CTA of span/head."""
     if path == "head":
-        return 32 * min(spec.num_kv_heads, HEAD_WARPS if many_tokens else 8)
+        return 32 * min(spec.num_kv_heads, config.head_warps)
     packs = -(-spec.num_kv_heads * spec.head_size * elem_bytes // 16)  # per tensor
-    per_tensor = -(-packs // SPAN_PACKS_PER_THREAD) if many_tokens else packs
+    per_tensor = -(-packs // config.span_packs)
     return 2 * min(max(32, -(-per_tensor // 32) * 32), 512)
 
 
-def _flat_shape(num_tokens: int, token_packs: int, many: tuple[int, int], few: tuple[int, int],
-                stream_ctas: int = 0):
-    """(grid, block) of a flat launch; many/few: (items, threads) from MANY_TOKENS tokens on / below.
-    Whole warps, no more threads than packs / items; the kernel reads items back from the grid size.
-    stream_ctas > 0 (many tokens only): the grid is capped there, and a cap below packs / (items *
-    threads) makes the kernel stream (see FLAT_STREAM_FOR)."""
-    many_tokens = num_tokens >= MANY_TOKENS
-    items, threads = many if many_tokens else few
-    packs = num_tokens * token_packs
+def flat_grid(packs: int, items: int, threads: int, max_ctas: int = 0):
+    """(grid, block) of a flat launch of `packs` 16-byte packs at `items` packs per thread: whole
+    warps, no more threads than packs / items; the kernel reads items back from the grid size.
+    max_ctas > 0 caps the grid, and a cap below packs / (items * threads) makes a variant with a
+    streaming body stream."""
     threads = max(32, min(threads, -(-packs // (32 * items)) * 32))
     grid = -(-packs // (threads * items))
-    if many_tokens and stream_ctas > 0:
-        grid = min(grid, stream_ctas)
+    if max_ctas > 0:
+        grid = min(grid, max_ctas)
     return (grid, 1, 1), (threads, 1, 1)
+
+
+def flat_launch(config: WriteConfig, variant: KvWriteSpec, packs: int, resident=None):
+    """(grid, block) of a flat write under `config` on `variant`. resident(threads): CTAs of that
+    size one SM holds (the loaded kernel's occupancy), for the streaming cap."""
+    b = variant.build
+    threads = min(config.threads, b["max_threads"])
+    items = config.items if b["stream_items"] else min(config.items, b["max_items"])
+    cap = 0
+    if b["stream_items"] and config.stream_waves > 0:
+        cap = max(1, int(config.sm_count * resident(threads) * config.stream_waves))
+    return flat_grid(packs, items, threads, cap)
 
 
 def _check_scale(name, scale, spec: CacheSpec, device) -> int:
@@ -278,39 +319,38 @@ def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
                             f"(num_blocks * block_size = {num_slots}); {bad.numel()} bad token(s)")
 
 
-class _Plan:
-    """Everything about a call that depends only on tensor metadata: validated once, reused."""
-    __slots__ = ("spec", "device", "base_spec", "base", "block_few", "block_many", "flat", "flat_tokens",
-                 "flat_shape", "tail", "is_fp8", "num_slots", "slot64", "flat_grids")
+class _Shape:
+    """The launch of one token count: its config, the flat (grid, block) (None: never flat) and the
+    span/head block."""
+    __slots__ = ("config", "flat", "base_block")
 
-    def __init__(self, spec: CacheSpec, key, value, key_cache, slot_mapping, scale_stride):
-        elem = key.element_size()
+    def __init__(self, config, flat, base_block):
+        self.config, self.flat, self.base_block = config, flat, base_block
+
+
+class _Plan:
+    """Everything about a call that depends only on tensor metadata (and the overrides): validated
+    once, reused. Kernels load on first use (a flat-only workload never compiles span/head)."""
+    __slots__ = ("spec", "device", "elem", "base_spec", "base", "flat_spec", "flat", "flat_tokens",
+                 "token_packs", "launch_overrides", "tail", "is_fp8", "num_slots", "slot64", "shapes")
+
+    def __init__(self, spec: CacheSpec, key, value, key_cache, slot_mapping, scale_stride, overrides=None):
+        build, self.launch_overrides = split_overrides(overrides)
+        self.elem = elem = key.element_size()
         dtype = short(key.dtype)
         self.spec = spec
         self.device = key_cache.device.index
-        # the span/head variant: loaded on first use (a flat-only workload never compiles it)
-        self.base_spec = KvWriteSpec(dtype, spec.kv_cache_dtype, base_path(spec))
-        self.base = None
-        self.block_few = (_threads(spec, self.base_spec.path, elem, False), 1, 1)
-        self.block_many = (_threads(spec, self.base_spec.path, elem, True), 1, 1)
+        try:
+            self.base_spec = KvWriteSpec(dtype, spec.kv_cache_dtype, base_path(spec))
+            self.flat_spec = KvWriteSpec(dtype, spec.kv_cache_dtype, "flat", **build)
+        except UnsupportedError as exc:
+            raise ContractError(f"overrides: {exc}") from None
+        self.base = self.flat = None
         # write_path, metadata part: the token range (empty: never flat) with the token strides'
         # alignment folded in; _launch checks the count and the base pointers.
         strides_ok = not any(t.stride(0) * elem % 16 for t in (key, value))
         self.flat_tokens = flat_tokens(spec, elem) if strides_ok else range(0)
-        self.flat = None
-        if self.flat_tokens:
-            self.flat = get_kernel(KvWriteSpec(dtype, spec.kv_cache_dtype, "flat")).launcher(self.device)
-        # token_packs, (items, threads) with many / few tokens, the streaming grid cap (0: none)
-        stream_ctas = 0
-        if (self.flat is not None and write_kind(spec)[1] in FLAT_STREAM_FOR
-                and stream_items(spec.kv_cache_dtype) > 0):
-            sms = sm_count(self.device)
-            threads = min(FLAT_THREADS, flat_max_threads(spec.kv_cache_dtype))
-            stream_ctas = max(1, int(sms * self.flat.max_active_blocks(threads) * FLAT_STREAM_WAVES))
-        cap = flat_max_threads(spec.kv_cache_dtype)
-        self.flat_shape = (2 * spec.num_kv_heads * spec.head_size * elem // 16,
-                           (min(FLAT_ITEMS, FLAT_MAX_ITEMS), min(FLAT_THREADS, cap)),
-                           (min(FLAT_ITEMS_FEW, FLAT_MAX_ITEMS), min(FLAT_THREADS_FEW, cap)), stream_ctas)
+        self.token_packs = 2 * spec.num_kv_heads * spec.head_size * elem // 16
         bs, ps, hs, _ = key_cache.stride()
         # Params after the 7 pointers: strides, CacheGeometry, scale_stride (slot_is_int64, num_tokens per call)
         self.tail = (bs, ps, hs, spec.num_slots, spec.num_blocks, spec.block_size, spec.num_kv_heads,
@@ -318,20 +358,42 @@ class _Plan:
         self.is_fp8 = spec.is_fp8
         self.num_slots = spec.num_slots
         self.slot64 = int(slot_mapping.dtype == torch.int64)
-        self.flat_grids: dict[int, tuple] = {}  # num_tokens -> _flat_shape (engines repeat a few counts)
+        self.shapes: dict[int, _Shape] = {}  # num_tokens -> its launch (engines repeat a few counts)
+
+    def shape(self, num_tokens: int) -> _Shape:
+        shape = self.shapes.get(num_tokens)
+        if shape is None:
+            if len(self.shapes) >= 1024:
+                self.shapes.clear()
+            config = write_config(self.spec, num_tokens, sm_count(self.device))
+            if self.launch_overrides:
+                config = dataclasses.replace(config, **self.launch_overrides)
+            flat = None
+            if config.flat and num_tokens in self.flat_tokens:
+                flat = flat_launch(config, self.flat_spec, num_tokens * self.token_packs,
+                                   lambda threads: self.flat_launcher().max_active_blocks(threads))
+            block = (base_threads(self.spec, self.base_spec.path, self.elem, config), 1, 1)
+            shape = self.shapes[num_tokens] = _Shape(config, flat, block)
+        return shape
 
     def base_launcher(self):
         if self.base is None:
             self.base = get_kernel(self.base_spec).launcher(self.device)
         return self.base
 
+    def flat_launcher(self):
+        if self.flat is None:
+            self.flat = get_kernel(self.flat_spec).launcher(self.device)
+        return self.flat
+
 
 def write_with_spec(spec: CacheSpec, key, value, key_cache, value_cache, slot_mapping,
-                    k_scale=None, v_scale=None, validate: bool | None = None) -> None:
+                    k_scale=None, v_scale=None, validate: bool | None = None, overrides=None) -> None:
     num_tokens, scale_stride = validate_inputs(spec, key, value, key_cache, slot_mapping,
                                                k_scale, v_scale)
+    split_overrides(overrides)
     _require_cuda(key_cache)
-    plan = _Plan(spec, key, value, key_cache, slot_mapping, scale_stride)
+    plan = _Plan(spec, key, value, key_cache, slot_mapping, scale_stride, overrides)
     _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
             validate)
 
@@ -346,20 +408,14 @@ def _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_s
     if num_tokens == 0:
         return
     kp, vp = key.data_ptr(), value.data_ptr()
-    head = (kp, vp, key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
-            k_scale.data_ptr() if plan.is_fp8 else 0, v_scale.data_ptr() if plan.is_fp8 else 0,
-            key.stride(0), value.stride(0)) + plan.tail
-    if num_tokens in plan.flat_tokens and not (kp | vp) & 15:  # write_path == "flat"
-        shape = plan.flat_grids.get(num_tokens)
-        if shape is None:
-            if len(plan.flat_grids) >= 1024:
-                plan.flat_grids.clear()
-            shape = plan.flat_grids[num_tokens] = _flat_shape(num_tokens, *plan.flat_shape)
-        grid, block = shape
-        plan.flat(grid, block, head + (plan.slot64, num_tokens))
-        return
-    plan.base_launcher()((num_tokens, 1, 1), plan.block_many if num_tokens >= MANY_TOKENS else plan.block_few,
-                         head + (plan.slot64, num_tokens))
+    params = (kp, vp, key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
+              k_scale.data_ptr() if plan.is_fp8 else 0, v_scale.data_ptr() if plan.is_fp8 else 0,
+              key.stride(0), value.stride(0)) + plan.tail + (plan.slot64, num_tokens)
+    shape = plan.shape(num_tokens)
+    if shape.flat is not None and not (kp | vp) & 15:  # write_path == "flat"
+        plan.flat_launcher()(*shape.flat, params)
+    else:
+        plan.base_launcher()((num_tokens, 1, 1), shape.base_block, params)
 
 
 def _scale_sig(t):
@@ -371,7 +427,8 @@ _PLANS = PlanCache()
 
 
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
-                            k_scale=None, v_scale=None, *, validate: bool | None = None) -> None:
+                            k_scale=None, v_scale=None, *, validate: bool | None = None,
+                            overrides=None) -> None:
     """Write new K/V tokens into a paged cache (vLLM's `reshape_and_cache_flash` semantics).
 
     key, value: [T_pad, H, D] fp16/bf16/fp32, (H, D) dense; only the first slot_mapping.numel()
@@ -380,12 +437,17 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     shape [1] or 0-d (per tensor) or [H] (per head): stored = saturate_to_finite(x / scale).
     validate=True (or PAGEDATTN_DEBUG=1) also checks every slot < num_blocks*block_size and the
     scales finite and > 0 (syncs).
+    overrides (tuning: tests, perf/write_sweep.py): a mapping that replaces fields of the launch
+    choice (WriteConfig: flat, items, threads, stream_waves, sm_count, span_packs, head_warps) and of
+    the flat variant (KvWriteSpec: max_items, stream_items, max_threads, min_blocks), e.g.
+    {"flat": False} or {"items": 2, "threads": 128}. The results are the same, only the speed differs.
 
     Validation runs once per distinct tensor metadata (shapes without T, strides, dtypes, devices);
     later calls with the same metadata only re-check what can change (token counts, alignment).
 
     Under torch.compile this calls the custom op torch.ops.pagedattn.reshape_and_cache_flash
-    (pagedattn.ops.library; PAGEDATTN_DEBUG still applies, validate= does not); in eager it runs here.
+    (pagedattn.ops.library; PAGEDATTN_DEBUG still applies, validate= and overrides= do not); in eager
+    it runs here.
     """
     if torch.compiler.is_compiling() or traced(key_cache):
         torch.ops.pagedattn.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
@@ -396,10 +458,11 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
                value.dtype, value.device, key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
                value_cache.shape, value_cache.stride(), value_cache.dtype, value_cache.device,
                slot_mapping.dim(), slot_mapping.stride(), slot_mapping.dtype, slot_mapping.device,
-               kv_cache_dtype, _scale_sig(k_scale), _scale_sig(v_scale))
+               kv_cache_dtype, _scale_sig(k_scale), _scale_sig(v_scale),
+               None if overrides is None else tuple(sorted(overrides.items())))
         plan = _PLANS.get(sig)
-    except (AttributeError, TypeError):  # not tensors: the slow path explains
-        plan = None
+    except (AttributeError, TypeError):  # not tensors (or overrides not a mapping): the slow path explains
+        sig = plan = None
     if plan is not None:
         num_tokens = slot_mapping.numel()
         if (num_tokens <= key.shape[0] and key.shape[0] == value.shape[0]
@@ -409,8 +472,9 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
             return
     spec, num_tokens, scale_stride = check_metadata(key, value, key_cache, value_cache, slot_mapping,
                                                     kv_cache_dtype, k_scale, v_scale)
+    split_overrides(overrides)
     _require_cuda(key_cache)
-    plan = _Plan(spec, key, value, key_cache, slot_mapping, scale_stride)
+    plan = _Plan(spec, key, value, key_cache, slot_mapping, scale_stride, overrides)
     _PLANS.remember(sig, plan)
     _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
             validate)
