@@ -92,9 +92,7 @@ def _shared(ctx: Ctx, p: dict) -> dict:
         sets = ctx.sets_for(kv_bytes, cap=8)
         data = attention.build(ctx, p, sets)
         k_leg, v_leg = to_legacy(data.kc, data.vc)
-        ref = attention.reference_attention(data.q[0], data.kc, data.vc, data.tables[0], data.seqused,
-                                            data.cu_q, causal=False, scale=data.scale,
-                                            k_descale=data.k_descale, v_descale=data.v_descale)
+        ref = attention.reference_out(data, causal=False)
         _MEMO.update(data=data, k_leg=k_leg, v_leg=v_leg, ref=ref, sets=sets, kv_bytes=kv_bytes, peers={})
     return _MEMO
 
