@@ -37,10 +37,11 @@ for stage in "$@"; do
     writesweep) python3 "$ROOT/perf/write_sweep.py" "$OUT/results" ;;
     writequick) WRITE_SWEEP_QUICK=1 python3 "$ROOT/perf/write_sweep.py" "$OUT/results" ;;
     benchwrite) python3 -m pagedattn.cli bench --suite write --quick --no-report --out "$OUT/results" ;;
-    attnquick) python3 "$ROOT/perf/attn_quick.py" "$OUT/results" ;;
-    decodesweep) python3 "$ROOT/perf/decode_sweep.py" "$OUT/results" ${DECODE_CONFIGS:-} ;;
-    prefillsweep) python3 "$ROOT/perf/prefill_sweep.py" "$OUT/results" ${PREFILL_CONFIGS:-} ;;
-    prefillmodes) python3 "$ROOT/perf/prefill_modes.py" "$OUT/results" ${PREFILL_MODES:-} ;;
+    # the sweeps (pagedattn/bench/sweeps.py); SWEEP_ARGS e.g. '--splits 8,16 --variants "HND;seq"' for decode
+    attnquick) python3 -m pagedattn.cli bench sweep quick --out "$OUT/results" ;;
+    decodesweep) eval python3 -m pagedattn.cli bench sweep decode --out "$OUT/results" ${SWEEP_ARGS:-} ${DECODE_CONFIGS:-} ;;
+    prefillsweep) eval python3 -m pagedattn.cli bench sweep prefill --out "$OUT/results" ${SWEEP_ARGS:-} ${PREFILL_CONFIGS:-} ;;
+    prefillmodes) python3 -m pagedattn.cli bench sweep modes --out "$OUT/results" ${PREFILL_MODES:-} ;;
     bundle)    [ -f /tmp/bundle/manifest.json ] || { mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1; }
                export PAGEDATTN_AOT_DIR=/tmp/bundle
                python3 -c "import sys, pathlib; from pagedattn.codegen import bundle; sys.exit(0 if bundle.read_manifest(pathlib.Path('/tmp/bundle')) else 1)" \

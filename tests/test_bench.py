@@ -720,6 +720,67 @@ def test_attention_check_uses_pagedattn_reference(monkeypatch):
     assert calls == [False]
 
 
+# -- sweeps (`pagedattn bench sweep`) -------------------------------------------------------------
+def test_sweep_tile_override_changes_only_its_modes(monkeypatch):
+    from pagedattn.bench import sweeps
+    from pagedattn.ops import attention as op
+
+    for name in ("tile_config", "tma_ok"):
+        monkeypatch.setattr(op, name, getattr(op, name))  # restored after the test
+    base_decode, base_prefill = op.tile_config(128, "decode_tma"), op.tile_config(128, "prefill")
+    assert sweeps.override_tiles("decode", "4,3,2,cp") == "cp"
+    assert op.tile_config(128, "decode_tma") == {**base_decode, "kWarpsN": 4, "kStages": 3, "kMinBlocks": 2,
+                                                 "kBlockN": 16}
+    assert op.tile_config(128, "prefill") == base_prefill
+    assert op.tma_ok(None, "sm_90a", 128) is False
+    base_wgmma = op.tile_config(128, "prefill_wgmma")
+    assert sweeps.override_tiles("prefill", "128,128,8,2") == "tma"
+    assert op.tile_config(128, "prefill_wgmma") == {**base_wgmma, "kBlockM": 128, "kBlockN": 128, "kWarpsM": 8,
+                                                    "kStages": 2}
+    assert sweeps.override_tiles("prefill", "default") == "tma"
+
+
+def test_sweep_decode_points_follow_the_options():
+    from pagedattn.bench import sweeps
+
+    opts = dict(splits="8,16", variants="HND;splits=2", cases="B=16 ctx=4096", tma_promotion="", aot="")
+    names = [c[0] for c in sweeps.decode_points(opts)]
+    assert names == ["B=16 ctx=4096", "B=1 ctx=32768 splits=8", "B=1 ctx=32768 splits=16",
+                     "B=64 ctx=4096 HND", "B=64 ctx=4096 splits=2"]
+    assert [c[4] for c in sweeps.decode_points(opts)][-1] == 2
+    assert len(sweeps.decode_points(dict(opts, splits="", variants="", cases=""))) == len(sweeps.DECODE_CASES)
+
+
+def test_sweep_cli_runs_children_and_writes_results(monkeypatch, tmp_path):
+    """`pagedattn bench sweep decode CONFIG`: one child per config (its ROW lines), one results file."""
+    from pagedattn import cli
+    from pagedattn.bench import sweeps
+
+    seen = []
+
+    def fake_run(cmd, **kw):
+        if "pagedattn.bench.sweeps" not in cmd:  # e.g. git for the commit
+            return subprocess.CompletedProcess(cmd, 1, "", "")
+        seen.append(cmd)
+        config = cmd[-2]
+        row = dict(config=config, case="B=64 ctx=4096", us=100.0, kv_gbs=2000.0)
+        out = "noise\nROW " + json.dumps(row) + "\n" if config != "bad" else ""
+        return subprocess.CompletedProcess(cmd, 0 if config != "bad" else 1, out, "boom")
+    monkeypatch.setattr(sweeps.subprocess, "run", fake_run)
+    monkeypatch.setattr(timing, "copy_ceiling_gbs", lambda: 4000.0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    ns = cli.build_parser().parse_args(["bench", "sweep", "decode", "4,3,2,tma", "bad", "--out", str(tmp_path),
+                                        "--splits", "8"])
+    assert ns.func(ns) == 0
+    assert [c[2:5] for c in seen] == [["pagedattn.bench.sweeps", "--child", "decode"]] * 2
+    assert json.loads(seen[0][-1])["splits"] == "8"
+    (path,) = tmp_path.glob("decode_sweep_fake_gpu_*.json")
+    data = json.loads(path.read_text())
+    assert data["kind"] == "decode_sweep" and data["metadata"]["copy_ceiling_gbs"] == 4000.0
+    ok, bad = data["results"]
+    assert ok["frac_copy"] == 0.5 and bad["config"] == "bad" and "boom" in bad["error"]
+
+
 # -- on the GPU (the lead's H200 run: pytest -m gpu tests/test_bench.py) ---------------------------
 def _gpu_decode_data(ctx, B=2, L=1024):
     """The decode suite's heads (Hq=32, Hkv=8, D=128, block 16) at a small batch and context."""
@@ -771,3 +832,14 @@ def test_optional_paged_peers_are_correct_on_gpu(which):
     info = {}
     fn = peers.fastest(ctx, cands, ref, info)
     assert common.rel_l2(fn(0), ref) < 2e-2, info
+
+
+@pytest.mark.gpu
+def test_sweep_points_measure_on_gpu():
+    """`bench sweep quick` / `modes` points at small shapes with the default tiles (no new compile)."""
+    from pagedattn.bench import sweeps
+
+    row = sweeps.quick_row("decode B=2 ctx=512", 2, 512, "auto", 0, 1, 3000.0)
+    assert row["us"] > 0 and row["kv_gbs"] > 0 and "cudnn_us" in row
+    row = sweeps.prefill_row(128, True, batch=1, q_len=64, ctx=512)
+    assert row["rel_l2_err"] < 2e-2 and row["us"] > 0 and row["mode"]

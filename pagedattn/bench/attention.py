@@ -284,7 +284,7 @@ def unsupported(p: dict) -> str | None:
     return None
 
 
-def _ours_fn(fa, data: PagedData):
+def _ours_fn(fa, data: PagedData, num_splits: int = 0):
     kwargs = {}
     if data.kv != "auto":  # the caches are float8 tensors: their dtype names the format
         kwargs.update(k_descale=data.k_descale, v_descale=data.v_descale)
@@ -292,7 +292,7 @@ def _ours_fn(fa, data: PagedData):
     def ours(k):
         res = fa(data.q[k], data.kc, data.vc, data.q_len, data.cu_q, data.ctx_len, seqused_k=data.seqused,
                  causal=True, block_table=data.tables[k], softmax_scale=data.scale,
-                 return_softmax_lse=False, num_splits=0, **kwargs)
+                 return_softmax_lse=False, num_splits=num_splits, **kwargs)
         return res[0] if isinstance(res, (tuple, list)) else res
     return ours
 
