@@ -24,8 +24,8 @@ for stage in "$@"; do
     tests)     PAGEDATTN_TEST_BUNDLE=${PAGEDATTN_AOT_DIR:-} python3 -m pytest -q -ra -m gpu -p no:cacheprovider ${PYTEST_N:+-n "$PYTEST_N"} ${PYTEST_FILES:-"$ROOT/tests"} ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/gpu_tests${PYTEST_TAG:-}.log" 2>&1; rc=$?; tail -n 40 "$OUT/gpu_tests${PYTEST_TAG:-}.log"; (exit $rc) ;;
     alltests)  python3 -m pytest -q -ra -p no:cacheprovider "$ROOT/tests" 2>&1 | tail -n 60 | tee "$OUT/all_tests.log" ;;
     sanitize)  compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" > "$OUT/sanitize.log" 2>&1; rc=$?; tail -n 30 "$OUT/sanitize.log"; (exit $rc) ;;
-    fuzz)      python3 "$ROOT/perf/fuzz_metadata.py" --cases ${FUZZ_CASES:-2000} --seed ${FUZZ_SEED:-0} ${FUZZ_ARGS:-} --out "$OUT/results" 2>&1 | tail -n 40 ;;
-    fuzzsanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/fuzz_metadata.py" --sanitize ${FUZZ_ARGS:-} --out "$OUT/results" > "$OUT/fuzzsanitize.log" 2>&1; rc=$?; tail -n 25 "$OUT/fuzzsanitize.log"; (exit $rc) ;;
+    fuzz)      python3 "$ROOT/tests/fuzz/fuzz_metadata.py" --cases ${FUZZ_CASES:-2000} --seed ${FUZZ_SEED:-0} ${FUZZ_ARGS:-} --out "$OUT/results" 2>&1 | tail -n 40 ;;
+    fuzzsanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/tests/fuzz/fuzz_metadata.py" --sanitize ${FUZZ_ARGS:-} --out "$OUT/results" > "$OUT/fuzzsanitize.log" 2>&1; rc=$?; tail -n 25 "$OUT/fuzzsanitize.log"; (exit $rc) ;;
     overhead)  python3 "$ROOT/perf/launch_overhead.py" "$OUT/results" ;;
     # into an ignored folder of the checkout: a later call on the still-warm machine finds it (incremental)
     # adds to the carried bundle when one was extracted (stage bundle), else to an ignored checkout folder
