@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 import pagedattn
-from pagedattn.bench import attention, common, legacy, report, schema, suites, timing, write
+from pagedattn.bench import attention, common, legacy, peers, report, schema, suites, timing, write
 from pagedattn.bench.common import Ctx, Recorder
 
 DATA = Path(__file__).parent / "data"
@@ -516,7 +515,6 @@ def test_unsupported_cache_dtype_is_skipped_not_failed(monkeypatch):
 
 
 def test_fastest_keeps_the_fastest_correct_configuration(monkeypatch):
-    from pagedattn.bench import peers
 
     ref = torch.ones(4)
     times = {}
@@ -547,7 +545,7 @@ def test_sdpa_decode_offers_enable_gqa_first():
     ctx = _cpu_ctx()
     data = attention.build(ctx, attention.decode_cases(ctx)[0].params, sets=1)
     k, v = data.contiguous_kv(0)
-    names = [n for n, _ in attention._sdpa_fns(data, data.q, [k], [v])]
+    names = [n for n, _ in peers.sdpa_candidates(data, data.q, [k], [v])]
     assert names == ["enable_gqa", "gqa folded into q_len"]
 
 
@@ -558,7 +556,7 @@ def test_sdpa_peers_agree_with_the_reference():
         data = attention.build(ctx, p, sets=1)
         ref = attention.reference_out(data)
         k, v = data.contiguous_kv(0)
-        for variant, factory in attention._sdpa_fns(data, data.q, [k], [v]):
+        for variant, factory in peers.sdpa_candidates(data, data.q, [k], [v]):
             assert common.rel_l2(factory()(0), ref) < 1e-2, variant
 
 
@@ -817,14 +815,13 @@ def test_flush_method_evicts_the_l2_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])
 def test_sdpa_peers_pick_a_correct_configuration_on_gpu(backend):
-    from pagedattn.bench import peers
 
     ctx = Ctx.make("cuda", quick=True)
     data, ref = _gpu_decode_data(ctx)
     k, v = data.contiguous_kv(0)
     info = {}
     with attention._sdpa_backend(backend)():
-        fn = peers.fastest(ctx, attention._sdpa_fns(data, data.q, [k], [v]), ref, info)
+        fn = peers.fastest(ctx, peers.sdpa_candidates(data, data.q, [k], [v]), ref, info)
         out = fn(0)
     assert info["variant"] in ("enable_gqa", "gqa folded into q_len"), info
     assert common.rel_l2(out, ref) < 2e-2, info
@@ -833,7 +830,6 @@ def test_sdpa_peers_pick_a_correct_configuration_on_gpu(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("which", ["fa4", "vllm"])
 def test_optional_paged_peers_are_correct_on_gpu(which):
-    from pagedattn.bench import peers
 
     ctx = Ctx.make("cuda", quick=True)
     data, ref = _gpu_decode_data(ctx)

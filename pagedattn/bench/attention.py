@@ -178,9 +178,6 @@ class PagedData:
     def groups(self) -> int:
         return self.hq // self.hkv
 
-    def kv_elem(self) -> int:
-        return self.kc.element_size()
-
     def dequant(self, g: torch.Tensor, descale, dtype) -> torch.Tensor:
         if g.dtype in FP8_DTYPES:
             return g.to(dtype) * descale.to(dtype)
@@ -247,29 +244,6 @@ def _sdpa_backend(name: str):
 
     backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name]
     return lambda: sdpa_kernel([backend])
-
-
-def _sdpa_fns(data: PagedData, q_sets, k_sets, v_sets):
-    """Candidate SDPA configurations (peers.sdpa_candidates; legacy.py uses them too)."""
-    return peerlib.sdpa_candidates(data, q_sets, k_sets, v_sets)
-
-
-def _first_working(ctx: Ctx, candidates, ref, info: dict):
-    """Try (variant, factory) candidates in order; return the first fn that runs; record its
-    variant and its error against the reference in `info`."""
-    errors = []
-    for variant, factory in candidates:
-        try:
-            fn = factory()
-            out = fn(0)
-            ctx.sync()
-            info["variant"] = variant
-            info["rel_l2"] = rel_l2(out, ref) if ref is not None else None
-            return fn
-        except Exception as exc:  # noqa: BLE001
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            errors.append(f"{variant}: {type(exc).__name__}: {first}")
-    raise RuntimeError("; ".join(errors))
 
 
 def unsupported(p: dict) -> str | None:
@@ -388,7 +362,7 @@ def _torch_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int, flex:
         if not ctx.is_cuda:
             rec.peer_failed(name, "needs CUDA")
             continue
-        rec.peer(name, lambda: peerlib.fastest(ctx, _sdpa_fns(data, data.q, k_sets, v_sets), ref, info, sets),
+        rec.peer(name, lambda: peerlib.fastest(ctx, peerlib.sdpa_candidates(data, data.q, k_sets, v_sets), ref, info, sets),
                  sets, context=_sdpa_backend(backend), methods=METHODS)
         _merge_info(rec, name, info)
 
@@ -481,4 +455,7 @@ def _make_flex(ctx: Ctx, data: PagedData, k_sets, v_sets, ref, info: dict):
     def fn(k):
         o = compiled(qp[k], k_sets[k], v_sets[k], block_mask=mask, scale=data.scale, enable_gqa=True)
         return o.transpose(1, 2).reshape(B * sq, hq, d)
-    return _first_working(ctx, [("torch.compile(flex_attention), unpaged", lambda: fn)], ref, info)
+    out = fn(0)  # compiles
+    ctx.sync()
+    info.update(variant="torch.compile(flex_attention), unpaged", rel_l2=rel_l2(out, ref) if ref is not None else None)
+    return fn
