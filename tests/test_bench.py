@@ -764,7 +764,7 @@ def test_sweep_decode_points_follow_the_options():
 def test_sweep_cli_runs_children_and_writes_results(monkeypatch, tmp_path):
     """`pagedattn bench sweep decode CONFIG`: one child per config (its ROW lines), one results file."""
     from pagedattn import cli
-    from pagedattn.bench import sweeps
+    from pagedattn.bench import meta, sweeps
 
     seen = []
 
@@ -779,6 +779,9 @@ def test_sweep_cli_runs_children_and_writes_results(monkeypatch, tmp_path):
     monkeypatch.setattr(sweeps.subprocess, "run", fake_run)
     monkeypatch.setattr(timing, "copy_ceiling_gbs", lambda: 4000.0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(meta, "nvidia_smi", lambda **kw: {"driver_version": "1.0"})
     ns = cli.build_parser().parse_args(["bench", "sweep", "decode", "4,3,2,tma", "bad", "--out", str(tmp_path),
                                         "--splits", "8"])
     assert ns.func(ns) == 0
@@ -787,6 +790,7 @@ def test_sweep_cli_runs_children_and_writes_results(monkeypatch, tmp_path):
     (path,) = tmp_path.glob("decode_sweep_fake_gpu_*.json")
     data = json.loads(path.read_text())
     assert data["kind"] == "decode_sweep" and data["metadata"]["copy_ceiling_gbs"] == 4000.0
+    assert data["metadata"]["driver"] == "1.0" and data["metadata"]["capability"] == [9, 0]
     ok, bad = data["results"]
     assert ok["frac_copy"] == 0.5 and bad["config"] == "bad" and "boom" in bad["error"]
 

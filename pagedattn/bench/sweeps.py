@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-from datetime import date
 from pathlib import Path
 
 KINDS = ("decode", "prefill", "modes", "quick")
@@ -235,21 +234,6 @@ def describe(r: dict) -> str:
     return text + (f" {r['tflops']:6.1f} TFLOP/s err {r['rel_l2_err']:.1e}" if "rel_l2_err" in r else "")
 
 
-def write_results(out_dir: str, kind: str, rows: list[dict], **meta) -> Path:
-    """<out_dir>/<kind>_<gpu>_<date>.json with the machine, the commit and `meta`."""
-    import torch
-
-    from pagedattn.info import git_commit
-
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
-                commit=git_commit(), date=date.today().isoformat(), **meta)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{kind}_{meta['gpu'].replace(' ', '_').lower()}_{meta['date'].replace('-', '')}.json"
-    path.write_text(json.dumps(dict(kind=kind, metadata=meta, results=rows), indent=1))
-    return path
-
-
 def run(args) -> int:
     """`pagedattn bench sweep` (bench/__init__.py parses the arguments)."""
     opts = dict(splits=args.splits, variants=args.variants, cases=args.cases, tma_promotion=args.tma_promotion,
@@ -260,6 +244,7 @@ def run(args) -> int:
             raise SystemExit(f"pagedattn bench sweep: --precompile is for {' and '.join(CONFIG_FORMAT)}")
         run_children(args.kind, configs, dict(opts, aot=args.precompile), role="--precompile")
         return 0
+    from . import meta as meta_mod
     from .timing import Timer, copy_ceiling_gbs
 
     timing = f"{Timer.__module__}.{'median_us (synchronised)' if args.kind == 'quick' else 'Timer (back-to-back device time)'}"
@@ -283,11 +268,11 @@ def run(args) -> int:
             except Exception as exc:  # noqa: BLE001 - one failing point must not hide the others
                 rows.append(dict(case=name, error=str(exc)[:300]))
             print(f"{name:34s} {describe(rows[-1])}", flush=True)
-            write_results(args.out, FILE_KIND[args.kind], rows, **meta)  # a killed run keeps what it had
+            meta_mod.write_quick(args.out, FILE_KIND[args.kind], rows, **meta)  # a killed run keeps what it had
     for r in rows:
         if "kv_gbs" in r:
             r["frac_copy"] = r["kv_gbs"] / ceiling
-    path = write_results(args.out, FILE_KIND[args.kind], rows, **meta)
+    path = meta_mod.write_quick(args.out, FILE_KIND[args.kind], rows, **meta)
     print(f"copy ceiling {ceiling:.0f} GB/s; wrote {path}")
     return 0
 
