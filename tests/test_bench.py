@@ -730,6 +730,20 @@ def test_report_renders_the_stored_h200_results():
                 assert report.SUITE_TITLES[suite] in md, (path.name, suite)
 
 
+def test_jit_workloads_build_on_the_bench_data():
+    """The jit suite's attention / legacy workloads set up on the CPU (attention.build) and the decode
+    workload's torch peer runs on them."""
+    from pagedattn.bench import jitwork
+
+    for name, (family, setup) in jitwork.WORKLOADS.items():
+        if family == "write" or (family == "legacy" and not jitwork._has_legacy()):
+            continue
+        work = setup("cpu")
+        assert callable(work["fn"]), name
+        if work["peer"] is not None:
+            assert tuple(work["peer"][1]().shape) == (1, 8, 4, 128), name
+
+
 # -- sweeps (`pagedattn bench sweep`) -------------------------------------------------------------
 def test_sweep_tile_override_changes_only_its_modes(monkeypatch):
     from pagedattn.bench import sweeps
