@@ -6,8 +6,9 @@
     pagedattn bench sweep decode|prefill|modes|quick [CONFIG ...] [--out perf/results]
 
 Modules: timing (CUDA-event medians, rotation), ceilings, write / attention (decode, prefill) / legacy /
-jit (the suites), sweeps (configuration sweeps with tile overrides), runner + child (one process per suite), schema (the results file), report (tables,
-RESULTS.md, compare), plots (matplotlib), meta (GPU, software, clocks). perf/README.md explains the lot.
+jit (the suites), sweeps (configuration sweeps with tile overrides), runner + child (one process per
+suite), schema (the results file), report (tables, RESULTS.md, compare), plots (matplotlib), meta (GPU,
+software, clocks). perf/README.md explains the lot.
 """
 from __future__ import annotations
 

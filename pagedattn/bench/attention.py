@@ -362,7 +362,8 @@ def _torch_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int, flex:
         if not ctx.is_cuda:
             rec.peer_failed(name, "needs CUDA")
             continue
-        rec.peer(name, lambda: peerlib.fastest(ctx, peerlib.sdpa_candidates(data, data.q, k_sets, v_sets), ref, info, sets),
+        rec.peer(name, lambda: peerlib.fastest(ctx, peerlib.sdpa_candidates(data, data.q, k_sets, v_sets), ref,
+                                               info, sets),
                  sets, context=_sdpa_backend(backend), methods=METHODS)
         _merge_info(rec, name, info)
 
@@ -457,5 +458,6 @@ def _make_flex(ctx: Ctx, data: PagedData, k_sets, v_sets, ref, info: dict):
         return o.transpose(1, 2).reshape(B * sq, hq, d)
     out = fn(0)  # compiles
     ctx.sync()
-    info.update(variant="torch.compile(flex_attention), unpaged", rel_l2=rel_l2(out, ref) if ref is not None else None)
+    info.update(variant="torch.compile(flex_attention), unpaged",
+                rel_l2=rel_l2(out, ref) if ref is not None else None)
     return fn

@@ -94,9 +94,11 @@ def ours(data, num_splits: int = 0):
 
 def decode_points(opts: dict) -> list:
     cases = list(DECODE_CASES)
-    cases += [(f"B=1 ctx=32768 splits={n}", 1, 32768, "auto", int(n)) for n in filter(None, opts["splits"].split(","))]
+    splits = [n for n in opts["splits"].split(",") if n]
+    cases += [(f"B=1 ctx=32768 splits={n}", 1, 32768, "auto", int(n)) for n in splits]
     variants = [v for v in opts["variants"].split(";") if v]
-    cases += [(f"B=64 ctx=4096 {v}", 64, 4096, "auto", int(v[7:]) if v.startswith("splits=") else 0) for v in variants]
+    cases += [(f"B=64 ctx=4096 {v}", 64, 4096, "auto", int(v[7:]) if v.startswith("splits=") else 0)
+              for v in variants]
     only = [x for x in opts["cases"].split(";") if x]
     return [c for c in cases if not only or c[0] in only or c[0].startswith("B=1 ctx=32768 splits")
             or c[0][14:] in variants]
@@ -167,7 +169,8 @@ def quick_row(name: str, B: int, ctx: int, kv: str, splits: int, q_len: int, cei
 
 
 QUICK_CASES = ([("decode B=64 ctx=4096", 64, 4096, "auto", 0, 1), ("decode B=16 ctx=4096", 16, 4096, "auto", 0, 1),
-                ("decode B=1 ctx=32768", 1, 32768, "auto", 0, 1), ("decode fp8 B=64 ctx=4096", 64, 4096, "fp8_e4m3", 0, 1),
+                ("decode B=1 ctx=32768", 1, 32768, "auto", 0, 1),
+                ("decode fp8 B=64 ctx=4096", 64, 4096, "fp8_e4m3", 0, 1),
                 ("prefill B=4 S=4096 causal", 4, 4096, "auto", 0, 4096)]
                + [(f"decode B=16 ctx=4096 splits={sp}", 16, 4096, "auto", sp, 1) for sp in (1, 2, 4, 8)]
                + [(f"decode B=1 ctx=32768 splits={sp}", 1, 32768, "auto", sp, 1) for sp in (8, 16, 32, 64)])
@@ -247,7 +250,8 @@ def run(args) -> int:
     from . import meta as meta_mod
     from .timing import Timer, copy_ceiling_gbs
 
-    timing = f"{Timer.__module__}.{'median_us (synchronised)' if args.kind == 'quick' else 'Timer (back-to-back device time)'}"
+    how = "median_us (synchronised)" if args.kind == "quick" else "Timer (back-to-back device time)"
+    timing = f"{Timer.__module__}.{how}"
     ceiling = copy_ceiling_gbs()
     meta = dict(copy_ceiling_gbs=ceiling, timing=timing, shape=SHAPE)
     if args.kind in CONFIG_FORMAT:
@@ -257,9 +261,10 @@ def run(args) -> int:
         rows = []
         if args.kind == "modes":
             points = [dict(d=d) for d in (64, 128, 192, 256)] if "long" in configs else []
-            points += [dict(d=D, batch=32, q_len=n, ctx=4096) for n in (5, 8, 16, 32, 64)] if "short" in configs else []
-            todo = [(f"d{pt['d']} q_len={pt.get('q_len', 4096)} wgmma={w}", lambda pt=pt, w=w: prefill_row(wgmma=w, **pt))
-                    for pt in points for w in (False, True)]
+            if "short" in configs:
+                points += [dict(d=D, batch=32, q_len=n, ctx=4096) for n in (5, 8, 16, 32, 64)]
+            todo = [(f"d{pt['d']} q_len={pt.get('q_len', 4096)} wgmma={w}",
+                     lambda pt=pt, w=w: prefill_row(wgmma=w, **pt)) for pt in points for w in (False, True)]
         else:
             todo = [(c[0], lambda c=c: quick_row(*c, ceiling)) for c in QUICK_CASES]
         for name, measure in todo:
