@@ -681,6 +681,30 @@ def test_runner_end_to_end_survives_errors_and_crashes(tmp_path):
     assert "No results yet" in (tmp_path / "perf" / "RESULTS.md").read_text()
 
 
+def test_runner_drives_the_h200_commands_on_the_cpu(tmp_path):
+    """`pagedattn bench --suite decode,write --quick --no-flex --no-report` and `--suite prefill` (the H200
+    stages benchdw / benchp; here in one call) through runner, child and suites on the CPU (the kernels refuse
+    CPU tensors there: each case is an error with its torch peer measured; the checks are tested above)."""
+    suites = "decode,write,prefill"
+    out = tmp_path / "results"
+    r = _cli("bench", "--device", "cpu", "--tiny", "--suite", suites, "--quick", "--no-flex", "--no-report",
+             "--out", str(out), timeout=280)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    (path,) = out.glob("*.json")
+    data = json.loads(path.read_text())
+    assert schema.validate(data) == [] and not (tmp_path / "RESULTS.md").exists()
+    assert sorted(data["suites"]) == sorted(suites.split(","))
+    for suite, body in data["suites"].items():
+        peer = "torch index_copy_" if suite == "write" else "gather+sdpa"
+        with_peer = [c for c in body["cases"] if peer in c["peers"]]
+        assert with_peer, suite
+        for case in body["cases"]:
+            assert case["status"] == "error" and "CUDA" in case["error"], case["id"]
+        for case in with_peer:
+            assert case["peers"][peer].get("error") is None, (case["id"], case["peers"][peer])
+
+
 def test_runner_kills_a_hung_case(tmp_path):
     out = tmp_path / "results"
     r = _cli("bench", "--device", "cpu", "--tiny", "--suite", "_selftest", "--out", str(out),
