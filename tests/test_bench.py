@@ -799,6 +799,28 @@ def test_sweep_decode_points_follow_the_options():
     assert len(sweeps.decode_points(dict(opts, splits="", variants="", cases=""))) == len(sweeps.DECODE_CASES)
 
 
+def test_sweep_precompile_plans_the_configs_kernels(monkeypatch, tmp_path):
+    """--precompile (in a child per config): that config's decode kernels, into ROOT/cfg_<config>."""
+    from pagedattn import aot
+    from pagedattn.bench import sweeps
+    from pagedattn.ops import attention as op
+
+    for name in ("tile_config", "tma_ok"):
+        monkeypatch.setattr(op, name, getattr(op, name))
+    seen = {}
+
+    def fake(jobs, out, **kw):
+        seen.update(jobs=jobs, out=out)
+        return types.SimpleNamespace(compiled=len(jobs), failed=[])
+    monkeypatch.setattr(aot, "precompile", fake)
+    opts = dict(splits="", variants="", cases="", tma_promotion="", aot=str(tmp_path))
+    sweeps.precompile("decode", str(tmp_path), "4,3,2,cp", opts)
+    assert seen["out"] == tmp_path / "cfg_4_3_2_cp"
+    specs = [j.spec for j in seen["jobs"]]
+    assert {s.kv_cache_dtype for s in specs} == {"auto", "fp8_e4m3"} and {s.mode for s in specs} == {"decode"}
+    assert specs[0].tiles["kWarpsN"] == 4 and specs[0].tiles["kStages"] == 3
+
+
 def test_sweep_cli_runs_children_and_writes_results(monkeypatch, tmp_path):
     """`pagedattn bench sweep decode CONFIG`: one child per config (its ROW lines), one results file."""
     from pagedattn import cli
