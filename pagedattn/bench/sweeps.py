@@ -73,7 +73,7 @@ def aot_dir(root: str, config: str) -> Path:
 # -- data and measurements -------------------------------------------------------------------------
 def paged(B: int, ctx: int, kv: str = "auto", q_len: int = 1, d: int = D, layout: str = "NHD",
           table_order: str = "random"):
-    """The bench's paged inputs (attention.build, one set) and the call of our op on them."""
+    """The bench's paged inputs (attention.build, one input set) at the sweeps' heads and block size."""
     import torch
 
     from .attention import build
@@ -87,12 +87,15 @@ def paged(B: int, ctx: int, kv: str = "auto", q_len: int = 1, d: int = D, layout
 
 
 def ours(data, num_splits: int = 0):
+    """fn(k): pagedattn.flash_attn_varlen_func on input set k of `data` (the bench's call)."""
     from .attention import _ours_fn, flash_fn
 
     return _ours_fn(flash_fn(), data, num_splits)
 
 
 def decode_points(opts: dict) -> list:
+    """(name, B, ctx, kv cache dtype, num_splits) of a decode sweep: DECODE_CASES, the forced-split B=1
+    points of --splits, the B=64 points of --variants; --cases keeps the named ones (and those added)."""
     cases = list(DECODE_CASES)
     splits = [n for n in opts["splits"].split(",") if n]
     cases += [(f"B=1 ctx=32768 splits={n}", 1, 32768, "auto", int(n)) for n in splits]
@@ -101,7 +104,7 @@ def decode_points(opts: dict) -> list:
               for v in variants]
     only = [x for x in opts["cases"].split(";") if x]
     return [c for c in cases if not only or c[0] in only or c[0].startswith("B=1 ctx=32768 splits")
-            or c[0][14:] in variants]
+            or c[0].startswith("B=64 ctx=4096 ") and c[0][14:] in variants]
 
 
 def decode_row(config: str, opts: dict, name: str, B: int, ctx: int, kv: str, splits: int) -> dict:
