@@ -38,9 +38,9 @@ def _build(device):
 
 
 def _time(fn, reps=50):
-    from .bench.timing import simple_median_us  # the one timer module
+    from .bench.timing import median_us  # the one timer module
 
-    return simple_median_us(fn, reps=reps, warmup=3)
+    return median_us(fn, reps=reps, warmup=3)
 
 
 def run_gpu() -> int:

@@ -24,8 +24,8 @@ for stage in "$@"; do
     tests)     PAGEDATTN_TEST_BUNDLE=${PAGEDATTN_AOT_DIR:-} python3 -m pytest -q -ra -m gpu -p no:cacheprovider ${PYTEST_N:+-n "$PYTEST_N"} ${PYTEST_FILES:-"$ROOT/tests"} ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/gpu_tests${PYTEST_TAG:-}.log" 2>&1; rc=$?; tail -n 40 "$OUT/gpu_tests${PYTEST_TAG:-}.log"; (exit $rc) ;;
     alltests)  python3 -m pytest -q -ra -p no:cacheprovider "$ROOT/tests" 2>&1 | tail -n 60 | tee "$OUT/all_tests.log" ;;
     sanitize)  compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" > "$OUT/sanitize.log" 2>&1; rc=$?; tail -n 30 "$OUT/sanitize.log"; (exit $rc) ;;
-    fuzz)      python3 "$ROOT/perf/fuzz_metadata.py" --cases ${FUZZ_CASES:-2000} --seed ${FUZZ_SEED:-0} ${FUZZ_ARGS:-} --out "$OUT/results" 2>&1 | tail -n 40 ;;
-    fuzzsanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/fuzz_metadata.py" --sanitize ${FUZZ_ARGS:-} --out "$OUT/results" > "$OUT/fuzzsanitize.log" 2>&1; rc=$?; tail -n 25 "$OUT/fuzzsanitize.log"; (exit $rc) ;;
+    fuzz)      python3 "$ROOT/tests/fuzz/fuzz_metadata.py" --cases ${FUZZ_CASES:-2000} --seed ${FUZZ_SEED:-0} ${FUZZ_ARGS:-} --out "$OUT/results" 2>&1 | tail -n 40 ;;
+    fuzzsanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/tests/fuzz/fuzz_metadata.py" --sanitize ${FUZZ_ARGS:-} --out "$OUT/results" > "$OUT/fuzzsanitize.log" 2>&1; rc=$?; tail -n 25 "$OUT/fuzzsanitize.log"; (exit $rc) ;;
     overhead)  python3 "$ROOT/perf/launch_overhead.py" "$OUT/results" ;;
     # into an ignored folder of the checkout: a later call on the still-warm machine finds it (incremental)
     # adds to the carried bundle when one was extracted (stage bundle), else to an ignored checkout folder
@@ -37,10 +37,11 @@ for stage in "$@"; do
     writesweep) python3 "$ROOT/perf/write_sweep.py" "$OUT/results" ;;
     writequick) WRITE_SWEEP_QUICK=1 python3 "$ROOT/perf/write_sweep.py" "$OUT/results" ;;
     benchwrite) python3 -m pagedattn.cli bench --suite write --quick --no-report --out "$OUT/results" ;;
-    attnquick) python3 "$ROOT/perf/attn_quick.py" "$OUT/results" ;;
-    decodesweep) python3 "$ROOT/perf/decode_sweep.py" "$OUT/results" ${DECODE_CONFIGS:-} ;;
-    prefillsweep) python3 "$ROOT/perf/prefill_sweep.py" "$OUT/results" ${PREFILL_CONFIGS:-} ;;
-    prefillmodes) python3 "$ROOT/perf/prefill_modes.py" "$OUT/results" ${PREFILL_MODES:-} ;;
+    # the sweeps (pagedattn/bench/sweeps.py); SWEEP_ARGS e.g. '--splits 8,16 --variants "HND;seq"' for decode
+    attnquick) python3 -m pagedattn.cli bench sweep quick --out "$OUT/results" ;;
+    decodesweep) eval python3 -m pagedattn.cli bench sweep decode --out "$OUT/results" ${SWEEP_ARGS:-} ${DECODE_CONFIGS:-} ;;
+    prefillsweep) eval python3 -m pagedattn.cli bench sweep prefill --out "$OUT/results" ${SWEEP_ARGS:-} ${PREFILL_CONFIGS:-} ;;
+    prefillmodes) python3 -m pagedattn.cli bench sweep modes --out "$OUT/results" ${PREFILL_MODES:-} ;;
     bundle)    [ -f /tmp/bundle/manifest.json ] || { mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1; }
                export PAGEDATTN_AOT_DIR=/tmp/bundle
                python3 -c "import sys, pathlib; from pagedattn.codegen import bundle; sys.exit(0 if bundle.read_manifest(pathlib.Path('/tmp/bundle')) else 1)" \

@@ -14,35 +14,14 @@ throughput comparison still runs the same shapes).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
-from datetime import date
-from pathlib import Path
 
 import torch
 
-import pagedattn
+from pagedattn.bench.meta import write_quick
+from pagedattn.info import git_commit
 from pagedattn.integrations import hf_tiny
 from pagedattn.integrations import transformers as pa_hf
-
-
-def metadata() -> dict:
-    import transformers
-
-    from pagedattn.info import git_commit
-
-    meta = {"gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-            "pagedattn": pagedattn.__version__, "commit": git_commit(), "date": date.today().isoformat(),
-            "python": sys.version.split()[0]}
-    try:
-        meta["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                        capture_output=True, text=True).stdout.strip()
-    except OSError:
-        pass
-    return meta
 
 
 def prompt_lengths(n: int, longest: int) -> tuple[int, ...]:
@@ -93,15 +72,12 @@ def main(argv=None) -> int:
         print(f"{kind:8s} pagedattn {r['pagedattn_tokens_per_s']:9.1f} tok/s   paged|sdpa "
               f"{r['sdpa_tokens_per_s']:9.1f} tok/s   x{r['speedup']:.2f}   identical sequences "
               f"{r['identical_sequences']}/{r['prompts']}")
-    meta = metadata()
-    doc = {"kind": "hf_continuous_batching", "metadata": meta, "results": results,
-           "note": "tiny random-weight models (hf_tiny); tokens/s = generated tokens / generate_batch wall "
-                   "time, median of the timed runs; paged|sdpa ignores Gemma-2's softcap"}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    gpu = meta["gpu"].replace(" ", "_").lower()
-    path = out / f"hf_continuous_batching_{gpu}_{meta['date'].replace('-', '')}_{(meta['commit'] or 'nocommit')[:7]}.json"
-    path.write_text(json.dumps(doc, indent=1))
+    import transformers
+
+    path = write_quick(args.out, "hf_continuous_batching", results, suffix="_" + (git_commit() or "nocommit")[:7],
+                       transformers=transformers.__version__,
+                       note="tiny random-weight models (hf_tiny); tokens/s = generated tokens / generate_batch "
+                            "wall time, median of the timed runs; paged|sdpa ignores Gemma-2's softcap")
     print(f"wrote {path}")
     return 0
 

@@ -10,17 +10,14 @@ Writes perf/results/launch_overhead_<gpu>_<date>.json.
 """
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import time
-from datetime import date
-from pathlib import Path
 
 import torch
 
 import pagedattn
 from pagedattn import CacheSpec
+from pagedattn.bench.meta import write_quick
 from pagedattn.ops.kv_write import KvWriteSpec
 
 BATCH = 200            # calls queued behind one sleep kernel (the launch queue holds ~1000)
@@ -105,23 +102,7 @@ def main(out_dir="perf/results"):
     for name, (fn, n) in cases.items():
         results[f"{name}_us"] = per_call_us(fn, n)
         results[f"{name}_busy_us"] = busy_call_us(fn, min(n, 10000))
-    from pagedattn.info import git_commit
-
-    commit = git_commit()
-    meta = {"gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "pagedattn": pagedattn.__version__,
-            "commit": commit, "date": date.today().isoformat(), "python": sys.version.split()[0]}
-    try:
-        meta["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                        capture_output=True, text=True).stdout.strip()
-    except OSError:
-        pass
-    doc = {"kind": "launch_overhead", "metadata": meta, "results": results}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    name = meta["gpu"].replace(" ", "_").lower()
-    path = out / f"launch_overhead_{name}_{meta['date'].replace('-', '')}.json"
-    path.write_text(json.dumps(doc, indent=1))
+    path = write_quick(out_dir, "launch_overhead", results)
     for k, v in results.items():
         print(f"{k:40s} {v:6.2f} us")
     print(f"wrote {path}")

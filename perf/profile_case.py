@@ -1,12 +1,14 @@
 """One attention case (or, with kind write_<NHD|HND>_<auto|fp8_e4m3>, one cache write), launched a few
 times, for `ncu` (perf/h200.sh stage `ncu`). Kind decode_cudnn runs the peer instead: torch SDPA's cuDNN
 backend on an unpaged copy of the decode case (NCU_KERNELS=sdpa|fprop|fmha)."""
+import contextlib
 import sys
 
 import torch
 
 import pagedattn
 from pagedattn import CacheSpec
+from pagedattn.bench.sweeps import ours, paged
 
 # kind: (B, ctx, q_len, causal, kv cache dtype, num_splits)
 KINDS = {"decode": (64, 4096, 1, False, "auto", 1), "decode_fp8": (64, 4096, 1, False, "fp8_e4m3", 1),
@@ -29,34 +31,17 @@ if kind.startswith("write"):  # write_<layout>_<kv>[_head]: T=65536 H=8 D=128 bf
     sys.exit(0)
 peer = kind.endswith("_cudnn")
 B, ctx, q_len, causal, kv, splits = KINDS[kind.removesuffix("_cudnn")]
-nb = B * ctx // 16
-fp8 = kv != "auto"
-kc, vc = CacheSpec(nb + 8, 16, 8, 128, torch.uint8 if fp8 else torch.bfloat16, kv).allocate("cuda")
-if fp8:
-    kc.random_(0, 0x70)
-    vc.random_(0, 0x70)
-else:
-    kc.normal_()
-    vc.normal_()
-s = torch.tensor([0.05], device="cuda") if fp8 else None
-table = torch.randperm(nb + 8, device="cuda")[:nb].view(B, -1).int()
-q = torch.randn(B * q_len, 32, 128, dtype=torch.bfloat16, device="cuda")
-cu_q = torch.arange(0, (B + 1) * q_len, q_len, dtype=torch.int32, device="cuda")
-seq = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+data = paged(B, ctx, kv, q_len=q_len)  # the sweeps' inputs: the bench's paged data, shuffled table
+fn = ours(data, splits)
 if peer:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    kk = kc[table.long()].reshape(B, ctx, 8, 128).transpose(1, 2)
-    vv = vc[table.long()].reshape(B, ctx, 8, 128).transpose(1, 2)
-    qq = q.view(B, q_len, 32, 128).transpose(1, 2)
-    torch.cuda.synchronize()
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        for _ in range(4):
-            torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True, is_causal=causal and q_len > 1)
-    torch.cuda.synchronize()
-    sys.exit(0)
-for _ in range(4):
-    pagedattn.flash_attn_varlen_func(q, kc, vc, q_len, cu_q, ctx, seqused_k=seq, block_table=table,
-                                     causal=causal, num_splits=splits, kv_cache_dtype=kv, k_descale=s,
-                                     v_descale=s)
+    kk, vv = data.contiguous_kv(0)
+    qq = data.q[0].view(B, q_len, 32, 128).transpose(1, 2)
+    fn = lambda k: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        qq, kk, vv, enable_gqa=True, is_causal=causal and q_len > 1)
+torch.cuda.synchronize()
+with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if peer else contextlib.nullcontext():
+    for _ in range(4):
+        fn(0)
 torch.cuda.synchronize()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 import pagedattn
-from pagedattn.bench import attention, common, legacy, report, schema, suites, timing, write
+from pagedattn.bench import attention, common, legacy, peers, report, schema, suites, timing, write
 from pagedattn.bench.common import Ctx, Recorder
 
 DATA = Path(__file__).parent / "data"
@@ -317,47 +316,15 @@ def test_flush_buffer_size_and_l2flush_on_cpu():
     assert res["flush"].method == "flush" and len(seen) >= res["flush"].reps and set(seen) == {4096}
 
 
-def _sdpa_math(q, k, v, causal):
-    """float64 attention with a bottom-right causal mask, [B, H, S, D] layout, GQA by repetition."""
-    g = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(g, dim=1)
-    v = v.repeat_interleave(g, dim=1)
-    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    if causal:
-        sq, sk = q.shape[2], k.shape[2]
-        i = torch.arange(sq).view(-1, 1)
-        j = torch.arange(sk).view(1, -1)
-        s = s.masked_fill(j > sk - sq + i, float("-inf"))
-    return torch.softmax(s, -1) @ v
-
-
-@pytest.mark.parametrize("q_len,causal", [(1, True), (7, True), (7, False)])
-def test_reference_attention_matches_plain_attention(q_len, causal):
-    torch.manual_seed(0)
-    B, L, hq, hkv, d, bs = 2, 45, 4, 2, 16, 8
-    nb = -(-L // bs)
-    kc = torch.randn(B * nb + 3, bs, hkv, d)
-    vc = torch.randn_like(kc)
-    table = torch.randperm(B * nb + 3)[:B * nb].view(B, nb).int()
-    q = torch.randn(B * q_len, hq, d)
-    cu = torch.arange(0, B * q_len + 1, q_len, dtype=torch.int32)
-    lens = torch.full((B,), L, dtype=torch.int32)
-    out = attention.reference_attention(q, kc, vc, table, lens, cu, causal=causal, scale=1 / math.sqrt(d),
-                                        chunk=3)
-    for b in range(B):
-        k = attention.gather_pages(kc, table[b:b + 1])[0, :L].double().transpose(0, 1)[None]
-        v = attention.gather_pages(vc, table[b:b + 1])[0, :L].double().transpose(0, 1)[None]
-        qb = q[b * q_len:(b + 1) * q_len].double().transpose(0, 1)[None]
-        want = _sdpa_math(qb, k, v, causal)[0].transpose(0, 1)
-        torch.testing.assert_close(out[b * q_len:(b + 1) * q_len].double(), want, rtol=1e-5, atol=1e-5)
-
-
 def _fake_flash(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=None, causal=False,
                 block_table=None, softmax_scale=None, return_softmax_lse=False, num_splits=0,
                 k_descale=None, v_descale=None):
-    return attention.reference_attention(q, k, v, block_table, seqused_k, cu_seqlens_q, causal=causal,
-                                         scale=softmax_scale, k_descale=k_descale,
-                                         v_descale=v_descale).to(q.dtype)
+    from pagedattn import reference
+
+    kw = {} if k_descale is None else {"kv_cache_dtype": "fp8_e4m3" if k.dtype == torch.float8_e4m3fn
+                                       else "fp8_e5m2", "k_descale": k_descale, "v_descale": v_descale}
+    return reference.paged_attention(q, k, v, cu_seqlens_q, seqused_k, block_table, causal=causal,
+                                     softmax_scale=softmax_scale, **kw).to(q.dtype)
 
 
 def test_attention_suites_not_available_without_the_kernel(monkeypatch):
@@ -574,7 +541,6 @@ def test_unsupported_cache_dtype_is_skipped_not_failed(monkeypatch):
 
 
 def test_fastest_keeps_the_fastest_correct_configuration(monkeypatch):
-    from pagedattn.bench import peers
 
     ref = torch.ones(4)
     times = {}
@@ -605,7 +571,7 @@ def test_sdpa_decode_offers_enable_gqa_first():
     ctx = _cpu_ctx()
     data = attention.build(ctx, attention.decode_cases(ctx)[0].params, sets=1)
     k, v = data.contiguous_kv(0)
-    names = [n for n, _ in attention._sdpa_fns(data, data.q, [k], [v])]
+    names = [n for n, _ in peers.sdpa_candidates(data, data.q, [k], [v])]
     assert names == ["enable_gqa", "gqa folded into q_len"]
 
 
@@ -614,10 +580,9 @@ def test_sdpa_peers_agree_with_the_reference():
     ctx = _cpu_ctx()
     for p in (attention.decode_cases(ctx)[0].params, attention.prefill_cases(ctx)[0].params):
         data = attention.build(ctx, p, sets=1)
-        ref = attention.reference_attention(data.q[0], data.kc, data.vc, data.tables[0], data.seqused,
-                                            data.cu_q, causal=True, scale=data.scale)
+        ref = attention.reference_out(data)
         k, v = data.contiguous_kv(0)
-        for variant, factory in attention._sdpa_fns(data, data.q, [k], [v]):
+        for variant, factory in peers.sdpa_candidates(data, data.q, [k], [v]):
             assert common.rel_l2(factory()(0), ref) < 1e-2, variant
 
 
@@ -742,6 +707,30 @@ def test_runner_end_to_end_survives_errors_and_crashes(tmp_path):
     assert "No results yet" in (tmp_path / "perf" / "RESULTS.md").read_text()
 
 
+def test_runner_drives_the_h200_commands_on_the_cpu(tmp_path):
+    """`pagedattn bench --suite decode,write --quick --no-flex --no-report` and `--suite prefill` (the H200
+    stages benchdw / benchp; here in one call) through runner, child and suites on the CPU (the kernels refuse
+    CPU tensors there: each case is an error with its torch peer measured; the checks are tested above)."""
+    suites = "decode,write,prefill"
+    out = tmp_path / "results"
+    r = _cli("bench", "--device", "cpu", "--tiny", "--suite", suites, "--quick", "--no-flex", "--no-report",
+             "--out", str(out), timeout=280)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    (path,) = out.glob("*.json")
+    data = json.loads(path.read_text())
+    assert schema.validate(data) == [] and not (tmp_path / "RESULTS.md").exists()
+    assert sorted(data["suites"]) == sorted(suites.split(","))
+    for suite, body in data["suites"].items():
+        peer = "torch index_copy_" if suite == "write" else "gather+sdpa"
+        with_peer = [c for c in body["cases"] if peer in c["peers"]]
+        assert with_peer, suite
+        for case in body["cases"]:
+            assert case["status"] == "error" and "CUDA" in case["error"], case["id"]
+        for case in with_peer:
+            assert case["peers"][peer].get("error") is None, (case["id"], case["peers"][peer])
+
+
 def test_runner_kills_a_hung_case(tmp_path):
     out = tmp_path / "results"
     r = _cli("bench", "--device", "cpu", "--tiny", "--suite", "_selftest", "--out", str(out),
@@ -754,24 +743,142 @@ def test_runner_kills_a_hung_case(tmp_path):
     assert not (tmp_path / "RESULTS.md").exists()
 
 
-def test_reference_attention_agrees_with_pagedattn_reference():
-    """Two independent references (this bench's and pagedattn.reference's) on the same paged data."""
+def test_attention_check_uses_pagedattn_reference(monkeypatch):
+    """The decode / prefill / legacy checks ask pagedattn.reference (the one oracle), and a case passes
+    its check against it."""
     from pagedattn import reference
 
-    if not hasattr(reference, "paged_attention"):
-        pytest.skip("pagedattn.reference.paged_attention not there")
+    calls = []
+    real = reference.paged_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("causal"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(reference, "paged_attention", spy)
+    monkeypatch.setattr(pagedattn, "flash_attn_varlen_func", _fake_flash, raising=False)
     ctx = _cpu_ctx()
-    for case in attention.decode_cases(ctx) + attention.prefill_cases(ctx):
-        data = attention.build(ctx, case.params, sets=1)
-        mine = attention.reference_attention(data.q[0], data.kc, data.vc, data.tables[0], data.seqused,
-                                             data.cu_q, causal=True, scale=data.scale,
-                                             k_descale=data.k_descale, v_descale=data.v_descale)
-        kw = {} if data.kv == "auto" else {"kv_cache_dtype": data.kv, "k_descale": data.k_descale,
-                                           "v_descale": data.v_descale}
-        theirs = reference.paged_attention(data.q[0], data.kc, data.vc, data.cu_q, data.seqused,
-                                           data.tables[0], causal=True, softmax_scale=data.scale, **kw)
-        theirs = theirs[0] if isinstance(theirs, tuple) else theirs
-        assert common.rel_l2(mine, theirs) < 1e-5, case.id
+    for case in (attention.decode_cases(ctx)[0], attention.decode_cases(ctx)[1], attention.prefill_cases(ctx)[0]):
+        calls.clear()
+        rec = _run_case(case, ctx)
+        assert calls and calls[0] is True, case.id
+        assert rec["check"]["ok"] is True and rec["check"]["rel_l2"] < 1e-2, (case.id, rec["check"])
+    data = attention.build(ctx, attention.decode_cases(ctx)[0].params, sets=1)
+    calls.clear()
+    attention.reference_out(data, causal=False)  # what legacy.py asks for
+    assert calls == [False]
+
+
+def test_report_renders_the_stored_h200_results():
+    """The results already in perf/results still load and render (the schema reads them unchanged)."""
+    files = [(p, report.load(p)) for p in sorted((REPO / "perf" / "results").glob("h200_sm90_*.json"))]
+    assert len(files) >= 2
+    md = report.render_markdown(files, plots_rel=None)
+    for path, data in files:
+        assert path.name in md
+        for suite, body in data["suites"].items():
+            if body.get("cases") and suite in report.MEASURED_SUITES:
+                assert report.SUITE_TITLES[suite] in md, (path.name, suite)
+
+
+def test_jit_workloads_build_on_the_bench_data():
+    """The jit suite's attention / legacy workloads set up on the CPU (attention.build) and the decode
+    workload's torch peer runs on them."""
+    from pagedattn.bench import jitwork
+
+    for name, (family, setup) in jitwork.WORKLOADS.items():
+        if family == "write" or (family == "legacy" and not jitwork._has_legacy()):
+            continue
+        work = setup("cpu")
+        assert callable(work["fn"]), name
+        if work["peer"] is not None:
+            assert tuple(work["peer"][1]().shape) == (1, 8, 4, 128), name
+
+
+# -- sweeps (`pagedattn bench sweep`) -------------------------------------------------------------
+def test_sweep_tile_override_changes_only_its_modes(monkeypatch):
+    from pagedattn.bench import sweeps
+    from pagedattn.ops import attention as op
+
+    for name in ("tile_config", "tma_ok"):
+        monkeypatch.setattr(op, name, getattr(op, name))  # restored after the test
+    base_decode, base_prefill = op.tile_config(128, "decode_tma"), op.tile_config(128, "prefill")
+    assert sweeps.override_tiles("decode", "4,3,2,cp") == "cp"
+    assert op.tile_config(128, "decode_tma") == {**base_decode, "kWarpsN": 4, "kStages": 3, "kMinBlocks": 2,
+                                                 "kBlockN": 16}
+    assert op.tile_config(128, "prefill") == base_prefill
+    assert op.tma_ok(None, "sm_90a", 128) is False
+    base_wgmma = op.tile_config(128, "prefill_wgmma")
+    assert sweeps.override_tiles("prefill", "128,128,8,2") == "tma"
+    assert op.tile_config(128, "prefill_wgmma") == {**base_wgmma, "kBlockM": 128, "kBlockN": 128, "kWarpsM": 8,
+                                                    "kStages": 2}
+    assert sweeps.override_tiles("prefill", "default") == "tma"
+
+
+def test_sweep_decode_points_follow_the_options():
+    from pagedattn.bench import sweeps
+
+    opts = dict(splits="8,16", variants="HND;splits=2", cases="B=16 ctx=4096", tma_promotion="", aot="")
+    names = [c[0] for c in sweeps.decode_points(opts)]
+    assert names == ["B=16 ctx=4096", "B=1 ctx=32768 splits=8", "B=1 ctx=32768 splits=16",
+                     "B=64 ctx=4096 HND", "B=64 ctx=4096 splits=2"]
+    assert [c[4] for c in sweeps.decode_points(opts)][-1] == 2
+    assert len(sweeps.decode_points(dict(opts, splits="", variants="", cases=""))) == len(sweeps.DECODE_CASES)
+
+
+def test_sweep_precompile_plans_the_configs_kernels(monkeypatch, tmp_path):
+    """--precompile (in a child per config): that config's decode kernels, into ROOT/cfg_<config>."""
+    from pagedattn import aot
+    from pagedattn.bench import sweeps
+    from pagedattn.ops import attention as op
+
+    for name in ("tile_config", "tma_ok"):
+        monkeypatch.setattr(op, name, getattr(op, name))
+    seen = {}
+
+    def fake(jobs, out, **kw):
+        seen.update(jobs=jobs, out=out)
+        return types.SimpleNamespace(compiled=len(jobs), failed=[])
+    monkeypatch.setattr(aot, "precompile", fake)
+    opts = dict(splits="", variants="", cases="", tma_promotion="", aot=str(tmp_path))
+    sweeps.precompile("decode", str(tmp_path), "4,3,2,cp", opts)
+    assert seen["out"] == tmp_path / "cfg_4_3_2_cp"
+    specs = [j.spec for j in seen["jobs"]]
+    assert {s.kv_cache_dtype for s in specs} == {"auto", "fp8_e4m3"} and {s.mode for s in specs} == {"decode"}
+    assert specs[0].tiles["kWarpsN"] == 4 and specs[0].tiles["kStages"] == 3
+
+
+def test_sweep_cli_runs_children_and_writes_results(monkeypatch, tmp_path):
+    """`pagedattn bench sweep decode CONFIG`: one child per config (its ROW lines), one results file."""
+    from pagedattn import cli
+    from pagedattn.bench import meta, sweeps
+
+    seen = []
+
+    def fake_run(cmd, **kw):
+        if "pagedattn.bench.sweeps" not in cmd:  # e.g. git for the commit
+            return subprocess.CompletedProcess(cmd, 1, "", "")
+        seen.append(cmd)
+        config = cmd[-2]
+        row = dict(config=config, case="B=64 ctx=4096", us=100.0, kv_gbs=2000.0)
+        out = "noise\nROW " + json.dumps(row) + "\n" if config != "bad" else ""
+        return subprocess.CompletedProcess(cmd, 0 if config != "bad" else 1, out, "boom")
+    monkeypatch.setattr(sweeps.subprocess, "run", fake_run)
+    monkeypatch.setattr(timing, "copy_ceiling_gbs", lambda: 4000.0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(meta, "nvidia_smi", lambda **kw: {"driver_version": "1.0"})
+    ns = cli.build_parser().parse_args(["bench", "sweep", "decode", "4,3,2,tma", "bad", "--out", str(tmp_path),
+                                        "--splits", "8"])
+    assert ns.func(ns) == 0
+    assert [c[2:5] for c in seen] == [["pagedattn.bench.sweeps", "--child", "decode"]] * 2
+    assert json.loads(seen[0][-1])["splits"] == "8"
+    (path,) = tmp_path.glob("decode_sweep_fake_gpu_*.json")
+    data = json.loads(path.read_text())
+    assert data["kind"] == "decode_sweep" and data["metadata"]["copy_ceiling_gbs"] == 4000.0
+    assert data["metadata"]["driver"] == "1.0" and data["metadata"]["capability"] == [9, 0]
+    ok, bad = data["results"]
+    assert ok["frac_copy"] == 0.5 and bad["config"] == "bad" and "boom" in bad["error"]
 
 
 # -- on the GPU (the lead's H200 run: pytest -m gpu tests/test_bench.py) ---------------------------
@@ -779,9 +886,7 @@ def _gpu_decode_data(ctx, B=2, L=1024):
     """The decode suite's heads (Hq=32, Hkv=8, D=128, block 16) at a small batch and context."""
     p = dict(attention.decode_cases(Ctx.make("cpu", quick=True))[0].params, B=B, ctx=L)
     data = attention.build(ctx, p, sets=1)
-    ref = attention.reference_attention(data.q[0], data.kc, data.vc, data.tables[0], data.seqused,
-                                        data.cu_q, causal=True, scale=data.scale)
-    return data, ref
+    return data, attention.reference_out(data)
 
 
 @pytest.mark.gpu
@@ -800,14 +905,13 @@ def test_flush_method_evicts_the_l2_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])
 def test_sdpa_peers_pick_a_correct_configuration_on_gpu(backend):
-    from pagedattn.bench import peers
 
     ctx = Ctx.make("cuda", quick=True)
     data, ref = _gpu_decode_data(ctx)
     k, v = data.contiguous_kv(0)
     info = {}
     with attention._sdpa_backend(backend)():
-        fn = peers.fastest(ctx, attention._sdpa_fns(data, data.q, [k], [v]), ref, info)
+        fn = peers.fastest(ctx, peers.sdpa_candidates(data, data.q, [k], [v]), ref, info)
         out = fn(0)
     assert info["variant"] in ("enable_gqa", "gqa folded into q_len"), info
     assert common.rel_l2(out, ref) < 2e-2, info
@@ -816,7 +920,6 @@ def test_sdpa_peers_pick_a_correct_configuration_on_gpu(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("which", ["fa4", "vllm"])
 def test_optional_paged_peers_are_correct_on_gpu(which):
-    from pagedattn.bench import peers
 
     ctx = Ctx.make("cuda", quick=True)
     data, ref = _gpu_decode_data(ctx)
@@ -827,3 +930,14 @@ def test_optional_paged_peers_are_correct_on_gpu(which):
     info = {}
     fn = peers.fastest(ctx, cands, ref, info)
     assert common.rel_l2(fn(0), ref) < 2e-2, info
+
+
+@pytest.mark.gpu
+def test_sweep_points_measure_on_gpu():
+    """`bench sweep quick` / `modes` points at small shapes with the default tiles (no new compile)."""
+    from pagedattn.bench import sweeps
+
+    row = sweeps.quick_row("decode B=2 ctx=512", 2, 512, "auto", 0, 1, 3000.0)
+    assert row["us"] > 0 and row["kv_gbs"] > 0 and "cudnn_us" in row
+    row = sweeps.prefill_row(128, True, batch=1, q_len=64, ctx=512)
+    assert row["rel_l2_err"] < 2e-2 and row["us"] > 0 and row["mode"]

@@ -1,4 +1,4 @@
-"""perf/fuzz_metadata.py's harness on CPU: guard buffers see writes into their margins, cases are
+"""tests/fuzz/fuzz_metadata.py's harness on CPU: guard buffers see writes into their margins, cases are
 deterministic and cover every corruption kind, the clamping reference agrees with pagedattn.reference
 (and with hand-made clamped metadata), the whole check passes with the torch references in place of
 the kernels and fails on each kind of sabotage, and the child-process runner survives dying and
@@ -14,11 +14,11 @@ import torch
 
 from pagedattn import reference
 
-PERF = Path(__file__).resolve().parent.parent / "perf"
+FUZZ = Path(__file__).resolve().parent / "fuzz"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("fuzz_metadata", PERF / "fuzz_metadata.py")
+    spec = importlib.util.spec_from_file_location("fuzz_metadata", FUZZ / "fuzz_metadata.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["fuzz_metadata"] = mod   # dataclasses resolve their module by name
     spec.loader.exec_module(mod)

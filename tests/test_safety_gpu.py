@@ -2,7 +2,7 @@
 
 Regression tests for the two defects (cu_seqlens_q[-1] past q.shape[0] wrote past `out`;
 max_seqlen_q below the longest query left rows unwritten: now every row is computed), the hints at their extremes, contiguous
-K/V with cu_seqlens_k past k.shape[0], and a small fixed-seed run of perf/fuzz_metadata.py. Every
+K/V with cu_seqlens_k past k.shape[0], and a small fixed-seed run of tests/fuzz/fuzz_metadata.py. Every
 tensor is a view inside a guard buffer whose margins hold a NaN payload (fuzz_metadata.Guarded):
 a write past a tensor changes a margin, a read past it pulls NaN into the result. Expected results
 come from fuzz_metadata.expected_attention (the clamping contract over pagedattn.reference).
@@ -16,11 +16,11 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-PERF = Path(__file__).resolve().parent.parent / "perf"
+FUZZ = Path(__file__).resolve().parent / "fuzz"
 
 
 def _load_fuzzer():
-    spec = importlib.util.spec_from_file_location("fuzz_metadata", PERF / "fuzz_metadata.py")
+    spec = importlib.util.spec_from_file_location("fuzz_metadata", FUZZ / "fuzz_metadata.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["fuzz_metadata"] = mod
     spec.loader.exec_module(mod)

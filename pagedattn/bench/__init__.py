@@ -3,10 +3,12 @@
     pagedattn bench [--suite write|decode|prefill|legacy|jit|all] [--quick] [--out perf/results]
     pagedattn bench compare A.json B.json [--peers] [--markdown]
     pagedattn bench report [--results perf/results]
+    pagedattn bench sweep decode|prefill|modes|quick [CONFIG ...] [--out perf/results]
 
 Modules: timing (CUDA-event medians, rotation), ceilings, write / attention (decode, prefill) / legacy /
-jit (the suites), runner + child (one process per suite), schema (the results file), report (tables,
-RESULTS.md, compare), plots (matplotlib), meta (GPU, software, clocks). perf/README.md explains the lot.
+jit (the suites), sweeps (configuration sweeps with tile overrides), runner + child (one process per
+suite), schema (the results file), report (tables, RESULTS.md, compare), plots (matplotlib), meta (GPU,
+software, clocks). perf/README.md explains the lot.
 """
 from __future__ import annotations
 
@@ -62,6 +64,12 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _cmd_sweep(args) -> int:
+    from . import sweeps
+
+    return sweeps.run(args)
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark the kernels against torch peers and the machine's ceilings",
                        description="Measure the kernels on this GPU against torch peers and the ceilings "
@@ -80,7 +88,7 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": harness self-test only
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # test shapes only
     p.set_defaults(func=_cmd_run)
-    bsub = p.add_subparsers(dest="bench_command", metavar="{compare,report}")
+    bsub = p.add_subparsers(dest="bench_command", metavar="{compare,report,sweep}")
     c = bsub.add_parser("compare", help="case-by-case ratios of two results files (e.g. two GPUs)")
     c.add_argument("a", help="results file A (the baseline)")
     c.add_argument("b", help="results file B")
@@ -91,3 +99,16 @@ def add_parser(sub) -> None:
     r.add_argument("--results", default="perf/results", help="results folder (default perf/results)")
     r.add_argument("--include-samples", action="store_true", help=argparse.SUPPRESS)
     r.set_defaults(func=_cmd_report)
+    w = bsub.add_parser("sweep", help="tile / mode sweeps, one process per configuration (see bench/sweeps.py)")
+    w.add_argument("kind", choices=("decode", "prefill", "modes", "quick"))
+    w.add_argument("configs", nargs="*", help="decode: kWarpsN,kStages,kMinBlocks[,tma|cp[,kBlockN]]; prefill: "
+                                              "kBlockM,kBlockN,kWarpsM,kStages; either: default; modes: long short")
+    w.add_argument("--out", default="perf/results", help="results folder (default perf/results)")
+    w.add_argument("--splits", default="", help="decode: forced-split B=1 ctx 32768 points, e.g. 8,16,32")
+    w.add_argument("--variants", default="", help='decode: B=64 ctx 4096 points, e.g. "HND;seq;splits=2"')
+    w.add_argument("--cases", default="", help='decode: keep only these cases, e.g. "B=1 ctx=32768;B=16 ctx=4096"')
+    w.add_argument("--tma-promotion", default="", help="decode: the tensor maps' L2 promotion (NONE, L2_64B ...)")
+    w.add_argument("--precompile", metavar="ROOT", default="",
+                   help="build each config's sm_90a kernels into ROOT/cfg_<config> (no GPU needed), then stop")
+    w.add_argument("--aot", metavar="ROOT", default="", help="load each config's kernels from ROOT/cfg_<config>")
+    w.set_defaults(func=_cmd_sweep)

@@ -13,8 +13,8 @@ prefill: B=4, S=4096, causal (q_len = kv_len), TFLOP/s = 4 * B * Hq * D * S^2 / 
 decode reports the effective KV bandwidth: bytes = K + V pages read (2 * B * ctx * Hkv * D * elem);
 its floor is those bytes at the copy bandwidth of the same run (schema.floor_us).
 
-Check (once): float32 attention over the KV gathered through the block table (this module's
-`reference_attention`, grouped-query, bottom-right causal), relative L2 of the output <= 2e-2.
+Check (once): `pagedattn.reference.paged_attention` (float32, K/V read through the block table,
+bottom-right causal; `reference_out`), relative L2 of the output <= 2e-2.
 Peers, all on the same data, each at its best configuration (peers.py says how that is chosen):
 - "sdpa cudnn" / "sdpa flash": torch SDPA with one backend on a contiguous (unpaged) copy of the KV.
 - "gather+sdpa": gather the pages through the block table, then SDPA (default dispatch); the gather
@@ -29,7 +29,6 @@ e5m2 case has no peers (they would read the same bf16 copy as the e4m3 case).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -179,9 +178,6 @@ class PagedData:
     def groups(self) -> int:
         return self.hq // self.hkv
 
-    def kv_elem(self) -> int:
-        return self.kc.element_size()
-
     def dequant(self, g: torch.Tensor, descale, dtype) -> torch.Tensor:
         if g.dtype in FP8_DTYPES:
             return g.to(dtype) * descale.to(dtype)
@@ -227,54 +223,19 @@ def build(ctx: Ctx, p: dict, sets: int, gen_seed: int = 0) -> PagedData:
 
 
 # -- the reference ---------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _highest_precision():
+def reference_out(data: PagedData, s: int = 0, causal: bool = True) -> torch.Tensor:
+    """float32 output of input set `s` by pagedattn.reference (the one oracle), matmuls in full fp32."""
+    from pagedattn import reference  # noqa: PLC0415
+
+    kw = {} if data.kv == "auto" else {"kv_cache_dtype": data.kv, "k_descale": data.k_descale,
+                                       "v_descale": data.v_descale}
     prev = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
-        yield
+        return reference.paged_attention(data.q[s], data.kc, data.vc, data.cu_q, data.seqused, data.tables[s],
+                                         causal=causal, softmax_scale=data.scale, **kw)
     finally:
         torch.set_float32_matmul_precision(prev)
-
-
-def reference_attention(q, k_cache, v_cache, block_table, seqused_k, cu_seqlens_q, *, causal: bool,
-                        scale: float, k_descale=None, v_descale=None, chunk: int = 512) -> torch.Tensor:
-    """float32 attention reading K/V through the block table. q [total_q, Hq, D]; caches
-    [num_blocks, bs, Hkv, D] (bf16/fp16/fp32, or float8 with descales); causal is bottom-right aligned.
-    Returns float32 [total_q, Hq, D]. A request with no keys gives zeros."""
-    total_q, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    g = hq // hkv
-    bs = k_cache.shape[1]
-    out = torch.zeros(total_q, hq, d, dtype=torch.float32, device=q.device)
-    cu = cu_seqlens_q.tolist()
-    lens = seqused_k.tolist()
-    with _highest_precision():
-        for b in range(len(lens)):
-            q0, q1, L = cu[b], cu[b + 1], lens[b]
-            sq = q1 - q0
-            if sq == 0 or L == 0:
-                continue
-            nb = ceil_div(L, bs)
-            kv = []
-            for cache, descale in ((k_cache, k_descale), (v_cache, v_descale)):
-                x = gather_pages(cache, block_table[b:b + 1, :nb])[0, :L].float()  # [L, Hkv, D]
-                if cache.dtype in FP8_DTYPES:
-                    x = x * descale.float().reshape(-1)[0]
-                kv.append(x)
-            k, v = kv
-            for c0 in range(0, sq, chunk):
-                c1 = min(sq, c0 + chunk)
-                qc = q[q0 + c0:q0 + c1].float().view(c1 - c0, hkv, g, d)
-                s = torch.einsum("qhgd,khd->hgqk", qc, k) * scale
-                if causal:
-                    i = torch.arange(c0, c1, device=q.device).view(-1, 1)
-                    j = torch.arange(L, device=q.device).view(1, -1)
-                    s = s.masked_fill(j > (L - sq + i), float("-inf"))
-                pr = torch.softmax(s, dim=-1)
-                o = torch.einsum("hgqk,khd->qhgd", pr, v)
-                out[q0 + c0:q0 + c1] = o.reshape(c1 - c0, hq, d)
-    return out
 
 
 # -- torch peers -----------------------------------------------------------------------------------
@@ -283,29 +244,6 @@ def _sdpa_backend(name: str):
 
     backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name]
     return lambda: sdpa_kernel([backend])
-
-
-def _sdpa_fns(data: PagedData, q_sets, k_sets, v_sets):
-    """Candidate SDPA configurations (peers.sdpa_candidates; legacy.py uses them too)."""
-    return peerlib.sdpa_candidates(data, q_sets, k_sets, v_sets)
-
-
-def _first_working(ctx: Ctx, candidates, ref, info: dict):
-    """Try (variant, factory) candidates in order; return the first fn that runs; record its
-    variant and its error against the reference in `info`."""
-    errors = []
-    for variant, factory in candidates:
-        try:
-            fn = factory()
-            out = fn(0)
-            ctx.sync()
-            info["variant"] = variant
-            info["rel_l2"] = rel_l2(out, ref) if ref is not None else None
-            return fn
-        except Exception as exc:  # noqa: BLE001
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            errors.append(f"{variant}: {type(exc).__name__}: {first}")
-    raise RuntimeError("; ".join(errors))
 
 
 def unsupported(p: dict) -> str | None:
@@ -320,7 +258,7 @@ def unsupported(p: dict) -> str | None:
     return None
 
 
-def _ours_fn(fa, data: PagedData):
+def _ours_fn(fa, data: PagedData, num_splits: int = 0):
     kwargs = {}
     if data.kv != "auto":  # the caches are float8 tensors: their dtype names the format
         kwargs.update(k_descale=data.k_descale, v_descale=data.v_descale)
@@ -328,7 +266,7 @@ def _ours_fn(fa, data: PagedData):
     def ours(k):
         res = fa(data.q[k], data.kc, data.vc, data.q_len, data.cu_q, data.ctx_len, seqused_k=data.seqused,
                  causal=True, block_table=data.tables[k], softmax_scale=data.scale,
-                 return_softmax_lse=False, num_splits=0, **kwargs)
+                 return_softmax_lse=False, num_splits=num_splits, **kwargs)
         return res[0] if isinstance(res, (tuple, list)) else res
     return ours
 
@@ -359,9 +297,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
     ref_box: dict = {}
 
     def reference():
-        ref_box["ref"] = reference_attention(data.q[0], data.kc, data.vc, data.tables[0], data.seqused,
-                                             data.cu_q, causal=True, scale=data.scale,
-                                             k_descale=data.k_descale, v_descale=data.v_descale)
+        ref_box["ref"] = reference_out(data)
     rec.attempt("float32 reference", reference)
     ref = ref_box.get("ref")
     refused: dict = {}
@@ -426,7 +362,8 @@ def _torch_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int, flex:
         if not ctx.is_cuda:
             rec.peer_failed(name, "needs CUDA")
             continue
-        rec.peer(name, lambda: peerlib.fastest(ctx, _sdpa_fns(data, data.q, k_sets, v_sets), ref, info, sets),
+        rec.peer(name, lambda: peerlib.fastest(ctx, peerlib.sdpa_candidates(data, data.q, k_sets, v_sets), ref,
+                                               info, sets),
                  sets, context=_sdpa_backend(backend), methods=METHODS)
         _merge_info(rec, name, info)
 
@@ -519,4 +456,8 @@ def _make_flex(ctx: Ctx, data: PagedData, k_sets, v_sets, ref, info: dict):
     def fn(k):
         o = compiled(qp[k], k_sets[k], v_sets[k], block_mask=mask, scale=data.scale, enable_gqa=True)
         return o.transpose(1, 2).reshape(B * sq, hq, d)
-    return _first_working(ctx, [("torch.compile(flex_attention), unpaged", lambda: fn)], ref, info)
+    out = fn(0)  # compiles
+    ctx.sync()
+    info.update(variant="torch.compile(flex_attention), unpaged",
+                rel_l2=rel_l2(out, ref) if ref is not None else None)
+    return fn

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable
@@ -240,7 +239,3 @@ def nan_fill_(t: torch.Tensor) -> torch.Tensor:
     else:
         t.fill_(float("nan"))
     return t
-
-
-def finite_or_none(x):
-    return x if isinstance(x, (int, float)) and math.isfinite(x) else None

@@ -45,21 +45,14 @@ def _workloads(ctx: Ctx) -> list[str]:
 
 def cases(ctx: Ctx) -> list[Case]:
     names = _workloads(ctx)
-    host = [n for n in jitwork.available_workloads(jitwork.HOST)]
-    out = []
-    for n in names:
-        out.append(Case(f"jit/cold/{n}", NAME, {"workload": n, "what": "first call, empty cache"},
-                        lambda ctx, rec, n=n: _cold(ctx, rec, n)))
-    for n in names:
-        out.append(Case(f"jit/warm/{n}", NAME, {"workload": n, "what": "first call, disk hit"},
-                        lambda ctx, rec, n=n: _warm(ctx, rec, n)))
-    for n in host:
-        out.append(Case(f"jit/host/{n}", NAME, {"workload": n, "what": "host µs per API call"},
-                        lambda ctx, rec, n=n: _host(ctx, rec, n)))
-    for n in host:
-        out.append(Case(f"jit/launcher/{n}", NAME, {"workload": n, "what": "raw launcher µs per launch"},
-                        lambda ctx, rec, n=n: _launcher(ctx, rec, n)))
-    return out
+    host = jitwork.available_workloads(jitwork.HOST)
+    kinds = (("cold", names, "first call, empty cache", _cold),
+             ("warm", names, "first call, disk hit", _warm),
+             ("host", host, "host µs per API call", _host),
+             ("launcher", host, "raw launcher µs per launch", _launcher))
+    return [Case(f"jit/{kind}/{n}", NAME, {"workload": n, "what": what},
+                 lambda ctx, rec, n=n, run=run: run(ctx, rec, n))
+            for kind, which, what, run in kinds for n in which]
 
 
 # -- fresh processes -------------------------------------------------------------------------------

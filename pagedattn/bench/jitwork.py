@@ -40,45 +40,30 @@ def _write(layout: str, kv: str):
     return setup
 
 
-def _paged(device, B, q_len, L, kv, hq=32, hkv=8, d=128):
-    nb = math.ceil(L / BLOCK)
-    num_blocks = B * nb + 4
-    if kv == "auto":
-        kc = torch.randn(num_blocks, BLOCK, hkv, d, dtype=torch.bfloat16, device=device)
-        vc = torch.randn_like(kc)
-        descale = None
-    else:
-        kc = torch.randn(num_blocks, BLOCK, hkv, d, device=device).mul(50).to(torch.float8_e4m3fn)
-        vc = torch.randn(num_blocks, BLOCK, hkv, d, device=device).mul(50).to(torch.float8_e4m3fn)
-        descale = torch.tensor([0.02], dtype=torch.float32, device=device)
-    table = torch.randperm(num_blocks, device=device)[:B * nb].view(B, nb).to(torch.int32)
-    q = torch.randn(B * q_len, hq, d, dtype=torch.bfloat16, device=device)
-    cu_q = torch.arange(0, B * q_len + 1, q_len, dtype=torch.int32, device=device)
-    seqused = torch.full((B,), L, dtype=torch.int32, device=device)
-    return kc, vc, descale, table, q, cu_q, seqused
+def _paged(device, q_len: int, L: int, kv: str):
+    """One request's paged inputs, the bench's (attention.build: Hq=32, Hkv=8, D=128, block 16)."""
+    from .attention import build
+    from .common import Ctx
+
+    p = dict(B=1, q_len=q_len, ctx=L, hq=32, hkv=8, d=D, bs=BLOCK, kv_cache_dtype=kv)
+    return build(Ctx(torch.device(device)), p, sets=1)
 
 
 def _attention(kv: str, q_len: int, L: int):
     def setup(device):
-        from .attention import flash_fn
+        from .attention import _ours_fn, flash_fn
 
-        fa = flash_fn()
-        kc, vc, descale, table, q, cu_q, seqused = _paged(device, 1, q_len, L, kv)
-        kw = {} if kv == "auto" else {"k_descale": descale, "v_descale": descale}
-
-        def fn():
-            return fa(q, kc, vc, q_len, cu_q, L, seqused_k=seqused, causal=True, block_table=table,
-                      softmax_scale=1 / math.sqrt(128), return_softmax_lse=False, num_splits=0, **kw)
+        data = _paged(device, q_len, L, kv)
+        ours = _ours_fn(flash_fn(), data)
         peer = None
         if kv == "auto" and q_len == 1:
             import torch.nn.functional as F
 
-            kk = kc[table[0].long()].reshape(1, -1, 8, 128)[:, :L].transpose(1, 2).contiguous()
-            vv = vc[table[0].long()].reshape(1, -1, 8, 128)[:, :L].transpose(1, 2).contiguous()
-            qf = q.view(1, 8, 4, 128)
+            kk, vv = data.contiguous_kv(0)
+            qf = data.q[0].view(1, 8, 4, 128)
             peer = ("torch sdpa (unpaged, default backend)",
                     lambda: F.scaled_dot_product_attention(qf, kk, vv))
-        return {"fn": fn, "peer": peer}
+        return {"fn": lambda: ours(0), "peer": peer}
     return setup
 
 
@@ -88,16 +73,16 @@ def _legacy(variant: str, bs: int = 16, L: int = 1024):
 
         from .legacy import to_legacy
 
-        kc, vc, _, table, q, _, seqused = _paged(device, 1, 1, L, "auto")
+        data = _paged(device, 1, L, "auto")
         if bs != BLOCK:
             raise ValueError("jit legacy workloads use block size 16")
-        kl, vl = to_legacy(kc, vc)
+        kl, vl = to_legacy(data.kc, data.vc)
         out = torch.empty(1, 32, 128, dtype=torch.bfloat16, device=device)
         parts = math.ceil(L / 512)
         ws = (torch.empty(1, 32, parts, dtype=torch.float32, device=device),
               torch.empty(1, 32, parts, dtype=torch.float32, device=device),
               torch.empty(1, 32, parts, 128, dtype=torch.bfloat16, device=device))
-        args = (q, kl, vl, 8, 1 / math.sqrt(128), table, seqused, bs, L)
+        args = (data.q[0], kl, vl, 8, 1 / math.sqrt(128), data.tables[0], data.seqused, bs, L)
         if variant == "v1":
             return {"fn": lambda: legacy.paged_attention_v1(out, *args), "peer": None}
         return {"fn": lambda: legacy.paged_attention_v2(out, *ws, *args), "peer": None}

@@ -17,8 +17,6 @@ import math
 
 import torch
 
-import pagedattn
-
 from . import attention, peers
 from .common import Case, Ctx, Recorder, rel_l2
 
@@ -92,9 +90,7 @@ def _shared(ctx: Ctx, p: dict) -> dict:
         sets = ctx.sets_for(kv_bytes, cap=8)
         data = attention.build(ctx, p, sets)
         k_leg, v_leg = to_legacy(data.kc, data.vc)
-        ref = attention.reference_attention(data.q[0], data.kc, data.vc, data.tables[0], data.seqused,
-                                            data.cu_q, causal=False, scale=data.scale,
-                                            k_descale=data.k_descale, v_descale=data.v_descale)
+        ref = attention.reference_out(data, causal=False)
         _MEMO.update(data=data, k_leg=k_leg, v_leg=v_leg, ref=ref, sets=sets, kv_bytes=kv_bytes, peers={})
     return _MEMO
 
@@ -165,7 +161,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
     memo = shared["peers"]
     if "pagedattn flash" not in memo:
         if attention.flash_fn() is not None:
-            rec.peer("pagedattn flash", lambda: _flash_fn(ctx, data, shared["ref"]), sets)
+            rec.peer("pagedattn flash", lambda: attention._ours_fn(attention.flash_fn(), data), sets)
         else:
             rec.peer_failed("pagedattn flash", "pagedattn.flash_attn_varlen_func does not exist yet")
         memo["pagedattn flash"] = rec.record["peers"]["pagedattn flash"]
@@ -176,7 +172,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
             k_sets, v_sets = zip(*(data.contiguous_kv(s) for s in range(sets)))
             info: dict = {}
             rec.peer("sdpa cudnn", lambda: peers.fastest(
-                ctx, attention._sdpa_fns(data, data.q, list(k_sets), list(v_sets)), shared["ref"], info,
+                ctx, peers.sdpa_candidates(data, data.q, list(k_sets), list(v_sets)), shared["ref"], info,
                 len(k_sets)),
                 sets, context=attention._sdpa_backend("cudnn"))
             attention._merge_info(rec, "sdpa cudnn", info)
@@ -189,17 +185,3 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
     rec.note("peers measured once per shape and block size, shared by v1/v2/auto")
     if p["kv_cache_dtype"] != "auto":
         rec.note("sdpa reads a bf16 dequantised copy")
-
-
-def _flash_fn(ctx: Ctx, data, ref):
-    fa = attention.flash_fn()
-    kwargs = {}
-    if data.kv != "auto":
-        kwargs.update(k_descale=data.k_descale, v_descale=data.v_descale)
-
-    def fn(k):
-        res = fa(data.q[k], data.kc, data.vc, 1, data.cu_q, data.ctx_len, seqused_k=data.seqused,
-                 causal=True, block_table=data.tables[k], softmax_scale=data.scale,
-                 return_softmax_lse=False, num_splits=0, **kwargs)
-        return res[0] if isinstance(res, (tuple, list)) else res
-    return attention._first_working(ctx, [("flash_attn_varlen_func, NHD cache", lambda: fn)], ref, {})

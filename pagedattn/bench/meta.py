@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import platform
 import shutil
 import subprocess
@@ -141,4 +142,24 @@ def results_name(meta: dict, folder: Path) -> Path:
     while path.exists():
         path = folder / f"{base}_{n}.json"
         n += 1
+    return path
+
+
+def write_quick(out_dir, kind: str, results, suffix: str = "", **extra) -> Path:
+    """<out_dir>/<kind>_<gpu>_<yyyymmdd><suffix>.json, as the perf/ scripts and `bench sweep` write it:
+    {kind, metadata: GPU, capability, driver, software, commit, date and `extra`, results}."""
+    import torch
+
+    import pagedattn
+    from pagedattn.info import git_commit
+
+    smi = nvidia_smi(index=torch.cuda.current_device()) or {}
+    meta = dict(gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+                driver=smi.get("driver_version"), torch=torch.__version__, cuda=torch.version.cuda,
+                pagedattn=pagedattn.__version__, python=sys.version.split()[0], commit=git_commit(),
+                date=_dt.date.today().isoformat(), **extra)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{kind}_{meta['gpu'].replace(' ', '_').lower()}_{meta['date'].replace('-', '')}{suffix}.json"
+    path.write_text(json.dumps(dict(kind=kind, metadata=meta, results=results), indent=1))
     return path

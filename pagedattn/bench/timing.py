@@ -25,7 +25,7 @@ Rotation: when a case's working set is small against the L2 (`rotation_sets`), t
 several input sets and `fn(k)` uses set `k % sets`, so consecutive calls do not find their inputs in L2.
 
 `CpuTimer` has the same interface with time.perf_counter; the CPU tests drive the suites through it.
-`simple_median_us` is the one-call-at-a-time variant the perf/ scripts and the demo use.
+`median_us` is the one-call-at-a-time variant the perf/ scripts and the demo use (`copy_ceiling_gbs` on it).
 """
 from __future__ import annotations
 
@@ -241,17 +241,22 @@ class CpuTimer(Timer):
         return us, us
 
 
-def simple_median_us(fn, reps: int = 30, warmup: int = 5, flush: "L2Flush | None" = None) -> float:
+def median_us(fn, reps: int = 30, warmup: int = 5, flush: bool = False) -> float:
     """Median of CUDA-event times of `fn()`, one synchronised call at a time, in microseconds, after
-    `warmup` untimed calls; with `flush`, it runs before each call, outside the events. Includes any
-    gap while the GPU waits for the host's launch: for quick scripts, not for the suites."""
+    `warmup` untimed calls; with flush=True the L2 is flushed before each call (outside the events), as
+    do_bench does. Includes any gap while the GPU waits for the host's launch: for quick scripts and the
+    demo, not for the suites."""
+    flusher = None
+    if flush:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        flusher = L2Flush(flush_bytes(getattr(props, "L2_cache_size", 0)), "cuda")
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
-        if flush is not None:
-            flush()
+        if flusher is not None:
+            flusher()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -259,6 +264,13 @@ def simple_median_us(fn, reps: int = 30, warmup: int = 5, flush: "L2Flush | None
         b.synchronize()
         ts.append(a.elapsed_time(b) * 1e3)
     return sorted(ts)[len(ts) // 2]
+
+
+def copy_ceiling_gbs(nbytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy bandwidth (bytes read plus written) by median_us: the quick scripts' ceiling."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() / median_us(lambda: y.copy_(x), reps=10) / 1e3
 
 
 def probe_us(fn, sets: int = 1, calls: int = 10, warmup: int = 3) -> float:

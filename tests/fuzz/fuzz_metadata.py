@@ -29,11 +29,11 @@ d80 kernel); KERNEL_VARIANTS lists the families, `--list-variants` every variant
       --dtypes fp16,bf16 --kv-cache-dtypes auto,fp8_e4m3 --head-sizes 64,80,128 --jobs 16 --out DIR
 
 Usage (GPU; results JSON in --out; exit status 1 on any failure):
-  PAGEDATTN_AOT_DIR=DIR python perf/fuzz_metadata.py --cases 2000 --seed 0 --out perf/results
+  PAGEDATTN_AOT_DIR=DIR python tests/fuzz/fuzz_metadata.py --cases 2000 --seed 0 --out perf/results
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --report-api-errors no \
-      --error-exitcode 9 python perf/fuzz_metadata.py --sanitize --out perf/results
-  python perf/fuzz_metadata.py --replay RESULTS.json      # rerun the failures of a results file
-  python perf/fuzz_metadata.py --device cpu --cases 50 --small   # the harness against the torch references
+      --error-exitcode 9 python tests/fuzz/fuzz_metadata.py --sanitize --out perf/results
+  python tests/fuzz/fuzz_metadata.py --replay RESULTS.json      # rerun the failures of a results file
+  python tests/fuzz/fuzz_metadata.py --device cpu --cases 50 --small   # the harness against the torch references
 
 --cases is the total, split 3:1:1 over attn, write and legacy. Cases run in a child process per op
 (a sticky CUDA error kills a CUDA context): a child that dies or stops making progress for

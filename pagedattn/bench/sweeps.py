@@ -1,0 +1,298 @@
+"""`pagedattn bench sweep KIND [CONFIG ...]`: configuration sweeps on the bench's data, timer and oracle.
+
+Kinds (each writes <out>/<kind>_<gpu>_<date>.json: rows, machine, commit):
+  decode   decode tiles and loader, Hq=32 Hkv=8 D=128 block 16, bf16 query, shuffled tables; CONFIG is
+           `kWarpsN,kStages,kMinBlocks[,tma|cp[,kBlockN]]` or `default`. --splits 8,16 adds forced-split
+           B=1 ctx 32768 points; --variants "HND;seq;splits=2" adds B=64 ctx 4096 points with the HND
+           layout, a page-ordered table (the unpaged access pattern) or forced splits; --cases "a;b" keeps
+           the named cases; --tma-promotion sets the tensor maps' L2 promotion.
+  prefill  prefill_wgmma tiles on B=4 S=4096 causal d128; CONFIG is `kBlockM,kBlockN,kWarpsM,kStages` or
+           `default`; each checked against pagedattn.reference first.
+  modes    SM80 prefill against prefill_wgmma: CONFIG `long` (head dims 64..256 on B=4 S=4096) and/or
+           `short` (q_len 5..64 over 4096 keys, B=32).
+  quick    decode and prefill at the issue's shapes and split-count sweeps, cuDNN / flash SDPA alongside;
+           each call synchronised (timing.median_us), so numbers sit above the bench's.
+A kernel's tiles are fixed once it is built, so decode and prefill run each CONFIG in a child process
+that overrides the tiles of its modes (`override_tiles`). `--precompile ROOT` builds each config's sm_90a
+kernels into ROOT/cfg_<config> (no GPU needed); `--aot ROOT` makes the children load them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+KINDS = ("decode", "prefill", "modes", "quick")
+DEFAULTS = {"decode": ["4,2,3,cp", "4,3,2,tma", "4,4,1,tma", "4,6,1,tma", "2,4,3,tma", "2,6,2,tma", "8,3,1,tma"],
+            "prefill": ["default", "256,64,16,3", "192,128,12,2", "128,128,8,2"],
+            "modes": ["long", "short"], "quick": []}
+CONFIG_FORMAT = {"decode": "kWarpsN,kStages,kMinBlocks,loader,kBlockN",
+                 "prefill": "kBlockM,kBlockN,kWarpsM,kStages (mode prefill_wgmma)"}
+FILE_KIND = {"decode": "decode_sweep", "prefill": "prefill_sweep", "modes": "prefill_modes", "quick": "attn_quick"}
+SHAPE = "Hq=32 Hkv=8 block 16 NHD, bf16 query, shuffled table (bench/attention.build); D=128 unless named"
+HQ, HKV, D, BS = 32, 8, 128, 16
+# (name, B, ctx, kv cache dtype, num_splits); 0 = the heuristic
+DECODE_CASES = [("B=64 ctx=4096", 64, 4096, "auto", 0), ("B=64 ctx=4096 fp8", 64, 4096, "fp8_e4m3", 0),
+                ("B=16 ctx=4096", 16, 4096, "auto", 0), ("B=1 ctx=32768", 1, 32768, "auto", 0),
+                ("B=1 ctx=32768 fp8", 1, 32768, "fp8_e4m3", 0)]
+
+
+# -- the override ----------------------------------------------------------------------------------
+def override_tiles(kind: str, config: str) -> str:
+    """Make `attention.tile_config` return CONFIG's tiles for the modes of `kind` (decode: every decode
+    mode; prefill: prefill_wgmma) and, for the `cp` loader, keep decode off TMA. Returns the loader."""
+    from pagedattn.ops import attention
+
+    if config == "default":
+        return "tma"
+    vals = config.split(",")
+    loader = "tma"
+    if kind == "decode":
+        warps, stages, min_blocks, loader, block_n = (vals + ["tma", "16"][len(vals) - 3:])[:5]
+        fields = dict(kWarpsN=int(warps), kStages=int(stages), kMinBlocks=int(min_blocks), kBlockN=int(block_n))
+    else:
+        fields = dict(zip(("kBlockM", "kBlockN", "kWarpsM", "kStages"), map(int, vals)))
+    applies = (lambda mode: mode.startswith("decode")) if kind == "decode" else (lambda mode: mode == "prefill_wgmma")
+    base = attention.tile_config
+
+    def tiles(head_dim, mode, fp8=False, arch="sm_90a"):
+        cfg = base(head_dim, mode, fp8, arch)
+        return {**cfg, **fields} if applies(mode) else cfg
+    attention.tile_config = tiles
+    if loader == "cp":
+        attention.tma_ok = lambda call, arch, head_dim: False
+    return loader
+
+
+def aot_dir(root: str, config: str) -> Path:
+    return Path(root) / ("cfg_" + config.replace(",", "_"))
+
+
+# -- data and measurements -------------------------------------------------------------------------
+def paged(B: int, ctx: int, kv: str = "auto", q_len: int = 1, d: int = D, layout: str = "NHD",
+          table_order: str = "random"):
+    """The bench's paged inputs (attention.build, one input set) at the sweeps' heads and block size."""
+    import torch
+
+    from .attention import build
+    from .common import Ctx
+
+    p = dict(B=B, q_len=q_len, ctx=ctx, hq=HQ, hkv=HKV, d=d, bs=BS, kv_cache_dtype=kv, layout=layout)
+    data = build(Ctx(torch.device("cuda")), p, sets=1)
+    if table_order == "seq":  # request b owns consecutive pages, in order
+        data.tables[0] = torch.arange(data.tables[0].numel(), dtype=torch.int32, device="cuda").view(B, -1)
+    return data
+
+
+def ours(data, num_splits: int = 0):
+    """fn(k): pagedattn.flash_attn_varlen_func on input set k of `data` (the bench's call)."""
+    from .attention import _ours_fn, flash_fn
+
+    return _ours_fn(flash_fn(), data, num_splits)
+
+
+def decode_points(opts: dict) -> list:
+    """(name, B, ctx, kv cache dtype, num_splits) of a decode sweep: DECODE_CASES, the forced-split B=1
+    points of --splits, the B=64 points of --variants; --cases keeps the named ones (and those added)."""
+    cases = list(DECODE_CASES)
+    splits = [n for n in opts["splits"].split(",") if n]
+    cases += [(f"B=1 ctx=32768 splits={n}", 1, 32768, "auto", int(n)) for n in splits]
+    variants = [v for v in opts["variants"].split(";") if v]
+    cases += [(f"B=64 ctx=4096 {v}", 64, 4096, "auto", int(v[7:]) if v.startswith("splits=") else 0)
+              for v in variants]
+    only = [x for x in opts["cases"].split(";") if x]
+    return [c for c in cases if not only or c[0] in only or c[0].startswith("B=1 ctx=32768 splits")
+            or c[0].startswith("B=64 ctx=4096 ") and c[0][14:] in variants]
+
+
+def decode_row(config: str, opts: dict, name: str, B: int, ctx: int, kv: str, splits: int) -> dict:
+    from .timing import Timer
+
+    words = name.split()
+    data = paged(B, ctx, kv, layout="HND" if "HND" in words else "NHD",
+                 table_order="seq" if "seq" in words else "random")
+    us = Timer(budget_s=0.2)(ours(data, splits)).us
+    row = dict(config=config, case=name, us=us, kv_gbs=2 * B * ctx * HKV * D * (2 if kv == "auto" else 1) / us / 1e3)
+    if opts["tma_promotion"]:
+        row["tma_promotion"] = opts["tma_promotion"]
+    return row
+
+
+def prefill_row(d: int, wgmma: bool, batch: int = 4, q_len: int = 4096, ctx: int = 4096) -> dict:
+    """One prefill point with the dispatch's choice (wgmma) or with prefill_wgmma off; checked first
+    (short queries as timed, long ones on B=2 S=517) against pagedattn.reference."""
+    from pagedattn.ops import attention
+
+    from .attention import reference_out
+    from .common import rel_l2
+    from .timing import Timer
+
+    attention._PLANS.clear()
+    use = attention.wgmma_ok
+    attention.wgmma_ok = use if wgmma else (lambda call, arch, head_dim: False)
+    try:
+        check = paged(batch, ctx, q_len=q_len, d=d) if q_len <= 64 else paged(2, 517, q_len=517, d=d)
+        err = rel_l2(ours(check)(0), reference_out(check))
+        attention._PLANS.clear()  # the mode read below is the timed call's
+        us = Timer(budget_s=0.2)(ours(paged(batch, ctx, q_len=q_len, d=d))).us
+        mode = next(iter(attention._PLANS.values())).prefill_mode
+        flops = 4 * batch * HQ * d * sum(ctx - q_len + i + 1 for i in range(q_len))  # query i sees ctx-q_len+i+1 keys
+        return dict(head_dim=d, batch=batch, q_len=q_len, ctx=ctx, mode=mode, us=us, tflops=flops / us / 1e6,
+                    kv_gbs=2 * batch * ctx * HKV * d * 2 / us / 1e3, rel_l2_err=err)
+    finally:
+        attention.wgmma_ok = use
+
+
+def quick_row(name: str, B: int, ctx: int, kv: str, splits: int, q_len: int, ceiling: float) -> dict:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from .timing import median_us
+
+    data = paged(B, ctx, kv, q_len=q_len)
+    fn = ours(data, splits)
+    us = median_us(lambda: fn(0))
+    kv_bytes = 2 * B * ctx * HKV * D * (2 if kv == "auto" else 1)
+    flops = 4 * B * HQ * D * q_len * ctx * (0.5 if q_len > 1 else 1)
+    row = dict(case=name, B=B, ctx=ctx, kv=kv, splits=splits, us=us, kv_gbs=kv_bytes / us / 1e3,
+               frac_copy=kv_bytes / us / 1e3 / ceiling, tflops=flops / us / 1e6)
+    if kv == "auto":  # SDPA on an unpaged copy of the same KV
+        kk, vv = data.contiguous_kv(0)
+        qq = data.q[0].view(B, q_len, HQ, D).transpose(1, 2)
+        for be, tag in ((SDPBackend.CUDNN_ATTENTION, "cudnn"), (SDPBackend.FLASH_ATTENTION, "flash")):
+            try:
+                with sdpa_kernel([be]):
+                    row[f"{tag}_us"] = median_us(lambda: F.scaled_dot_product_attention(
+                        qq, kk, vv, enable_gqa=True, is_causal=q_len > 1))
+            except Exception as exc:  # noqa: BLE001
+                row[f"{tag}_us"], row[f"{tag}_error"] = None, str(exc)[:200]
+    return row
+
+
+QUICK_CASES = ([("decode B=64 ctx=4096", 64, 4096, "auto", 0, 1), ("decode B=16 ctx=4096", 16, 4096, "auto", 0, 1),
+                ("decode B=1 ctx=32768", 1, 32768, "auto", 0, 1),
+                ("decode fp8 B=64 ctx=4096", 64, 4096, "fp8_e4m3", 0, 1),
+                ("prefill B=4 S=4096 causal", 4, 4096, "auto", 0, 4096)]
+               + [(f"decode B=16 ctx=4096 splits={sp}", 16, 4096, "auto", sp, 1) for sp in (1, 2, 4, 8)]
+               + [(f"decode B=1 ctx=32768 splits={sp}", 1, 32768, "auto", sp, 1) for sp in (8, 16, 32, 64)])
+
+
+# -- processes and the results file ----------------------------------------------------------------
+def child(kind: str, config: str, opts: dict) -> None:
+    """One configuration: print a `ROW <json>` line per measurement."""
+    if opts["aot"] and aot_dir(opts["aot"], config).is_dir():
+        os.environ["PAGEDATTN_AOT_DIR"] = ":".join(filter(None, [str(aot_dir(opts["aot"], config)),
+                                                                 os.environ.get("PAGEDATTN_AOT_DIR", "")]))
+    import torch
+
+    override_tiles(kind, config)
+    if opts["tma_promotion"]:
+        from pagedattn.ops.attention import tma
+        tma.TMA_L2_PROMOTION = opts["tma_promotion"]
+    points = decode_points(opts) if kind == "decode" else [None]
+    for pt in points:
+        try:
+            row = decode_row(config, opts, *pt) if kind == "decode" else dict(config=config, **prefill_row(D, True))
+        except Exception as exc:  # noqa: BLE001
+            row = dict(config=config, error=str(exc)[:300], **({"case": pt[0]} if pt else {}))
+        print("ROW " + json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+
+
+def precompile(kind: str, root: str, config: str, opts: dict) -> None:
+    """This config's sm_90a kernels into aot_dir(root, config), off the GPU (in a child: tiles are fixed)."""
+    from pagedattn import aot
+    from pagedattn.ops.attention import AttnFwdSpec
+
+    loader = override_tiles(kind, config)
+    if kind == "decode":
+        mode = "decode_tma" if loader == "tma" else "decode"
+        specs = [AttnFwdSpec("bf16", kv, D, mode) for kv in sorted({c[3] for c in decode_points(opts)})]
+    else:
+        specs = [AttnFwdSpec("bf16", "auto", D, "prefill_wgmma")]
+    summary = aot.precompile(aot.plan(specs, ["sm_90a"]), aot_dir(root, config), n_jobs=1, progress=False)
+    print(config, summary.compiled, "compiled", len(summary.failed), "failed", flush=True)
+
+
+def run_children(kind: str, configs: list[str], opts: dict, role: str = "--child") -> list[dict]:
+    rows = []
+    for config in configs:
+        cmd = [sys.executable, "-m", "pagedattn.bench.sweeps", role, kind, config, json.dumps(opts)]
+        try:
+            proc = subprocess.run(cmd, capture_output=role != "--precompile", text=True, timeout=300)
+        except subprocess.TimeoutExpired as exc:
+            proc = subprocess.CompletedProcess(exc.cmd, -9, exc.stdout or "", "timed out after 300 s")
+        got = [json.loads(line[4:]) for line in (proc.stdout or "").splitlines() if line.startswith("ROW ")]
+        if role == "--child" and (proc.returncode or not got):
+            got.append(dict(config=config, error=(proc.stderr or proc.stdout)[-600:]))
+        for r in got:
+            rows.append(r)
+            print(f"{config:16s} {describe(r)}", flush=True)
+    return rows
+
+
+def describe(r: dict) -> str:
+    if "us" not in r:
+        return f"{r.get('case', '')} ERROR {r.get('error', '')[-300:]}"
+    text = f"{r.get('case', r.get('mode', '')):28s} {r['us']:9.1f} us {r['kv_gbs']:6.0f} GB/s"
+    return text + (f" {r['tflops']:6.1f} TFLOP/s err {r['rel_l2_err']:.1e}" if "rel_l2_err" in r else "")
+
+
+def run(args) -> int:
+    """`pagedattn bench sweep` (bench/__init__.py parses the arguments)."""
+    opts = dict(splits=args.splits, variants=args.variants, cases=args.cases, tma_promotion=args.tma_promotion,
+                aot=args.aot)
+    configs = args.configs or DEFAULTS[args.kind]
+    if args.precompile:
+        if args.kind not in CONFIG_FORMAT:
+            raise SystemExit(f"pagedattn bench sweep: --precompile is for {' and '.join(CONFIG_FORMAT)}")
+        run_children(args.kind, configs, dict(opts, aot=args.precompile), role="--precompile")
+        return 0
+    from . import meta as meta_mod
+    from .timing import Timer, copy_ceiling_gbs
+
+    how = "median_us (synchronised)" if args.kind == "quick" else "Timer (back-to-back device time)"
+    timing = f"{Timer.__module__}.{how}"
+    ceiling = copy_ceiling_gbs()
+    meta = dict(copy_ceiling_gbs=ceiling, timing=timing, shape=SHAPE)
+    if args.kind in CONFIG_FORMAT:
+        rows = run_children(args.kind, configs, opts)
+        meta["config_format"] = CONFIG_FORMAT[args.kind]
+    else:
+        rows = []
+        if args.kind == "modes":
+            points = [dict(d=d) for d in (64, 128, 192, 256)] if "long" in configs else []
+            if "short" in configs:
+                points += [dict(d=D, batch=32, q_len=n, ctx=4096) for n in (5, 8, 16, 32, 64)]
+            todo = [(f"d{pt['d']} q_len={pt.get('q_len', 4096)} wgmma={w}",
+                     lambda pt=pt, w=w: prefill_row(wgmma=w, **pt)) for pt in points for w in (False, True)]
+        else:
+            todo = [(c[0], lambda c=c: quick_row(*c, ceiling)) for c in QUICK_CASES]
+        for name, measure in todo:
+            try:
+                rows.append(measure())
+            except Exception as exc:  # noqa: BLE001 - one failing point must not hide the others
+                rows.append(dict(case=name, error=str(exc)[:300]))
+            print(f"{name:34s} {describe(rows[-1])}", flush=True)
+            meta_mod.write_quick(args.out, FILE_KIND[args.kind], rows, **meta)  # a killed run keeps what it had
+    for r in rows:
+        if "kv_gbs" in r:
+            r["frac_copy"] = r["kv_gbs"] / ceiling
+    path = meta_mod.write_quick(args.out, FILE_KIND[args.kind], rows, **meta)
+    print(f"copy ceiling {ceiling:.0f} GB/s; wrote {path}")
+    return 0
+
+
+def _main(role: str, kind: str, config: str, opts: str) -> None:
+    """A sweep's child process: `--child|--precompile KIND CONFIG OPTS_JSON`."""
+    opts = json.loads(opts)
+    if role == "--child":
+        child(kind, config, opts)
+    else:
+        precompile(kind, opts["aot"], config, opts)
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:5])
