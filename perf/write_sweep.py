@@ -24,7 +24,7 @@ import torch
 from pagedattn import CacheSpec
 from pagedattn.info import git_commit
 
-from _timing import copy_ceiling_gbs  # perf/ is on sys.path when run as a script
+from pagedattn.bench.timing import copy_ceiling_gbs
 from pagedattn.bench.timing import Timer, rotation_sets
 from pagedattn.bench.write import page_slots
 from pagedattn.ops import kv_write
