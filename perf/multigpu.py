@@ -85,7 +85,8 @@ def main() -> None:
     full = call(q, kc, vc, table, used, 4096, num_splits=2)
     kh = slice(rank * HKV // world, (rank + 1) * HKV // world)
     qh = slice(rank * HQ // world, (rank + 1) * HQ // world)
-    mine = call(q[:, qh].contiguous(), kc[:, :, kh], vc[:, :, kh], table, used, 4096, num_splits=2)
+    mine = call(q[:, qh].contiguous(), kc[:, :, kh].contiguous(), vc[:, :, kh].contiguous(), table, used, 4096,
+                num_splits=2)  # this rank's own cache of its heads
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine)
     res["tp_bit_identical"] = bool(torch.equal(torch.cat(gathered, dim=1), full))

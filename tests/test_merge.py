@@ -117,8 +117,8 @@ def test_context_parallel_decode_merge(ranks, kv):
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_heads_are_bit_identical(world, splits):
-    """Rank r owns KV heads [r Hkv/world, ...) of the cache and their query heads; its call over those
-    heads (views of the cache) equals that slice of the whole call bit for bit (same num_splits)."""
+    """Rank r owns KV heads [r Hkv/world, ...) of the cache (its own cache, as a TP engine allocates
+    it) and their query heads; its call equals that slice of the whole call bit for bit (same num_splits)."""
     case, lens_k = _decode_case(10 + world)
     Hq, Hkv = case["q"].shape[1], case["kc"].shape[2]
     full = _call(case, case["table"], case["seqused"], max(lens_k), num_splits=splits)
@@ -127,7 +127,8 @@ def test_tensor_parallel_heads_are_bit_identical(world, splits):
         kh = slice(r * Hkv // world, (r + 1) * Hkv // world)
         qh = slice(r * Hq // world, (r + 1) * Hq // world)
         parts.append(_call(case, case["table"], case["seqused"], max(lens_k), q=case["q"][:, qh].contiguous(),
-                           kc=case["kc"][:, :, kh], vc=case["vc"][:, :, kh], num_splits=splits))
+                           kc=case["kc"][:, :, kh].contiguous(), vc=case["vc"][:, :, kh].contiguous(),
+                           num_splits=splits))
     assert torch.equal(torch.cat(parts, dim=1).view(torch.int16), full.view(torch.int16))
 
 
