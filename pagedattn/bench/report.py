@@ -450,7 +450,7 @@ def compare(a: dict, b: dict, peers: bool = False) -> tuple[list[str], list[list
                "B speed vs A = A's time / B's time: above 1, B is faster."]
     for suite, speeds in per_suite.items():
         gm = math.exp(sum(math.log(s) for s in speeds) / len(speeds))
-        summary.append(f"{suite}: geometric mean B speed vs A = {gm:.2f}× over {len(speeds)} cases")
+        summary.append(f"{suite}: geometric mean B speed vs A = {gm:.2f}× over {len(speeds)} case{'s' if len(speeds) != 1 else ''}")
     if only_a:
         summary.append(f"only in A ({len(only_a)}): {', '.join(only_a[:8])}{' ...' if len(only_a) > 8 else ''}")
     if only_b:
