@@ -352,10 +352,10 @@ def render_markdown(files: list[tuple[Path, dict]], plots_rel: str | None = "plo
         for key, (path, data) in latest.items():
             header, rows = suite_table(data, suite)
             old = path not in current
-            where = (f"`history/{path.name}` ({data['metadata'].get('date', '-')[:10]}, commit "
-                     f"{(data['metadata'].get('git_commit') or 'not recorded')[:10]}: the newest run with this "
-                     f"suite, "
-                     f"older than the runs above)" if old else f"`{path.name}`")
+            m = data["metadata"]
+            where = (f"`history/{path.name}` ({m.get('date', '-')[:10]}, commit "
+                     f"{(m.get('git_commit') or '-')[:10]}: the newest run with this suite, older "
+                     "than the runs above)" if old else f"`{path.name}`")
             out += [f"### {gpu_label(data['metadata'])} — {where}", "", markdown_table(header, rows), ""]
             if plots_rel and not old and suite in MEASURED_SUITES + ("jit",):
                 out += [f"![{suite} on {key}]({plots_rel}/{key}_{suite}.png)", ""]
