@@ -47,23 +47,40 @@ def _ls(args) -> int:
         print(f"no kernels in {where}: kernels compile on first use, or run `pagedattn precompile`")
         return 0
     cells = [_cells(r) for r in rows]
-    if sys.stdout.isatty():  # a table as wide as the terminal; names are never cut, other columns fold
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title=f"pagedattn cache: {where}", title_justify="left")
-        for col in COLUMNS:
-            table.add_column(col, no_wrap=col == "variant", overflow="fold",
-                             min_width=max(len(c[0]) for c in cells) if col == "variant" else None)
-        for c in cells:
-            table.add_row(*c)
-        Console(highlight=False).print(table)
+    if sys.stdout.isatty():
+        _print_for_terminal(cells, f"pagedattn cache: {where}")
     else:  # piped: plain aligned columns, whole values, no width limit (grep / awk friendly)
         widths = [max(len(x) for x in col) for col in zip(COLUMNS, *cells)]
         for c in [list(COLUMNS), *cells]:
             print("  ".join(x.ljust(w) for x, w in zip(c, widths)).rstrip())
     print(f"{plural(len(rows), 'kernel')}, {human_bytes(sum(r['size'] for r in rows))}")
     return 0
+
+
+def _print_for_terminal(cells: list[list[str]], title: str) -> None:
+    """A table as wide as the terminal. Names are never cut: when the whole names and the other
+    columns do not fit side by side, each name gets its own line with its details below it."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    widths = [max(len(x) for x in col) for col in zip(COLUMNS, *cells)]
+    need = sum(widths[:-2]) + min(widths[-2], 12) + widths[-1] + 2 * len(COLUMNS)
+    if need <= console.width:
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        for i, col in enumerate(COLUMNS):
+            fold = col == "origin"  # a bundle's folder may fold; nothing else does
+            table.add_column(col, no_wrap=not fold, overflow="fold" if fold else "ellipsis",
+                             min_width=None if fold else widths[i])
+        for c in cells:
+            table.add_row(*c)
+        console.print(table)
+        return
+    console.print(title, markup=False)
+    for c in cells:
+        console.print(c[0], style="bold", markup=False, overflow="fold")
+        console.print("    " + "  ".join(c[1:]), markup=False, overflow="fold")
 
 
 def _confirm(question: str) -> bool:

@@ -144,15 +144,23 @@ def test_cache_ls_piped_shows_whole_names(capsys, cache_root, monkeypatch):
     assert lines[-1].startswith("2 kernels, ")
 
 
-def test_cache_ls_tty_fits_the_terminal_and_keeps_names_whole(capsys, cache_root, monkeypatch):
+@pytest.mark.parametrize("columns, stacked", [(120, False), (70, True)])
+def test_cache_ls_tty_fits_the_terminal_and_keeps_names_whole(capsys, cache_root, monkeypatch,
+                                                              columns, stacked):
+    """Wide terminal: one row per kernel. Narrow: the whole name on its line, details below."""
     _entry(cache_root, LONG)
-    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setenv("COLUMNS", str(columns))
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     rc, out, _ = run(capsys, "cache", "ls")
     out = re.sub(r"\x1b\[[0-9;]*m", "", out)  # rich's colours
     assert rc == 0
-    assert LONG in out  # on one line, not folded
-    assert max(len(line) for line in out.splitlines()) <= 100
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= columns
+    (name_line,) = [line for line in lines if LONG in line]  # on one line, not folded
+    assert ("sm_90a" in name_line) is not stacked
+    if stacked:
+        details = lines[lines.index(name_line) + 1].split()
+        assert details[0] == "sm_90a" and details[-2:] == ["jit", "yes"]
     assert "1 kernel, " in out
 
 
