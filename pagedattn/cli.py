@@ -169,6 +169,9 @@ def main(argv=None) -> int:
         sys.stdout.flush()
     except BrokenPipeError:
         return _stdout_gone()
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback
+        print("pagedattn: interrupted", file=sys.stderr)
+        return 130
     return rc
 
 
