@@ -36,6 +36,19 @@ def cache_dir() -> Path:
     return base / "pagedattn"
 
 
+def data_dir() -> Path:
+    """Where pagedattn keeps what it produces for the user (bench results): $XDG_DATA_HOME/pagedattn
+    or ~/.local/share/pagedattn (platformdirs' user data dir on Linux), whatever the working folder."""
+    xdg = os.environ.get("XDG_DATA_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share"
+    return base / "pagedattn"
+
+
+def bench_results_dir() -> Path:
+    """`pagedattn bench --out` / `bench report --results` default; RESULTS.md and plots/ go beside it."""
+    return data_dir() / "bench" / "results"
+
+
 def aot_dirs() -> list[Path]:
     raw = os.environ.get("PAGEDATTN_AOT_DIR", "")
     return [Path(p).expanduser() for p in raw.split(":") if p.strip()]

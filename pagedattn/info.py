@@ -19,6 +19,11 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """plural(1, "kernel") -> '1 kernel'; plural(2, "entry", "entries") -> '2 entries'."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"
+
+
 def git_commit() -> str | None:
     """The source commit: $PAGEDATTN_GIT_COMMIT (set where .git does not travel), else git."""
     import os
@@ -102,8 +107,9 @@ def render_text(info: dict) -> str:
     else:
         lines.append("gpus: none found (kernels still compile; set PAGEDATTN_ARCH to pick a target)")
     c = info["cache"]
-    lines.append(f"cache: {c['dir']}  ({c['entries']} entries, {c['bytes'] / 2**20:.1f} MiB)")
+    lines.append(f"cache: {c['dir']}  ({plural(c['entries'], 'entry', 'entries')}, "
+                 f"{c['bytes'] / 2**20:.1f} MiB)")
     lines.append(f"aot dirs: {', '.join(info['aot_dirs']) or '(none; PAGEDATTN_AOT_DIR unset)'}")
-    lines.append("knobs: " + ", ".join(f"{k}={v}" for k, v in info["knobs"].items() if v is not None)
-                 or "knobs: (none set)")
+    knobs = ", ".join(f"{k}={v}" for k, v in info["knobs"].items() if v is not None)
+    lines.append(f"knobs: {knobs or '(none set)'}")
     return "\n".join(lines)

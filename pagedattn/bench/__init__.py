@@ -1,9 +1,12 @@
 """`pagedattn bench`: per-architecture performance comparisons (issue 6).
 
-    pagedattn bench [--suite write|decode|prefill|legacy|jit|all] [--quick] [--out perf/results]
+    pagedattn bench [--suite write|decode|prefill|legacy|jit|all] [--quick] [--out DIR]
     pagedattn bench compare A.json B.json [--peers] [--markdown]
-    pagedattn bench report [--results perf/results]
-    pagedattn bench sweep decode|prefill|modes|quick [CONFIG ...] [--out perf/results]
+    pagedattn bench report [--results DIR]
+    pagedattn bench sweep decode|prefill|modes|quick [CONFIG ...] [--out DIR]
+
+DIR defaults to envs.bench_results_dir() (~/.local/share/pagedattn/bench/results), not to the working
+folder; the repository's recorded results are `--out perf/results`.
 
 Modules: timing (CUDA-event medians, rotation), ceilings, write / attention (decode, prefill) / legacy /
 jit (the suites), sweeps (configuration sweeps with tile overrides), runner + child (one process per
@@ -71,14 +74,19 @@ def _cmd_sweep(args) -> int:
 
 
 def add_parser(sub) -> None:
+    from ..envs import bench_results_dir
+
+    default_out = bench_results_dir()
     p = sub.add_parser("bench", help="benchmark the kernels against torch peers and the machine's ceilings",
                        description="Measure the kernels on this GPU against torch peers and the ceilings "
-                                   "measured in the same run; write perf/results/<gpu>_<sm>_<date>.json, "
-                                   "perf/RESULTS.md and perf/plots/. See perf/README.md.")
+                                   "measured in the same run; write OUT/<gpu>_<sm>_<date>.json, and "
+                                   "RESULTS.md and plots/ beside OUT. See perf/README.md.")
     p.add_argument("--suite", default="all", help=SUITE_HELP)
     p.add_argument("--quick", action="store_true", help="fewer repetitions and cases (~3 min on an H200)")
-    p.add_argument("--out", default="perf/results",
-                   help="results folder (default perf/results); RESULTS.md and plots/ go beside it")
+    p.add_argument("--out", default=str(default_out),
+                   help="results folder; RESULTS.md and plots/ go beside it (default: "
+                        "$XDG_DATA_HOME/pagedattn/bench/results, here %(default)s; the repository's "
+                        "recorded results: perf/results)")
     p.add_argument("--only", default="", help="run only the cases whose id contains one of these "
                                                "comma-separated substrings")
     p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer (saves its compiles)")
@@ -96,14 +104,18 @@ def add_parser(sub) -> None:
     c.add_argument("--markdown", action="store_true", help="print a markdown table")
     c.set_defaults(func=_cmd_compare)
     r = bsub.add_parser("report", help="regenerate RESULTS.md and plots from a results folder (no GPU needed)")
-    r.add_argument("--results", default="perf/results", help="results folder (default perf/results)")
+    r.add_argument("--results", default=str(default_out),
+                   help="results folder, RESULTS.md and plots/ are written beside it (default: where "
+                        "`pagedattn bench` writes, %(default)s; the repository's: perf/results)")
     r.add_argument("--include-samples", action="store_true", help=argparse.SUPPRESS)
     r.set_defaults(func=_cmd_report)
     w = bsub.add_parser("sweep", help="tile / mode sweeps, one process per configuration (see bench/sweeps.py)")
     w.add_argument("kind", choices=("decode", "prefill", "modes", "quick"))
     w.add_argument("configs", nargs="*", help="decode: kWarpsN,kStages,kMinBlocks[,tma|cp[,kBlockN]]; prefill: "
                                               "kBlockM,kBlockN,kWarpsM,kStages; either: default; modes: long short")
-    w.add_argument("--out", default="perf/results", help="results folder (default perf/results)")
+    w.add_argument("--out", default=str(default_out),
+                   help="results folder (default: where `pagedattn bench` writes, %(default)s; the "
+                        "repository's: perf/results)")
     w.add_argument("--splits", default="", help="decode: forced-split B=1 ctx 32768 points, e.g. 8,16,32")
     w.add_argument("--variants", default="", help='decode: B=64 ctx 4096 points, e.g. "HND;seq;splits=2"')
     w.add_argument("--cases", default="", help='decode: keep only these cases, e.g. "B=1 ctx=32768;B=16 ctx=4096"')

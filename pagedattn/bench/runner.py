@@ -298,7 +298,7 @@ def run(args) -> int:
     console.print(f"wrote {path} ({metadata['wall_seconds']:.0f} s)", markup=False)
     bad = [c for s in results["suites"].values() for c in s["cases"] if c["status"] not in ("ok", "skipped")]
     if bad:
-        console.print(f"{len(bad)} case(s) not ok: " + ", ".join(f"{c['id']} ({c['status']})" for c in bad[:12])
+        console.print(f"{len(bad)} case{'s' if len(bad) != 1 else ''} not ok: " + ", ".join(f"{c['id']} ({c['status']})" for c in bad[:12])
                       + (" ..." if len(bad) > 12 else ""), style="yellow", markup=False)
     if not args.no_report:
         try:
@@ -316,7 +316,7 @@ def regenerate(results_dir: Path, console, include_samples: bool = False) -> Non
     plots = results_dir.parent / "plots"
     warn = lambda m: console.print(m, style="yellow", markup=False)  # noqa: E731
     md, made = report.write_results_md(results_dir, md, plots, include_samples=include_samples, warn=warn)
-    console.print(f"wrote {md} and {len(made)} plot(s) in {plots}", markup=False)
+    console.print(f"wrote {md} and {len(made)} plot{'s' if len(made) != 1 else ''} in {plots}", markup=False)
 
 
 def _print_table(console, results: dict, suite: str) -> None:
