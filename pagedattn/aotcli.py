@@ -8,7 +8,7 @@ from pathlib import Path
 
 from . import aot
 from .aot import FILTER_BY_OPTION, FILTERS, PRESETS, Selection, SelectionError, command_for, default_jobs
-from .info import human_bytes
+from .info import human_bytes, plural
 
 
 def _flatten(values) -> list[str]:
@@ -39,7 +39,7 @@ def _cmd_precompile(args) -> int:
     for note in sel.notes:
         print(f"note: {note}")
     families = sorted({s.FAMILY for s in sel.specs})
-    head = (f"{len(jobs)} kernels ({len(sel.specs)} variants of {', '.join(families)} x "
+    head = (f"{plural(len(jobs), 'kernel')} ({plural(len(sel.specs), 'variant')} of {', '.join(families)} x "
             f"{len(archs)} arch{'s' if len(archs) > 1 else ''}: {', '.join(archs)})")
 
     if args.dry_run:
@@ -67,7 +67,7 @@ def _cmd_precompile(args) -> int:
     for job, log_path in summary.failed:
         print(f"FAILED {job.label}: log {log_path}")
     if summary.failed:
-        print(f"{len(summary.failed)} of {summary.total} kernels failed; the bundle holds the "
+        print(f"{len(summary.failed)} of {plural(summary.total, 'kernel')} failed; the bundle holds the "
               "others. Fix and rerun: only missing kernels are compiled.")
         return 1
     return 0
@@ -90,9 +90,9 @@ def _cmd_bundle_verify(args) -> int:
     else:
         stale = _stale_entries(folder)
         if stale:
-            print(f"note: {len(stale)} kernel(s) were built from other kernel sources than this "
+            print(f"note: {plural(len(stale), 'kernel')} {'was' if len(stale) == 1 else 'were'} built from other kernel sources than this "
                   f"install's and will never be looked up (e.g. {stale[0]}); rerun precompile")
-    print(f"{report.checked} kernels checked, {len(report.corrupt)} corrupt, "
+    print(f"{plural(report.checked, 'kernel')} checked, {len(report.corrupt)} corrupt, "
           f"{human_bytes(report.total_bytes)} intact: {'OK' if report.ok else 'NOT OK'}")
     return 0 if report.ok else 1
 

@@ -18,7 +18,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..info import human_bytes
+from ..info import human_bytes, plural
 from .selection import command_for, spec_fields
 
 # -- the compile plan ---------------------------------------------------------------------------------
@@ -88,7 +88,7 @@ class Summary:
     def line(self) -> str:
         return (f"compiled {self.compiled}, already present {self.present}, failed "
                 f"{len(self.failed)} in {self.seconds:.1f} s ({self.jobs} job"
-                f"{'s' if self.jobs != 1 else ''}); bundle: {self.bundle_kernels} kernels, "
+                f"{'s' if self.jobs != 1 else ''}); bundle: {plural(self.bundle_kernels, 'kernel')}, "
                 f"{human_bytes(self.bundle_bytes)}")
 
 
