@@ -11,6 +11,7 @@ the leading pointers packed once, so a call packs only the pointers.
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 import threading
 
@@ -180,6 +181,15 @@ class Launcher:
             drv.pop(ctypes.byref(ctypes.c_void_p()))
 
 
+@functools.lru_cache(maxsize=None)
+def _split(struct_type: type[ctypes.Structure], n_head: int) -> tuple[struct.Struct, struct.Struct]:
+    """Packers of the first `n_head` flattened fields and of the rest, at the C++ compiler's offsets."""
+    fields = _flatten(struct_type)
+    size = ctypes.sizeof(struct_type)
+    split = fields[n_head][0] if n_head < len(fields) else size
+    return struct.Struct(_layout(fields[:n_head], 0, split)), struct.Struct(_layout(fields[n_head:], split, size))
+
+
 class Prepared:
     """One launch configuration of a Launcher: grid, block and the trailing Params fields, packed once
     into a buffer per thread; a call packs the leading fields (the addresses) and launches on torch's
@@ -187,13 +197,11 @@ class Prepared:
     __slots__ = ("_launcher", "_dims", "_pack_head", "_tail", "_local")
 
     def __init__(self, launcher: Launcher, grid, block, n_head: int, tail: tuple):
-        fields = _flatten(launcher._params)
-        size = ctypes.sizeof(launcher._params)
-        split = fields[n_head][0] if n_head < len(fields) else size
+        head, tail_format = _split(launcher._params, n_head)
         self._launcher = launcher
         self._dims = (*grid, *block, launcher._smem)
-        self._pack_head = struct.Struct(_layout(fields[:n_head], 0, split)).pack_into
-        self._tail = struct.pack(_layout(fields[n_head:], split, size), *tail)
+        self._pack_head = head.pack_into
+        self._tail = tail_format.pack(*tail)
         self._local = threading.local()
 
     def _thread_buffer(self):

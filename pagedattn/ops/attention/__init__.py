@@ -10,6 +10,7 @@ replace `tile_config`, `tma_ok`, `wgmma_ok`, `tma_maps`, `sm_count` here): the s
 the launch."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import torch
 
 from ... import envs
 from ..plans import PlanCache
+from ...codegen.launch import Prepared
 from ...contract import ContractError, traced
 from ...dtypes import CUTLASS_TYPE, FP8_FORMAT, short
 from ...registry import KernelSpec, UnsupportedError, arch_for_device, get_kernel, register, sm_count
@@ -293,12 +295,12 @@ class _Plan:
         return ptr
 
 
-class _Launch:
+class _Launch(Prepared):
     """One batch shape of a plan (total_q, max_seqlen_q / _k, num_splits, causal, scale, features,
     whether LSE is returned): the variant, grid and splits chosen, the output shapes, and the launch
-    with every Params field but the addresses packed once (Prepared). A call of this shape allocates
-    the outputs, fills in the addresses and launches."""
-    __slots__ = ("run", "splits", "ctas", "tma", "capture", "head_dim", "total_q", "dtype", "out_shape",
+    with every Params field but the addresses packed once (a Prepared launch). A call of this shape
+    allocates the outputs, fills in the addresses and launches."""
+    __slots__ = ("empty_batch", "splits", "ctas", "tma", "capture", "head_dim", "total_q", "dtype", "out_shape",
                  "out_stride", "lse_shape")
 
     def __init__(self, plan: _Plan, q, k, v, out, max_seqlen_q, max_seqlen_k, num_splits, causal, scale,
@@ -309,8 +311,8 @@ class _Launch:
         self.dtype = q.dtype
         self.out_shape, self.out_stride = tuple(q.shape), (torch.empty_like(q) if out is None else out).stride()
         self.lse_shape = (call.Hq, total_q) if lse else None
-        self.run = None
-        if total_q == 0 or call.B == 0:
+        self.empty_batch = total_q == 0 or call.B == 0
+        if self.empty_batch:
             return
         group = plan.group
         # max_seqlen_q / max_seqlen_k choose the variant and size the grid. Every index stays inside the
@@ -337,8 +339,7 @@ class _Launch:
         tail = (q_stride[0], q_stride[1], self.out_stride[0], self.out_stride[1], *plan.geometry, total_q,
                 0 if call.paged else k.shape[0], splits, int(bool(causal)), plan.dbs, plan.dhs, row_dim, w_left,
                 w_right, alibi_stride, scale * LOG2E, cap)
-        self.run = variant.launcher.prepare((plan.tiles_per_row, m_blocks, splits), variant.threads, _ADDRESSES,
-                                            tail)
+        super().__init__(variant.launcher, (plan.tiles_per_row, m_blocks, splits), variant.threads, _ADDRESSES, tail)
 
     def __call__(self, plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k_descale,
                  v_descale, alibi_slopes=None, sinks=None):
@@ -353,8 +354,7 @@ class _Launch:
         if (qp | kp | vp | op) & 15:
             return None
         lse = None if self.lse_shape is None else plan.empty(self.lse_shape, (self.total_q, 1), torch.float32)
-        run = self.run
-        if run is None:
+        if self.empty_batch:
             return out, lse
         o_ptr = lse_ptr = counters = maps = 0
         if self.capture:
@@ -363,13 +363,26 @@ class _Launch:
                 o_ptr, lse_ptr, counters = workspace.split_scratch(plan.device, self.splits, self.total_q,
                                                                    plan.call.Hq, self.head_dim, self.ctas, capturing)
             if self.tma:
-                maps = plan.maps_ptr(k, v, kp, vp, capturing)
-        run(qp, op, 0 if lse is None else lse.data_ptr(), kp, vp,
-            0 if block_table is None else block_table.data_ptr(), cu_seqlens_q.data_ptr(),
-            0 if seqused_k is None else seqused_k.data_ptr(), 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
-            0 if k_descale is None else k_descale.data_ptr(), 0 if v_descale is None else v_descale.data_ptr(),
-            o_ptr, lse_ptr, maps, counters, 0 if alibi_slopes is None else alibi_slopes.data_ptr(),
-            0 if sinks is None else sinks.data_ptr())
+                maps = plan._maps_ptr.get((kp, vp), 0) if not capturing else 0
+                if not maps:
+                    maps = plan.maps_ptr(k, v, kp, vp, capturing)
+        # Prepared.__call__, inline (this runs on every steady-state call)
+        try:
+            buf, argv, _ = self._local.state
+        except AttributeError:
+            buf, argv, _ = self._thread_buffer()
+        self._pack_head(buf, 0, qp, op, 0 if lse is None else lse.data_ptr(), kp, vp,
+                        0 if block_table is None else block_table.data_ptr(), cu_seqlens_q.data_ptr(),
+                        0 if seqused_k is None else seqused_k.data_ptr(),
+                        0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
+                        0 if k_descale is None else k_descale.data_ptr(),
+                        0 if v_descale is None else v_descale.data_ptr(), o_ptr, lse_ptr, maps, counters,
+                        0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0 if sinks is None else sinks.data_ptr())
+        lau = self._launcher
+        stream = ctypes.c_void_p(lau._raw_stream(lau._device))
+        err = lau._launch(lau._func, *self._dims, stream, argv, None)
+        if err:
+            lau._failed(err, self._dims, stream, argv)
         return out, lse
 
 
