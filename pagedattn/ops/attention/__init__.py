@@ -41,6 +41,7 @@ from .validate import features_of, validate  # noqa: F401
 
 _is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 _is_compiling = torch.compiler.is_compiling
+_debug = envs.debug
 _validate = validate  # flash_attn_varlen_func's validate= argument shadows the name
 
 LOG2E = 1.4426950408889634
@@ -403,6 +404,7 @@ class _Plans(PlanCache):
 
 
 _PLANS = _Plans()
+_GUARD_FORMS = _PLANS.steady.forms  # the two lists, cleared in place
 _FULL_WINDOW = (-1, -1)
 _ABSENT_OUT, _ABSENT_K_DESCALE, _ABSENT_V_DESCALE, _V_DESCALE_IS_K = steady.ABSENT
 
@@ -437,14 +439,14 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     if cu_seqlens_k is None and alibi_slopes is None and sinks is None and s_aux is None and not unsupported \
             and not validate and (window_size is _FULL_WINDOW or window_size.__class__ is tuple and
                                   window_size == _FULL_WINDOW) \
-            and softcap.__class__ is float and softcap == 0.0 and not _is_compiling() and not envs.debug():
+            and softcap.__class__ is float and softcap == 0.0 and not _is_compiling() and not _debug():
         form = out is not None or k_descale is not None or v_descale is not None
         meta = (q, k, v, cu_seqlens_q, seqused_k, block_table, _ABSENT_OUT if out is None else out,
                 _ABSENT_K_DESCALE if k_descale is None else k_descale,
                 _ABSENT_V_DESCALE if v_descale is None else _V_DESCALE_IS_K if v_descale is k_descale else
                 v_descale) if form else \
             (q, k, v, cu_seqlens_q, seqused_k, block_table)
-        for check, kv_name, plan in _PLANS.steady.forms[form]:
+        for check, kv_name, plan in _GUARD_FORMS[form]:
             if check.check(*meta) and kv_name == kv_cache_dtype:
                 form = None  # known: nothing to remember
                 if type(max_seqlen_q) is int and type(max_seqlen_k) is int and type(num_splits) is int and \

@@ -57,7 +57,7 @@ class Guards:
             entries.insert(0, (check, kv_cache_dtype, plan))
             del entries[self.limit:]
 
-    def clear(self) -> None:
+    def clear(self) -> None:  # in place: the package holds the lists
         for entries in self.forms:
             entries.clear()
 
