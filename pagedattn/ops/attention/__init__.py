@@ -5,6 +5,7 @@ The steps live in small modules, re-exported here (every `pagedattn.ops.attentio
   heuristics.py  mode choice and split count, pure functions (MAX_SPLITS)
   validate.py    the checks of a call: keywords, scalars, tensor metadata, values
   tma.py         the CUtensorMaps of decode_tma
+  steady.py      the steady state: one C++ guard check of a validated call's metadata, allocation
 This module keeps what reads the device or a monkeypatchable name at run time (tests and perf sweeps
 replace `tile_config`, `tma_ok`, `wgmma_ok`, `tma_maps`, `sm_count` here): the spec, the plan and
 the launch."""
@@ -430,7 +431,8 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
 
     Under torch.compile this calls the custom op torch.ops.pagedattn.flash_attn_varlen_func (its
     .out overload when out is given; pagedattn.ops.library), whose fake implementation runs the same
-    metadata checks; in eager it runs `attend` directly (the dispatcher would cost host time).
+    metadata checks; in eager it runs directly (the dispatcher would cost host time): a call whose
+    metadata, scalars and batch shape repeat a validated call's only reads addresses and launches.
     """
     # The steady state of a paged step, in eager, without features or debug checks: the tensors'
     # metadata is that of a validated call when one guard (steady.py) says so, the scalars when they
