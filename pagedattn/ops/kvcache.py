@@ -188,6 +188,7 @@ def _slots(cache_seqlens, block_table, block_size: int, s_new: int, num_slots: i
         pos = pos + _range(cache_seqlens.device, s_new, 1)  # [B, s_new]
     if num_slots >= 2**31:
         pos = pos.long()
-    blk = pos // block_size
-    slots = torch.add(pos, block_table.gather(1, blk.clamp(0, width - 1).long()) - blk, alpha=block_size)
-    return torch.where(blk < width, slots, -1).view(-1)
+    # torch functions, not operators: Tensor.__floordiv__ and friends are Python wrappers
+    blk = torch.div(pos, block_size, rounding_mode="floor")
+    slots = torch.add(pos, torch.sub(block_table.gather(1, blk.clamp(0, width - 1).long()), blk), alpha=block_size)
+    return torch.where(torch.lt(blk, width), slots, -1).view(-1)
