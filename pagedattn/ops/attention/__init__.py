@@ -449,7 +449,8 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
                 v_descale) if form else \
             (q, k, v, cu_seqlens_q, seqused_k, block_table)
         for check, kv_name, plan in _GUARD_FORMS[form]:
-            if check.check(*meta) and kv_name == kv_cache_dtype:
+            if check.check(*meta) and (kv_name is kv_cache_dtype or kv_cache_dtype.__class__ is str and
+                                       kv_name == kv_cache_dtype):
                 form = None  # known: nothing to remember
                 if type(max_seqlen_q) is int and type(max_seqlen_k) is int and type(num_splits) is int and \
                         causal.__class__ is bool and (softmax_scale is None or type(softmax_scale) is float):
