@@ -4,11 +4,14 @@ Each kernel takes ONE argument, a `Params` struct (`__grid_constant__`). The Pyt
 with a ctypes.Structure (field names, types, offsets); `layout_asserts` renders static_asserts so a
 drift in size or alignment fails at compile time. A launch packs the flattened field values into one
 preallocated buffer with `struct.pack_into` and calls the driver's cuLaunchKernel through ctypes:
-a per-thread buffer, so no per-call allocation.
+a per-thread buffer, so no per-call allocation. A kernel launched again and again with the same
+geometry, where only addresses change, takes a `Prepared` launch: grid, block and every field after
+the leading pointers packed once, so a call packs only the pointers.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 import threading
 
@@ -42,13 +45,18 @@ def _flatten(struct_type, base=0):
     return out
 
 
-def packer(struct_type: type[ctypes.Structure]) -> struct.Struct:
-    """A struct.Struct laying out the flattened fields exactly as the C++ compiler does."""
-    fmt, pos = "<", 0
-    for off, ch in _flatten(struct_type):
+def _layout(fields, start: int, end: int) -> str:
+    """struct format of `fields` [(offset, char)] laid out from byte `start` to byte `end`."""
+    fmt, pos = "<", start
+    for off, ch in fields:
         fmt += "x" * (off - pos) + ch
         pos = off + struct.calcsize("<" + ch)
-    fmt += "x" * (ctypes.sizeof(struct_type) - pos)
+    return fmt + "x" * (end - pos)
+
+
+def packer(struct_type: type[ctypes.Structure]) -> struct.Struct:
+    """A struct.Struct laying out the flattened fields exactly as the C++ compiler does."""
+    fmt = _layout(_flatten(struct_type), 0, ctypes.sizeof(struct_type))
     assert struct.calcsize(fmt) == ctypes.sizeof(struct_type)
     return struct.Struct(fmt)
 
@@ -106,6 +114,7 @@ class Launcher:
         self._ctx = int(primary_context(device))
         self._device = device
         self._smem = dynamic_smem
+        self._params = params_type
         self._pack = packer(params_type).pack_into
         self._size = ctypes.sizeof(params_type)
         self._local = threading.local()
@@ -132,9 +141,20 @@ class Launcher:
         stream = ctypes.c_void_p(stream)
         err = self._launch(self._func, grid[0], grid[1], grid[2], block[0], block[1], block[2], self._smem,
                            stream, argv, None)
+        if err:
+            self._failed(err, (grid[0], grid[1], grid[2], block[0], block[1], block[2], self._smem), stream, argv)
+
+    def prepare(self, grid: tuple[int, int, int], block: tuple[int, int, int], n_head: int,
+                tail: tuple) -> "Prepared":
+        """A launch of this grid and block whose Params fields after the first `n_head` are `tail`
+        (flattened, as `values` of __call__): calling it with the `n_head` leading values launches."""
+        return Prepared(self, grid, block, n_head, tail)
+
+    def _failed(self, err: int, dims: tuple, stream, argv) -> None:
+        """A launch returned `err`: retry in the device's primary context when this thread's current
+        context is not it; raise for anything else."""
         if err in _WRONG_CONTEXT:
-            err = self._launch_in_own_context((self._func, grid[0], grid[1], grid[2], block[0], block[1],
-                                               block[2], self._smem, stream, argv, None))
+            err = self._launch_in_own_context((self._func, *dims, stream, argv, None))
         if err:
             from cuda.bindings import driver
 
@@ -159,3 +179,47 @@ class Launcher:
             return self._launch(*args)
         finally:
             drv.pop(ctypes.byref(ctypes.c_void_p()))
+
+
+@functools.lru_cache(maxsize=None)
+def _split(struct_type: type[ctypes.Structure], n_head: int) -> tuple[struct.Struct, struct.Struct]:
+    """Packers of the first `n_head` flattened fields and of the rest, at the C++ compiler's offsets."""
+    fields = _flatten(struct_type)
+    size = ctypes.sizeof(struct_type)
+    split = fields[n_head][0] if n_head < len(fields) else size
+    return struct.Struct(_layout(fields[:n_head], 0, split)), struct.Struct(_layout(fields[n_head:], split, size))
+
+
+class Prepared:
+    """One launch configuration of a Launcher: grid, block and the trailing Params fields, packed once
+    into a buffer per thread; a call packs the leading fields (the addresses) and launches on torch's
+    current stream. What a steady-state decode step repeats costs one short pack and the driver call."""
+    __slots__ = ("_launcher", "_dims", "_pack_head", "_tail", "_local")
+
+    def __init__(self, launcher: Launcher, grid, block, n_head: int, tail: tuple):
+        head, tail_format = _split(launcher._params, n_head)
+        self._launcher = launcher
+        self._dims = (*grid, *block, launcher._smem)
+        self._pack_head = head.pack_into
+        self._tail = tail_format.pack(*tail)
+        self._local = threading.local()
+
+    def _thread_buffer(self):
+        buf = bytearray(self._launcher._size)
+        buf[len(buf) - len(self._tail):] = self._tail
+        view = (ctypes.c_char * len(buf)).from_buffer(buf)   # pins buf: it can never move
+        argv = (ctypes.c_void_p * 1)(ctypes.addressof(view))
+        self._local.state = state = (buf, argv, view)
+        return state
+
+    def __call__(self, *head) -> None:
+        try:
+            buf, argv, _ = self._local.state
+        except AttributeError:
+            buf, argv, _ = self._thread_buffer()
+        self._pack_head(buf, 0, *head)
+        lau = self._launcher
+        stream = ctypes.c_void_p(lau._raw_stream(lau._device))
+        err = lau._launch(lau._func, *self._dims, stream, argv, None)
+        if err:
+            lau._failed(err, self._dims, stream, argv)

@@ -40,7 +40,7 @@ def stub_cuda():
             noop = ctypes.PyDLL(None).labs  # ignores the extra arguments, as cuLaunchKernel's stand-in
             noop.restype = ctypes.c_int
             lau._launch, lau._func, lau._device = noop, ctypes.c_void_p(0), device  # labs(0) == 0: success
-            lau._smem, lau._ctx = 0, 0
+            lau._smem, lau._ctx, lau._params = 0, 0, self.spec.PARAMS
             lau._pack = launch.packer(self.spec.PARAMS).pack_into
             lau._size = ctypes.sizeof(self.spec.PARAMS)
             import threading

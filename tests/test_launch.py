@@ -115,3 +115,27 @@ def test_threads_never_mix_their_params(fake_driver):
     assert n == per_thread * threads
     seen = {fake_driver.fake_key(i) for i in range(n)}
     assert seen == {(t << 32) | i for t in range(threads) for i in range(per_thread)}
+
+
+def test_a_prepared_launch_packs_what_a_full_one_does(fake_driver):
+    """Launcher.prepare: the fields after the first n packed once; calls fill in the first n."""
+    fake_driver.fake_set_current(ctypes.c_void_p(0x1234))
+    launcher = launch.Launcher(0xF00D, KvWriteParams, 0)
+    size = ctypes.sizeof(KvWriteParams)
+
+    def last():
+        raw = (ctypes.c_ubyte * size)()
+        fake_driver.fake_last(raw, size)
+        return bytes(raw)
+
+    for n_head in (7, 9, 0, len(_values(0))):
+        launcher((3, 1, 1), (64, 1, 1), _values(0xABC))
+        want = last()
+        prepared = launcher.prepare((3, 1, 1), (64, 1, 1), n_head, _values(0xABC)[n_head:])
+        for _ in range(2):
+            prepared(*_values(0xABC)[:n_head])
+            assert last() == want and fake_driver.fake_last_grid() == 3
+    fake_driver.fake_set_current(ctypes.c_void_p(0x9999))  # the wrong-context retry applies too
+    before = fake_driver.fake_launches()
+    prepared(*_values(0xABC)[:len(_values(0))])
+    assert fake_driver.fake_launches() == before + 1 and (fake_driver.fake_current() or 0) == 0x9999

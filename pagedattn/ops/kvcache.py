@@ -156,7 +156,7 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, ca
     if s_new:
         key, value = k.reshape(B * s_new, *shape[2:]), v.reshape(B * s_new, *shape[2:])
         slots = torch.empty(B * s_new, dtype=torch.int64, device=q.device) if fake else \
-            _slots(cache_seqlens, block_table, k_cache.shape[1], s_new)
+            _slots(cache_seqlens, block_table, k_cache.shape[1], s_new, k_cache.shape[0] * k_cache.shape[1])
         try:
             if fake:
                 kv_write.check_metadata(key, value, k_cache, v_cache, slots, kv_cache_dtype or "auto", k_descale,
@@ -175,13 +175,20 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, ca
     return out, lse
 
 
-def _slots(cache_seqlens, block_table, block_size: int, s_new: int) -> torch.Tensor:
-    """int64 [B * s_new] cache slots of the new tokens: position cache_seqlens[b] + i goes to slot
-    block_table[b, pos // block_size] * block_size + pos % block_size; -1 (skipped) past the row."""
+def _slots(cache_seqlens, block_table, block_size: int, s_new: int, num_slots: int = 0) -> torch.Tensor:
+    """[B * s_new] cache slots of the new tokens (int32; int64 for a cache of num_slots >= 2^31):
+    position cache_seqlens[b] + i goes to slot block_table[b, pos // block_size] * block_size +
+    pos % block_size; -1 (skipped) past the row. Eight tensor ops for one token per request (each
+    costs a launch on the GPU): the slot is written as (entry - block) * block_size + pos."""
     width = block_table.shape[1]
     if width == 0:
         raise ContractError("block_table has no columns: there is nowhere to append k/v")
-    pos = cache_seqlens.long()[:, None] + _range(cache_seqlens.device, s_new, 1, torch.int64)  # [B, s_new]
-    blk = pos // block_size
-    slots = block_table.gather(1, blk.clamp(0, width - 1)) * block_size + pos % block_size
-    return slots.masked_fill_(blk >= width, -1).view(-1)
+    pos = cache_seqlens[:, None]
+    if s_new > 1:
+        pos = pos + _range(cache_seqlens.device, s_new, 1)  # [B, s_new]
+    if num_slots >= 2**31:
+        pos = pos.long()
+    # torch functions, not operators: Tensor.__floordiv__ and friends are Python wrappers
+    blk = torch.div(pos, block_size, rounding_mode="floor")
+    slots = torch.add(pos, torch.sub(block_table.gather(1, blk.clamp(0, width - 1).long()), blk), alpha=block_size)
+    return torch.where(torch.lt(blk, width), slots, -1).view(-1)

@@ -5,11 +5,13 @@ The steps live in small modules, re-exported here (every `pagedattn.ops.attentio
   heuristics.py  mode choice and split count, pure functions (MAX_SPLITS)
   validate.py    the checks of a call: keywords, scalars, tensor metadata, values
   tma.py         the CUtensorMaps of decode_tma
+  steady.py      the steady state: one C++ guard check of a validated call's metadata, allocation
 This module keeps what reads the device or a monkeypatchable name at run time (tests and perf sweeps
 replace `tile_config`, `tma_ok`, `wgmma_ok`, `tma_maps`, `sm_count` here): the spec, the plan and
 the launch."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ import torch
 
 from ... import envs
 from ..plans import PlanCache
+from ...codegen.launch import Prepared
 from ...contract import ContractError, traced
 from ...dtypes import CUTLASS_TYPE, FP8_FORMAT, short
 from ...registry import KernelSpec, UnsupportedError, arch_for_device, get_kernel, register, sm_count
@@ -29,6 +32,7 @@ from .heuristics import MAX_SPLITS, _best_splits, mode_for, split_cost, splits_f
 from .heuristics import tma_ok, wave_capacity, wgmma_ok  # noqa: F401
 from .tiles import HEAD_DIMS, MODES, SMALL_SMEM_ARCH, SMEM_LIMIT, SMEM_PER_CTA, _tiles  # noqa: F401
 from .tiles import fp8_regs, smem_bytes, smem_limit, tile_config  # noqa: F401
+from . import steady
 from .tma import TMA_L2_PROMOTION, tma_maps  # noqa: F401
 from .validate import _INT32_MAX, _NO_FEATURES, _UNSUPPORTED_OK, _batch, _Call, _check_aligned  # noqa: F401
 from .validate import _check_strides, _count_arg, _descale_strides, _given, _head_vector  # noqa: F401
@@ -36,7 +40,9 @@ from .validate import _int32_vector, _is_default, _offsets, _on_device, _require
 from .validate import check_scalars, check_tables, check_unsupported, check_values  # noqa: F401
 from .validate import features_of, validate  # noqa: F401
 
-_is_capturing = torch.cuda.is_current_stream_capturing
+_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
+_is_compiling = torch.compiler.is_compiling
+_debug = envs.debug
 _validate = validate  # flash_attn_varlen_func's validate= argument shadows the name
 
 LOG2E = 1.4426950408889634
@@ -214,7 +220,7 @@ class _Plan:
     """What a call's tensor metadata decides, validated once and reused while it repeats."""
     __slots__ = ("call", "device", "dtype", "head_dim", "dbs", "dhs", "block_shift", "bt_stride",
                  "bt_width", "arch", "decode_mode", "prefill_mode", "wgmma_rows", "_kernels", "_tma", "group",
-                 "tiles_per_row", "default_scale", "geometry")
+                 "tiles_per_row", "default_scale", "geometry", "launches", "empty", "_maps_ptr")
 
     def __init__(self, call: _Call, q, block_table, k_descale, v_descale):
         self.call = call
@@ -239,12 +245,15 @@ class _Plan:
         self.wgmma_rows = tile_config(self.head_dim, "prefill", False, arch)["kBlockM"]
         self._kernels: dict = {}
         self._tma: dict = {}
+        self._maps_ptr: dict = {}
         self.group = call.Hq // call.Hkv
         self.tiles_per_row = call.B * call.Hkv  # CTAs of one row tile (gridDim.x)
         self.default_scale = 1.0 / math.sqrt(call.D)
         # AttnParams from k_block_stride to head_size: fixed by the metadata
         self.geometry = (*call.k_strides, *call.v_strides, self.bt_stride, self.bt_width, call.num_blocks,
                          call.block_size, self.block_shift, call.B, call.Hq, call.Hkv, self.group, call.D)
+        self.launches = PlanCache()   # _Launch by batch shape and scalars (_Launch.key)
+        self.empty = steady.empty_fn(q.device)
 
     def mode_for(self, rows: int) -> str:
         """The variant for a batch whose longest request has `rows` packed query rows."""
@@ -272,22 +281,139 @@ class _Plan:
                                     "eager call with the same caches before capturing (a warm-up)")
             if len(self._tma) >= 512:
                 self._tma.clear()
+                self._maps_ptr.clear()
             hit = self._tma[key] = tma_maps(k, v, self.call, self.head_dim)
         elif capturing:
             workspace.keep_for_graphs(hit[0])
         return hit
 
+    def maps_ptr(self, k, v, kp: int, vp: int, capturing: bool) -> int:
+        """The device address of tma_maps(k, v) (k, v at addresses kp, vp)."""
+        if not capturing:
+            hit = self._maps_ptr.get((kp, vp))
+            if hit is not None:
+                return hit
+        ptr = self._maps_ptr[(kp, vp)] = self.tma_maps(k, v, capturing)[0].data_ptr()
+        return ptr
 
+
+class _Launch(Prepared):
+    """One batch shape of a plan (total_q, max_seqlen_q / _k, num_splits, causal, scale, features,
+    whether LSE is returned): the variant, grid and splits chosen, the output shapes, and the launch
+    with every Params field but the addresses packed once (a Prepared launch). A call of this shape
+    allocates the outputs, fills in the addresses and launches."""
+    __slots__ = ("empty_batch", "splits", "ctas", "tma", "capture", "head_dim", "total_q", "dtype", "out_shape",
+                 "out_stride", "lse_shape")
+
+    def __init__(self, plan: _Plan, q, k, v, out, max_seqlen_q, max_seqlen_k, num_splits, causal, scale,
+                 features, lse: bool):
+        flags, w_left, w_right, cap, _, alibi_stride, _ = features
+        call = plan.call
+        self.total_q = total_q = q.shape[0]
+        self.dtype = q.dtype
+        self.out_shape, self.out_stride = tuple(q.shape), (torch.empty_like(q) if out is None else out).stride()
+        self.lse_shape = (call.Hq, total_q) if lse else None
+        self.empty_batch = total_q == 0 or call.B == 0
+        if self.empty_batch:
+            return
+        group = plan.group
+        # max_seqlen_q / max_seqlen_k choose the variant and size the grid. Every index stays inside the
+        # tensors whatever they say (tile_scheduler.cuh); rows past an understated max_seqlen_q take a slow
+        # out-of-line path (attn_fwd.cuh). A request's rows are at most total_q: no more row tiles than that.
+        rows = max(0, int(max_seqlen_q)) * group
+        variant = plan.kernel(plan.mode_for(rows), flags)
+        m_blocks = -(-min(rows, total_q * group) // variant.block_m)
+        m_blocks = min(max(1, m_blocks), MAX_GRID_Y)
+        # splits divide the keys a tile can see: with a left window edge, at most the window and the rows.
+        # The split plan depends on shapes and max_seqlen_k only (never on seqused_k's values): a CUDA
+        # graph captured with it stays right for any lengths up to max_seqlen_k.
+        keys = max(0, int(max_seqlen_k))
+        if w_left >= 0:
+            keys = min(keys, w_left + 1 + max(0, int(max_seqlen_q)) + (0 if causal or w_right < 0 else w_right))
+        self.ctas = plan.tiles_per_row * m_blocks
+        self.splits = splits = splits_for(int(num_splits), self.ctas, keys, variant.stage_keys, variant.capacity)
+        self.head_dim = variant.head_dim
+        self.tma = variant.mode == "decode_tma"
+        self.capture = splits > 1 or self.tma   # what reads the capture state
+        row_dim = plan.tma_maps(k, v, _is_capturing())[1] if self.tma else 0
+        scale = scale if scale is not None else plan.default_scale
+        q_stride = q.stride()
+        tail = (q_stride[0], q_stride[1], self.out_stride[0], self.out_stride[1], *plan.geometry, total_q,
+                0 if call.paged else k.shape[0], splits, int(bool(causal)), plan.dbs, plan.dhs, row_dim, w_left,
+                w_right, alibi_stride, scale * LOG2E, cap)
+        super().__init__(variant.launcher, (plan.tiles_per_row, m_blocks, splits), variant.threads, _ADDRESSES, tail)
+
+    def __call__(self, plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k_descale,
+                 v_descale, alibi_slopes=None, sinks=None):
+        """Allocate what is not given, launch; (out, lse). None when a base address is not 16-byte
+        aligned or out has another number of rows: what only the full validation can name."""
+        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if out is None:
+            out = plan.empty(self.out_shape, self.out_stride, self.dtype)
+        elif out.shape[0] != self.total_q:
+            return None
+        op = out.data_ptr()
+        if (qp | kp | vp | op) & 15:
+            return None
+        lse = None if self.lse_shape is None else plan.empty(self.lse_shape, (self.total_q, 1), torch.float32)
+        if self.empty_batch:
+            return out, lse
+        o_ptr = lse_ptr = counters = maps = 0
+        if self.capture:
+            capturing = _is_capturing()
+            if self.splits > 1:
+                o_ptr, lse_ptr, counters = workspace.split_scratch(plan.device, self.splits, self.total_q,
+                                                                   plan.call.Hq, self.head_dim, self.ctas, capturing)
+            if self.tma:
+                maps = plan._maps_ptr.get((kp, vp), 0) if not capturing else 0
+                if not maps:
+                    maps = plan.maps_ptr(k, v, kp, vp, capturing)
+        # Prepared.__call__, inline (this runs on every steady-state call)
+        try:
+            buf, argv, _ = self._local.state
+        except AttributeError:
+            buf, argv, _ = self._thread_buffer()
+        self._pack_head(buf, 0, qp, op, 0 if lse is None else lse.data_ptr(), kp, vp,
+                        0 if block_table is None else block_table.data_ptr(), cu_seqlens_q.data_ptr(),
+                        0 if seqused_k is None else seqused_k.data_ptr(),
+                        0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
+                        0 if k_descale is None else k_descale.data_ptr(),
+                        0 if v_descale is None else v_descale.data_ptr(), o_ptr, lse_ptr, maps, counters,
+                        0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0 if sinks is None else sinks.data_ptr())
+        lau = self._launcher
+        stream = ctypes.c_void_p(lau._raw_stream(lau._device))
+        err = lau._launch(lau._func, *self._dims, stream, argv, None)
+        if err:
+            lau._failed(err, self._dims, stream, argv)
+        return out, lse
+
+
+_ADDRESSES = 17  # AttnParams' leading pointer fields, q ... sinks: what a _Launch fills in per call
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 
 
-_PLANS = PlanCache()
+class _Plans(PlanCache):
+    """The plans by signature, and the guards in front of them (steady.Guards): one clear() for both."""
+
+    def __init__(self):
+        super().__init__()
+        self.steady = steady.Guards()
+
+    def clear(self) -> None:
+        super().clear()
+        self.steady.clear()
+
+
+_PLANS = _Plans()
+_GUARD_FORMS = _PLANS.steady.forms  # the two lists, cleared in place
+_FULL_WINDOW = (-1, -1)
+_ABSENT_OUT, _ABSENT_K_DESCALE, _ABSENT_V_DESCALE, _V_DESCALE_IS_K = steady.ABSENT
 
 
 def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None,
                            seqused_k=None, softmax_scale=None, causal=False, block_table=None,
                            return_softmax_lse=False, out=None, num_splits=0, k_descale=None,
-                           v_descale=None, kv_cache_dtype=None, window_size=(-1, -1), softcap=0.0,
+                           v_descale=None, kv_cache_dtype=None, window_size=_FULL_WINDOW, softcap=0.0,
                            alibi_slopes=None, s_aux=None, sinks=None, validate: bool = False, **unsupported):
     """FlashAttention over packed variable-length queries and a paged (or contiguous) KV cache.
 
@@ -305,8 +431,37 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
 
     Under torch.compile this calls the custom op torch.ops.pagedattn.flash_attn_varlen_func (its
     .out overload when out is given; pagedattn.ops.library), whose fake implementation runs the same
-    metadata checks; in eager it runs `attend` directly (the dispatcher would cost host time).
+    metadata checks; in eager it runs directly (the dispatcher would cost host time): a call whose
+    metadata, scalars and batch shape repeat a validated call's only reads addresses and launches.
     """
+    # The steady state of a paged step, in eager, without features or debug checks: the tensors'
+    # metadata is that of a validated call when one guard (steady.py) says so, the scalars when they
+    # are ints / a float and their batch shape has a _Launch; then only addresses are read.
+    form = None
+    if cu_seqlens_k is None and alibi_slopes is None and sinks is None and s_aux is None and not unsupported \
+            and not validate and (window_size is _FULL_WINDOW or window_size.__class__ is tuple and
+                                  window_size == _FULL_WINDOW) \
+            and softcap.__class__ is float and softcap == 0.0 and not _is_compiling() and not _debug():
+        form = out is not None or k_descale is not None or v_descale is not None
+        meta = (q, k, v, cu_seqlens_q, seqused_k, block_table, _ABSENT_OUT if out is None else out,
+                _ABSENT_K_DESCALE if k_descale is None else k_descale,
+                _ABSENT_V_DESCALE if v_descale is None else _V_DESCALE_IS_K if v_descale is k_descale else
+                v_descale) if form else \
+            (q, k, v, cu_seqlens_q, seqused_k, block_table)
+        for check, kv_name, plan in _GUARD_FORMS[form]:
+            if check.check(*meta) and (kv_name is kv_cache_dtype or kv_cache_dtype.__class__ is str and
+                                       kv_name == kv_cache_dtype):
+                form = None  # known: nothing to remember
+                if type(max_seqlen_q) is int and type(max_seqlen_k) is int and type(num_splits) is int and \
+                        causal.__class__ is bool and (softmax_scale is None or type(softmax_scale) is float):
+                    run = plan.launches.get((q.shape[0], max_seqlen_q, max_seqlen_k, num_splits, causal,
+                                             softmax_scale, return_softmax_lse, None))
+                    if run is not None:
+                        done = run(plan, q, k, v, cu_seqlens_q, None, seqused_k, block_table, out, k_descale,
+                                   v_descale)
+                        if done is not None:
+                            return done if return_softmax_lse else done[0]
+                break
     if unsupported:
         check_unsupported(unsupported)
     if s_aux is not None and sinks is not None:
@@ -320,9 +475,13 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
                                  softmax_scale, causal, block_table, return_softmax_lse, out, num_splits,
                                  k_descale, v_descale, kv_cache_dtype, window_size, softcap, alibi_slopes,
                                  sinks)
-    out, lse = attend(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k,
-                      softmax_scale, causal, block_table, return_softmax_lse, out, num_splits, k_descale,
-                      v_descale, kv_cache_dtype, window_size, softcap, alibi_slopes, sinks, validate)
+    checked = check_call(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k,
+                         softmax_scale, causal, block_table, out, num_splits, k_descale, v_descale, kv_cache_dtype,
+                         window_size, softcap, alibi_slopes, sinks, validate)
+    out, lse = launch(checked, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, causal,
+                      block_table, return_softmax_lse, out, num_splits, k_descale, v_descale)
+    if form is not None:  # a steady-state call whose metadata no guard knew: one does now
+        _PLANS.steady.add(form, steady.guard(meta, (0, 6) if form else (0,)), kv_cache_dtype, checked[0])
     return (out, lse) if return_softmax_lse else out
 
 
@@ -397,48 +556,16 @@ def check_call(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, 
 
 def launch(checked, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, seqused_k, causal,
            block_table, return_softmax_lse, out, num_splits, k_descale, v_descale):
-    """Allocate the outputs, choose variant and splits, launch: a call check_call accepted."""
-    plan, softmax_scale, (flags, w_left, w_right, cap, alibi_slopes, alibi_stride, sinks) = checked
-    call = plan.call
-    total_q = q.shape[0]
-    out, lse = outputs(q, call.Hq, return_softmax_lse, out)
-    if total_q == 0 or call.B == 0:
-        return out, lse
-    group = plan.group
-    # max_seqlen_q / max_seqlen_k choose the variant and size the grid. Every index stays inside the
-    # tensors whatever they say (tile_scheduler.cuh); rows past an understated max_seqlen_q take a slow
-    # out-of-line path (attn_fwd.cuh). A request's rows are at most total_q: no more row tiles than that.
-    rows = max(0, int(max_seqlen_q)) * group
-    variant = plan.kernel(plan.mode_for(rows), flags)
-    m_blocks = -(-min(rows, total_q * group) // variant.block_m)
-    m_blocks = min(max(1, m_blocks), MAX_GRID_Y)
-    # splits divide the keys a tile can see: with a left window edge, at most the window and the rows.
-    # The split plan depends on shapes and max_seqlen_k only (never on seqused_k's values): a CUDA
-    # graph captured with it stays right for any lengths up to max_seqlen_k.
-    keys = max(0, int(max_seqlen_k))
-    if w_left >= 0:
-        keys = min(keys, w_left + 1 + max(0, int(max_seqlen_q)) + (0 if causal or w_right < 0 else w_right))
-    ctas = plan.tiles_per_row * m_blocks
-    splits = splits_for(int(num_splits), ctas, keys, variant.stage_keys, variant.capacity)
-    scale = softmax_scale if softmax_scale is not None else plan.default_scale
-    capturing = _is_capturing() if splits > 1 or variant.mode == "decode_tma" else False
-    o_ptr = lse_ptr = counters_ptr = 0
-    if splits > 1:
-        o_ptr, lse_ptr, counters_ptr = workspace.split_scratch(plan.device, splits, total_q, call.Hq,
-                                                               variant.head_dim, ctas, capturing)
-    maps_ptr = row_dim = 0
-    if variant.mode == "decode_tma":
-        maps, row_dim = plan.tma_maps(k, v, capturing)
-        maps_ptr = maps.data_ptr()
-    q_stride, out_stride = q.stride(), out.stride()
-    values = (
-        q.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(), k.data_ptr(), v.data_ptr(),
-        0 if block_table is None else block_table.data_ptr(), cu_seqlens_q.data_ptr(),
-        0 if seqused_k is None else seqused_k.data_ptr(), 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
-        0 if k_descale is None else k_descale.data_ptr(), 0 if v_descale is None else v_descale.data_ptr(),
-        o_ptr, lse_ptr, maps_ptr, counters_ptr, 0 if alibi_slopes is None else alibi_slopes.data_ptr(),
-        0 if sinks is None else sinks.data_ptr(), q_stride[0], q_stride[1], out_stride[0], out_stride[1],
-        *plan.geometry, total_q, 0 if call.paged else k.shape[0], splits, int(bool(causal)),
-        plan.dbs, plan.dhs, row_dim, w_left, w_right, alibi_stride, scale * LOG2E, cap)
-    variant.launcher((plan.tiles_per_row, m_blocks, splits), variant.threads, values)
-    return out, lse
+    """Allocate the outputs, choose variant and splits, launch: a call check_call accepted. The
+    choice is kept per batch shape (plan.launches)."""
+    plan, softmax_scale, features = checked
+    flags, w_left, w_right, cap, alibi_slopes, alibi_stride, sinks = features
+    lse = bool(return_softmax_lse)
+    key = (q.shape[0], max_seqlen_q, max_seqlen_k, num_splits, bool(causal), softmax_scale, lse,
+           None if features is _NO_FEATURES else (flags, w_left, w_right, cap, alibi_stride))
+    run = plan.launches.get(key)
+    if run is None:
+        run = plan.launches.remember(key, _Launch(plan, q, k, v, out, max_seqlen_q, max_seqlen_k, num_splits,
+                                                  causal, softmax_scale, features, lse))
+    return run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k_descale, v_descale,
+               alibi_slopes, sinks)

@@ -1,0 +1,89 @@
+"""The steady state of flash_attn_varlen_func: knowing, in one C++ call, that a call's tensors have
+the metadata of a call validated before, and allocating outputs without the dispatcher.
+
+A plan (the package's `_Plan`) is validated once per tensor signature. Recognising that signature from
+Python (shape, strides, dtype, device of six tensors, hashed into a key) costs about 4 µs; torch's own
+guard check, `TensorGuards` (what torch.compile's guards on tensor inputs are made of), compares each
+tensor's Python type, dispatch keys (device type, layout, autograd), dtype, device index,
+requires_grad, rank, sizes and strides with a snapshot for about 0.1 µs a tensor. It holds no
+reference to the tensors. Where this torch lacks it, `guard` returns None and calls take the
+signature path, which checks the same metadata.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    from torch._C._dynamo.guards import TensorGuards
+except ImportError:  # pragma: no cover - a torch without Dynamo's guards
+    TensorGuards = None
+
+
+class _Absent(torch.Tensor):
+    """Stands for an optional tensor left out (None), so that one guard covers calls with and without
+    it: no caller holds an instance, and a guard compares Python types first."""
+
+
+# out, k_descale, v_descale when None, and v_descale when it is k_descale (a guard refuses the same
+# tensor twice: one stand-in each)
+ABSENT = tuple(torch.empty(0).as_subclass(_Absent) for _ in range(4))
+
+
+def guard(tensors: tuple, dynamic: tuple = ()):
+    """A check that `tensors` (same positions) have these tensors' metadata, dim 0 of the positions in
+    `dynamic` excepted (total_q); None where torch has no TensorGuards, or when one tensor is given
+    twice (k is v: such calls always take the validated path)."""
+    if TensorGuards is None:
+        return None
+    sizes = [[None, *t.shape[1:]] if i in dynamic else list(t.shape) for i, t in enumerate(tensors)]
+    try:
+        g = TensorGuards(*tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=[list(t.stride()) for t in tensors])
+        return g if g.check(*tensors) else None
+    except (TypeError, RuntimeError):  # another torch's signature
+        return None
+
+
+class Guards:
+    """Guards of validated signatures in front of the plan cache, two lists by the call's form: the
+    usual six tensors (q, k, v, cu_seqlens_q, seqused_k, block_table), or those with out, k_descale
+    and v_descale (ABSENT for a None). Newest first, at most `limit` each: a call no guard knows pays
+    `limit` failed checks (0.1 µs a tensor) before the validated path."""
+
+    def __init__(self, limit: int = 4):
+        self.limit = limit
+        self.forms: tuple[list, list] = ([], [])
+
+    def add(self, form: int, check, kv_cache_dtype, plan) -> None:
+        if check is not None:
+            entries = self.forms[form]
+            entries.insert(0, (check, kv_cache_dtype, plan))
+            del entries[self.limit:]
+
+    def clear(self) -> None:  # in place: the package holds the lists
+        for entries in self.forms:
+            entries.clear()
+
+
+_empty_cpu = getattr(torch._C._dynamo.guards, "_empty_strided_cpu", None) if TensorGuards else None
+_empty_cuda = getattr(torch._C._dynamo.guards, "_empty_strided_cuda", None) if TensorGuards else None
+_cuda_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def empty_fn(device: torch.device):
+    """(shape, stride, dtype) -> an uninitialised tensor on `device`: torch's own allocation without
+    the dispatcher where torch has it (Inductor's output buffers; on CUDA only when `device` is the
+    current device, which is where it allocates), else torch.empty_strided."""
+    def general(shape, stride, dtype):
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+    if device.type == "cpu" and _empty_cpu is not None:
+        return _empty_cpu
+    if device.type == "cuda" and _empty_cuda is not None and _cuda_device is not None:
+        index = device.index
+
+        def cuda(shape, stride, dtype):
+            if _cuda_device() == index:
+                return _empty_cuda(shape, stride, dtype)
+            return general(shape, stride, dtype)
+        return cuda
+    return general
