@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
 # (info precompile packbundle bundle tests alltests sanitize fuzz fuzzsanitize overhead attnquick decodesweep prefillsweep prefillmodes writesweep writequick aotcheck ncu benchdw
-# benchp benchq bench-full demo multigpu hfcb).
+# benchp benchs benchq bench-full demo multigpu hfcb).
 # Logs and results go under $OUT; RESULTS.md and plots are regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
 set -uo pipefail
@@ -58,6 +58,7 @@ for stage in "$@"; do
     benchq)    python3 -m pagedattn.cli bench --suite all --quick --no-flex --no-report --out "$OUT/results" ;;
     benchdw)   python3 -m pagedattn.cli bench --suite decode,write --quick --no-flex --no-report --out "$OUT/results" ;;
     benchp)    python3 -m pagedattn.cli bench --suite prefill --quick --no-flex --no-report --out "$OUT/results" ;;
+    benchs)    python3 -m pagedattn.cli bench --suite "${BENCH_SUITES:-features}" --quick --no-flex --no-report --out "$OUT/results" ;;
     bench-full) python3 -m pagedattn.cli bench --suite all --no-report --out "$OUT/results" ;;
     demo)      python3 -m pagedattn.demo ;;
     # issue 21 on the GPUs of this host (one: a smoke test of the code path)
