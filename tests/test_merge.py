@@ -81,7 +81,8 @@ def _call(case, table, seqused, max_k, q=None, kc=None, vc=None, **kw):
     return pagedattn.flash_attn_varlen_func(q if q is not None else case["q"], kc if kc is not None else case["kc"],
                                             vc if vc is not None else case["vc"], 1, case["cu_q"], max_k,
                                             seqused_k=seqused, block_table=table, causal=True,
-                                            k_descale=case["ks"], v_descale=case["vs"], **kw)
+                                            k_descale=case["ks"], v_descale=case["vs"],
+                                            kv_cache_dtype=case["spec"].kv_cache_dtype, **kw)
 
 
 @pytest.mark.gpu

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 
 SCHEMA = "pagedattn-bench/1"
-SUITES = ("write", "decode", "prefill", "legacy", "jit")
+SUITES = ("write", "decode", "prefill", "features", "legacy", "jit")
 STATUSES = ("ok", "check_failed", "error", "skipped", "crashed", "timeout")
 SUITE_STATUSES = ("ok", "partial", "skipped", "error")
 UNITS = ("GB/s", "TFLOP/s", "s", "ms", "us")
