@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .plans import PlanCache
+
 try:
     from torch._C._dynamo.guards import TensorGuards
 except ImportError:  # pragma: no cover - a torch without Dynamo's guards
@@ -66,6 +68,18 @@ class Guards:
     def clear(self) -> None:  # in place: the package holds the lists
         for entries in self.forms:
             entries.clear()
+
+
+class Plans(PlanCache):
+    """An op's plans by signature, and the guards in front of them (Guards): one clear() for both."""
+
+    def __init__(self):
+        super().__init__()
+        self.steady = Guards()
+
+    def clear(self) -> None:
+        super().clear()
+        self.steady.clear()
 
 
 _empty_cpu = getattr(torch._C._dynamo.guards, "_empty_strided_cpu", None) if TensorGuards else None

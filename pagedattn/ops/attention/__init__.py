@@ -392,19 +392,7 @@ _ADDRESSES = 17  # AttnParams' leading pointer fields, q ... sinks: what a _Laun
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 
 
-class _Plans(PlanCache):
-    """The plans by signature, and the guards in front of them (steady.Guards): one clear() for both."""
-
-    def __init__(self):
-        super().__init__()
-        self.steady = steady.Guards()
-
-    def clear(self) -> None:
-        super().clear()
-        self.steady.clear()
-
-
-_PLANS = _Plans()
+_PLANS = steady.Plans()
 _GUARD_FORMS = _PLANS.steady.forms  # the two lists, cleared in place
 _FULL_WINDOW = (-1, -1)
 _ABSENT_OUT, _ABSENT_K_DESCALE, _ABSENT_V_DESCALE, _V_DESCALE_IS_K = steady.ABSENT
