@@ -1,6 +1,7 @@
 """reshape_and_cache_flash: validation at the API boundary, variant choice, launch."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -487,15 +488,29 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
             if check.check(*meta) and (kv_name is kv_cache_dtype or kv_cache_dtype.__class__ is str and
                                        kv_name == kv_cache_dtype):
                 form = None  # known: nothing to remember
-                num_tokens = slot_mapping.shape[0]
-                shape = plan.shapes.get(num_tokens)
-                if shape is not None and num_tokens <= key.shape[0] and key.shape[0] == value.shape[0]:
+                shape = plan.shapes.get(slot_mapping.numel())
+                rows = key.shape[0]
+                if shape is not None and shape.num_tokens <= rows and (value is key or value.shape[0] == rows):
                     kcp, vcp = key_cache.data_ptr(), value_cache.data_ptr()
                     if not (kcp | vcp) & 15:
                         kp, vp = key.data_ptr(), value.data_ptr()
-                        plan.prepared(shape, shape.flat is not None and not (kp | vp) & 15)(
-                            kp, vp, kcp, vcp, slot_mapping.data_ptr(), k_scale.data_ptr() if plan.is_fp8 else 0,
-                            v_scale.data_ptr() if plan.is_fp8 else 0)
+                        flat = shape.flat is not None and not (kp | vp) & 15  # write_path == "flat"
+                        run = shape.runs[not flat] or plan.prepared(shape, flat)
+                        # Prepared.__call__, inline (as attention's _Launch: a frame is a tenth of this path)
+                        try:
+                            buf, argv, _ = run._local.state
+                        except AttributeError:
+                            buf, argv, _ = run._thread_buffer()
+                        if plan.is_fp8:
+                            run._pack_head(buf, 0, kp, vp, kcp, vcp, slot_mapping.data_ptr(), k_scale.data_ptr(),
+                                           v_scale.data_ptr())
+                        else:
+                            run._pack_head(buf, 0, kp, vp, kcp, vcp, slot_mapping.data_ptr(), 0, 0)
+                        lau = run._launcher
+                        stream = ctypes.c_void_p(lau._raw_stream(lau._device))
+                        err = lau._launch(lau._func, *run._dims, stream, argv, None)
+                        if err:
+                            lau._failed(err, run._dims, stream, argv)
                         return
                 break
     if torch.compiler.is_compiling() or traced(key_cache):
