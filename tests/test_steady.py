@@ -299,3 +299,17 @@ def test_new_write_metadata_after_a_warm_up_is_judged_as_on_a_cold_cache(case):
     kv_write._PLANS.clear()
     cold = _write_outcome(kw)
     assert warm == cold
+
+
+def test_a_one_slot_mapping_with_another_stride_is_known_at_that_size_only():
+    """slot_mapping [1] of stride 2 is contiguous, [3] of stride 2 is not: the guard of the first must
+    not let the second through."""
+    kw = _write_base("i64")
+    strided = torch.arange(0, 12, 2)  # slots 0, 2, 4, ... stride 1 as values; the views below stride 2
+    one = dict(kw, slot_mapping=strided.view(-1)[::2][:1].clone().as_strided((1,), (2,)))
+    for _ in range(2):
+        assert isinstance(_write_outcome(one), list)
+    three = dict(kw, slot_mapping=strided[::2])
+    warm = _write_outcome(three)
+    kv_write._PLANS.clear()
+    assert warm == _write_outcome(three) and warm[0] is pagedattn.ContractError

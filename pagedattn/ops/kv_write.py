@@ -521,7 +521,9 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
         sig = (key.shape[1:], key.stride(), key.dtype, key.device, value.shape[1:], value.stride(),
                value.dtype, value.device, key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
                value_cache.shape, value_cache.stride(), value_cache.dtype, value_cache.device,
-               slot_mapping.dim(), slot_mapping.stride(), slot_mapping.dtype, slot_mapping.device,
+               # one entry (or none) is contiguous whatever its stride, more are only with stride 1
+               slot_mapping.dim(), slot_mapping.stride() if slot_mapping.numel() > 1 else None,
+               slot_mapping.dtype, slot_mapping.device,
                kv_cache_dtype, _scale_sig(k_scale), _scale_sig(v_scale),
                None if overrides is None else tuple(sorted(overrides.items())))
         plan = _PLANS.get(sig)
