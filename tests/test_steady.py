@@ -1,7 +1,8 @@
-"""flash_attn_varlen_func's steady state (attention/steady.py guards, _Launch) on CPU, with the driver
-stubbed as perf/host_profile.py does: a warm call packs exactly the Params of a cold call (empty plan
-cache), skips the checks, and a call with new metadata after a warm-up is refused exactly as on a cold
-cache (same exception, same message) -- the guards never weaken validation."""
+"""The steady states of flash_attn_varlen_func (ops/steady.py guards, _Launch) and of
+reshape_and_cache_flash (the same guards, Prepared launches) on CPU, with the driver stubbed as
+perf/host_profile.py does: a warm call packs exactly the Params of a cold call (empty plan cache),
+skips the checks, and a call with new metadata after a warm-up is refused exactly as on a cold cache
+(same exception, same message) -- the guards never weaken validation."""
 import ctypes
 
 import pytest
@@ -10,11 +11,12 @@ import torch
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_fuzz_validators import ATTN_SCALARS, ATTN_TENSORS, FUZZ, mutate_scalar, mutate_tensor  # noqa: E402
+from test_fuzz_validators import ATTN_SCALARS, ATTN_TENSORS, FUZZ, WRITE_TENSORS, mutate_scalar  # noqa: E402
+from test_fuzz_validators import mutate_tensor, mutate_values  # noqa: E402
 
 import pagedattn  # noqa: E402
 from pagedattn import CacheSpec  # noqa: E402
-from pagedattn.ops import attention, workspace  # noqa: E402
+from pagedattn.ops import attention, kv_write, workspace  # noqa: E402
 from pagedattn.ops.params import AttnParams  # noqa: E402
 
 LAUNCHES = []
@@ -40,12 +42,16 @@ class _RecordingKernel:
         lau._launch, lau._func, lau._device, lau._smem, lau._ctx = record, ctypes.c_void_p(0), device, 0, 0
         lau._params, lau._pack, lau._size = self.spec.PARAMS, launch.packer(self.spec.PARAMS).pack_into, size
         lau._local, lau._raw_stream = threading.local(), (lambda device: 0)
+        lau.max_active_blocks = lambda threads: 4
         return lau
 
 
 @pytest.fixture(autouse=True)
 def stub_cuda(monkeypatch):
     monkeypatch.setattr(attention, "get_kernel", _RecordingKernel)
+    monkeypatch.setattr(kv_write, "get_kernel", _RecordingKernel)
+    monkeypatch.setattr(kv_write, "_require_cuda", lambda t: None)
+    monkeypatch.setattr(kv_write, "sm_count", lambda device: 132)
     monkeypatch.setattr(attention, "_require_cuda", lambda t: None)
     monkeypatch.setattr(attention, "arch_for_device", lambda device: "sm_90a")
     monkeypatch.setattr(attention, "sm_count", lambda device: 132)
@@ -63,9 +69,11 @@ def stub_cuda(monkeypatch):
     monkeypatch.setattr(workspace, "_get", cpu_get)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     attention._PLANS.clear()
+    kv_write._PLANS.clear()
     LAUNCHES.clear()
     yield
     attention._PLANS.clear()
+    kv_write._PLANS.clear()
 
 
 def _base(form: str) -> dict:
@@ -160,3 +168,148 @@ def test_new_metadata_after_a_warm_up_is_judged_as_on_a_cold_cache(case):
     attention._PLANS.clear()
     cold = _outcome(kw)
     assert warm == cold
+
+
+# ---------------------------------------------------------------- reshape_and_cache_flash
+def _misaligned(t):
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype)[1:]
+    return flat.view(t.shape).copy_(t)
+
+
+def _write_base(form: str) -> dict:
+    """A write of 3 tokens (key/value padded to 5) into a 16-block cache: int64 or int32 slots, NHD or
+    HND, bf16 or fp8 (uint8 or float8 storage, one scale or one per head, v_scale the same tensor or
+    not), value the same tensor as key, key not 16-byte aligned (span/head in place of flat), and a
+    many-token write (the streaming flat launch of fp8)."""
+    gen = torch.Generator().manual_seed(len(form))
+    kv = "fp8_e4m3" if form.startswith("fp8") else "auto"
+    storage = torch.bfloat16 if kv == "auto" else torch.float8_e4m3fn if form == "fp8_native" else torch.uint8
+    spec = CacheSpec(16, 16, 2, 64, storage, kv, "HND" if form in ("hnd", "fp8_head") else "NHD",
+                     "head" if form == "fp8_head" else "tensor")
+    kc, vc = spec.allocate("cpu", fill=0.0)
+    t = 1500 if form == "fp8_many" else 3
+    key = torch.randn(t + 2, 2, 64, generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(spec.num_slots, generator=gen)[:t] if t <= spec.num_slots else \
+        torch.randint(-1, spec.num_slots, (t,), generator=gen)
+    kw = dict(key=key, value=key if form == "same_kv" else torch.randn(t + 2, 2, 64, generator=gen).to(torch.bfloat16),
+              key_cache=kc, value_cache=vc, slot_mapping=slots.to(torch.int32 if form == "i32" else torch.int64))
+    if form == "misaligned":
+        kw["key"] = _misaligned(key)
+    if kv != "auto":
+        shape = (2,) if form == "fp8_head" else (1,)
+        kw.update(kv_cache_dtype=kv, k_scale=torch.full(shape, 0.5))
+        kw["v_scale"] = kw["k_scale"] if form == "fp8_same" else torch.full(shape, 0.25)
+    return kw
+
+
+WRITE_FORMS = ("i64", "i32", "hnd", "same_kv", "misaligned", "fp8", "fp8_head", "fp8_same", "fp8_native",
+               "fp8_many")
+
+
+def _write_outcome(kw):
+    """What a write did: the exception (type, message), or each launch's grid, block and Params bytes
+    (every address is an input's: comparable between calls)."""
+    LAUNCHES.clear()
+    try:
+        pagedattn.reshape_and_cache_flash(**kw)
+    except Exception as exc:  # noqa: BLE001 - compared, whatever it is
+        return type(exc), str(exc)
+    return list(LAUNCHES)
+
+
+@pytest.mark.parametrize("form", WRITE_FORMS)
+def test_a_warm_write_launches_what_a_cold_one_does(form, monkeypatch):
+    kw = _write_base(form)
+    cold = _write_outcome(kw)
+    assert isinstance(cold, list) and len(cold) == 1, cold
+    (guard,) = kv_write._PLANS.steady.forms[form.startswith("fp8")]  # the first call's
+    strict = []  # while true, the checks and _launch fail the test
+
+    def refuse(real):
+        return lambda *a, **k: pytest.fail("the steady path validated") if strict else real(*a, **k)
+
+    monkeypatch.setattr(kv_write, "check_metadata", refuse(kv_write.check_metadata))
+    monkeypatch.setattr(kv_write, "_launch", refuse(kv_write._launch))
+    strict.append(1)
+    for _ in range(2):
+        assert _write_outcome(kw) == cold
+    # another token count of the same metadata: validated once (its launch shape), then steady
+    strict.clear()
+    kv_write._PLANS.clear()
+    fewer = dict(kw, slot_mapping=kw["slot_mapping"][:2])
+    cold2 = _write_outcome(fewer)
+    _write_outcome(kw)
+    strict.append(1)
+    assert cold2 != cold and _write_outcome(fewer) == cold2 and _write_outcome(kw) == cold
+
+
+def test_a_warm_write_packs_the_addresses_of_this_call():
+    kw = _write_base("fp8")
+    _write_outcome(kw)
+    moved = {name: t.clone() for name, t in kw.items() if isinstance(t, torch.Tensor)}
+    got = _write_outcome(dict(kw, **moved))
+    kv_write._PLANS.clear()
+    assert got == _write_outcome(dict(kw, **moved)) != _write_outcome(kw)
+
+
+def test_debug_validate_and_overrides_take_the_full_path(monkeypatch):
+    kw = _write_base("i64")
+    for _ in range(2):
+        _write_outcome(kw)
+    calls = []
+    monkeypatch.setattr(kv_write, "check_slots", lambda *a: calls.append("slots"))
+    _write_outcome(dict(kw, validate=True))
+    monkeypatch.setenv("PAGEDATTN_DEBUG", "1")
+    _write_outcome(kw)
+    assert calls == ["slots", "slots"]
+    monkeypatch.delenv("PAGEDATTN_DEBUG")
+    flat = _write_outcome(kw)
+    base = _write_outcome(dict(kw, overrides={"flat": False}))
+    assert flat[0][0] != base[0][0]  # another grid: the override was applied
+    assert _write_outcome(kw) == flat
+
+
+@st.composite
+def write_then_mutated(draw):
+    form = draw(st.sampled_from(WRITE_FORMS[:-1]))
+    base = _write_base(form)
+    changes = {}
+    for _ in range(draw(st.integers(1, 2))):
+        name = draw(st.sampled_from(WRITE_TENSORS + ("kv_cache_dtype", "fewer", "values")))
+        if name == "kv_cache_dtype":
+            changes[name] = mutate_scalar(draw, name)
+        elif name == "fewer":  # a token count the plan has not launched yet
+            changes["slot_mapping"] = base["slot_mapping"][:draw(st.integers(0, 2))]
+        elif name == "values":
+            changes["slot_mapping"] = mutate_values(draw, base["slot_mapping"])
+        else:
+            changes[name] = mutate_tensor(draw, base.get(name))
+    return form, changes
+
+
+@FUZZ
+@given(write_then_mutated())
+def test_new_write_metadata_after_a_warm_up_is_judged_as_on_a_cold_cache(case):
+    form, changes = case
+    kw = _write_base(form)
+    for _ in range(2):  # warm: a plan, its guard and the launch of this token count
+        assert isinstance(_write_outcome(kw), list)
+    kw.update(changes)
+    warm = _write_outcome(kw)
+    kv_write._PLANS.clear()
+    cold = _write_outcome(kw)
+    assert warm == cold
+
+
+def test_a_one_slot_mapping_with_another_stride_is_known_at_that_size_only():
+    """slot_mapping [1] of stride 2 is contiguous, [3] of stride 2 is not: the guard of the first must
+    not let the second through."""
+    kw = _write_base("i64")
+    strided = torch.arange(0, 12, 2)  # slots 0, 2, 4, ... stride 1 as values; the views below stride 2
+    one = dict(kw, slot_mapping=strided.view(-1)[::2][:1].clone().as_strided((1,), (2,)))
+    for _ in range(2):
+        assert isinstance(_write_outcome(one), list)
+    three = dict(kw, slot_mapping=strided[::2])
+    warm = _write_outcome(three)
+    kv_write._PLANS.clear()
+    assert warm == _write_outcome(three) and warm[0] is pagedattn.ContractError

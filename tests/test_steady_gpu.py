@@ -1,14 +1,15 @@
-"""flash_attn_varlen_func's steady state on the GPU: warm calls (a guard and the batch shape's launch
-known) give bit-identical results to cold calls (empty plan cache) and match the reference; new bad
-metadata after a warm-up is refused with the cold message; layers (caches) and batch shapes that
-alternate stay right. tests/test_steady.py covers the same on CPU with the driver stubbed."""
+"""The steady states of flash_attn_varlen_func and reshape_and_cache_flash on the GPU: warm calls (a
+guard and the launch of the batch shape / token count known) give bit-identical results to cold calls
+(empty plan cache) and match the reference (the write: bit for bit, on NaN-poisoned caches); new bad
+metadata after a warm-up is refused with the cold message; layers (caches), batch shapes and token
+counts that alternate stay right. tests/test_steady.py covers the same on CPU with the driver stubbed."""
 import pytest
 import torch
 from test_attention import build_case, rel_l2
 
 import pagedattn
 from pagedattn import ContractError, reference
-from pagedattn.ops import attention
+from pagedattn.ops import attention, kv_write
 
 pytestmark = pytest.mark.gpu
 
@@ -110,3 +111,119 @@ def test_alternating_layers_and_batch_shapes():
         for i in (0, 1, 2, 1, 0):
             got = _call(*cases[i], "plain")
             assert torch.equal(got[0], want[i][0]), (step, i)
+
+
+# ---------------------------------------------------------------- reshape_and_cache_flash
+WRITE_FORMS = ["i64", "i32", "hnd", "same_kv", "misaligned", "padded", "fp8", "fp8_head", "fp8_same",
+               "e5m2_many"]
+
+
+def _write_case(form, seed, tokens=None):
+    """A write into a 128-block cache (4 heads, D 128): int64 or int32 slots (one -1), NHD or HND, bf16 or
+    fp8 (one scale or one per head), value the same tensor as key, key not 16-byte aligned (span/head
+    in place of flat), key/value padded past the slots, or 1200 tokens (the streaming flat launch)."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = "fp8_e4m3" if form.startswith("fp8") else "fp8_e5m2" if form.startswith("e5m2") else "auto"
+    spec = pagedattn.CacheSpec(128, 16, 4, 128, torch.bfloat16 if kv == "auto" else torch.uint8, kv,
+                               "HND" if form in ("hnd", "fp8_head") else "NHD", "head" if form == "fp8_head" else "tensor")
+    t = tokens or (1200 if form.endswith("many") else 5)
+    slots = torch.randperm(spec.num_slots, generator=gen)[:t]
+    slots[t // 2] = -1
+    rows = t + (3 if form == "padded" else 0)
+    key = torch.randn(rows, 4, 128, generator=gen).to(torch.bfloat16).cuda()
+    kw = dict(key=key, value=key if form == "same_kv" else torch.randn(rows, 4, 128, generator=gen).to(torch.bfloat16).cuda(),
+              slot_mapping=slots.to(torch.int32 if form == "i32" else torch.int64).cuda())
+    if form == "misaligned":
+        kw["key"] = _misaligned(key)
+    if kv != "auto":
+        shape = (4,) if form == "fp8_head" else (1,)
+        kw.update(kv_cache_dtype=kv, k_scale=(torch.rand(shape, generator=gen) + 0.25).cuda())
+        kw["v_scale"] = kw["k_scale"] if form == "fp8_same" else (torch.rand(shape, generator=gen) + 0.25).cuda()
+    return spec, kw
+
+
+def _bits(t):
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _write(spec, kw, fn=None):
+    """Write into fresh NaN-poisoned caches of `spec` (new addresses, the same metadata): the caches."""
+    kc, vc = spec.allocate("cuda", fill=float("nan"))
+    (fn or pagedattn.reshape_and_cache_flash)(key_cache=kc, value_cache=vc, **kw)
+    return _bits(kc), _bits(vc)
+
+
+def _same(got, want):
+    return all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("form", WRITE_FORMS)
+def test_warm_writes_equal_cold_ones_and_the_reference(form):
+    spec, kw = _write_case(form, 21 + WRITE_FORMS.index(form))
+    kv_write._PLANS.clear()
+    cold = _write(spec, kw)
+    warm = [_write(spec, kw) for _ in range(3)]
+    assert any(kv_write._PLANS.steady.forms), "no guard was kept"
+    assert all(_same(got, cold) for got in warm)
+    assert _same(cold, _write(spec, kw, reference.reshape_and_cache_flash))
+
+
+def test_writes_after_a_metadata_change_equal_the_reference():
+    """Warm, then another token count, slot dtype, padding, alignment and cache layout, alternating:
+    every write equals the reference bit for bit, whichever guard and launch it meets."""
+    cases = [_write_case("i64", 31), _write_case("i64", 32, tokens=3), _write_case("i32", 33),
+             _write_case("padded", 34), _write_case("misaligned", 35), _write_case("hnd", 36),
+             _write_case("fp8", 37), _write_case("fp8", 38, tokens=7)]
+    want = [_write(spec, kw, reference.reshape_and_cache_flash) for spec, kw in cases]
+    kv_write._PLANS.clear()
+    for _ in range(3):
+        _write(*cases[0])
+    for step in range(3):
+        for i in (1, 0, 2, 3, 0, 4, 5, 6, 7, 6, 0):
+            assert _same(_write(*cases[i]), want[i]), (step, i)
+
+
+def _offset_cache(t):
+    """t's metadata at an address 2 bytes past 16-byte alignment."""
+    flat = torch.empty(t.untyped_storage().nbytes() // t.element_size() + 8, dtype=t.dtype, device=t.device)
+    return flat[1:].as_strided(t.shape, t.stride())
+
+
+WRITE_BAD = {
+    "slot_mapping int16": lambda kw, kc: {"slot_mapping": kw["slot_mapping"].to(torch.int16)},
+    "slot_mapping 2-D": lambda kw, kc: {"slot_mapping": kw["slot_mapping"][None]},
+    "slot_mapping strided": lambda kw, kc: {"slot_mapping": kw["slot_mapping"].repeat(2)[::2]},
+    "slot_mapping on cpu": lambda kw, kc: {"slot_mapping": kw["slot_mapping"].cpu()},
+    "slot_mapping too long": lambda kw, kc: {"slot_mapping": torch.cat([kw["slot_mapping"]] * 2)},
+    "slot past the cache (validate)": lambda kw, kc: {"slot_mapping": kw["slot_mapping"] + 10**6, "validate": True},
+    "key fp16": lambda kw, kc: {"key": kw["key"].half(), "value": kw["value"].half()},
+    "value fewer tokens": lambda kw, kc: {"value": kw["value"][:-1]},
+    "key heads": lambda kw, kc: {"key": kw["key"][:, :2]},
+    "key_cache misaligned": lambda kw, kc: {"key_cache": _offset_cache(kc)},
+    "key_cache transposed": lambda kw, kc: {"key_cache": kc.transpose(1, 2)},
+    "kv_cache_dtype fp8 on bf16": lambda kw, kc: {"kv_cache_dtype": "fp8_e4m3"},
+}
+
+
+@pytest.mark.parametrize("bad", sorted(WRITE_BAD))
+def test_new_bad_write_metadata_after_a_warm_up_is_refused_as_cold(bad):
+    spec, kw = _write_case("i64", 41)
+    kc, vc = spec.allocate("cuda", fill=0.0)
+
+    def run(**changes):
+        args = dict(kw, key_cache=kc, value_cache=vc)
+        args.update(changes)
+        try:
+            pagedattn.reshape_and_cache_flash(**args)
+        except ContractError as exc:
+            return str(exc)
+        return None
+
+    changes = WRITE_BAD[bad](kw, kc)
+    kv_write._PLANS.clear()
+    cold = run(**changes)
+    assert cold is not None, f"{bad} was accepted"
+    kv_write._PLANS.clear()
+    for _ in range(3):
+        assert run() is None
+    assert run(**changes) == cold

@@ -1,6 +1,7 @@
 """reshape_and_cache_flash: validation at the API boundary, variant choice, launch."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -9,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from .. import envs
-from .plans import PlanCache
+from . import steady
 from ..contract import CacheSpec, ContractError, check_scale_values, describe, traced
 from ..dtypes import CUDA_TYPE, FP8_FORMAT, short
 from ..registry import KernelSpec, UnsupportedError, get_kernel, register, sm_count
@@ -320,19 +321,23 @@ def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
 
 
 class _Shape:
-    """The launch of one token count: its config, the flat (grid, block) (None: never flat) and the
-    span/head block."""
-    __slots__ = ("config", "flat", "base_block")
+    """The launch of one token count: its config, the flat (grid, block) (None: never flat), the
+    span/head block, and the Prepared launches of the steady path ([flat, base], built on first use)."""
+    __slots__ = ("num_tokens", "config", "flat", "base_block", "runs")
 
-    def __init__(self, config, flat, base_block):
-        self.config, self.flat, self.base_block = config, flat, base_block
+    def __init__(self, num_tokens, config, flat, base_block):
+        self.num_tokens, self.config, self.flat, self.base_block = num_tokens, config, flat, base_block
+        self.runs = [None, None]
+
+
+_ADDRESSES = 7  # KvWriteParams' leading pointers (key ... v_scale): what a Prepared launch fills in per call
 
 
 class _Plan:
     """Everything about a call that depends only on tensor metadata (and the overrides): validated
     once, reused. Kernels load on first use (a flat-only workload never compiles span/head)."""
     __slots__ = ("spec", "device", "elem", "base_spec", "base", "flat_spec", "flat", "flat_tokens",
-                 "token_packs", "launch_overrides", "tail", "is_fp8", "num_slots", "slot64", "shapes")
+                 "token_packs", "launch_overrides", "strides", "tail", "is_fp8", "num_slots", "slot64", "shapes")
 
     def __init__(self, spec: CacheSpec, key, value, key_cache, slot_mapping, scale_stride, overrides=None):
         build, self.launch_overrides = split_overrides(overrides)
@@ -351,6 +356,7 @@ class _Plan:
         strides_ok = not any(t.stride(0) * elem % 16 for t in (key, value))
         self.flat_tokens = flat_tokens(spec, elem) if strides_ok else range(0)
         self.token_packs = 2 * spec.num_kv_heads * spec.head_size * elem // 16
+        self.strides = (key.stride(0), value.stride(0))  # the signature's (a plan serves one)
         bs, ps, hs, _ = key_cache.stride()
         # Params after the 7 pointers: strides, CacheGeometry, scale_stride (slot_is_int64, num_tokens per call)
         self.tail = (bs, ps, hs, spec.num_slots, spec.num_blocks, spec.block_size, spec.num_kv_heads,
@@ -373,8 +379,22 @@ class _Plan:
                 flat = flat_launch(config, self.flat_spec, num_tokens * self.token_packs,
                                    lambda threads: self.flat_launcher().max_active_blocks(threads))
             block = (base_threads(self.spec, self.base_spec.path, self.elem, config), 1, 1)
-            shape = self.shapes[num_tokens] = _Shape(config, flat, block)
+            shape = self.shapes[num_tokens] = _Shape(num_tokens, config, flat, block)
         return shape
+
+    def prepared(self, shape: _Shape, flat: bool):
+        """The Prepared launch of `shape` on the flat path or span/head: every Params field after the
+        pointers (token strides, geometry, slot width, token count) packed once, as _launch packs them."""
+        run = shape.runs[not flat]
+        if run is None:
+            n = shape.num_tokens
+            tail = (*self.strides, *self.tail, self.slot64, n)
+            if flat:
+                run = self.flat_launcher().prepare(*shape.flat, _ADDRESSES, tail)
+            else:
+                run = self.base_launcher().prepare((n, 1, 1), shape.base_block, _ADDRESSES, tail)
+            shape.runs[not flat] = run
+        return run
 
     def base_launcher(self):
         if self.base is None:
@@ -423,7 +443,11 @@ def _scale_sig(t):
         if isinstance(t, torch.Tensor) else type(t)
 
 
-_PLANS = PlanCache()
+_PLANS = steady.Plans()
+_GUARD_FORMS = _PLANS.steady.forms  # the two lists, cleared in place
+_VALUE_IS_KEY, _NO_K_SCALE, _NO_V_SCALE, _V_SCALE_IS_K = steady.ABSENT
+_is_compiling = torch.compiler.is_compiling
+_debug = envs.debug
 
 
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
@@ -443,12 +467,52 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     {"flat": False} or {"items": 2, "threads": 128}. The results are the same, only the speed differs.
 
     Validation runs once per distinct tensor metadata (shapes without T, strides, dtypes, devices);
-    later calls with the same metadata only re-check what can change (token counts, alignment).
+    later calls with the same metadata only re-check what can change (token counts, alignment): one
+    guard check (pagedattn/ops/steady.py) recognises them, then a Prepared launch packs the addresses.
 
     Under torch.compile this calls the custom op torch.ops.pagedattn.reshape_and_cache_flash
     (pagedattn.ops.library; PAGEDATTN_DEBUG still applies, validate= and overrides= do not); in eager
     it runs here.
     """
+    # The steady state, in eager, without overrides or debug checks: one guard (steady.py) says the
+    # tensors have a validated call's metadata (token counts aside), then only the token counts and
+    # the base pointers are read. Form 1: with scales (stand-ins for None and for v_scale is k_scale).
+    form = None
+    if overrides is None and not validate and not _is_compiling() and not _debug():
+        form = k_scale is not None or v_scale is not None
+        meta = (key, _VALUE_IS_KEY if value is key else value, key_cache, value_cache, slot_mapping,
+                _NO_K_SCALE if k_scale is None else k_scale,
+                _NO_V_SCALE if v_scale is None else _V_SCALE_IS_K if v_scale is k_scale else v_scale) if form else \
+            (key, _VALUE_IS_KEY if value is key else value, key_cache, value_cache, slot_mapping)
+        for check, kv_name, plan in _GUARD_FORMS[form]:
+            if check.check(*meta) and (kv_name is kv_cache_dtype or kv_cache_dtype.__class__ is str and
+                                       kv_name == kv_cache_dtype):
+                form = None  # known: nothing to remember
+                shape = plan.shapes.get(slot_mapping.numel())
+                rows = key.shape[0]
+                if shape is not None and shape.num_tokens <= rows and (value is key or value.shape[0] == rows):
+                    kcp, vcp = key_cache.data_ptr(), value_cache.data_ptr()
+                    if not (kcp | vcp) & 15:
+                        kp, vp = key.data_ptr(), value.data_ptr()
+                        flat = shape.flat is not None and not (kp | vp) & 15  # write_path == "flat"
+                        run = shape.runs[not flat] or plan.prepared(shape, flat)
+                        # Prepared.__call__, inline (as attention's _Launch: a frame is a tenth of this path)
+                        try:
+                            buf, argv, _ = run._local.state
+                        except AttributeError:
+                            buf, argv, _ = run._thread_buffer()
+                        if plan.is_fp8:
+                            run._pack_head(buf, 0, kp, vp, kcp, vcp, slot_mapping.data_ptr(), k_scale.data_ptr(),
+                                           v_scale.data_ptr())
+                        else:
+                            run._pack_head(buf, 0, kp, vp, kcp, vcp, slot_mapping.data_ptr(), 0, 0)
+                        lau = run._launcher
+                        stream = ctypes.c_void_p(lau._raw_stream(lau._device))
+                        err = lau._launch(lau._func, *run._dims, stream, argv, None)
+                        if err:
+                            lau._failed(err, run._dims, stream, argv)
+                        return
+                break
     if torch.compiler.is_compiling() or traced(key_cache):
         torch.ops.pagedattn.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
                                                     kv_cache_dtype or "auto", k_scale, v_scale)
@@ -457,7 +521,9 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
         sig = (key.shape[1:], key.stride(), key.dtype, key.device, value.shape[1:], value.stride(),
                value.dtype, value.device, key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
                value_cache.shape, value_cache.stride(), value_cache.dtype, value_cache.device,
-               slot_mapping.dim(), slot_mapping.stride(), slot_mapping.dtype, slot_mapping.device,
+               # one entry (or none) is contiguous whatever its stride, more are only with stride 1
+               slot_mapping.dim(), slot_mapping.stride() if slot_mapping.numel() > 1 else None,
+               slot_mapping.dtype, slot_mapping.device,
                kv_cache_dtype, _scale_sig(k_scale), _scale_sig(v_scale),
                None if overrides is None else tuple(sorted(overrides.items())))
         plan = _PLANS.get(sig)
@@ -469,15 +535,22 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
                 and not (key_cache.data_ptr() | value_cache.data_ptr()) & 15):
             _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
                     num_tokens, validate)
-            return
-    spec, num_tokens, scale_stride = check_metadata(key, value, key_cache, value_cache, slot_mapping,
-                                                    kv_cache_dtype, k_scale, v_scale)
-    split_overrides(overrides)
-    _require_cuda(key_cache)
-    plan = _Plan(spec, key, value, key_cache, slot_mapping, scale_stride, overrides)
-    _PLANS.remember(sig, plan)
-    _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
-            validate)
+        else:
+            plan = None
+    if plan is None:
+        spec, num_tokens, scale_stride = check_metadata(key, value, key_cache, value_cache, slot_mapping,
+                                                        kv_cache_dtype, k_scale, v_scale)
+        split_overrides(overrides)
+        _require_cuda(key_cache)
+        plan = _Plan(spec, key, value, key_cache, slot_mapping, scale_stride, overrides)
+        _PLANS.remember(sig, plan)
+        _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
+                validate)
+    if form is not None:  # a steady-state call whose metadata no guard knew: one does now
+        # token counts vary (dim 0 of key, value, slot_mapping), except for a slot_mapping of one entry
+        # (or none) with another stride, which is contiguous only at that size
+        dynamic = (0, 1, 4) if slot_mapping.stride(0) == 1 else (0, 1)
+        _PLANS.steady.add(form, steady.guard(meta, dynamic), kv_cache_dtype, plan)
 
 
 def check_metadata(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,

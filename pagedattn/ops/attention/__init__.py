@@ -1,11 +1,12 @@
 """flash_attn_varlen_func over a paged KV cache: the kernel family, the plan cache, dispatch, launch.
 
-The steps live in small modules, re-exported here (every `pagedattn.ops.attention.X` keeps working):
+The steps live in small modules, re-exported here (every `pagedattn.ops.attention.X` keeps working),
+and ../steady.py (the steady state: one C++ guard check of a validated call's metadata, shared with
+the write):
   tiles.py       tile sizes per (head dim, mode, cache dtype, arch) and their shared memory
   heuristics.py  mode choice and split count, pure functions (MAX_SPLITS)
   validate.py    the checks of a call: keywords, scalars, tensor metadata, values
   tma.py         the CUtensorMaps of decode_tma
-  steady.py      the steady state: one C++ guard check of a validated call's metadata, allocation
 This module keeps what reads the device or a monkeypatchable name at run time (tests and perf sweeps
 replace `tile_config`, `tma_ok`, `wgmma_ok`, `tma_maps`, `sm_count` here): the spec, the plan and
 the launch."""
@@ -25,14 +26,13 @@ from ...codegen.launch import Prepared
 from ...contract import ContractError, traced
 from ...dtypes import CUTLASS_TYPE, FP8_FORMAT, short
 from ...registry import KernelSpec, UnsupportedError, arch_for_device, get_kernel, register, sm_count
-from .. import workspace
+from .. import steady, workspace
 from ..params import AttnParams
 # re-exported: `from pagedattn.ops.attention import X` finds every name of the former single module
 from .heuristics import MAX_SPLITS, _best_splits, mode_for, split_cost, splits_for  # noqa: F401
 from .heuristics import tma_ok, wave_capacity, wgmma_ok  # noqa: F401
 from .tiles import HEAD_DIMS, MODES, SMALL_SMEM_ARCH, SMEM_LIMIT, SMEM_PER_CTA, _tiles  # noqa: F401
 from .tiles import fp8_regs, smem_bytes, smem_limit, tile_config  # noqa: F401
-from . import steady
 from .tma import TMA_L2_PROMOTION, tma_maps  # noqa: F401
 from .validate import _INT32_MAX, _NO_FEATURES, _UNSUPPORTED_OK, _batch, _Call, _check_aligned  # noqa: F401
 from .validate import _check_strides, _count_arg, _descale_strides, _given, _head_vector  # noqa: F401
@@ -392,19 +392,7 @@ _ADDRESSES = 17  # AttnParams' leading pointer fields, q ... sinks: what a _Laun
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 
 
-class _Plans(PlanCache):
-    """The plans by signature, and the guards in front of them (steady.Guards): one clear() for both."""
-
-    def __init__(self):
-        super().__init__()
-        self.steady = steady.Guards()
-
-    def clear(self) -> None:
-        super().clear()
-        self.steady.clear()
-
-
-_PLANS = _Plans()
+_PLANS = steady.Plans()
 _GUARD_FORMS = _PLANS.steady.forms  # the two lists, cleared in place
 _FULL_WINDOW = (-1, -1)
 _ABSENT_OUT, _ABSENT_K_DESCALE, _ABSENT_V_DESCALE, _V_DESCALE_IS_K = steady.ABSENT

@@ -1,7 +1,8 @@
-"""The steady state of flash_attn_varlen_func: knowing, in one C++ call, that a call's tensors have
-the metadata of a call validated before, and allocating outputs without the dispatcher.
+"""The steady state of the eager ops (flash_attn_varlen_func, reshape_and_cache_flash): knowing, in
+one C++ call, that a call's tensors have the metadata of a call validated before, and allocating
+outputs without the dispatcher.
 
-A plan (the package's `_Plan`) is validated once per tensor signature. Recognising that signature from
+A plan (each op's `_Plan`) is validated once per tensor signature. Recognising that signature from
 Python (shape, strides, dtype, device of six tensors, hashed into a key) costs about 4 µs; torch's own
 guard check, `TensorGuards` (what torch.compile's guards on tensor inputs are made of), compares each
 tensor's Python type, dispatch keys (device type, layout, autograd), dtype, device index,
@@ -12,6 +13,8 @@ signature path, which checks the same metadata.
 from __future__ import annotations
 
 import torch
+
+from .plans import PlanCache
 
 try:
     from torch._C._dynamo.guards import TensorGuards
@@ -24,15 +27,16 @@ class _Absent(torch.Tensor):
     it: no caller holds an instance, and a guard compares Python types first."""
 
 
-# out, k_descale, v_descale when None, and v_descale when it is k_descale (a guard refuses the same
-# tensor twice: one stand-in each)
+# Stand-ins, distinct (a guard refuses the same tensor twice: one each): attention's out, k_descale,
+# v_descale when None and v_descale when it is k_descale; the write's value when it is key, k_scale and
+# v_scale when None and v_scale when it is k_scale.
 ABSENT = tuple(torch.empty(0).as_subclass(_Absent) for _ in range(4))
 
 
 def guard(tensors: tuple, dynamic: tuple = ()):
     """A check that `tensors` (same positions) have these tensors' metadata, dim 0 of the positions in
-    `dynamic` excepted (total_q); None where torch has no TensorGuards, or when one tensor is given
-    twice (k is v: such calls always take the validated path)."""
+    `dynamic` excepted (total_q, token counts); None where torch has no TensorGuards, or when one tensor
+    is given twice (k is v: such calls always take the validated path)."""
     if TensorGuards is None:
         return None
     sizes = [[None, *t.shape[1:]] if i in dynamic else list(t.shape) for i, t in enumerate(tensors)]
@@ -44,16 +48,18 @@ def guard(tensors: tuple, dynamic: tuple = ()):
 
 
 class Guards:
-    """Guards of validated signatures in front of the plan cache, two lists by the call's form: the
-    usual six tensors (q, k, v, cu_seqlens_q, seqused_k, block_table), or those with out, k_descale
-    and v_descale (ABSENT for a None). Newest first, at most `limit` each: a call no guard knows pays
-    `limit` failed checks (0.1 µs a tensor) before the validated path."""
+    """Guards of validated signatures in front of an op's plan cache, two lists by the call's form
+    (attention: the usual six tensors, or those with out, k_descale and v_descale; the write: K/V,
+    caches and slots, or those with the scales; ABSENT for a None). Each entry: (check, the string
+    argument it was validated with (kv_cache_dtype), plan). Newest first, at most `limit` each: a call
+    no guard knows pays `limit` failed checks (0.1 µs a tensor) before the validated path."""
 
     def __init__(self, limit: int = 4):
         self.limit = limit
         self.forms: tuple[list, list] = ([], [])
 
     def add(self, form: int, check, kv_cache_dtype, plan) -> None:
+        """Remember `plan` behind `check` (nothing when guard() gave None)."""
         if check is not None:
             entries = self.forms[form]
             entries.insert(0, (check, kv_cache_dtype, plan))
@@ -62,6 +68,18 @@ class Guards:
     def clear(self) -> None:  # in place: the package holds the lists
         for entries in self.forms:
             entries.clear()
+
+
+class Plans(PlanCache):
+    """An op's plans by signature, and the guards in front of them (Guards): one clear() for both."""
+
+    def __init__(self):
+        super().__init__()
+        self.steady = Guards()
+
+    def clear(self) -> None:
+        super().clear()
+        self.steady.clear()
 
 
 _empty_cpu = getattr(torch._C._dynamo.guards, "_empty_strided_cpu", None) if TensorGuards else None
