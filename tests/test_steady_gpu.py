@@ -76,24 +76,29 @@ BAD = {
 def test_new_bad_metadata_after_a_warm_up_is_refused_as_cold(bad):
     case, kw = _case("plain", 3, lens_k=(40, 7, 33))
     kw["out"] = torch.empty_like(case["q"])  # the warm form with out=, so that "out ..." meets a guard
+    args = dict(q=case["q"], k=case["kc"], v=case["vc"], **kw)
+    _assert_refused_warm_as_cold(bad, pagedattn.flash_attn_varlen_func, attention._PLANS, args, BAD[bad](kw, case))
 
-    def run(**changes):
-        args = dict(q=case["q"], k=case["kc"], v=case["vc"], **kw)
-        args.update(changes)
-        try:
-            pagedattn.flash_attn_varlen_func(**args)
-        except ContractError as exc:
-            return str(exc)
-        return None
 
-    changes = BAD[bad](kw, case)
-    attention._PLANS.clear()
-    cold = run(**changes)
+def _refusal(op, args):
+    """The ContractError message of op(**args), or None when it runs."""
+    try:
+        op(**args)
+    except ContractError as exc:
+        return str(exc)
+    return None
+
+
+def _assert_refused_warm_as_cold(bad, op, plans, args, changes):
+    """`changes` to a call is refused on a cold cache, and again, with the same message, after three
+    warm calls of the unchanged one."""
+    plans.clear()
+    cold = _refusal(op, {**args, **changes})
     assert cold is not None, f"{bad} was accepted"
-    attention._PLANS.clear()
+    plans.clear()
     for _ in range(3):
-        assert run() is None
-    assert run(**changes) == cold
+        assert _refusal(op, args) is None
+    assert _refusal(op, {**args, **changes}) == cold
 
 
 def test_alternating_layers_and_batch_shapes():
@@ -209,21 +214,5 @@ WRITE_BAD = {
 def test_new_bad_write_metadata_after_a_warm_up_is_refused_as_cold(bad):
     spec, kw = _write_case("i64", 41)
     kc, vc = spec.allocate("cuda", fill=0.0)
-
-    def run(**changes):
-        args = dict(kw, key_cache=kc, value_cache=vc)
-        args.update(changes)
-        try:
-            pagedattn.reshape_and_cache_flash(**args)
-        except ContractError as exc:
-            return str(exc)
-        return None
-
-    changes = WRITE_BAD[bad](kw, kc)
-    kv_write._PLANS.clear()
-    cold = run(**changes)
-    assert cold is not None, f"{bad} was accepted"
-    kv_write._PLANS.clear()
-    for _ in range(3):
-        assert run() is None
-    assert run(**changes) == cold
+    _assert_refused_warm_as_cold(bad, pagedattn.reshape_and_cache_flash, kv_write._PLANS,
+                                 dict(kw, key_cache=kc, value_cache=vc), WRITE_BAD[bad](kw, kc))

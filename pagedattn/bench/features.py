@@ -57,7 +57,7 @@ def cases(ctx: Ctx) -> list[Case]:
 
 def _params(ctx: Ctx, shape: dict) -> dict:
     dims = {"hq": 4, "hkv": 2, "d": 64, "bs": 16} if ctx.tiny else {"hq": HQ, "hkv": HKV, "d": 128, "bs": BLOCK}
-    dims.update({k: v for k, v in shape.items() if k == "d"})
+    dims["d"] = shape.get("d", dims["d"])
     return {"B": shape["B"], "q_len": shape["q_len"], "ctx": shape["ctx"], "kv_cache_dtype": "auto",
             "cache": "bf16", "dtype": "bf16", "layout": "NHD", "causal": True, **dims}
 

@@ -1,7 +1,6 @@
 """reshape_and_cache_flash: validation at the API boundary, variant choice, launch."""
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -485,34 +484,22 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
                 _NO_V_SCALE if v_scale is None else _V_SCALE_IS_K if v_scale is k_scale else v_scale) if form else \
             (key, _VALUE_IS_KEY if value is key else value, key_cache, value_cache, slot_mapping)
         for check, kv_name, plan in _GUARD_FORMS[form]:
-            if check.check(*meta) and (kv_name is kv_cache_dtype or kv_cache_dtype.__class__ is str and
-                                       kv_name == kv_cache_dtype):
-                form = None  # known: nothing to remember
-                shape = plan.shapes.get(slot_mapping.numel())
-                rows = key.shape[0]
-                if shape is not None and shape.num_tokens <= rows and (value is key or value.shape[0] == rows):
-                    kcp, vcp = key_cache.data_ptr(), value_cache.data_ptr()
-                    if not (kcp | vcp) & 15:
-                        kp, vp = key.data_ptr(), value.data_ptr()
-                        flat = shape.flat is not None and not (kp | vp) & 15  # write_path == "flat"
-                        run = shape.runs[not flat] or plan.prepared(shape, flat)
-                        # Prepared.__call__, inline (as attention's _Launch: a frame is a tenth of this path)
-                        try:
-                            buf, argv, _ = run._local.state
-                        except AttributeError:
-                            buf, argv, _ = run._thread_buffer()
-                        if plan.is_fp8:
-                            run._pack_head(buf, 0, kp, vp, kcp, vcp, slot_mapping.data_ptr(), k_scale.data_ptr(),
-                                           v_scale.data_ptr())
-                        else:
-                            run._pack_head(buf, 0, kp, vp, kcp, vcp, slot_mapping.data_ptr(), 0, 0)
-                        lau = run._launcher
-                        stream = ctypes.c_void_p(lau._raw_stream(lau._device))
-                        err = lau._launch(lau._func, *run._dims, stream, argv, None)
-                        if err:
-                            lau._failed(err, run._dims, stream, argv)
-                        return
-                break
+            if not (check.check(*meta) and (kv_name is kv_cache_dtype or kv_cache_dtype.__class__ is str and
+                                            kv_name == kv_cache_dtype)):
+                continue
+            form = None  # known: nothing to remember
+            shape = plan.shapes.get(slot_mapping.numel())
+            rows = key.shape[0]
+            kcp, vcp = key_cache.data_ptr(), value_cache.data_ptr()
+            if (shape is not None and shape.num_tokens <= rows and (value is key or value.shape[0] == rows)
+                    and not (kcp | vcp) & 15):
+                kp, vp = key.data_ptr(), value.data_ptr()
+                flat = shape.flat is not None and not (kp | vp) & 15  # write_path == "flat"
+                run = shape.runs[not flat] or plan.prepared(shape, flat)
+                ks, vs = (k_scale.data_ptr(), v_scale.data_ptr()) if plan.is_fp8 else (0, 0)
+                run(kp, vp, kcp, vcp, slot_mapping.data_ptr(), ks, vs)  # a Prepared launch
+                return
+            break
     if torch.compiler.is_compiling() or traced(key_cache):
         torch.ops.pagedattn.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
                                                     kv_cache_dtype or "auto", k_scale, v_scale)

@@ -35,7 +35,7 @@ def merge_attn_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
     w = torch.exp(lse - top_safe)                                   # exp(-inf) = 0 for empty parts
     total = w.sum(dim=0)
     merged_lse = torch.where(total > 0, top_safe + torch.log(total), torch.full_like(top, float("-inf")))
-    w = torch.where(total > 0, w / total.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(w))
+    w = w / total.clamp_min(1.0)  # total >= 1 where any part saw a key (its top term is exp(0)); else w = 0
     acc = torch.zeros(outs[0].shape, dtype=torch.float32, device=outs[0].device)
     for wi, oi in zip(w, outs):
         wt = wi.transpose(0, 1).unsqueeze(-1)                       # [T, Hq, 1]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
+from .tiles import MAX_HEAD_DIM_PER_GROUP
+
 if TYPE_CHECKING:
     from .validate import _Call
 
@@ -24,14 +26,14 @@ def tma_ok(call: _Call, arch: str, head_dim: int) -> bool:
     which only the cp.async loader does)."""
     fp8 = call.kv_name != "auto"
     width = 1 if fp8 else 2
-    return (arch == "sm_90a" and call.paged and call.block_size % 16 == 0 and head_dim <= 256
+    return (arch == "sm_90a" and call.paged and call.block_size % 16 == 0 and head_dim <= MAX_HEAD_DIM_PER_GROUP
             and (fp8 or head_dim % 64 == 0)
             and all(x * width % 16 == 0 for x in (*call.k_strides, *call.v_strides, call.D)))
 
 
 def wgmma_ok(call: _Call, arch: str, head_dim: int) -> bool:
     """prefill_wgmma: sm_90a, a 16-bit cache, a compiled head dim that is a multiple of 64, at most 256."""
-    return arch == "sm_90a" and call.kv_name == "auto" and head_dim % 64 == 0 and head_dim <= 256
+    return arch == "sm_90a" and call.kv_name == "auto" and head_dim % 64 == 0 and head_dim <= MAX_HEAD_DIM_PER_GROUP
 
 
 def mode_for(rows: int, decode_mode: str, prefill_mode: str, wgmma_rows: int) -> str:
