@@ -4,6 +4,9 @@
 # benchp benchs benchq bench-full demo multigpu hfcb).
 # Logs and results go under $OUT; RESULTS.md and plots are regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
+# tests: PYTEST_FILES, PYTEST_K, PYTEST_N (xdist workers), PYTEST_ARGS (e.g. "-vv --tb=line": with the -q
+# the stage passes, one -v is cancelled out), PYTEST_TIMEOUT seconds (then SIGINT: pytest still prints
+# its summary of failures so far), PYTEST_TAG (log name suffix).
 set -uo pipefail
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
@@ -21,7 +24,7 @@ for stage in "$@"; do
   case $stage in
     info)      python3 -m pagedattn.cli info ;;
     # logs go to $OUT as they are written (a stage killed by its timeout keeps what it printed)
-    tests)     PAGEDATTN_TEST_BUNDLE=${PAGEDATTN_AOT_DIR:-} python3 -m pytest -q -ra -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} ${PYTEST_N:+-n "$PYTEST_N"} ${PYTEST_FILES:-"$ROOT/tests"} ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/gpu_tests${PYTEST_TAG:-}.log" 2>&1; rc=$?; tail -n 40 "$OUT/gpu_tests${PYTEST_TAG:-}.log"; (exit $rc) ;;
+    tests)     PAGEDATTN_TEST_BUNDLE=${PAGEDATTN_AOT_DIR:-} timeout -s INT -k 30 ${PYTEST_TIMEOUT:-86400} python3 -m pytest -q -ra -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} ${PYTEST_N:+-n "$PYTEST_N"} ${PYTEST_FILES:-"$ROOT/tests"} ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/gpu_tests${PYTEST_TAG:-}.log" 2>&1; rc=$?; tail -n 40 "$OUT/gpu_tests${PYTEST_TAG:-}.log"; (exit $rc) ;;
     alltests)  python3 -m pytest -q -ra -p no:cacheprovider "$ROOT/tests" 2>&1 | tail -n 60 | tee "$OUT/all_tests.log" ;;
     sanitize)  compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" > "$OUT/sanitize.log" 2>&1; rc=$?; tail -n 30 "$OUT/sanitize.log"; (exit $rc) ;;
     fuzz)      python3 "$ROOT/tests/fuzz/fuzz_metadata.py" --cases ${FUZZ_CASES:-2000} --seed ${FUZZ_SEED:-0} ${FUZZ_ARGS:-} --out "$OUT/results" 2>&1 | tail -n 40 ;;
