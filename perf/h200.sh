@@ -42,9 +42,9 @@ for stage in "$@"; do
     benchwrite) python3 -m pagedattn.cli bench --suite write --quick --no-report --out "$OUT/results" ;;
     # the sweeps (pagedattn/bench/sweeps.py); SWEEP_ARGS e.g. '--splits 8,16 --variants "HND;seq"' for decode
     attnquick) python3 -m pagedattn.cli bench sweep quick --out "$OUT/results" ;;
-    decodesweep) eval python3 -m pagedattn.cli bench sweep decode --out "$OUT/results" ${SWEEP_ARGS:-} ${DECODE_CONFIGS:-} ;;
-    prefillsweep) eval python3 -m pagedattn.cli bench sweep prefill --out "$OUT/results" ${SWEEP_ARGS:-} ${PREFILL_CONFIGS:-} ;;
-    prefillmodes) python3 -m pagedattn.cli bench sweep modes --out "$OUT/results" ${PREFILL_MODES:-} ;;
+    decodesweep) eval python3 -m pagedattn.cli bench sweep decode ${DECODE_CONFIGS:-} --out "$OUT/results" ${SWEEP_ARGS:-} ;;
+    prefillsweep) eval python3 -m pagedattn.cli bench sweep prefill ${PREFILL_CONFIGS:-} --out "$OUT/results" ${SWEEP_ARGS:-} ;;
+    prefillmodes) python3 -m pagedattn.cli bench sweep modes ${PREFILL_MODES:-} --out "$OUT/results" ;;
     bundle)    [ -f /tmp/bundle/manifest.json ] || { mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1; }
                export PAGEDATTN_AOT_DIR=/tmp/bundle
                python3 -c "import sys, pathlib; from pagedattn.codegen import bundle; sys.exit(0 if bundle.read_manifest(pathlib.Path('/tmp/bundle')) else 1)" \
