@@ -11,6 +11,12 @@ set -uo pipefail
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
 export PYTHONPATH=/tmp/site PAGEDATTN_CACHE_DIR=/tmp/pacache PYTHONUNBUFFERED=1
+# FlashAttention-4 as a bench peer when its carry came along (../shared/PEERS.md: .carry/fa4, built by
+# build_carry.sh; 50 MiB, so no bundle travels with it): unpacked once per call into /tmp/fa4site
+if [ -f "$ROOT/.carry/fa4/install.sh" ]; then
+  [ -d /tmp/fa4site ] || bash "$ROOT/.carry/fa4/install.sh" > /dev/null || echo "fa4 carry did not install"
+  [ -d /tmp/fa4site ] && export PYTHONPATH=/tmp/site:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
+fi
 # once per call: later invocations in the same command (e.g. each under its own `timeout`) reuse the install
 if [ ! -f /tmp/site/.pagedattn-installed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
