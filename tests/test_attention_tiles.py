@@ -196,11 +196,12 @@ def test_multi_token_decode_modes():
     assert AttnFwdSpec("bf16", "fp8_e4m3", 128, "multi").supports_arch("sm_80")
     assert not AttnFwdSpec("bf16", "auto", 128, "multi_tma").supports_arch("sm_80")
     call = lambda kv, bs=16: attention._Call(1, 32, 8, 128, True, kv, (0, 0, 0), (0, 0, 0), 4, bs)  # noqa: E731
-    assert heuristics.multi_mode(call("auto"), "sm_90a", 128) == "multi_tma"
-    assert heuristics.multi_mode(call("fp8_e4m3"), "sm_90a", 128) == "multi"
-    assert heuristics.multi_mode(call("auto", 8), "sm_90a", 128) == "multi"   # pages of 8: no TMA
-    assert heuristics.multi_mode(call("auto"), "sm_80", 64) == "multi"
-    assert heuristics.multi_mode(call("auto"), "sm_90a", 256) is None
+    pick = lambda c, arch, d: heuristics.multi_mode(c, d, heuristics.tma_ok(c, arch, d))  # noqa: E731
+    assert pick(call("auto"), "sm_90a", 128) == "multi_tma"
+    assert pick(call("fp8_e4m3"), "sm_90a", 128) == "multi"
+    assert pick(call("auto", 8), "sm_90a", 128) == "multi"   # pages of 8: no TMA
+    assert pick(call("auto"), "sm_80", 64) == "multi"
+    assert pick(call("auto"), "sm_90a", 256) is None
 
 
 def test_former_names_still_import():

@@ -136,7 +136,7 @@ def prefill_row(d: int, wgmma: bool, batch: int = 4, q_len: int = 4096, ctx: int
     use, use_multi, multi_rows = attention.wgmma_ok, attention.multi_mode, heuristics.MULTI_ROWS
     attention.wgmma_ok = use if wgmma else (lambda call, arch, head_dim: False)
     if multi is False:
-        attention.multi_mode = lambda call, arch, head_dim: None
+        attention.multi_mode = lambda call, head_dim, tma: None
     elif multi:
         heuristics.MULTI_ROWS = 256
     try:

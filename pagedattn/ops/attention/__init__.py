@@ -242,7 +242,7 @@ class _Plan:
         self.bt_width = block_table.shape[1] if block_table is not None else 0
         self.arch = arch = arch_for_device(self.device)
         self.decode_mode = "decode_tma" if tma_ok(call, arch, self.head_dim) else "decode"
-        self.multi_mode = multi_mode(call, arch, self.head_dim)
+        self.multi_mode = multi_mode(call, self.head_dim, self.decode_mode == "decode_tma")
         self.prefill_mode = "prefill_wgmma" if wgmma_ok(call, arch, self.head_dim) else "prefill"
         # prefill_wgmma's tiles are larger: it takes over once the rows overflow one SM80 prefill tile.
         # Measured on H200 (perf/results/prefill_modes_nvidia_h200_20261130_short_3eaa587.json, d128,

@@ -41,12 +41,13 @@ def wgmma_ok(call: _Call, arch: str, head_dim: int) -> bool:
     return arch == "sm_90a" and call.kv_name == "auto" and head_dim % 64 == 0 and head_dim <= MAX_HEAD_DIM_PER_GROUP
 
 
-def multi_mode(call: _Call, arch: str, head_dim: int) -> str | None:
-    """The multi-token decode mode of a plan: multi_tma where TMA decode applies to a 16-bit cache,
-    multi (cp.async) otherwise; None above MAX_HEAD_DIM_MULTI (prefill serves those rows)."""
+def multi_mode(call: _Call, head_dim: int, tma: bool) -> str | None:
+    """The multi-token decode mode of a plan whose decode takes TMA (`tma`, tma_ok's answer): multi_tma
+    for a 16-bit cache there, multi (cp.async) otherwise; None above MAX_HEAD_DIM_MULTI (prefill serves
+    those rows)."""
     if head_dim > MAX_HEAD_DIM_MULTI:
         return None
-    return "multi_tma" if call.kv_name == "auto" and tma_ok(call, arch, head_dim) else "multi"
+    return "multi_tma" if tma and call.kv_name == "auto" else "multi"
 
 
 def mode_for(rows: int, decode_mode: str, prefill_mode: str, wgmma_rows: int, multi: str | None = None) -> str:
