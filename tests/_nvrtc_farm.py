@@ -42,13 +42,22 @@ def _folder() -> Path | None:
     return Path(where) if where else None
 
 
-def _store(key: str, result) -> None:
+def _store(key: str, result, variant: str, arch: str) -> None:
     _memory[key] = result
     folder = _folder()
     if folder is not None:
         tmp = folder / f"{key}.{os.getpid()}.tmp"
         tmp.write_bytes(pickle.dumps(result))
         os.replace(tmp, folder / f"{key}.pkl")
+        (folder / f"{key}.time").write_text(json.dumps([variant, arch, round(result.seconds, 2)]))
+
+
+def timings() -> list[tuple[str, str, float]]:
+    """(variant, arch, seconds) of every NVRTC run of this session, slowest first."""
+    folder = _folder()
+    if folder is None or not folder.is_dir():
+        return []
+    return sorted((tuple(json.loads(p.read_text())) for p in folder.glob("*.time")), key=lambda t: -t[2])
 
 
 def _claim(key: str) -> bool:
@@ -97,7 +106,7 @@ def compile_source(source: str, *, variant: str, arch: str, options: list[str],
             (_folder() / f"{key}.failed").touch()  # whoever waits for it compiles it and sees the error
         raise
     stats["nvrtc"] += 1
-    _store(key, result)
+    _store(key, result, variant, arch)
     return result
 
 
@@ -117,7 +126,7 @@ def _farm_job(key: str, source: str, variant: str, arch: str, options: list[str]
     except BaseException:
         (folder / f"{key}.failed").touch()
         return
-    _store(key, result)
+    _store(key, result, variant, arch)
 
 
 def kernel_job(spec, arch: str):
