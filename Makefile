@@ -25,9 +25,12 @@ $(DEPS_STAMP): pyproject.toml | $(BIN)/python
 	  $(BIN)/pip install -q ".[$$extra,test,bench]"
 	@touch $@
 
+# (a deps install newer than every package file installed this very tree: nothing to do again)
 $(INSTALL_STAMP): $(DEPS_STAMP) $(PACKAGE_FILES)
-	@echo "installing pagedattn from this tree"
-	@$(BIN)/pip install -q --no-deps --force-reinstall .
+	@if [ -n "$$(find $(PACKAGE_FILES) -maxdepth 0 -newer $(DEPS_STAMP) | head -n 1)" ]; then \
+	  echo "installing pagedattn from this tree"; \
+	  $(BIN)/pip install -q --no-deps --force-reinstall .; \
+	fi
 	@touch $@
 
 setup: $(DEPS_STAMP)

@@ -42,13 +42,22 @@ def _folder() -> Path | None:
     return Path(where) if where else None
 
 
-def _store(key: str, result) -> None:
+def _store(key: str, result, variant: str, arch: str, cpu_s: float) -> None:
     _memory[key] = result
     folder = _folder()
     if folder is not None:
         tmp = folder / f"{key}.{os.getpid()}.tmp"
         tmp.write_bytes(pickle.dumps(result))
         os.replace(tmp, folder / f"{key}.pkl")
+        (folder / f"{key}.time").write_text(json.dumps([variant, arch, round(result.seconds, 2), round(cpu_s, 2)]))
+
+
+def timings() -> list[tuple[str, str, float, float]]:
+    """(variant, arch, wall seconds, CPU seconds) of every NVRTC run of this session, slowest first."""
+    folder = _folder()
+    if folder is None or not folder.is_dir():
+        return []
+    return sorted((tuple(json.loads(p.read_text())) for p in folder.glob("*.time")), key=lambda t: -t[3])
 
 
 def _claim(key: str) -> bool:
@@ -89,6 +98,7 @@ def compile_source(source: str, *, variant: str, arch: str, options: list[str],
     if result is not None:
         stats["reused"] += 1
         return result
+    cpu0 = time.process_time()
     try:
         result = real_compile_source(source, variant=variant, arch=arch, options=options,
                                      source_path=source_path)
@@ -97,7 +107,7 @@ def compile_source(source: str, *, variant: str, arch: str, options: list[str],
             (_folder() / f"{key}.failed").touch()  # whoever waits for it compiles it and sees the error
         raise
     stats["nvrtc"] += 1
-    _store(key, result)
+    _store(key, result, variant, arch, time.process_time() - cpu0)
     return result
 
 
@@ -112,12 +122,13 @@ def _farm_job(key: str, source: str, variant: str, arch: str, options: list[str]
     folder = _folder()
     if not _claim(key):
         return  # a caller took it over
+    cpu0 = time.process_time()
     try:
         result = real_compile_source(source, variant=variant, arch=arch, options=options)
     except BaseException:
         (folder / f"{key}.failed").touch()
         return
-    _store(key, result)
+    _store(key, result, variant, arch, time.process_time() - cpu0)
 
 
 def kernel_job(spec, arch: str):
@@ -129,13 +140,22 @@ def kernel_job(spec, arch: str):
     return k.source, k.name, arch, _compile.nvrtc_options(arch, toolchain())
 
 
+# NVRTC CPU seconds on 2 cores by family (--durations lists them): attention 20-60, writes ~4, legacy <= 3
+_COST = (("attn_fwd_", 3), ("kv_write_", 2))
+
+
+def _expected_cost(variant: str) -> int:
+    return next((cost for prefix, cost in _COST if variant.startswith(prefix)), 1)
+
+
 def start(jobs, workers: int):
-    """Queue `jobs` (see `kernel_job`) on `workers` forked processes; returns the pool (shut it down)."""
+    """Queue `jobs` (see `kernel_job`) on `workers` forked processes, the slowest families first (no long
+    compile left alone at the end); returns the pool (shut it down)."""
     from concurrent.futures import ProcessPoolExecutor
 
     folder = _folder()
     todo = {}
-    for source, variant, arch, options in jobs:
+    for source, variant, arch, options in sorted(jobs, key=lambda job: -_expected_cost(job[1])):
         key = job_key(source, arch, options)
         if key not in todo and not (folder / f"{key}.pkl").exists():
             todo[key] = (source, variant, arch, options)

@@ -71,8 +71,13 @@ def _nvrtc_farm_session(request):
 def pytest_terminal_summary(terminalreporter):
     s = _nvrtc_farm.stats
     if any(s.values()):
+        times = _nvrtc_farm.timings()
         terminalreporter.write_line(f"NVRTC: {s['farmed']} kernels compiled by the farm, {s['nvrtc']} in the test "
-                                    f"process, {s['reused']} compiles reused")
+                                    f"process, {s['reused']} compiles reused; {len(times)} compiles took "
+                                    f"{sum(t[3] for t in times):.0f} s of CPU ({sum(t[2] for t in times):.0f} s wall)")
+        if terminalreporter.config.option.durations:
+            for variant, arch, wall, cpu in times[:terminalreporter.config.option.durations]:
+                terminalreporter.write_line(f"{cpu:8.2f}s CPU {wall:8.2f}s wall  nvrtc {variant} ({arch})")
 
 
 @pytest.fixture

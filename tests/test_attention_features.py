@@ -12,7 +12,10 @@ from pagedattn.ops.attention import FEATURE_SETS, AttnFwdSpec, _Call, features_o
 from pagedattn.ops.attention.heuristics import MULTI_ROWS
 from pagedattn.registry import variant_name
 from test_attention import build_case, cover_axes, decode_loader, rel_l2  # noqa: F401 (a fixture)
+from test_attention import ci_arch
 from test_attention import test_attention_variants_compile as compile_variant
+
+from _compile_grid import grid
 
 
 # ---------------------------------------------------------------- reference (CPU)
@@ -142,8 +145,7 @@ FEATURE_CI_SPECS = [AttnFwdSpec("bf16", "auto", 128, "decode", window=True, soft
 
 
 @pytest.mark.compiles
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-@pytest.mark.parametrize("spec", FEATURE_CI_SPECS, ids=variant_name)
+@pytest.mark.parametrize("spec,arch", grid(FEATURE_CI_SPECS, ci_arch))
 def test_feature_variants_compile(spec, arch):
     compile_variant(spec, arch)
 

@@ -197,7 +197,9 @@ def _race_worker(cache_dir, barrier, queue):
 def test_eight_processes_race_compile_once(tmp_path):
     """8 processes start together on one cold variant: NVRTC runs once, all 8 get the same cubin."""
     n = 8
-    ctx = mp.get_context("spawn")
+    # forked from this process: 8 processes without 8 imports of torch (the cache state they race on is
+    # on disk; each builds its own KernelCache)
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     barrier, queue = ctx.Barrier(n), ctx.Queue()
     cache_dir = tmp_path / "c"
     procs = [ctx.Process(target=_race_worker, args=(str(cache_dir), barrier, queue)) for _ in range(n)]
