@@ -281,8 +281,8 @@ def attn_lengths(rng: random.Random, small: bool) -> tuple[list[int], list[int]]
     lens_q, lens_k = [], []
     for _ in range(B):
         kind = shape if shape != "mixed" else rng.choice(("decode", "prefill"))
-        if kind == "decode":
-            lq = rng.choice((1, 1, 1, 2, 4))
+        if kind == "decode":  # 8 tokens x 4 query heads per KV head: multi-token decode (multi / multi_tma)
+            lq = rng.choice((1, 1, 1, 2, 4, 8))
             lk = rng.randint(1, k_cap)
         else:
             lq = rng.randint(1, max(1, q_cap // B))
