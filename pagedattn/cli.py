@@ -153,15 +153,26 @@ def _stdout_gone() -> int:
     return 128 + 13
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
+def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """The command line as a Namespace; errors (exit 2) print the usage of the subcommand they are in.
+    Words after a subcommand's options go to its trailing list argument, as they would before them
+    (`bench sweep modes --out DIR short`: argparse alone refuses `short` there)."""
     args, extra = parser.parse_known_args(argv)
     chosen = _chosen(parser, args)
+    positionals = [a for a in chosen._actions if not a.option_strings]
+    if extra and positionals and positionals[-1].nargs in ("*", "+") and not any(e.startswith("-") for e in extra):
+        getattr(args, positionals[-1].dest).extend(extra)
+        extra = []
     if extra:
         chosen.error(f"unrecognized arguments: {' '.join(extra)}")
     problem = _bad_bundle_dir(args)
     if problem:
         chosen.error(problem)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(build_parser(), argv)
     from . import ops  # noqa: F401  (registers every kernel family)
 
     try:

@@ -68,6 +68,19 @@ def test_unknown_flag_prints_the_subcommands_usage(capsys, argv, usage):
     assert err.startswith(usage) and "unrecognized arguments: --bogus" in err
 
 
+def test_words_after_options_join_the_trailing_list():
+    """`bench sweep modes --out DIR short` reads as `bench sweep modes short --out DIR` (argparse alone
+    refuses the word after the option); a word where no list argument takes it is still refused."""
+    parser = cli.build_parser()
+    args = cli.parse(parser, ["bench", "sweep", "modes", "--out", "o", "short", "long"])
+    assert (args.kind, args.configs, args.out) == ("modes", ["short", "long"], "o")
+    args = cli.parse(parser, ["list", "-v", "attn_fwd"])
+    assert args.family == ["attn_fwd"] and args.verbose
+    with pytest.raises(SystemExit) as info:
+        cli.parse(parser, ["info", "--json", "stray"])
+    assert info.value.code == 2
+
+
 def _commands(parser, path=()):
     for p, child in cli._walk(parser):
         yield " ".join(p), child
