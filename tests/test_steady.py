@@ -160,14 +160,18 @@ def steady_then_mutated(draw):
 @given(steady_then_mutated())
 def test_new_metadata_after_a_warm_up_is_judged_as_on_a_cold_cache(case):
     form, changes = case
-    kw = _base(form)
-    for _ in range(2):  # warm: a plan, its guard and the launch of this batch shape
-        assert _outcome(kw)[2]
+    _judged_as_cold(_base(form), changes, _outcome, attention._PLANS, lambda res: res[2])
+
+
+def _judged_as_cold(kw, changes, outcome, plans, warmed):
+    """Two calls of `kw` (warm: a plan, its guard and the launch of this shape; `warmed(result)` holds),
+    then `kw` with `changes`: its outcome equals the one on a cleared (cold) plan cache."""
+    for _ in range(2):
+        assert warmed(outcome(kw))
     kw.update(changes)
-    warm = _outcome(kw)
-    attention._PLANS.clear()
-    cold = _outcome(kw)
-    assert warm == cold
+    warm = outcome(kw)
+    plans.clear()
+    assert warm == outcome(kw)
 
 
 # ---------------------------------------------------------------- reshape_and_cache_flash
@@ -291,14 +295,7 @@ def write_then_mutated(draw):
 @given(write_then_mutated())
 def test_new_write_metadata_after_a_warm_up_is_judged_as_on_a_cold_cache(case):
     form, changes = case
-    kw = _write_base(form)
-    for _ in range(2):  # warm: a plan, its guard and the launch of this token count
-        assert isinstance(_write_outcome(kw), list)
-    kw.update(changes)
-    warm = _write_outcome(kw)
-    kv_write._PLANS.clear()
-    cold = _write_outcome(kw)
-    assert warm == cold
+    _judged_as_cold(_write_base(form), changes, _write_outcome, kv_write._PLANS, lambda res: isinstance(res, list))
 
 
 def test_a_one_slot_mapping_with_another_stride_is_known_at_that_size_only():

@@ -15,7 +15,9 @@ if TYPE_CHECKING:
 
 # Multi-token decode (modes multi / multi_tma) takes batches whose longest request packs more than one
 # 16-row decode tile and at most this many rows (q_len x query heads per KV head); above, prefill.
-# Measured on H200 (perf/results/prefill_modes_*_short_*: B=32 over 4096 keys, d128, group 4).
+# NOT measured yet: 32 is one multi tile (the 32-row tiles of one KV head are not adjacent in the grid,
+# so more row tiles would re-read K/V). `pagedattn bench sweep modes short` (multi forced up to 256
+# rows against both prefills, B=32 over 4096 keys, d128, group 4) is the measurement to set it from.
 MULTI_ROWS = 32
 
 # THE cap on KV splits: a forced num_splits is clamped to it, the heuristic stops at half of it, and
