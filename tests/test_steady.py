@@ -23,7 +23,7 @@ LAUNCHES = []
 
 
 class _RecordingKernel:
-    """get_kernel's stand-in: a real Launcher whose cuLaunchKernel records grid, block and Params."""
+    """get_kernel's stand-in: a real Launcher whose cuLaunchKernelEx records grid, block and Params."""
 
     def __init__(self, spec):
         self.spec = spec
@@ -33,15 +33,13 @@ class _RecordingKernel:
 
         size = ctypes.sizeof(self.spec.PARAMS)
 
-        def record(func, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
-            LAUNCHES.append(((gx, gy, gz, bx, by, bz), ctypes.string_at(argv[0], size)))
+        def record(config, func, argv, extra):
+            c = launch.LaunchConfig.from_address(config.value)
+            dims = (c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY, c.blockDimZ)
+            LAUNCHES.append((dims, ctypes.string_at(argv[0], size)))
             return 0
 
-        import threading
-        lau = launch.Launcher.__new__(launch.Launcher)
-        lau._launch, lau._func, lau._device, lau._smem, lau._ctx = record, ctypes.c_void_p(0), device, 0, 0
-        lau._params, lau._pack, lau._size = self.spec.PARAMS, launch.packer(self.spec.PARAMS).pack_into, size
-        lau._local, lau._raw_stream = threading.local(), (lambda device: 0)
+        lau = launch.Launcher.stand_in(record, self.spec.PARAMS, device)
         lau.max_active_blocks = lambda threads: 4
         return lau
 

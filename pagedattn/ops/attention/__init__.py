@@ -12,7 +12,6 @@ replace `tile_config`, `tma_ok`, `wgmma_ok`, `tma_maps`, `sm_count` here): the s
 the launch."""
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ import torch
 
 from ... import envs
 from ..plans import PlanCache
-from ...codegen.launch import Prepared
+from ...codegen.launch import STREAM_OFFSET, Prepared
 from ...contract import ContractError, traced
 from ...dtypes import CUTLASS_TYPE, FP8_FORMAT, short
 from ...registry import KernelSpec, UnsupportedError, arch_for_device, get_kernel, register, sm_count
@@ -358,33 +357,34 @@ class _Launch(Prepared):
         lse = None if self.lse_shape is None else plan.empty(self.lse_shape, (self.total_q, 1), torch.float32)
         if self.empty_batch:
             return out, lse
+        stream = self._stream(self._device)
         o_ptr = lse_ptr = counters = maps = 0
         if self.capture:
-            capturing = _is_capturing()
+            # CUDA never captures the legacy default stream (0): no capture query on it
+            capturing = stream != 0 and _is_capturing()
             if self.splits > 1:
                 o_ptr, lse_ptr, counters = workspace.split_scratch(plan.device, self.splits, self.total_q,
-                                                                   plan.call.Hq, self.head_dim, self.ctas, capturing)
+                                                                   plan.call.Hq, self.head_dim, self.ctas, capturing,
+                                                                   stream)
             if self.tma:
                 maps = plan._maps_ptr.get((kp, vp), 0) if not capturing else 0
                 if not maps:
                     maps = plan.maps_ptr(k, v, kp, vp, capturing)
         # Prepared.__call__, inline (this runs on every steady-state call)
         try:
-            buf, argv, _ = self._local.state
+            buf, config, argv, _ = self._local.state
         except AttributeError:
-            buf, argv, _ = self._thread_buffer()
-        self._pack_head(buf, 0, qp, op, 0 if lse is None else lse.data_ptr(), kp, vp,
+            buf, config, argv, _ = self._thread_buffer()
+        self._pack_head(buf, STREAM_OFFSET, stream, qp, op, 0 if lse is None else lse.data_ptr(), kp, vp,
                         0 if block_table is None else block_table.data_ptr(), cu_seqlens_q.data_ptr(),
                         0 if seqused_k is None else seqused_k.data_ptr(),
                         0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
                         0 if k_descale is None else k_descale.data_ptr(),
                         0 if v_descale is None else v_descale.data_ptr(), o_ptr, lse_ptr, maps, counters,
                         0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0 if sinks is None else sinks.data_ptr())
-        lau = self._launcher
-        stream = ctypes.c_void_p(lau._raw_stream(lau._device))
-        err = lau._launch(lau._func, *self._dims, stream, argv, None)
+        err = self._launch(config, self._func, argv, None)
         if err:
-            lau._failed(err, self._dims, stream, argv)
+            self._launcher._failed(err, config, argv)
         return out, lse
 
 
