@@ -276,7 +276,9 @@ class Prepared:
         self._local.state = state = _launch_buffer(self._launcher._size, self._template)
         return state
 
-    def __call__(self, *head) -> None:
+    def launch(self, *head) -> None:
+        """Launch with these leading Params fields (`prepared.launch(...)`: a method call costs half
+        of calling the instance, which goes through type slots)."""
         try:
             buf, config, argv, _ = self._local.state
         except AttributeError:
@@ -285,3 +287,5 @@ class Prepared:
         err = self._launch(config, self._func, argv, None)
         if err:
             self._launcher._failed(err, config, argv)
+
+    __call__ = launch

@@ -497,7 +497,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
                 flat = shape.flat is not None and not (kp | vp) & 15  # write_path == "flat"
                 run = shape.runs[not flat] or plan.prepared(shape, flat)
                 ks, vs = (k_scale.data_ptr(), v_scale.data_ptr()) if plan.is_fp8 else (0, 0)
-                run(kp, vp, kcp, vcp, slot_mapping.data_ptr(), ks, vs)  # a Prepared launch
+                run.launch(kp, vp, kcp, vcp, slot_mapping.data_ptr(), ks, vs)  # a Prepared launch
                 return
             break
     if torch.compiler.is_compiling() or traced(key_cache):

@@ -219,7 +219,7 @@ class _Plan:
     """What a call's tensor metadata decides, validated once and reused while it repeats."""
     __slots__ = ("call", "device", "dtype", "head_dim", "dbs", "dhs", "block_shift", "bt_stride",
                  "bt_width", "arch", "decode_mode", "prefill_mode", "wgmma_rows", "_kernels", "_tma", "group",
-                 "tiles_per_row", "default_scale", "geometry", "launches", "empty", "_maps_ptr")
+                 "tiles_per_row", "default_scale", "geometry", "launches", "empty", "here", "current", "_maps_ptr")
 
     def __init__(self, call: _Call, q, block_table, k_descale, v_descale):
         self.call = call
@@ -253,6 +253,8 @@ class _Plan:
                          call.block_size, self.block_shift, call.B, call.Hq, call.Hkv, self.group, call.D)
         self.launches = PlanCache()   # _Launch by batch shape and scalars (_Launch.key)
         self.empty = steady.empty_fn(q.device)
+        # outputs on the current device without the dispatcher (steady.empty_here), inline in _Launch.run
+        self.here, self.current = steady.empty_here(q.device, self.device)
 
     def mode_for(self, rows: int) -> str:
         """The variant for a batch whose longest request has `rows` packed query rows."""
@@ -342,13 +344,14 @@ class _Launch(Prepared):
                 w_right, alibi_stride, scale * LOG2E, cap)
         super().__init__(variant.launcher, (plan.tiles_per_row, m_blocks, splits), variant.threads, _ADDRESSES, tail)
 
-    def __call__(self, plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k_descale,
-                 v_descale, alibi_slopes=None, sinks=None):
+    def run(self, plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k_descale,
+            v_descale, alibi_slopes=None, sinks=None):
         """Allocate what is not given, launch; (out, lse). None when a base address is not 16-byte
         aligned or out has another number of rows: what only the full validation can name."""
         qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
         if out is None:
-            out = plan.empty(self.out_shape, self.out_stride, self.dtype)
+            out = plan.here(self.out_shape, self.out_stride, self.dtype) if plan.current() == plan.device else \
+                plan.empty(self.out_shape, self.out_stride, self.dtype)
         elif out.shape[0] != self.total_q:
             return None
         op = out.data_ptr()
@@ -445,8 +448,8 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
                     run = plan.launches.get((q.shape[0], max_seqlen_q, max_seqlen_k, num_splits, causal,
                                              softmax_scale, return_softmax_lse, None))
                     if run is not None:
-                        done = run(plan, q, k, v, cu_seqlens_q, None, seqused_k, block_table, out, k_descale,
-                                   v_descale)
+                        done = run.run(plan, q, k, v, cu_seqlens_q, None, seqused_k, block_table, out, k_descale,
+                                       v_descale)
                         if done is not None:
                             return done if return_softmax_lse else done[0]
                 break
@@ -555,5 +558,5 @@ def launch(checked, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlen
     if run is None:
         run = plan.launches.remember(key, _Launch(plan, q, k, v, out, max_seqlen_q, max_seqlen_k, num_splits,
                                                   causal, softmax_scale, features, lse))
-    return run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k_descale, v_descale,
-               alibi_slopes, sinks)
+    return run.run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k_descale, v_descale,
+                   alibi_slopes, sinks)
