@@ -445,8 +445,8 @@ def _scale_sig(t):
 _PLANS = steady.Plans()
 _GUARD_FORMS = _PLANS.steady.forms  # the two lists, cleared in place
 _VALUE_IS_KEY, _NO_K_SCALE, _NO_V_SCALE, _V_SCALE_IS_K = steady.ABSENT
-_is_compiling = torch.compiler.is_compiling
-_debug = envs.debug
+_is_compiling = steady.is_dynamo_compiling
+_debug, _ENVIRON, _DEBUG_KEY = envs.debug, envs.ENVIRON, envs.DEBUG_KEY
 
 
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
@@ -477,7 +477,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     # tensors have a validated call's metadata (token counts aside), then only the token counts and
     # the base pointers are read. Form 1: with scales (stand-ins for None and for v_scale is k_scale).
     form = None
-    if overrides is None and not validate and not _is_compiling() and not _debug():
+    if overrides is None and not validate and not _is_compiling() and (_DEBUG_KEY not in _ENVIRON or not _debug()):
         form = k_scale is not None or v_scale is not None
         meta = (key, _VALUE_IS_KEY if value is key else value, key_cache, value_cache, slot_mapping,
                 _NO_K_SCALE if k_scale is None else k_scale,

@@ -22,6 +22,14 @@ except ImportError:  # pragma: no cover - a torch without Dynamo's guards
     TensorGuards = None
 
 
+# The steady paths' gate against tracing: Dynamo's trace-time check, one Python frame (is_compiling
+# adds torch.jit.is_scripting's). Dynamo folds it to True, so a traced call takes the custom op; the
+# other tracers (torch.export's non-strict mode, make_fx, fake or dispatch modes) run the code on tensor
+# subclasses or under dispatch modes, which a guard refuses (Python type, dispatch keys), and then the
+# validated path sends them to the op (torch.compiler.is_compiling() or contract.traced()).
+is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+
+
 class _Absent(torch.Tensor):
     """Stands for an optional tensor left out (None), so that one guard covers calls with and without
     it: no caller holds an instance, and a guard compares Python types first."""

@@ -40,8 +40,8 @@ from .validate import check_scalars, check_tables, check_unsupported, check_valu
 from .validate import features_of, validate  # noqa: F401
 
 _is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
-_is_compiling = torch.compiler.is_compiling
-_debug = envs.debug
+_is_compiling = steady.is_dynamo_compiling
+_debug, _ENVIRON, _DEBUG_KEY = envs.debug, envs.ENVIRON, envs.DEBUG_KEY
 _validate = validate  # flash_attn_varlen_func's validate= argument shadows the name
 
 LOG2E = 1.4426950408889634
@@ -432,7 +432,8 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     if cu_seqlens_k is None and alibi_slopes is None and sinks is None and s_aux is None and not unsupported \
             and not validate and (window_size is _FULL_WINDOW or window_size.__class__ is tuple and
                                   window_size == _FULL_WINDOW) \
-            and softcap.__class__ is float and softcap == 0.0 and not _is_compiling() and not _debug():
+            and softcap.__class__ is float and softcap == 0.0 and not _is_compiling() \
+            and (_DEBUG_KEY not in _ENVIRON or not _debug()):
         form = out is not None or k_descale is not None or v_descale is not None
         meta = (q, k, v, cu_seqlens_q, seqused_k, block_table, _ABSENT_OUT if out is None else out,
                 _ABSENT_K_DESCALE if k_descale is None else k_descale,
