@@ -34,9 +34,8 @@ class _RecordingKernel:
         size = ctypes.sizeof(self.spec.PARAMS)
 
         def record(config, func, argv, extra):
-            c = launch.LaunchConfig.from_address(config.value)
-            dims = (c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY, c.blockDimZ)
-            LAUNCHES.append((dims, ctypes.string_at(argv[0], size)))
+            grid, block, _, _, params = launch.read_launch(config, argv, size)
+            LAUNCHES.append(((*grid, *block), params))
             return 0
 
         lau = launch.Launcher.stand_in(record, self.spec.PARAMS, device)

@@ -375,9 +375,9 @@ class _Launch(Prepared):
                     maps = plan.maps_ptr(k, v, kp, vp, capturing)
         # Prepared.__call__, inline (this runs on every steady-state call)
         try:
-            buf, config, argv, _ = self._local.state
+            buf, config, argv = self._local.state
         except AttributeError:
-            buf, config, argv, _ = self._thread_buffer()
+            buf, config, argv = self._thread_buffer()
         self._pack_head(buf, STREAM_OFFSET, stream, qp, op, 0 if lse is None else lse.data_ptr(), kp, vp,
                         0 if block_table is None else block_table.data_ptr(), cu_seqlens_q.data_ptr(),
                         0 if seqused_k is None else seqused_k.data_ptr(),
