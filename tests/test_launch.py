@@ -158,6 +158,27 @@ def test_threads_never_mix_their_params(fake_driver):
     assert seen == {(t << 32) | i for t in range(threads) for i in range(per_thread)}
 
 
+def test_threads_never_mix_their_prepared_params(fake_driver):
+    """A Prepared launch's buffer is per thread too: every thread's addresses reach the driver intact."""
+    fake_driver.fake_set_current(ctypes.c_void_p(0x1234))
+    launcher = launch.Launcher(0xF00D, KvWriteParams, 0)
+    prepared = launcher.prepare((1, 1, 1), (32, 1, 1), 7, _values(0)[7:])
+    per_thread, threads = 2000, 4
+
+    def work(t):
+        for i in range(per_thread):
+            prepared.launch((t << 32) | i, 2, 3, 4, 5, 0, 0)
+
+    pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    n = fake_driver.fake_launches()
+    assert n == per_thread * threads
+    assert {fake_driver.fake_key(i) for i in range(n)} == {(t << 32) | i for t in range(threads) for i in range(per_thread)}
+
+
 def test_a_prepared_launch_packs_what_a_full_one_does(fake_driver):
     """Launcher.prepare: the fields after the first n packed once; calls fill in the first n."""
     fake_driver.fake_set_current(ctypes.c_void_p(0x1234))
