@@ -321,11 +321,14 @@ def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
 
 class _Shape:
     """The launch of one token count: its config, the flat (grid, block) (None: never flat), the
-    span/head block, and the Prepared launches of the steady path ([flat, base], built on first use)."""
-    __slots__ = ("num_tokens", "config", "flat", "base_block", "runs")
+    span/head block, and the Prepared launches of the steady path ([flat, base], built on first use).
+    `elements`: num_tokens * H * D, the fewest elements key / value can have (the steady path compares
+    numel(), which costs less than shape[0])."""
+    __slots__ = ("num_tokens", "elements", "config", "flat", "base_block", "runs")
 
-    def __init__(self, num_tokens, config, flat, base_block):
-        self.num_tokens, self.config, self.flat, self.base_block = num_tokens, config, flat, base_block
+    def __init__(self, num_tokens, elements, config, flat, base_block):
+        self.num_tokens, self.elements, self.config, self.flat, self.base_block = \
+            num_tokens, elements, config, flat, base_block
         self.runs = [None, None]
 
 
@@ -378,7 +381,8 @@ class _Plan:
                 flat = flat_launch(config, self.flat_spec, num_tokens * self.token_packs,
                                    lambda threads: self.flat_launcher().max_active_blocks(threads))
             block = (base_threads(self.spec, self.base_spec.path, self.elem, config), 1, 1)
-            shape = self.shapes[num_tokens] = _Shape(num_tokens, config, flat, block)
+            elements = num_tokens * self.spec.num_kv_heads * self.spec.head_size
+            shape = self.shapes[num_tokens] = _Shape(num_tokens, elements, config, flat, block)
         return shape
 
     def prepared(self, shape: _Shape, flat: bool):
@@ -489,9 +493,10 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
                 continue
             form = None  # known: nothing to remember
             shape = plan.shapes.get(slot_mapping.numel())
-            rows = key.shape[0]
+            # rows: key and value [T, H, D] (H, D fixed by the guard, > 0): T >= num_tokens, value's T == key's
+            elements = key.numel()
             kcp, vcp = key_cache.data_ptr(), value_cache.data_ptr()
-            if (shape is not None and shape.num_tokens <= rows and (value is key or value.shape[0] == rows)
+            if (shape is not None and shape.elements <= elements and (value is key or value.numel() == elements)
                     and not (kcp | vcp) & 15):
                 kp, vp = key.data_ptr(), value.data_ptr()
                 flat = shape.flat is not None and not (kp | vp) & 15  # write_path == "flat"

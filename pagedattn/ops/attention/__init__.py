@@ -446,7 +446,7 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
                 form = None  # known: nothing to remember
                 if type(max_seqlen_q) is int and type(max_seqlen_k) is int and type(num_splits) is int and \
                         causal.__class__ is bool and (softmax_scale is None or type(softmax_scale) is float):
-                    run = plan.launches.get((q.shape[0], max_seqlen_q, max_seqlen_k, num_splits, causal,
+                    run = plan.launches.get((q.numel(), max_seqlen_q, max_seqlen_k, num_splits, causal,
                                              softmax_scale, return_softmax_lse, None))
                     if run is not None:
                         done = run.run(plan, q, k, v, cu_seqlens_q, None, seqused_k, block_table, out, k_descale,
@@ -553,7 +553,8 @@ def launch(checked, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlen
     plan, softmax_scale, features = checked
     flags, w_left, w_right, cap, alibi_slopes, alibi_stride, sinks = features
     lse = bool(return_softmax_lse)
-    key = (q.shape[0], max_seqlen_q, max_seqlen_k, num_splits, bool(causal), softmax_scale, lse,
+    # q.numel() stands for total_q (a plan fixes Hq and D, both > 0) and costs less than q.shape[0]
+    key = (q.numel(), max_seqlen_q, max_seqlen_k, num_splits, bool(causal), softmax_scale, lse,
            None if features is _NO_FEATURES else (flags, w_left, w_right, cap, alibi_stride))
     run = plan.launches.get(key)
     if run is None:
