@@ -273,6 +273,22 @@ def test_a_warm_write_launches_on_the_current_stream():
         assert _write_outcome(kw) == cold  # the stand-in asserts the stream
 
 
+@pytest.mark.parametrize("rows", [("key", 2), ("value", 4), ("value", 6), ("both", 3), ("both", 7)])
+def test_a_warm_write_with_other_rows_is_judged_as_cold(rows):
+    """The steady path compares numel() for the rows (key / value [T, H, D], H and D fixed by the guard):
+    fewer key rows than slots, value rows unlike key's, or both padded otherwise, are judged as cold."""
+    which, t = rows
+    kw = _write_base("i64")  # 3 slots, key and value of 5 rows
+    for _ in range(2):
+        assert isinstance(_write_outcome(kw), list)
+    changed = dict(kw)
+    for name in ("key", "value") if which == "both" else (which,):
+        changed[name] = torch.randn(t, 2, 64).to(torch.bfloat16)
+    warm = _write_outcome(changed)
+    kv_write._PLANS.clear()
+    assert warm == _write_outcome(changed)
+
+
 def test_a_warm_write_packs_the_addresses_of_this_call():
     kw = _write_base("fp8")
     _write_outcome(kw)
