@@ -103,9 +103,9 @@ class _Driver:
     cuLaunchKernelEx is bound through `PyDLL` with no `argtypes`: its four arguments are prebuilt
     ctypes arguments (pointer_arg, byref: the config's and the argument array's addresses, the
     function) and None, so ctypes converts nothing and keeps the GIL (a launch only queues work).
-    Measured on CPU with a stand-in C function: 0.4 µs per call, against about 1.0 for
-    cuLaunchKernel's eleven arguments (grid, block and shared memory as ints, the stream as a new
-    c_void_p)."""
+    A steady decode launch's pack and call, measured on CPU with a no-op C function in place of the
+    driver: 0.36 µs, against 0.69 with cuLaunchKernel's eleven arguments (grid, block and shared
+    memory as ints, the stream as a new c_void_p, the function as a c_void_p)."""
 
     def __init__(self):
         try:
