@@ -233,7 +233,7 @@ class Launcher:
         if err:
             from cuda.bindings import driver
 
-            check((driver.CUresult(err),), "cuLaunchKernel")
+            check((driver.CUresult(err),), "cuLaunchKernelEx")
 
     def max_active_blocks(self, threads: int) -> int:
         """CTAs of `threads` threads (with this launcher's dynamic shared memory) that fit on one SM at
