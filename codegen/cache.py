@@ -219,7 +219,9 @@ class KernelCache:
             lock.release()
 
     def _compile(self, variant, source, arch, options, source_path):
-        log.info("compiling %s for %s (first use)...", variant, arch, extra={"partial": True})
+        log.info("compiling %s for %s (first use: in no bundle, not in the JIT cache; %s)...", variant, arch,
+                 describe_estimate(compile_estimate(envs.cache_dir(), variant, arch), variant),
+                 extra={"partial": True})
         try:
             result = compile_source(source, variant=variant, arch=arch, options=options,
                                     source_path=source_path)
@@ -249,6 +251,40 @@ class KernelCache:
             log.warning("cache dir %s is not writable (%s): compiling in memory only, again in every "
                         "process; set PAGEDATTN_CACHE_DIR to a writable folder to keep compiled kernels",
                         envs.cache_dir(), exc)
+
+
+def family_of(variant: str) -> str:
+    """The family part of a variant name for estimates: its first two words (attn_fwd, kv_write)."""
+    return "_".join(variant.split("_")[:2])
+
+
+def compile_estimate(root: Path, variant: str, arch: str, most: int = 256) -> tuple[float, int] | None:
+    """(median seconds, count) of the earlier compiles of `variant`'s family for `arch` recorded in
+    the cache at `root` (meta.json of at most `most` entries), or None when it holds none."""
+    prefix, tag = family_of(variant) + "_", f"-{arch}-"
+    seconds = []
+    try:
+        names = sorted(n for n in os.listdir(root) if n.startswith(prefix) and tag in n)
+    except OSError:
+        return None
+    for name in names[:most]:
+        try:
+            meta = json.loads((root / name / META).read_text())
+            if meta.get("origin") == "jit":
+                seconds.append(float(meta["compile_seconds"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if not seconds:
+        return None
+    seconds.sort()
+    return seconds[len(seconds) // 2], len(seconds)
+
+
+def describe_estimate(estimate: tuple[float, int] | None, variant: str) -> str:
+    if estimate is None:
+        return f"no earlier {family_of(variant)} compile here to estimate from"
+    median, count = estimate
+    return f"~{median:.0f} s, the median of {count} earlier {family_of(variant)} compile{'s' if count > 1 else ''} here"
 
 
 def keep_source(variant: str, source: str) -> str | None:

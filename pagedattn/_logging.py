@@ -1,7 +1,7 @@
 """The 'pagedattn' logger: one stderr line per cold compile by default.
 
 A record with extra={"partial": True} is printed without a newline and one with extra={"tail": True}
-finishes that line, so a compile reads `pagedattn: compiling X for sm_90a (first use)... 4.1 s`.
+finishes that line, so a compile reads `pagedattn: compiling X for sm_90a (first use: ...; ~4 s, ...)... 4.1 s`.
 """
 from __future__ import annotations
 

@@ -4,10 +4,19 @@
 # benchp benchs benchq bench-full demo multigpu hfcb).
 # Logs and results go under $OUT; RESULTS.md and plots are regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
+# tests: PYTEST_FILES, PYTEST_K, PYTEST_N (xdist workers), PYTEST_ARGS (e.g. "-vv --tb=line": with the -q
+# the stage passes, one -v is cancelled out), PYTEST_TIMEOUT seconds (then SIGINT: pytest still prints
+# its summary of failures so far), PYTEST_TAG (log name suffix).
 set -uo pipefail
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
 export PYTHONPATH=/tmp/site PAGEDATTN_CACHE_DIR=/tmp/pacache PYTHONUNBUFFERED=1
+# FlashAttention-4 as a bench peer when its carry came along (../shared/PEERS.md: .carry/fa4, built by
+# build_carry.sh; 50 MiB, so no bundle travels with it): unpacked once per call into /tmp/fa4site
+if [ -f "$ROOT/.carry/fa4/install.sh" ]; then
+  [ -d /tmp/fa4site ] || bash "$ROOT/.carry/fa4/install.sh" > /dev/null || echo "fa4 carry did not install"
+  [ -d /tmp/fa4site ] && export PYTHONPATH=/tmp/site:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
+fi
 # once per call: later invocations in the same command (e.g. each under its own `timeout`) reuse the install
 if [ ! -f /tmp/site/.pagedattn-installed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -21,7 +30,7 @@ for stage in "$@"; do
   case $stage in
     info)      python3 -m pagedattn.cli info ;;
     # logs go to $OUT as they are written (a stage killed by its timeout keeps what it printed)
-    tests)     PAGEDATTN_TEST_BUNDLE=${PAGEDATTN_AOT_DIR:-} python3 -m pytest -q -ra -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} ${PYTEST_N:+-n "$PYTEST_N"} ${PYTEST_FILES:-"$ROOT/tests"} ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/gpu_tests${PYTEST_TAG:-}.log" 2>&1; rc=$?; tail -n 40 "$OUT/gpu_tests${PYTEST_TAG:-}.log"; (exit $rc) ;;
+    tests)     PAGEDATTN_TEST_BUNDLE=${PAGEDATTN_AOT_DIR:-} timeout -s INT -k 30 ${PYTEST_TIMEOUT:-86400} python3 -m pytest -q -ra -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} ${PYTEST_N:+-n "$PYTEST_N"} ${PYTEST_FILES:-"$ROOT/tests"} ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/gpu_tests${PYTEST_TAG:-}.log" 2>&1; rc=$?; tail -n 40 "$OUT/gpu_tests${PYTEST_TAG:-}.log"; (exit $rc) ;;
     alltests)  python3 -m pytest -q -ra -p no:cacheprovider "$ROOT/tests" 2>&1 | tail -n 60 | tee "$OUT/all_tests.log" ;;
     sanitize)  compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" > "$OUT/sanitize.log" 2>&1; rc=$?; tail -n 30 "$OUT/sanitize.log"; (exit $rc) ;;
     fuzz)      python3 "$ROOT/tests/fuzz/fuzz_metadata.py" --cases ${FUZZ_CASES:-2000} --seed ${FUZZ_SEED:-0} ${FUZZ_ARGS:-} --out "$OUT/results" 2>&1 | tail -n 40 ;;
@@ -39,9 +48,9 @@ for stage in "$@"; do
     benchwrite) python3 -m pagedattn.cli bench --suite write --quick --no-report --out "$OUT/results" ;;
     # the sweeps (pagedattn/bench/sweeps.py); SWEEP_ARGS e.g. '--splits 8,16 --variants "HND;seq"' for decode
     attnquick) python3 -m pagedattn.cli bench sweep quick --out "$OUT/results" ;;
-    decodesweep) eval python3 -m pagedattn.cli bench sweep decode --out "$OUT/results" ${SWEEP_ARGS:-} ${DECODE_CONFIGS:-} ;;
-    prefillsweep) eval python3 -m pagedattn.cli bench sweep prefill --out "$OUT/results" ${SWEEP_ARGS:-} ${PREFILL_CONFIGS:-} ;;
-    prefillmodes) python3 -m pagedattn.cli bench sweep modes --out "$OUT/results" ${PREFILL_MODES:-} ;;
+    decodesweep) eval python3 -m pagedattn.cli bench sweep decode ${DECODE_CONFIGS:-} --out "$OUT/results" ${SWEEP_ARGS:-} ;;
+    prefillsweep) eval python3 -m pagedattn.cli bench sweep prefill ${PREFILL_CONFIGS:-} --out "$OUT/results" ${SWEEP_ARGS:-} ;;
+    prefillmodes) python3 -m pagedattn.cli bench sweep modes ${PREFILL_MODES:-} --out "$OUT/results" ;;
     bundle)    [ -f /tmp/bundle/manifest.json ] || { mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1; }
                export PAGEDATTN_AOT_DIR=/tmp/bundle
                python3 -c "import sys, pathlib; from pagedattn.codegen import bundle; sys.exit(0 if bundle.read_manifest(pathlib.Path('/tmp/bundle')) else 1)" \

@@ -43,7 +43,9 @@ for kv, D in (("auto", 128), ("fp8_e4m3", 72), ("fp8_e4m3", 128)):  # fp8 d128: 
     table = torch.tensor([[0, 5, 10**6], [-3, 2, 1]], dtype=torch.int32, device="cuda")
     seq = torch.tensor([40, 10**5], dtype=torch.int32, device="cuda")
     s = torch.ones(1, device="cuda")
-    for q_len in (4, 40):  # 4 x group 4 rows: decode variants; 40 x 4: prefill (wgmma on sm_90 for 16-bit)
+    # 4 x group 4 rows: decode variants; 8 x 4: multi-token decode (multi_tma on sm_90 for 16-bit);
+    # 40 x 4: prefill (wgmma on sm_90 for 16-bit)
+    for q_len in (4, 8, 40):
         q = torch.randn(1 + q_len, 8, D, dtype=torch.bfloat16, device="cuda")
         cu_q = torch.tensor([0, 1, 1 + q_len], dtype=torch.int32, device="cuda")
         for splits in (1, 3):
@@ -59,7 +61,7 @@ for kv, D in (("auto", 128), ("fp8_e4m3", 128), ("auto", 512)):
     s = torch.ones(1, device="cuda")
     feature_sets = (dict(window_size=(20, 0), s_aux=torch.randn(8, device="cuda")),
                     dict(softcap=30.0, alibi_slopes=torch.rand(8, device="cuda")))
-    for q_len in (4, 40):
+    for q_len in (4, 8, 40):
         q = torch.randn(1 + q_len, 8, D, dtype=torch.bfloat16, device="cuda")
         cu_q = torch.tensor([0, 1, 1 + q_len], dtype=torch.int32, device="cuda")
         for feats in feature_sets:

@@ -13,6 +13,7 @@ from pagedattn import CacheSpec, ContractError, reference
 from pagedattn.codegen.compile import compile_source, nvrtc_options
 from pagedattn.codegen.toolchain import toolchain
 from pagedattn.ops.attention import AttnFwdSpec, flash_attn_varlen_func, kernel_head_dim
+from pagedattn.ops.attention import heuristics as attention_heuristics
 from pagedattn.registry import Kernel, UnsupportedError, variant_name
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -95,7 +96,8 @@ def test_reference_empty_request_and_fp8():
 CI_SPECS = [AttnFwdSpec("bf16", "auto", 128, "decode"), AttnFwdSpec("bf16", "auto", 128, "prefill"),
             AttnFwdSpec("fp16", "fp8_e4m3", 80, "decode"), AttnFwdSpec("bf16", "auto", 128, "decode_tma"),
             AttnFwdSpec("fp16", "fp8_e5m2", 80, "decode_tma"), AttnFwdSpec("bf16", "fp8_e4m3", 128, "decode_tma"),
-            AttnFwdSpec("bf16", "auto", 128, "prefill_wgmma"), AttnFwdSpec("bf16", "auto", 512, "decode")]
+            AttnFwdSpec("bf16", "auto", 128, "prefill_wgmma"), AttnFwdSpec("bf16", "auto", 512, "decode"),
+            AttnFwdSpec("bf16", "auto", 128, "multi_tma")]
 
 
 @pytest.mark.compiles
@@ -180,7 +182,12 @@ def _case_id(c):
             f"{'lse' if c['lse'] else 'nolse'}-{'out' if c['out'] else 'noout'}-{c['loader']}")
 
 
-def _lengths(kind, rng):
+def _lengths(kind, rng, group=1):
+    if kind == "multi":      # multi-token decode: 2..MULTI_ROWS / group query tokens over longer histories
+        most = max(2, attention_heuristics.MULTI_ROWS // group)
+        lq = [most, rng.randint(2, most), 1, rng.randint(2, most)]
+        lk = [lq[0] + rng.randint(0, 900), lq[1] + rng.randint(1, 300), rng.randint(1, 500), lq[3]]
+        return lq, lk
     if kind == "decode":     # q_len 1; one request with no KV at all
         lk = [rng.randint(1, 700), 0, rng.randint(1, 300), rng.randint(300, 1100)]
         return [1] * len(lk), lk
@@ -216,7 +223,7 @@ def test_attention_matches_reference(c, decode_loader):
     rng = random.Random(_case_id(c))
     gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
     Hq, Hkv = c["heads"]
-    lens_q, lens_k = _lengths(c["batch"], rng)
+    lens_q, lens_k = _lengths(c["batch"], rng, Hq // Hkv)
     kv, gran = c["kv"]
     case = build_case(lens_q, lens_k, Hq, Hkv, c["D"], c["bs"], c["layout"], c["dtype"], kv, gran, gen)
     table = case["table"]
@@ -248,6 +255,26 @@ def test_attention_matches_reference(c, decode_loader):
     again = flash_attn_varlen_func(case["q"], case["kc"], case["vc"], **{**kw, "out": None})
     again = again[0] if c["lse"] else again
     assert torch.equal(again.view(torch.int16), o.view(torch.int16)), "rerun is not bit-identical"
+
+
+def _multi_grid(n, seed=11):
+    """Multi-token decode (modes multi / multi_tma): up to MULTI_ROWS packed rows per KV head."""
+    rng = random.Random(seed)
+    axes = dict(dtype=[torch.float16, torch.bfloat16], D=[64, 80, 96, 128, 72], layout=["NHD", "HND"],
+                bs=[1, 8, 16, 32, 128], heads=[(8, 8), (32, 8), (32, 4), (28, 4), (16, 2)], causal=[False, True],
+                batch=["multi"], splits=[0, 1, 3], kv=KV, lse=[False, True], out=[False, True],
+                loader=["auto", "cp_async"])
+    return cover_axes(axes, n, rng, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", _multi_grid(64), ids=_case_id)
+def test_multi_token_decode_matches_reference(c, decode_loader):
+    from pagedattn.ops import attention as attention_ops
+
+    test_attention_matches_reference(c, decode_loader)
+    modes = {mode for plan in attention_ops._PLANS.values() for mode, _ in plan._kernels}
+    assert modes & {"multi", "multi_tma"}, modes
 
 
 def _d512_grid(n, seed=5):
@@ -774,8 +801,12 @@ def test_prefill_variant_by_rows():
     from pagedattn.ops import attention
 
     plan = attention._Plan.__new__(attention._Plan)
-    plan.decode_mode, plan.prefill_mode, plan.wgmma_rows = "decode_tma", "prefill_wgmma", 128
+    plan.decode_mode, plan.prefill_mode, plan.wgmma_rows, plan.multi_mode = "decode_tma", "prefill_wgmma", 128, None
     assert [plan.mode_for(r) for r in (1, 16, 17, 128, 129, 4096)] == \
         ["decode_tma", "decode_tma", "prefill", "prefill", "prefill_wgmma", "prefill_wgmma"]
+    plan.multi_mode = "multi_tma"  # multi-token decode between one decode tile and MULTI_ROWS
+    assert [plan.mode_for(r) for r in (16, 17, attention.heuristics.MULTI_ROWS, 128)] == \
+        ["decode_tma", "multi_tma", "multi_tma", "prefill"]
+    plan.multi_mode = None
     plan.prefill_mode = "prefill"  # no wgmma (sm_80, fp8 caches, head dims not multiples of 64)
     assert plan.mode_for(4096) == "prefill"

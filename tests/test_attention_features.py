@@ -9,6 +9,7 @@ import torch
 
 from pagedattn import ContractError, reference
 from pagedattn.ops.attention import FEATURE_SETS, AttnFwdSpec, _Call, features_of, flash_attn_varlen_func
+from pagedattn.ops.attention.heuristics import MULTI_ROWS
 from pagedattn.registry import variant_name
 from test_attention import build_case, cover_axes, decode_loader, rel_l2  # noqa: F401 (a fixture)
 from test_attention import test_attention_variants_compile as compile_variant
@@ -174,7 +175,10 @@ def _fid(c):
             f"{'-contig' if c['contiguous'] else ''}")
 
 
-def _feature_lengths(kind, rng):
+def _feature_lengths(kind, rng, group=1):
+    if kind == "multi":  # multi-token decode: 2..MULTI_ROWS / group queries over histories beyond the windows
+        most = max(2, MULTI_ROWS // group)
+        return [most, rng.randint(2, most), 1], [rng.randint(most, 1500), rng.randint(200, 900), rng.randint(1, 60)]
     if kind == "decode":
         lk = [rng.randint(1, 700), 0, rng.randint(1, 40), rng.randint(300, 1100)]
         return [1] * 4, lk
@@ -208,12 +212,24 @@ def test_features_at_head_dim_512(c, decode_loader):
     _check_feature_case(c, decode_loader)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", [dict(c, D=c["D"] if c["D"] <= 128 else 128, batch="multi", contiguous=False)
+                               for c in _feature_grid(160, seed=7)[::6]], ids=_fid)
+def test_features_in_multi_token_decode(c, decode_loader):
+    """Every feature in the multi-token decode modes (multi / multi_tma): up to MULTI_ROWS packed rows."""
+    from pagedattn.ops import attention as attention_ops
+
+    _check_feature_case(c, decode_loader)
+    modes = {mode for plan in attention_ops._PLANS.values() for mode, _ in plan._kernels}
+    assert modes & {"multi", "multi_tma"}, modes
+
+
 def _check_feature_case(c, decode_loader, max_q=None):
     decode_loader(c["loader"])
     rng = random.Random(_fid(c))
     gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
     Hq, Hkv = c["heads"]
-    lens_q, lens_k = _feature_lengths(c["batch"], rng)
+    lens_q, lens_k = _feature_lengths(c["batch"], rng, Hq // Hkv)
     kv = "auto" if c["contiguous"] else c["kv"]
     case = build_case(lens_q, lens_k, Hq, Hkv, c["D"], c["bs"], c["layout"], c["dtype"], kv, "tensor", gen)
     B = len(lens_q)

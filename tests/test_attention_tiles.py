@@ -13,7 +13,7 @@ from pagedattn.ops.attention import AttnFwdSpec, heuristics, tiles
 from pagedattn.registry import Kernel, UnsupportedError
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
-SM90_ONLY = ("decode_tma", "prefill_wgmma")
+SM90_ONLY = (*tiles.TMA_MODES, "prefill_wgmma")
 KV = ("auto", "fp8_e4m3")
 
 
@@ -175,6 +175,33 @@ def test_mode_choice_is_pure():
     assert [pick(r) for r in (1, 16, 17, 128, 129)] == ["decode_tma", "decode_tma", "prefill", "prefill",
                                                         "prefill_wgmma"]
     assert heuristics.mode_for(4096, "decode", "prefill", 128) == "prefill"
+    # multi-token decode between one decode tile and MULTI_ROWS, when the plan has a multi mode
+    multi = lambda rows, m: heuristics.mode_for(rows, "decode_tma", "prefill_wgmma", 128, m)  # noqa: E731
+    top = heuristics.MULTI_ROWS
+    assert [multi(r, "multi_tma") for r in (16, 17, top, top + 1)] == ["decode_tma", "multi_tma", "multi_tma",
+                                                                       "prefill"]
+    assert multi(17, None) == "prefill"
+
+
+def test_multi_token_decode_modes():
+    """multi / multi_tma: the decode tiles with 32 rows per warp, up to MAX_HEAD_DIM_MULTI; multi_tma only
+    for 16-bit caches on sm_90a; the plan picks multi_tma where TMA decode applies to a 16-bit cache."""
+    for mode in ("multi", "multi_tma"):
+        cfg = tiles.tile_config(128, mode)
+        assert (cfg["kBlockM"], cfg["kWarpsM"], cfg["kWarpsN"], cfg["kTma"]) == (32, 1, 4, mode == "multi_tma")
+        with pytest.raises(UnsupportedError, match=f"mode={mode} supports head dims up to 128"):
+            tiles.tile_config(256, mode)
+    with pytest.raises(UnsupportedError, match="multi_tma needs a 16-bit cache"):
+        AttnFwdSpec("bf16", "fp8_e4m3", 128, "multi_tma")
+    assert AttnFwdSpec("bf16", "fp8_e4m3", 128, "multi").supports_arch("sm_80")
+    assert not AttnFwdSpec("bf16", "auto", 128, "multi_tma").supports_arch("sm_80")
+    call = lambda kv, bs=16: attention._Call(1, 32, 8, 128, True, kv, (0, 0, 0), (0, 0, 0), 4, bs)  # noqa: E731
+    pick = lambda c, arch, d: heuristics.multi_mode(c, d, heuristics.tma_ok(c, arch, d))  # noqa: E731
+    assert pick(call("auto"), "sm_90a", 128) == "multi_tma"
+    assert pick(call("fp8_e4m3"), "sm_90a", 128) == "multi"
+    assert pick(call("auto", 8), "sm_90a", 128) == "multi"   # pages of 8: no TMA
+    assert pick(call("auto"), "sm_80", 64) == "multi"
+    assert pick(call("auto"), "sm_90a", 256) is None
 
 
 def test_former_names_still_import():

@@ -277,7 +277,27 @@ def test_compile_log_line(fresh_cache, capfd):
     k = _kernel()
     fresh_cache.get(k.name, k.source, "sm_80")
     err = capfd.readouterr().err
-    assert f"pagedattn: compiling {k.name} for sm_80 (first use)... " in err and err.rstrip().endswith("s")
+    assert f"pagedattn: compiling {k.name} for sm_80 (first use: in no bundle, not in the JIT cache; " in err
+    assert err.rstrip().endswith("s")
+
+
+def test_compile_estimate_from_earlier_compiles(tmp_path):
+    """The compile line's estimate: the median of this cache's JIT compiles of the family and arch."""
+    def entry(name, seconds, origin="jit"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / kcache.META).write_text(json.dumps({"compile_seconds": seconds, "origin": origin}))
+    assert kcache.compile_estimate(tmp_path, "attn_fwd_bf16_x", "sm_90a") is None
+    entry("attn_fwd_bf16_a-sm_90a-0123", 20.0)
+    entry("attn_fwd_fp16_b-sm_90a-4567", 30.0)
+    entry("attn_fwd_fp16_c-sm_90a-89ab", 26.0)
+    entry("attn_fwd_fp16_d-sm_90a-cdef", 1.0, origin="aot")    # not a JIT compile of this machine
+    entry("attn_fwd_fp16_e-sm_80-0123", 99.0)                  # another arch
+    entry("kv_write_bf16_span-sm_90a-0123", 2.0)               # another family
+    (tmp_path / "attn_fwd_broken-sm_90a-0000").mkdir()         # no meta.json: skipped
+    assert kcache.compile_estimate(tmp_path, "attn_fwd_bf16_x", "sm_90a") == (26.0, 3)
+    assert kcache.describe_estimate((26.0, 3), "attn_fwd_bf16_x") == "~26 s, the median of 3 earlier attn_fwd compiles here"
+    assert "no earlier kv_write compile" in kcache.describe_estimate(None, "kv_write_bf16_span")
+    assert kcache.compile_estimate(tmp_path / "missing", "attn_fwd_bf16_x", "sm_90a") is None
 
 
 def test_missing_cutlass_is_named(monkeypatch):

@@ -9,7 +9,10 @@ A case whose cache dtype the op does not support is reported skipped ("unsupport
 Every decode and prefill measurement is timed under both methods of timing.py ("rot": back to back,
 rotated inputs; "flush": L2 flushed before every call, as do_bench); the headline number, the
 ratios and the goals use the worse of the two (schema.py).
-prefill: B=4, S=4096, causal (q_len = kv_len), TFLOP/s = 4 * B * Hq * D * S^2 / 2.
+prefill: B=4, S=4096, causal (q_len = kv_len), TFLOP/s = 4 * B * Hq * D * S^2 / 2; the same with an
+fp8 e4m3 cache (issue 16: at least 0.9x the bf16 speed; no peers). Multi-token decode: B=32, 8 and 32
+query tokens per request over 4096 keys, causal (speculative decoding, chunk tails), reported as KV
+bandwidth like decode.
 decode reports the effective KV bandwidth: bytes = K + V pages read (2 * B * ctx * Hkv * D * elem);
 its floor is those bytes at the copy bandwidth of the same run (schema.floor_us).
 
@@ -59,7 +62,8 @@ DECODE = (
     {"B": 64, "ctx": 4096, "bs": 64, "vs": (BASE_PEER, WITHIN_3PCT)},
     {"B": 64, "ctx": 4096, "bs": 128, "vs": (BASE_PEER, WITHIN_3PCT)},
 )
-PREFILL = ({"B": 4, "S": 4096},)
+PREFILL = ({"B": 4, "S": 4096}, {"B": 4, "S": 4096, "kv": "fp8_e4m3"})
+MULTI = ({"B": 32, "q": 8, "ctx": 4096}, {"B": 32, "q": 32, "ctx": 4096})  # multi-token decode
 TINY = {"hq": 4, "hkv": 2, "d": 64, "bs": 16}
 TINY_DECODE = ({"B": 2, "ctx": 80}, {"B": 3, "ctx": 48, "kv": "fp8_e4m3"}, {"B": 2, "ctx": 48, "kv": "fp8_e5m2"},
                {"B": 2, "ctx": 80, "layout": "HND", "vs": (BASE_PEER, WITHIN_3PCT)},
@@ -131,11 +135,15 @@ def decode_cases(ctx: Ctx) -> list[Case]:
 
 def prefill_cases(ctx: Ctx) -> list[Case]:
     out = []
-    for shape in (TINY_PREFILL if ctx.tiny else PREFILL):
-        params = {"B": shape["B"], "q_len": shape["S"], "ctx": shape["S"], "kv_cache_dtype": "auto",
-                  "cache": "bf16", "dtype": "bf16", "layout": "NHD", "causal": True, **_dims(ctx),
-                  "peers": "all"}
-        out.append(Case(f"prefill/B{shape['B']}/S{shape['S']}/causal", "prefill", params,
+    shapes = [dict(s, q=s["S"], ctx=s["S"]) for s in (TINY_PREFILL if ctx.tiny else PREFILL)]
+    for shape in shapes + ([] if ctx.tiny else list(MULTI)):
+        kv = shape.get("kv", "auto")
+        params = {"B": shape["B"], "q_len": shape["q"], "ctx": shape["ctx"], "kv_cache_dtype": kv,
+                  "cache": "bf16" if kv == "auto" else kv, "dtype": "bf16", "layout": "NHD", "causal": True,
+                  **_dims(ctx), "peers": "all" if kv == "auto" else "none"}
+        cid = (f"prefill/B{shape['B']}/S{shape['q']}/causal" if "S" in shape
+               else f"multi/B{shape['B']}/q{shape['q']}/ctx{shape['ctx']}/causal")
+        out.append(Case(cid + ("" if kv == "auto" else f"/{kv}"), "prefill", params,
                         lambda ctx, rec, p=params: run_case(ctx, rec, p)))
     return out
 
@@ -280,10 +288,10 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
     elem = 1 if fp8 else 2
     kv_bytes = 2 * B * L * hkv * d * elem
     io_bytes = 2 * 2 * B * sq * hq * d  # q read + out written (bf16)
-    if sq == 1:
+    if sq == 1 or sq < L // 8:  # decode and multi-token decode: bound by the KV bytes
         rec.work("GB/s", kv_bytes, "copy")
-    else:
-        rec.work("TFLOP/s", 4 * B * hq * d * sq * L / 2, "matmul")
+    else:  # query i sees L - sq + i + 1 keys (bottom-right causal)
+        rec.work("TFLOP/s", 4 * B * hq * d * (sq * (L - sq) + sq * (sq + 1) / 2), "matmul")
     why = unsupported(p)
     if why is not None:
         rec.skip(f"unsupported by pagedattn: {why}")
@@ -332,7 +340,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
         rec.note("no peers: they would read the same bf16 copy as the fp8_e4m3 case")
     else:
         _torch_peers(ctx, rec, data, ref, sets, flex=role == "all")
-        if role == "all" and sq == 1:
+        if role == "all":
             _paged_peers(ctx, rec, data, ref, sets)
     if fp8 and role != "none":
         rec.note("torch peers read a bf16 dequantised copy (torch has no fp8-KV attention)")
@@ -394,7 +402,8 @@ def _torch_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int, flex:
         def prefill(k):
             kk, vv = gathered(k)
             qp = data.q[k].view(B, sq, hq, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qp, kk, vv, is_causal=True, scale=data.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qp, kk, vv, scale=data.scale, enable_gqa=True,
+                                               **peerlib.causal_kwargs(sq, L))
             return o.transpose(1, 2).reshape(B * sq, hq, d)
         return [("gather then sdpa enable_gqa, default backend", lambda: prefill)]
     name, info = "gather+sdpa", {}

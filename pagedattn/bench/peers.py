@@ -35,6 +35,16 @@ VLLM_MODULES = ("vllm.v1.attention.ops.triton_unified_attention",
 
 
 # -- SDPA on contiguous KV -------------------------------------------------------------------------
+def causal_kwargs(q_len: int, k_len: int) -> dict:
+    """SDPA's arguments for our causal mask, aligned bottom-right: `is_causal` is top-left aligned, the
+    same only when q_len == k_len; shorter queries over a longer history take torch's lower-right bias."""
+    if q_len == k_len:
+        return {"is_causal": True}
+    from torch.nn.attention.bias import causal_lower_right  # noqa: PLC0415
+
+    return {"attn_mask": causal_lower_right(q_len, k_len)}
+
+
 def sdpa_candidates(data, q_sets, k_sets, v_sets):
     """SDPA configurations on contiguous [B, Hkv, L, D] copies of the KV, for the current backend."""
     B, sq, hq, hkv, d, g = data.B, data.q_len, data.hq, data.hkv, data.d, data.groups
@@ -57,11 +67,11 @@ def sdpa_candidates(data, q_sets, k_sets, v_sets):
             return fn
         return [("enable_gqa", gqa), ("gqa folded into q_len", folded)]
     qp = [q.view(B, sq, hq, d).transpose(1, 2).contiguous() for q in q_sets]
+    causal = causal_kwargs(sq, k_sets[0].shape[2])
 
     def gqa_prefill():
         def fn(k):
-            o = F.scaled_dot_product_attention(qp[k], k_sets[k], v_sets[k], is_causal=True, scale=scale,
-                                               enable_gqa=True)
+            o = F.scaled_dot_product_attention(qp[k], k_sets[k], v_sets[k], scale=scale, enable_gqa=True, **causal)
             return o.transpose(1, 2).reshape(B * sq, hq, d)
         return fn
 
@@ -70,7 +80,7 @@ def sdpa_candidates(data, q_sets, k_sets, v_sets):
         vr = [x.repeat_interleave(g, dim=1) for x in v_sets]
 
         def fn(k):
-            o = F.scaled_dot_product_attention(qp[k], kr[k], vr[k], is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(qp[k], kr[k], vr[k], scale=scale, **causal)
             return o.transpose(1, 2).reshape(B * sq, hq, d)
         return fn
     return [("enable_gqa", gqa_prefill), ("kv repeated to Hq heads (outside timing)", repeated)]

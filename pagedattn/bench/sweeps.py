@@ -9,7 +9,7 @@ Kinds (each writes <out>/<kind>_<gpu>_<date>.json: rows, machine, commit):
   prefill  prefill_wgmma tiles on B=4 S=4096 causal d128; CONFIG is `kBlockM,kBlockN,kWarpsM,kStages` or
            `default`; each checked against pagedattn.reference first.
   modes    SM80 prefill against prefill_wgmma: CONFIG `long` (head dims 64..256 on B=4 S=4096) and/or
-           `short` (q_len 5..64 over 4096 keys, B=32).
+           `short` (q_len 5..64 over 4096 keys, B=32, also with multi-token decode forced up to 256 rows).
   quick    decode and prefill at the issue's shapes and split-count sweeps, cuDNN / flash SDPA alongside;
            each call synchronised (timing.median_us), so numbers sit above the bench's.
 A kernel's tiles are fixed once it is built, so decode and prefill run each CONFIG in a child process
@@ -120,29 +120,37 @@ def decode_row(config: str, opts: dict, name: str, B: int, ctx: int, kv: str, sp
     return row
 
 
-def prefill_row(d: int, wgmma: bool, batch: int = 4, q_len: int = 4096, ctx: int = 4096) -> dict:
-    """One prefill point with the dispatch's choice (wgmma) or with prefill_wgmma off; checked first
-    (short queries as timed, long ones on B=2 S=517) against pagedattn.reference."""
+def prefill_row(d: int, wgmma: bool, batch: int = 4, q_len: int = 4096, ctx: int = 4096,
+                multi: bool | None = False) -> dict:
+    """One prefill point with the dispatch's choice (wgmma) or with prefill_wgmma off, and multi-token
+    decode off (multi=False), as the dispatch has it (None) or forced up to 256 packed rows (True);
+    checked first (short queries as timed, long ones on B=2 S=517) against pagedattn.reference."""
     from pagedattn.ops import attention
+    from pagedattn.ops.attention import heuristics
 
     from .attention import reference_out
     from .common import rel_l2
     from .timing import Timer
 
     attention._PLANS.clear()
-    use = attention.wgmma_ok
+    use, use_multi, multi_rows = attention.wgmma_ok, attention.multi_mode, heuristics.MULTI_ROWS
     attention.wgmma_ok = use if wgmma else (lambda call, arch, head_dim: False)
+    if multi is False:
+        attention.multi_mode = lambda call, head_dim, tma: None
+    elif multi:
+        heuristics.MULTI_ROWS = 256
     try:
         check = paged(batch, ctx, q_len=q_len, d=d) if q_len <= 64 else paged(2, 517, q_len=517, d=d)
         err = rel_l2(ours(check)(0), reference_out(check))
         attention._PLANS.clear()  # the mode read below is the timed call's
         us = Timer(budget_s=0.2)(ours(paged(batch, ctx, q_len=q_len, d=d))).us
-        mode = next(iter(attention._PLANS.values())).prefill_mode
+        plan = next(iter(attention._PLANS.values()))
+        mode = plan.mode_for(q_len * HQ // HKV)
         flops = 4 * batch * HQ * d * sum(ctx - q_len + i + 1 for i in range(q_len))  # query i sees ctx-q_len+i+1 keys
         return dict(head_dim=d, batch=batch, q_len=q_len, ctx=ctx, mode=mode, us=us, tflops=flops / us / 1e6,
                     kv_gbs=2 * batch * ctx * HKV * d * 2 / us / 1e3, rel_l2_err=err)
     finally:
-        attention.wgmma_ok = use
+        attention.wgmma_ok, attention.multi_mode, heuristics.MULTI_ROWS = use, use_multi, multi_rows
 
 
 def quick_row(name: str, B: int, ctx: int, kv: str, splits: int, q_len: int, ceiling: float) -> dict:
@@ -264,10 +272,11 @@ def run(args) -> int:
         rows = []
         if args.kind == "modes":
             points = [dict(d=d) for d in (64, 128, 192, 256)] if "long" in configs else []
-            if "short" in configs:
-                points += [dict(d=D, batch=32, q_len=n, ctx=4096) for n in (5, 8, 16, 32, 64)]
+            short = [dict(d=D, batch=32, q_len=n, ctx=4096) for n in (5, 8, 16, 32, 64)] if "short" in configs else []
             todo = [(f"d{pt['d']} q_len={pt.get('q_len', 4096)} wgmma={w}",
-                     lambda pt=pt, w=w: prefill_row(wgmma=w, **pt)) for pt in points for w in (False, True)]
+                     lambda pt=pt, w=w: prefill_row(wgmma=w, **pt)) for pt in points + short for w in (False, True)]
+            todo += [(f"d{pt['d']} q_len={pt['q_len']} multi", lambda pt=pt: prefill_row(wgmma=True, multi=True, **pt))
+                     for pt in short]
         else:
             todo = [(c[0], lambda c=c: quick_row(*c, ceiling)) for c in QUICK_CASES]
         for name, measure in todo:

@@ -29,8 +29,8 @@ from .. import steady, workspace
 from ..params import AttnParams
 # re-exported: `from pagedattn.ops.attention import X` finds every name of the former single module
 from .heuristics import MAX_SPLITS, _best_splits, mode_for, split_cost, splits_for  # noqa: F401
-from .heuristics import tma_ok, wave_capacity, wgmma_ok  # noqa: F401
-from .tiles import HEAD_DIMS, MODES, SMALL_SMEM_ARCH, SMEM_LIMIT, SMEM_PER_CTA, _tiles  # noqa: F401
+from .heuristics import multi_mode, tma_ok, wave_capacity, wgmma_ok  # noqa: F401
+from .tiles import HEAD_DIMS, MODES, TMA_MODES, SMALL_SMEM_ARCH, SMEM_LIMIT, SMEM_PER_CTA, _tiles  # noqa: F401
 from .tiles import fp8_regs, smem_bytes, smem_limit, tile_config  # noqa: F401
 from .tma import TMA_L2_PROMOTION, tma_maps  # noqa: F401
 from .validate import _INT32_MAX, _NO_FEATURES, _UNSUPPORTED_OK, _batch, _Call, _check_aligned  # noqa: F401
@@ -135,9 +135,13 @@ class AttnFwdSpec(KernelSpec):
                 **{f: getattr(self, f) for f in FEATURES}}
 
     def check(self) -> None:
-        if self.mode == "decode_tma" and self.kv_cache_dtype == "auto" and self.head_dim % 64:
-            raise UnsupportedError(f"attn_fwd: mode=decode_tma needs head_dim a multiple of 64 for 16-bit "
+        if self.mode in TMA_MODES and self.kv_cache_dtype == "auto" and self.head_dim % 64:
+            raise UnsupportedError(f"attn_fwd: mode={self.mode} needs head_dim a multiple of 64 for 16-bit "
                                    f"caches (128-byte swizzled TMA boxes), got {self.head_dim}")
+        if self.mode == "multi_tma" and self.kv_cache_dtype != "auto":
+            raise UnsupportedError(f"attn_fwd: mode=multi_tma needs a 16-bit cache (fp8 operands in registers "
+                                   f"take one 16-row MMA tile per warp), got {self.kv_cache_dtype}; "
+                                   f"mode=multi runs fp8 caches")
         if self.mode == "prefill_wgmma" and (self.kv_cache_dtype != "auto" or self.head_dim % 64):
             raise UnsupportedError(f"attn_fwd: mode=prefill_wgmma needs a 16-bit cache and head_dim a multiple "
                                    f"of 64 (128-byte swizzled tiles), got {self.kv_cache_dtype}, {self.head_dim}")
@@ -156,7 +160,7 @@ class AttnFwdSpec(KernelSpec):
     def supports_arch(self, arch: str) -> bool:
         """sm_90a-only modes aside, a variant is built for the archs whose tile_config it holds (so a
         default tile too large for sm_86/sm_89 is never built there: its small_smem twin is)."""
-        if self.mode in ("decode_tma", "prefill_wgmma") and arch != "sm_90a":
+        if self.mode in (*TMA_MODES, "prefill_wgmma") and arch != "sm_90a":
             return False
         try:
             return tile_config(self.head_dim, self.mode, self.kv_cache_dtype != "auto", arch) == self.tiles
@@ -218,8 +222,9 @@ class _Variant:
 class _Plan:
     """What a call's tensor metadata decides, validated once and reused while it repeats."""
     __slots__ = ("call", "device", "dtype", "head_dim", "dbs", "dhs", "block_shift", "bt_stride",
-                 "bt_width", "arch", "decode_mode", "prefill_mode", "wgmma_rows", "_kernels", "_tma", "group",
-                 "tiles_per_row", "default_scale", "geometry", "launches", "empty", "here", "current", "_maps_ptr")
+                 "bt_width", "arch", "decode_mode", "multi_mode", "prefill_mode", "wgmma_rows", "_kernels", "_tma",
+                 "group", "tiles_per_row", "default_scale", "geometry", "launches", "empty", "here", "current",
+                 "_maps_ptr")
 
     def __init__(self, call: _Call, q, block_table, k_descale, v_descale):
         self.call = call
@@ -237,6 +242,7 @@ class _Plan:
         self.bt_width = block_table.shape[1] if block_table is not None else 0
         self.arch = arch = arch_for_device(self.device)
         self.decode_mode = "decode_tma" if tma_ok(call, arch, self.head_dim) else "decode"
+        self.multi_mode = multi_mode(call, self.head_dim, self.decode_mode == "decode_tma")
         self.prefill_mode = "prefill_wgmma" if wgmma_ok(call, arch, self.head_dim) else "prefill"
         # prefill_wgmma's tiles are larger: it takes over once the rows overflow one SM80 prefill tile.
         # Measured on H200 (perf/results/prefill_modes_nvidia_h200_20261130_short_3eaa587.json, d128,
@@ -258,7 +264,7 @@ class _Plan:
 
     def mode_for(self, rows: int) -> str:
         """The variant for a batch whose longest request has `rows` packed query rows."""
-        return mode_for(rows, self.decode_mode, self.prefill_mode, self.wgmma_rows)
+        return mode_for(rows, self.decode_mode, self.prefill_mode, self.wgmma_rows, self.multi_mode)
 
     def kernel(self, mode: str, flags: tuple = (False, False, False, False)) -> "_Variant":
         """The decode or prefill variant with these feature flags (FEATURES order)."""
@@ -334,7 +340,7 @@ class _Launch(Prepared):
         self.ctas = plan.tiles_per_row * m_blocks
         self.splits = splits = splits_for(int(num_splits), self.ctas, keys, variant.stage_keys, variant.capacity)
         self.head_dim = variant.head_dim
-        self.tma = variant.mode == "decode_tma"
+        self.tma = variant.mode in TMA_MODES
         self.capture = splits > 1 or self.tma   # what reads the capture state
         row_dim = plan.tma_maps(k, v, _is_capturing())[1] if self.tma else 0
         scale = scale if scale is not None else plan.default_scale

@@ -8,10 +8,15 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-from .tiles import MAX_HEAD_DIM_PER_GROUP
+from .tiles import MAX_HEAD_DIM_MULTI, MAX_HEAD_DIM_PER_GROUP
 
 if TYPE_CHECKING:
     from .validate import _Call
+
+# Multi-token decode (modes multi / multi_tma) takes batches whose longest request packs more than one
+# 16-row decode tile and at most this many rows (q_len x query heads per KV head); above, prefill.
+# Measured on H200 (perf/results/prefill_modes_*_short_*: B=32 over 4096 keys, d128, group 4).
+MULTI_ROWS = 32
 
 # THE cap on KV splits: a forced num_splits is clamped to it, the heuristic stops at half of it, and
 # the in-kernel combine (split_combine.cuh) holds MAX_SPLITS split LSEs per row (rendered in)
@@ -36,12 +41,24 @@ def wgmma_ok(call: _Call, arch: str, head_dim: int) -> bool:
     return arch == "sm_90a" and call.kv_name == "auto" and head_dim % 64 == 0 and head_dim <= MAX_HEAD_DIM_PER_GROUP
 
 
-def mode_for(rows: int, decode_mode: str, prefill_mode: str, wgmma_rows: int) -> str:
+def multi_mode(call: _Call, head_dim: int, tma: bool) -> str | None:
+    """The multi-token decode mode of a plan whose decode takes TMA (`tma`, tma_ok's answer): multi_tma
+    for a 16-bit cache there, multi (cp.async) otherwise; None above MAX_HEAD_DIM_MULTI (prefill serves
+    those rows)."""
+    if head_dim > MAX_HEAD_DIM_MULTI:
+        return None
+    return "multi_tma" if tma and call.kv_name == "auto" else "multi"
+
+
+def mode_for(rows: int, decode_mode: str, prefill_mode: str, wgmma_rows: int, multi: str | None = None) -> str:
     """The variant for a batch whose longest request has `rows` packed query rows: decode up to one
-    16-row tile; prefill_wgmma (when the plan allows it) once the rows overflow one SM80 prefill tile
-    (`wgmma_rows`), plain prefill in between."""
+    16-row tile; multi-token decode (`multi`, when the plan has one) up to MULTI_ROWS; prefill_wgmma
+    (when the plan allows it) once the rows overflow one SM80 prefill tile (`wgmma_rows`), plain
+    prefill in between."""
     if rows <= 16:
         return decode_mode
+    if multi is not None and rows <= MULTI_ROWS:
+        return multi
     return prefill_mode if rows > wgmma_rows else "prefill"
 
 

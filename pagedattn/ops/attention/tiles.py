@@ -13,7 +13,12 @@ HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
 # Above this head dim the warps split O's columns (kWarpsD groups; see attn_traits.cuh): decode and
 # prefill only (no TMA ring, no warpgroup MMAs).
 MAX_HEAD_DIM_PER_GROUP = 256
-MODES = ("decode", "decode_tma", "prefill", "prefill_wgmma")
+# Multi-token decode (q_len x group packed rows of one KV head up to MULTI_ROWS, e.g. speculative
+# decoding): the decode tiles with 32 rows per warp, at head dims up to MAX_HEAD_DIM_MULTI (a warp's
+# 32 x 128 fp32 O takes 128 registers; wider ones would spill).
+MAX_HEAD_DIM_MULTI = 128
+MODES = ("decode", "decode_tma", "multi", "multi_tma", "prefill", "prefill_wgmma")
+TMA_MODES = ("decode_tma", "multi_tma")  # sm_90, paged caches: K/V by TMA into each warp's ring
 # Shared memory one CTA may use (the opt-in maximum of cudaFuncSetAttribute), per NVRTC target.
 SMEM_PER_CTA = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90a": 227 * 1024}
 SMEM_LIMIT = SMEM_PER_CTA["sm_90a"]  # the budget of the default tiles (every one of them also fits sm_80's)
@@ -30,6 +35,9 @@ def tile_config(head_dim: int, mode: str, fp8: bool = False, arch: str = "sm_90a
     if head_dim > MAX_HEAD_DIM_PER_GROUP and mode not in ("decode", "prefill"):
         raise UnsupportedError(f"attn_fwd: mode={mode} supports head dims up to {MAX_HEAD_DIM_PER_GROUP}, "
                                f"got {head_dim} (decode and prefill run it)")
+    if head_dim > MAX_HEAD_DIM_MULTI and mode in ("multi", "multi_tma"):
+        raise UnsupportedError(f"attn_fwd: mode={mode} supports head dims up to {MAX_HEAD_DIM_MULTI}, "
+                               f"got {head_dim} (prefill runs it)")
     cfg = {"kWgmma": mode == "prefill_wgmma", "kWarpsD": 1, **_tiles(head_dim, mode, fp8)}
     limit = smem_limit(arch)
     while smem_bytes(cfg, head_dim, fp8) > limit and cfg["kWarpsN"] > 1:
@@ -64,6 +72,13 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # Measured on H200 (perf/results/history/attn_tile_sweep_*): with cp.async, decode is bound by
         # warps per SM, so the smallest sub-tile and two stages (68 KiB at d128: three CTAs) win.
         return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=2, kMinBlocks=3, kTma=False)
+    if mode in ("multi", "multi_tma"):
+        # Multi-token decode: the decode tiles of the same loader with two 16-row MMA tiles per warp
+        # (32 packed rows: e.g. 8 query tokens x 4 query heads per KV head), so K/V stream once per KV
+        # head as in decode instead of through a 128-row prefill tile that is mostly padding.
+        tma = mode == "multi_tma"
+        return dict(kBlockM=32, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=3 if tma else 2, kMinBlocks=2,
+                    kTma=tma)
     if mode == "decode_tma":
         # Measured on H200 (perf/results/decode_sweep_*): 16-bit caches, two ring slots in flight per
         # warp and two CTAs per SM; fp8 caches (more work per byte: widening) prefer more warps, three
