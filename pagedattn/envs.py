@@ -25,6 +25,11 @@ def _flag(name: str) -> bool:
 # os.environ's own mapping answers, without encoding the name; os.environ writes update it.
 _ENVIRON = getattr(os.environ, "_data", None)
 _DEBUG_KEY = os.environ.encodekey("PAGEDATTN_DEBUG") if _ENVIRON is not None else None
+# The steady paths of the ops test `DEBUG_KEY not in ENVIRON` inline (true: unset, debug() is False)
+# and call debug() only otherwise: one Python frame less per call. Without os.environ's mapping,
+# ENVIRON holds DEBUG_KEY, so that they always call debug().
+ENVIRON = _ENVIRON if _ENVIRON is not None else {_DEBUG_KEY: None}
+DEBUG_KEY = _DEBUG_KEY
 
 
 def cache_dir() -> Path:

@@ -1,6 +1,6 @@
 """Host-side cost of the public ops without a GPU: the eager Python path on CPU tensors, with the
 driver stubbed (the real Launcher packs its Params and calls a no-op C function through ctypes in
-place of cuLaunchKernel) and the CUDA-only pieces (device queries, tensor maps, capture state)
+place of cuLaunchKernelEx) and the CUDA-only pieces (device queries, tensor maps, capture state)
 replaced by constants. What it measures is the Python/torch work per call that perf/launch_overhead.py
 measures on the GPU, minus the driver's own cost; CPU allocations stand in for the caching
 allocator's (of the same order).
@@ -36,16 +36,21 @@ def stub_cuda():
             self.spec = spec
 
         def launcher(self, device):
-            lau = launch.Launcher.__new__(launch.Launcher)
-            noop = ctypes.PyDLL(None).labs  # ignores the extra arguments, as cuLaunchKernel's stand-in
+            # cuLaunchKernel(Ex)'s stand-in: a C function that ignores its arguments and returns 0
+            # (NULL: no Python error is set); called with the GIL held, as PyDLL does
+            noop = ctypes.PyDLL(None).PyErr_Occurred
             noop.restype = ctypes.c_int
-            lau._launch, lau._func, lau._device = noop, ctypes.c_void_p(0), device  # labs(0) == 0: success
-            lau._smem, lau._ctx, lau._params = 0, 0, self.spec.PARAMS
-            lau._pack = launch.packer(self.spec.PARAMS).pack_into
-            lau._size = ctypes.sizeof(self.spec.PARAMS)
-            import threading
-            lau._local = threading.local()
-            lau._raw_stream = lambda device: 0
+            if hasattr(launch.Launcher, "stand_in"):
+                lau = launch.Launcher.stand_in(noop, self.spec.PARAMS, device)
+            else:  # an older tree (to compare with): the attributes its Launcher reads
+                import threading
+                lau = launch.Launcher.__new__(launch.Launcher)
+                lau._launch, lau._func, lau._device = noop, ctypes.c_void_p(0), device
+                lau._smem, lau._ctx, lau._params = 0, 0, self.spec.PARAMS
+                lau._pack = launch.packer(self.spec.PARAMS).pack_into
+                lau._size = ctypes.sizeof(self.spec.PARAMS)
+                lau._local = threading.local()
+                lau._raw_stream = lambda device: 0
             lau.max_active_blocks = lambda threads: 4
             return lau
 

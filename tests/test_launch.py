@@ -23,6 +23,15 @@ static unsigned long long keys[100000];
 static int launches = 0;
 static unsigned char last[512];
 static unsigned last_grid = 0;
+static unsigned long long last_stream = 0;
+static unsigned last_dims[7];
+
+typedef struct {  /* CUlaunchConfig */
+  unsigned grid[3], block[3], smem;
+  void* stream;
+  void* attrs;
+  unsigned num_attrs;
+} Config;
 
 void fake_set_current(void* c) { current = c; }
 void* fake_current(void) { return current; }
@@ -30,13 +39,17 @@ int fake_launches(void) { return launches; }
 unsigned long long fake_key(int i) { return keys[i]; }
 void fake_last(unsigned char* out, int n) { memcpy(out, last, n); }
 unsigned fake_last_grid(void) { return last_grid; }
+unsigned long long fake_last_stream(void) { return last_stream; }
+unsigned fake_last_dim(int i) { return last_dims[i]; }
 
-int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                   unsigned smem, void* stream, void** params, void** extra) {
+int cuLaunchKernelEx(const Config* c, void* f, void** params, void** extra) {
   if (current != kFuncCtx) return 201;  /* CUDA_ERROR_INVALID_CONTEXT */
+  if (f != (void*)0xF00D || c->attrs || c->num_attrs || extra) return 1;  /* CUDA_ERROR_INVALID_VALUE */
   memcpy(last, params[0], sizeof(last) < 256 ? sizeof(last) : 256);
   memcpy(&keys[launches % 100000], params[0], 8);
-  last_grid = gx;
+  last_grid = c->grid[0];
+  last_stream = (unsigned long long)c->stream;
+  memcpy(last_dims, c, sizeof(last_dims));
   __atomic_fetch_add(&launches, 1, __ATOMIC_SEQ_CST);
   return 0;
 }
@@ -61,11 +74,22 @@ def fake_driver(tmp_path, monkeypatch):
     fake.fake_current.restype = ctypes.c_void_p
     fake.fake_key.restype = ctypes.c_ulonglong
     fake.fake_last_grid.restype = ctypes.c_uint
+    fake.fake_last_stream.restype = ctypes.c_ulonglong
+    fake.fake_last_dim.restype = ctypes.c_uint
     import torch
 
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0x7F00_0000_1000, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: STREAM, raising=False)
     yield fake
     monkeypatch.setattr(launch, "_driver", None)
+
+
+STREAM = 0x7F00_0000_1000  # torch's current raw stream in these tests: a 64-bit handle
+
+
+def _dims(fake) -> tuple:
+    """(grid, block, shared memory) of the last launch's CUlaunchConfig."""
+    d = [fake.fake_last_dim(i) for i in range(7)]
+    return tuple(d[:3]), tuple(d[3:6]), d[6]
 
 
 def _values(key_ptr: int) -> tuple:
@@ -76,14 +100,31 @@ def _values(key_ptr: int) -> tuple:
 def test_launch_packs_params_like_the_compiler(fake_driver):
     fake_driver.fake_set_current(ctypes.c_void_p(0x1234))
     launcher = launch.Launcher(0xF00D, KvWriteParams, 0)
-    launcher((7, 1, 1), (256, 1, 1), _values(0xABCDEF))
+    launcher((7, 2, 3), (256, 1, 1), _values(0xABCDEF))
     assert fake_driver.fake_launches() == 1 and fake_driver.fake_last_grid() == 7
+    assert _dims(fake_driver) == ((7, 2, 3), (256, 1, 1), 0) and fake_driver.fake_last_stream() == STREAM
     raw = (ctypes.c_ubyte * ctypes.sizeof(KvWriteParams))()
     fake_driver.fake_last(raw, ctypes.sizeof(KvWriteParams))
     got = KvWriteParams.from_buffer_copy(bytes(raw))
     assert got.key == 0xABCDEF and got.value == 2 and got.key_stride == 1024
     assert (got.cache.num_blocks, got.cache.block_size, got.cache.num_heads, got.cache.head_size) == (256, 16, 8, 128)
     assert got.slot_is_int64 == 1 and got.num_tokens == 7
+
+
+def test_an_explicit_stream_and_shared_memory_reach_the_config(fake_driver):
+    fake_driver.fake_set_current(ctypes.c_void_p(0x1234))
+    launcher = launch.Launcher(0xF00D, KvWriteParams, 0, dynamic_smem=99 * 1024)
+    launcher((5, 1, 1), (128, 1, 1), _values(0x10), stream=0xFFFF_FFFF_FFFF_FFF0)
+    assert _dims(fake_driver) == ((5, 1, 1), (128, 1, 1), 99 * 1024)
+    assert fake_driver.fake_last_stream() == 0xFFFF_FFFF_FFFF_FFF0
+    launcher.prepare((5, 1, 1), (128, 1, 1), 7, _values(0x10)[7:])(*_values(0x10)[:7])
+    assert _dims(fake_driver) == ((5, 1, 1), (128, 1, 1), 99 * 1024) and fake_driver.fake_last_stream() == STREAM
+
+
+def test_the_launch_config_mirrors_cuda_h():
+    """CUlaunchConfig on x86-64 / aarch64: seven uint32, the stream at 32, attrs at 40, numAttrs at 48."""
+    assert (launch.CONFIG_BYTES, launch.STREAM_OFFSET) == (56, 32)
+    assert (launch.LaunchConfig.attrs.offset, launch.LaunchConfig.numAttrs.offset) == (40, 48)
 
 
 def test_wrong_context_is_pushed_for_one_launch_and_restored(fake_driver):
@@ -117,6 +158,27 @@ def test_threads_never_mix_their_params(fake_driver):
     assert seen == {(t << 32) | i for t in range(threads) for i in range(per_thread)}
 
 
+def test_threads_never_mix_their_prepared_params(fake_driver):
+    """A Prepared launch's buffer is per thread too: every thread's addresses reach the driver intact."""
+    fake_driver.fake_set_current(ctypes.c_void_p(0x1234))
+    launcher = launch.Launcher(0xF00D, KvWriteParams, 0)
+    prepared = launcher.prepare((1, 1, 1), (32, 1, 1), 7, _values(0)[7:])
+    per_thread, threads = 2000, 4
+
+    def work(t):
+        for i in range(per_thread):
+            prepared.launch((t << 32) | i, 2, 3, 4, 5, 0, 0)
+
+    pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    n = fake_driver.fake_launches()
+    assert n == per_thread * threads
+    assert {fake_driver.fake_key(i) for i in range(n)} == {(t << 32) | i for t in range(threads) for i in range(per_thread)}
+
+
 def test_a_prepared_launch_packs_what_a_full_one_does(fake_driver):
     """Launcher.prepare: the fields after the first n packed once; calls fill in the first n."""
     fake_driver.fake_set_current(ctypes.c_void_p(0x1234))
@@ -129,12 +191,12 @@ def test_a_prepared_launch_packs_what_a_full_one_does(fake_driver):
         return bytes(raw)
 
     for n_head in (7, 9, 0, len(_values(0))):
-        launcher((3, 1, 1), (64, 1, 1), _values(0xABC))
-        want = last()
-        prepared = launcher.prepare((3, 1, 1), (64, 1, 1), n_head, _values(0xABC)[n_head:])
+        launcher((3, 2, 1), (64, 1, 1), _values(0xABC))
+        want = last(), _dims(fake_driver)
+        prepared = launcher.prepare((3, 2, 1), (64, 1, 1), n_head, _values(0xABC)[n_head:])
         for _ in range(2):
             prepared(*_values(0xABC)[:n_head])
-            assert last() == want and fake_driver.fake_last_grid() == 3
+            assert (last(), _dims(fake_driver)) == want and fake_driver.fake_last_stream() == STREAM
     fake_driver.fake_set_current(ctypes.c_void_p(0x9999))  # the wrong-context retry applies too
     before = fake_driver.fake_launches()
     prepared(*_values(0xABC)[:len(_values(0))])

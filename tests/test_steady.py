@@ -20,10 +20,11 @@ from pagedattn.ops import attention, kv_write, workspace  # noqa: E402
 from pagedattn.ops.params import AttnParams  # noqa: E402
 
 LAUNCHES = []
+STREAM = [0]  # torch's current raw stream as the stand-in launcher sees it (0: the legacy default stream)
 
 
 class _RecordingKernel:
-    """get_kernel's stand-in: a real Launcher whose cuLaunchKernel records grid, block and Params."""
+    """get_kernel's stand-in: a real Launcher whose cuLaunchKernelEx records grid, block and Params."""
 
     def __init__(self, spec):
         self.spec = spec
@@ -33,15 +34,13 @@ class _RecordingKernel:
 
         size = ctypes.sizeof(self.spec.PARAMS)
 
-        def record(func, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
-            LAUNCHES.append(((gx, gy, gz, bx, by, bz), ctypes.string_at(argv[0], size)))
+        def record(config, func, argv, extra):
+            grid, block, _, stream, params = launch.read_launch(config, argv, size)
+            assert stream == STREAM[0], "not launched on the current stream"
+            LAUNCHES.append(((*grid, *block), params))
             return 0
 
-        import threading
-        lau = launch.Launcher.__new__(launch.Launcher)
-        lau._launch, lau._func, lau._device, lau._smem, lau._ctx = record, ctypes.c_void_p(0), device, 0, 0
-        lau._params, lau._pack, lau._size = self.spec.PARAMS, launch.packer(self.spec.PARAMS).pack_into, size
-        lau._local, lau._raw_stream = threading.local(), (lambda device: 0)
+        lau = launch.Launcher.stand_in(record, self.spec.PARAMS, device, raw_stream=lambda device: STREAM[0])
         lau.max_active_blocks = lambda threads: 4
         return lau
 
@@ -71,6 +70,7 @@ def stub_cuda(monkeypatch):
     attention._PLANS.clear()
     kv_write._PLANS.clear()
     LAUNCHES.clear()
+    STREAM[0] = 0
     yield
     attention._PLANS.clear()
     kv_write._PLANS.clear()
@@ -129,6 +129,28 @@ def test_a_warm_call_launches_what_a_cold_one_does(form, monkeypatch):
     # a warm call never reaches the checks
     monkeypatch.setattr(attention, "check_call", lambda *a, **k: pytest.fail("the steady path ran check_call"))
     assert _outcome(kw) == cold
+
+
+@pytest.mark.parametrize("form", ["plain", "split4"])
+def test_a_warm_call_launches_on_the_current_stream_and_asks_for_capture_off_the_default_one(form, monkeypatch):
+    """The stream of a warm launch is the current one (the stand-in asserts it); the legacy default
+    stream (0) cannot capture, so the capture state is asked for on other streams only; a capturing
+    stream keeps the tensor maps for the graph (workspace.keep_for_graphs)."""
+    kw = _base(form)
+    cold = _outcome(kw)
+    asked = []
+
+    def capturing():
+        asked.append(STREAM[0])
+        return STREAM[0] == 9
+
+    monkeypatch.setattr(attention, "_is_capturing", capturing)
+    monkeypatch.setattr(workspace, "GRAPH_REFS", {})
+    assert _outcome(kw) == cold and asked == []
+    for stream in (7, 9):
+        STREAM[0] = stream
+        assert _outcome(kw) == cold
+    assert asked == [7, 9] and len(workspace.GRAPH_REFS) == 1  # the maps, kept by the capturing call
 
 
 def test_clearing_the_plans_clears_the_guards():
@@ -245,6 +267,30 @@ def test_a_warm_write_launches_what_a_cold_one_does(form, monkeypatch):
     _write_outcome(kw)
     strict.append(1)
     assert cold2 != cold and _write_outcome(fewer) == cold2 and _write_outcome(kw) == cold
+
+
+def test_a_warm_write_launches_on_the_current_stream():
+    kw = _write_base("i64")
+    cold = _write_outcome(kw)
+    for stream in (0, 0x7F00_0000_1000, 3):
+        STREAM[0] = stream
+        assert _write_outcome(kw) == cold  # the stand-in asserts the stream
+
+
+@pytest.mark.parametrize("rows", [("key", 2), ("value", 4), ("value", 6), ("both", 3), ("both", 7)])
+def test_a_warm_write_with_other_rows_is_judged_as_cold(rows):
+    """The steady path compares numel() for the rows (key / value [T, H, D], H and D fixed by the guard):
+    fewer key rows than slots, value rows unlike key's, or both padded otherwise, are judged as cold."""
+    which, t = rows
+    kw = _write_base("i64")  # 3 slots, key and value of 5 rows
+    for _ in range(2):
+        assert isinstance(_write_outcome(kw), list)
+    changed = dict(kw)
+    for name in ("key", "value") if which == "both" else (which,):
+        changed[name] = torch.randn(t, 2, 64).to(torch.bfloat16)
+    warm = _write_outcome(changed)
+    kv_write._PLANS.clear()
+    assert warm == _write_outcome(changed)
 
 
 def test_a_warm_write_packs_the_addresses_of_this_call():

@@ -216,3 +216,88 @@ def test_new_bad_write_metadata_after_a_warm_up_is_refused_as_cold(bad):
     kc, vc = spec.allocate("cuda", fill=0.0)
     _assert_refused_warm_as_cold(bad, pagedattn.reshape_and_cache_flash, kv_write._PLANS,
                                  dict(kw, key_cache=kc, value_cache=vc), WRITE_BAD[bad](kw, kc))
+
+
+# ---------------------------------------------------------------- the stream and the threads of a warm launch
+SLEEP_CYCLES = 50_000_000  # ~25 ms at 2 GHz: far longer than the calls queued behind it take to issue
+
+
+def _refuse_checks(monkeypatch):
+    """From here on a call that leaves the steady path fails the test."""
+    monkeypatch.setattr(attention, "check_call", lambda *a, **k: pytest.fail("the steady path ran check_call"))
+    monkeypatch.setattr(kv_write, "check_metadata", lambda *a, **k: pytest.fail("the steady path validated"))
+
+
+def test_warm_decode_runs_on_the_callers_stream(monkeypatch):
+    """A warm decode (TMA and split-KV forms) issued on a side stream behind a long sleep, after that
+    stream rewrote q: it reads the rewritten q, so it ran on the side stream (on any other stream it
+    would have run during the sleep, on the old q)."""
+    for form in ("plain", "split4"):
+        case, kw = _case(form, 61)
+        attention._PLANS.clear()
+        q = case["q"]
+        q_new = torch.randn(q.shape, generator=torch.Generator().manual_seed(62)).to(q.dtype).cuda()
+        args = (case["kc"], case["vc"])
+        for _ in range(2):  # warm: the guard and the launch of this batch shape
+            pagedattn.flash_attn_varlen_func(q, *args, **kw)
+        want = pagedattn.flash_attn_varlen_func(q_new, *args, **kw).clone()
+        with monkeypatch.context() as m:
+            _refuse_checks(m)
+            buf = q.clone()
+            side = torch.cuda.Stream()
+            torch.cuda.synchronize()
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(SLEEP_CYCLES)
+                buf.copy_(q_new)
+                got = pagedattn.flash_attn_varlen_func(buf, *args, **kw)
+            side.synchronize()
+        assert torch.equal(got, want), form
+        assert not torch.equal(want, pagedattn.flash_attn_varlen_func(q, *args, **kw))
+
+
+def test_warm_write_runs_on_the_callers_stream(monkeypatch):
+    spec, kw = _write_case("i64", 63)
+    kv_write._PLANS.clear()
+    key_new = torch.randn(kw["key"].shape, generator=torch.Generator().manual_seed(64)).to(torch.bfloat16).cuda()
+    for _ in range(2):
+        _write(spec, kw)
+    want = _write(spec, dict(kw, key=key_new), reference.reshape_and_cache_flash)
+    kc, vc = spec.allocate("cuda", fill=float("nan"))
+    with monkeypatch.context() as m:
+        _refuse_checks(m)
+        buf = kw["key"].clone()
+        side = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            buf.copy_(key_new)
+            pagedattn.reshape_and_cache_flash(buf, kw["value"], kc, vc, kw["slot_mapping"])
+        side.synchronize()
+    assert _same((_bits(kc), _bits(vc)), want)
+
+
+def test_warm_decodes_from_threads_equal_one_thread(monkeypatch):
+    """Two threads issuing warm decodes (each its own q) through the same launches: per-thread launch
+    buffers, so each gets its own q's result, equal to the single-thread one."""
+    import threading
+
+    case, kw = _case("plain", 65)
+    attention._PLANS.clear()
+    gen = torch.Generator().manual_seed(66)
+    qs = [torch.randn(case["q"].shape, generator=gen).to(case["q"].dtype).cuda() for _ in range(2)]
+    want = [pagedattn.flash_attn_varlen_func(q, case["kc"], case["vc"], **kw).clone() for q in qs]
+    results = [None, None]
+
+    def worker(i):
+        outs = [pagedattn.flash_attn_varlen_func(qs[i], case["kc"], case["vc"], **kw) for _ in range(50)]
+        torch.cuda.synchronize()
+        results[i] = all(torch.equal(o, want[i]) for o in outs)
+
+    with monkeypatch.context() as m:
+        _refuse_checks(m)
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert results == [True, True]

@@ -321,11 +321,14 @@ def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
 
 class _Shape:
     """The launch of one token count: its config, the flat (grid, block) (None: never flat), the
-    span/head block, and the Prepared launches of the steady path ([flat, base], built on first use)."""
-    __slots__ = ("num_tokens", "config", "flat", "base_block", "runs")
+    span/head block, and the Prepared launches of the steady path ([flat, base], built on first use).
+    `elements`: num_tokens * H * D, the fewest elements key / value can have (the steady path compares
+    numel(), which costs less than shape[0])."""
+    __slots__ = ("num_tokens", "elements", "config", "flat", "base_block", "runs")
 
-    def __init__(self, num_tokens, config, flat, base_block):
-        self.num_tokens, self.config, self.flat, self.base_block = num_tokens, config, flat, base_block
+    def __init__(self, num_tokens, elements, config, flat, base_block):
+        self.num_tokens, self.elements, self.config, self.flat, self.base_block = \
+            num_tokens, elements, config, flat, base_block
         self.runs = [None, None]
 
 
@@ -378,7 +381,8 @@ class _Plan:
                 flat = flat_launch(config, self.flat_spec, num_tokens * self.token_packs,
                                    lambda threads: self.flat_launcher().max_active_blocks(threads))
             block = (base_threads(self.spec, self.base_spec.path, self.elem, config), 1, 1)
-            shape = self.shapes[num_tokens] = _Shape(num_tokens, config, flat, block)
+            elements = num_tokens * self.spec.num_kv_heads * self.spec.head_size
+            shape = self.shapes[num_tokens] = _Shape(num_tokens, elements, config, flat, block)
         return shape
 
     def prepared(self, shape: _Shape, flat: bool):
@@ -445,8 +449,8 @@ def _scale_sig(t):
 _PLANS = steady.Plans()
 _GUARD_FORMS = _PLANS.steady.forms  # the two lists, cleared in place
 _VALUE_IS_KEY, _NO_K_SCALE, _NO_V_SCALE, _V_SCALE_IS_K = steady.ABSENT
-_is_compiling = torch.compiler.is_compiling
-_debug = envs.debug
+_is_compiling = steady.is_dynamo_compiling
+_debug, _ENVIRON, _DEBUG_KEY = envs.debug, envs.ENVIRON, envs.DEBUG_KEY
 
 
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
@@ -477,7 +481,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     # tensors have a validated call's metadata (token counts aside), then only the token counts and
     # the base pointers are read. Form 1: with scales (stand-ins for None and for v_scale is k_scale).
     form = None
-    if overrides is None and not validate and not _is_compiling() and not _debug():
+    if overrides is None and not validate and not _is_compiling() and (_DEBUG_KEY not in _ENVIRON or not _debug()):
         form = k_scale is not None or v_scale is not None
         meta = (key, _VALUE_IS_KEY if value is key else value, key_cache, value_cache, slot_mapping,
                 _NO_K_SCALE if k_scale is None else k_scale,
@@ -489,15 +493,16 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
                 continue
             form = None  # known: nothing to remember
             shape = plan.shapes.get(slot_mapping.numel())
-            rows = key.shape[0]
+            # rows: key and value [T, H, D] (H, D fixed by the guard, > 0): T >= num_tokens, value's T == key's
+            elements = key.numel()
             kcp, vcp = key_cache.data_ptr(), value_cache.data_ptr()
-            if (shape is not None and shape.num_tokens <= rows and (value is key or value.shape[0] == rows)
+            if (shape is not None and shape.elements <= elements and (value is key or value.numel() == elements)
                     and not (kcp | vcp) & 15):
                 kp, vp = key.data_ptr(), value.data_ptr()
                 flat = shape.flat is not None and not (kp | vp) & 15  # write_path == "flat"
                 run = shape.runs[not flat] or plan.prepared(shape, flat)
                 ks, vs = (k_scale.data_ptr(), v_scale.data_ptr()) if plan.is_fp8 else (0, 0)
-                run(kp, vp, kcp, vcp, slot_mapping.data_ptr(), ks, vs)  # a Prepared launch
+                run.launch(kp, vp, kcp, vcp, slot_mapping.data_ptr(), ks, vs)  # a Prepared launch
                 return
             break
     if torch.compiler.is_compiling() or traced(key_cache):

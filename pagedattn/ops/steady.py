@@ -22,6 +22,14 @@ except ImportError:  # pragma: no cover - a torch without Dynamo's guards
     TensorGuards = None
 
 
+# The steady paths' gate against tracing: Dynamo's trace-time check, one Python frame (is_compiling
+# adds torch.jit.is_scripting's). Dynamo folds it to True, so a traced call takes the custom op; the
+# other tracers (torch.export's non-strict mode, make_fx, fake or dispatch modes) run the code on tensor
+# subclasses or under dispatch modes, which a guard refuses (Python type, dispatch keys), and then the
+# validated path sends them to the op (torch.compiler.is_compiling() or contract.traced()).
+is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+
+
 class _Absent(torch.Tensor):
     """Stands for an optional tensor left out (None), so that one guard covers calls with and without
     it: no caller holds an instance, and a guard compares Python types first."""
@@ -85,6 +93,19 @@ class Plans(PlanCache):
 _empty_cpu = getattr(torch._C._dynamo.guards, "_empty_strided_cpu", None) if TensorGuards else None
 _empty_cuda = getattr(torch._C._dynamo.guards, "_empty_strided_cuda", None) if TensorGuards else None
 _cuda_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def empty_here(device: torch.device, index: int):
+    """(empty, current): `empty(shape, stride, dtype)` allocates on the current device of `device`'s
+    type without the dispatcher (Inductor's output buffers), right while `current() == index`, the
+    index of `device` (on CUDA a device query); else empty_fn(device) allocates. empty_fn's work, split
+    so that a caller can inline the device check (one Python frame less per call). On CPU `current()`
+    is always `index`; without torch's functions never."""
+    if device.type == "cpu" and _empty_cpu is not None:
+        return _empty_cpu, (lambda: index)
+    if device.type == "cuda" and _empty_cuda is not None and _cuda_device is not None:
+        return _empty_cuda, _cuda_device
+    return None, (lambda: None)
 
 
 def empty_fn(device: torch.device):

@@ -52,12 +52,14 @@ def _get(kind: str, device: int, stream: int, numel: int, dtype, capturing: bool
 
 
 def split_scratch(device: int, splits: int, total_q: int, heads: int, head_dim: int, tiles: int,
-                  capturing: bool) -> tuple[int, int, int]:
+                  capturing: bool, stream: int | None = None) -> tuple[int, int, int]:
     """Addresses of o_accum float32 [splits, total_q, heads, head_dim], lse_accum float32 [splits,
     heads, total_q] (one workspace; lse_accum 16-byte aligned as head_dim is a multiple of 16) and
     `tiles` int32 arrival counters (attn_fwd.cuh: the last split of a tile merges them all), zero on
-    entry. Addresses, not views: a view costs more host time than the whole lookup."""
-    stream = _raw_stream(device)
+    entry. Addresses, not views: a view costs more host time than the whole lookup. `stream`: the
+    device's current raw stream, when the caller has it already."""
+    if stream is None:
+        stream = _raw_stream(device)
     n_o = splits * total_q * heads * head_dim
     work = _get("workspace", device, stream, n_o + splits * heads * total_q, torch.float32, capturing).tensor
     counters = _get("counters", device, stream, tiles, torch.int32, capturing)

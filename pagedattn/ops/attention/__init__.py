@@ -12,7 +12,6 @@ replace `tile_config`, `tma_ok`, `wgmma_ok`, `tma_maps`, `sm_count` here): the s
 the launch."""
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ import torch
 
 from ... import envs
 from ..plans import PlanCache
-from ...codegen.launch import Prepared
+from ...codegen.launch import STREAM_OFFSET, Prepared
 from ...contract import ContractError, traced
 from ...dtypes import CUTLASS_TYPE, FP8_FORMAT, short
 from ...registry import KernelSpec, UnsupportedError, arch_for_device, get_kernel, register, sm_count
@@ -41,8 +40,8 @@ from .validate import check_scalars, check_tables, check_unsupported, check_valu
 from .validate import features_of, validate  # noqa: F401
 
 _is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
-_is_compiling = torch.compiler.is_compiling
-_debug = envs.debug
+_is_compiling = steady.is_dynamo_compiling
+_debug, _ENVIRON, _DEBUG_KEY = envs.debug, envs.ENVIRON, envs.DEBUG_KEY
 _validate = validate  # flash_attn_varlen_func's validate= argument shadows the name
 
 LOG2E = 1.4426950408889634
@@ -223,8 +222,9 @@ class _Variant:
 class _Plan:
     """What a call's tensor metadata decides, validated once and reused while it repeats."""
     __slots__ = ("call", "device", "dtype", "head_dim", "dbs", "dhs", "block_shift", "bt_stride",
-                 "bt_width", "arch", "decode_mode", "multi_mode", "prefill_mode", "wgmma_rows", "_kernels", "_tma", "group",
-                 "tiles_per_row", "default_scale", "geometry", "launches", "empty", "_maps_ptr")
+                 "bt_width", "arch", "decode_mode", "multi_mode", "prefill_mode", "wgmma_rows", "_kernels", "_tma",
+                 "group", "tiles_per_row", "default_scale", "geometry", "launches", "empty", "here", "current",
+                 "_maps_ptr")
 
     def __init__(self, call: _Call, q, block_table, k_descale, v_descale):
         self.call = call
@@ -259,6 +259,8 @@ class _Plan:
                          call.block_size, self.block_shift, call.B, call.Hq, call.Hkv, self.group, call.D)
         self.launches = PlanCache()   # _Launch by batch shape and scalars (_Launch.key)
         self.empty = steady.empty_fn(q.device)
+        # outputs on the current device without the dispatcher (steady.empty_here), inline in _Launch.run
+        self.here, self.current = steady.empty_here(q.device, self.device)
 
     def mode_for(self, rows: int) -> str:
         """The variant for a batch whose longest request has `rows` packed query rows."""
@@ -348,13 +350,14 @@ class _Launch(Prepared):
                 w_right, alibi_stride, scale * LOG2E, cap)
         super().__init__(variant.launcher, (plan.tiles_per_row, m_blocks, splits), variant.threads, _ADDRESSES, tail)
 
-    def __call__(self, plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k_descale,
-                 v_descale, alibi_slopes=None, sinks=None):
+    def run(self, plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k_descale,
+            v_descale, alibi_slopes=None, sinks=None):
         """Allocate what is not given, launch; (out, lse). None when a base address is not 16-byte
         aligned or out has another number of rows: what only the full validation can name."""
         qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
         if out is None:
-            out = plan.empty(self.out_shape, self.out_stride, self.dtype)
+            out = plan.here(self.out_shape, self.out_stride, self.dtype) if plan.current() == plan.device else \
+                plan.empty(self.out_shape, self.out_stride, self.dtype)
         elif out.shape[0] != self.total_q:
             return None
         op = out.data_ptr()
@@ -363,33 +366,34 @@ class _Launch(Prepared):
         lse = None if self.lse_shape is None else plan.empty(self.lse_shape, (self.total_q, 1), torch.float32)
         if self.empty_batch:
             return out, lse
+        stream = self._stream(self._device)
         o_ptr = lse_ptr = counters = maps = 0
         if self.capture:
-            capturing = _is_capturing()
+            # CUDA never captures the legacy default stream (0): no capture query on it
+            capturing = stream != 0 and _is_capturing()
             if self.splits > 1:
                 o_ptr, lse_ptr, counters = workspace.split_scratch(plan.device, self.splits, self.total_q,
-                                                                   plan.call.Hq, self.head_dim, self.ctas, capturing)
+                                                                   plan.call.Hq, self.head_dim, self.ctas, capturing,
+                                                                   stream)
             if self.tma:
                 maps = plan._maps_ptr.get((kp, vp), 0) if not capturing else 0
                 if not maps:
                     maps = plan.maps_ptr(k, v, kp, vp, capturing)
         # Prepared.__call__, inline (this runs on every steady-state call)
         try:
-            buf, argv, _ = self._local.state
+            buf, config, argv = self._local.state
         except AttributeError:
-            buf, argv, _ = self._thread_buffer()
-        self._pack_head(buf, 0, qp, op, 0 if lse is None else lse.data_ptr(), kp, vp,
+            buf, config, argv = self._thread_buffer()
+        self._pack_head(buf, STREAM_OFFSET, stream, qp, op, 0 if lse is None else lse.data_ptr(), kp, vp,
                         0 if block_table is None else block_table.data_ptr(), cu_seqlens_q.data_ptr(),
                         0 if seqused_k is None else seqused_k.data_ptr(),
                         0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
                         0 if k_descale is None else k_descale.data_ptr(),
                         0 if v_descale is None else v_descale.data_ptr(), o_ptr, lse_ptr, maps, counters,
                         0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0 if sinks is None else sinks.data_ptr())
-        lau = self._launcher
-        stream = ctypes.c_void_p(lau._raw_stream(lau._device))
-        err = lau._launch(lau._func, *self._dims, stream, argv, None)
+        err = self._launch(config, self._func, argv, None)
         if err:
-            lau._failed(err, self._dims, stream, argv)
+            self._launcher._failed(err, config, argv)
         return out, lse
 
 
@@ -434,7 +438,8 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     if cu_seqlens_k is None and alibi_slopes is None and sinks is None and s_aux is None and not unsupported \
             and not validate and (window_size is _FULL_WINDOW or window_size.__class__ is tuple and
                                   window_size == _FULL_WINDOW) \
-            and softcap.__class__ is float and softcap == 0.0 and not _is_compiling() and not _debug():
+            and softcap.__class__ is float and softcap == 0.0 and not _is_compiling() \
+            and (_DEBUG_KEY not in _ENVIRON or not _debug()):
         form = out is not None or k_descale is not None or v_descale is not None
         meta = (q, k, v, cu_seqlens_q, seqused_k, block_table, _ABSENT_OUT if out is None else out,
                 _ABSENT_K_DESCALE if k_descale is None else k_descale,
@@ -447,11 +452,11 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
                 form = None  # known: nothing to remember
                 if type(max_seqlen_q) is int and type(max_seqlen_k) is int and type(num_splits) is int and \
                         causal.__class__ is bool and (softmax_scale is None or type(softmax_scale) is float):
-                    run = plan.launches.get((q.shape[0], max_seqlen_q, max_seqlen_k, num_splits, causal,
+                    run = plan.launches.get((q.numel(), max_seqlen_q, max_seqlen_k, num_splits, causal,
                                              softmax_scale, return_softmax_lse, None))
                     if run is not None:
-                        done = run(plan, q, k, v, cu_seqlens_q, None, seqused_k, block_table, out, k_descale,
-                                   v_descale)
+                        done = run.run(plan, q, k, v, cu_seqlens_q, None, seqused_k, block_table, out, k_descale,
+                                       v_descale)
                         if done is not None:
                             return done if return_softmax_lse else done[0]
                 break
@@ -554,11 +559,12 @@ def launch(checked, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlen
     plan, softmax_scale, features = checked
     flags, w_left, w_right, cap, alibi_slopes, alibi_stride, sinks = features
     lse = bool(return_softmax_lse)
-    key = (q.shape[0], max_seqlen_q, max_seqlen_k, num_splits, bool(causal), softmax_scale, lse,
+    # q.numel() stands for total_q (a plan fixes Hq and D, both > 0) and costs less than q.shape[0]
+    key = (q.numel(), max_seqlen_q, max_seqlen_k, num_splits, bool(causal), softmax_scale, lse,
            None if features is _NO_FEATURES else (flags, w_left, w_right, cap, alibi_stride))
     run = plan.launches.get(key)
     if run is None:
         run = plan.launches.remember(key, _Launch(plan, q, k, v, out, max_seqlen_q, max_seqlen_k, num_splits,
                                                   causal, softmax_scale, features, lse))
-    return run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k_descale, v_descale,
-               alibi_slopes, sinks)
+    return run.run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k_descale, v_descale,
+                   alibi_slopes, sinks)
