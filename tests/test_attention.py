@@ -289,6 +289,30 @@ def test_multi_token_decode_matches_reference(c, decode_loader):
     assert modes & {"multi", "multi_tma"}, modes
 
 
+def _fp8_wgmma_grid(n, seed=13):
+    """fp8 caches through the sm_90a warpgroup-MMA prefill (stages widened in shared memory): every
+    head dim it compiles, both fp8 formats, block sizes down to 1 (the cp.async loader's per-row path);
+    two or more query heads per KV head, so the longest request packs over 128 rows (wgmma's side)."""
+    rng = random.Random(seed)
+    axes = dict(dtype=[torch.float16, torch.bfloat16], D=[64, 128, 192, 256, 120], layout=["NHD", "HND"],
+                bs=[1, 16, 32, 256], heads=[(16, 8), (32, 8), (28, 4), (16, 1)], causal=[False, True],
+                batch=["prefill"], splits=[0, 1], kv=KV[1:], lse=[False, True], out=[False, True],
+                loader=["auto"])
+    return cover_axes(axes, n, rng, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", _fp8_wgmma_grid(40), ids=_case_id)
+def test_fp8_wgmma_prefill_matches_reference(c, decode_loader):
+    from pagedattn.ops import attention as attention_ops
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("prefill_wgmma is sm_90a-only")
+    test_attention_matches_reference(c, decode_loader)
+    modes = {mode for plan in attention_ops._PLANS.values() for mode, _ in plan._kernels}
+    assert "prefill_wgmma" in modes, modes
+
+
 def _d512_grid(n, seed=5):
     """Head dim 512 (and head sizes it serves: 320, 504 with its 8-byte fp8 rows), every path it has."""
     rng = random.Random(seed)
@@ -785,16 +809,17 @@ def test_wgmma_prefill_dispatch_rules():
     assert wgmma_ok(_call_info("NHD"), "sm_90a", 128) and wgmma_ok(_call_info("HND", bs=1), "sm_90a", 128)
     assert not wgmma_ok(_call_info("NHD"), "sm_80", 128)                     # wgmma is sm_90a-only
     assert not wgmma_ok(_call_info("NHD", D=80), "sm_90a", 80)               # 64-column swizzle atoms
-    assert not wgmma_ok(_call_info("NHD", kv="fp8_e4m3"), "sm_90a", 128)     # 16-bit caches only
-    for bad in (("fp8_e4m3", 128), ("auto", 96)):
-        with pytest.raises(UnsupportedError, match="prefill_wgmma"):
-            AttnFwdSpec("bf16", bad[0], bad[1], "prefill_wgmma")
+    assert wgmma_ok(_call_info("NHD", kv="fp8_e4m3"), "sm_90a", 128)         # fp8 stages widened in smem
+    with pytest.raises(UnsupportedError, match="prefill_wgmma"):
+        AttnFwdSpec("bf16", "auto", 96, "prefill_wgmma")
+    AttnFwdSpec("bf16", "fp8_e5m2", 128, "prefill_wgmma").check()
     spec = AttnFwdSpec("fp16", "auto", 64, "prefill_wgmma")
     assert [j.arch for j in plan([spec], ["sm_80", "sm_90a"])] == ["sm_90a"]
     for d in (64, 128, 192, 256):  # every compiled tile fits in shared memory, whole warpgroups of 64 rows
         t = tile_config(d, "prefill_wgmma")
         assert t["kWgmma"] and t["kBlockM"] == 16 * t["kWarpsM"] and t["kWarpsM"] % 4 == 0
         assert smem_bytes(t, d, False) <= 227 * 1024
+        assert smem_bytes(tile_config(d, "prefill_wgmma", fp8=True), d, True) <= 227 * 1024
     assert not tile_config(128, "prefill")["kWgmma"] and not tile_config(128, "decode_tma")["kWgmma"]
 
 

@@ -142,9 +142,9 @@ class AttnFwdSpec(KernelSpec):
             raise UnsupportedError(f"attn_fwd: mode=multi_tma needs a 16-bit cache (fp8 operands in registers "
                                    f"take one 16-row MMA tile per warp), got {self.kv_cache_dtype}; "
                                    f"mode=multi runs fp8 caches")
-        if self.mode == "prefill_wgmma" and (self.kv_cache_dtype != "auto" or self.head_dim % 64):
-            raise UnsupportedError(f"attn_fwd: mode=prefill_wgmma needs a 16-bit cache and head_dim a multiple "
-                                   f"of 64 (128-byte swizzled tiles), got {self.kv_cache_dtype}, {self.head_dim}")
+        if self.mode == "prefill_wgmma" and self.head_dim % 64:
+            raise UnsupportedError(f"attn_fwd: mode=prefill_wgmma needs head_dim a multiple of 64 (128-byte "
+                                   f"swizzled tiles), got {self.head_dim}")
         if self.small_smem:
             fp8 = self.kv_cache_dtype != "auto"
             if self.mode not in ("decode", "prefill") or \

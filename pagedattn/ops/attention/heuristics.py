@@ -15,10 +15,11 @@ if TYPE_CHECKING:
 
 # Multi-token decode (modes multi / multi_tma) takes batches whose longest request packs more than one
 # 16-row decode tile and at most this many rows (q_len x query heads per KV head); above, prefill.
-# NOT measured yet: 32 is one multi tile (the 32-row tiles of one KV head are not adjacent in the grid,
-# so more row tiles would re-read K/V). `pagedattn bench sweep modes short` (multi forced up to 256
-# rows against both prefills, B=32 over 4096 keys, d128, group 4) is the measurement to set it from.
-MULTI_ROWS = 32
+# Measured on the H200 (perf/results/prefill_modes_nvidia_h200_20261201_short_9cedf39.json: B=32 over
+# 4096 keys, d128, group 4, multi forced against both prefills): multi_tma takes 140 us up to 32 rows
+# (one tile), 269 us at 64 rows (two tiles, each streaming K/V) against prefill's 336 us, and 528 us
+# at 128 rows against 340: the crossing lies between 64 and 128 rows.
+MULTI_ROWS = 64
 
 # THE cap on KV splits: a forced num_splits is clamped to it, the heuristic stops at half of it, and
 # the in-kernel combine (split_combine.cuh) holds MAX_SPLITS split LSEs per row (rendered in)
@@ -39,8 +40,9 @@ def tma_ok(call: _Call, arch: str, head_dim: int) -> bool:
 
 
 def wgmma_ok(call: _Call, arch: str, head_dim: int) -> bool:
-    """prefill_wgmma: sm_90a, a 16-bit cache, a compiled head dim that is a multiple of 64, at most 256."""
-    return arch == "sm_90a" and call.kv_name == "auto" and head_dim % 64 == 0 and head_dim <= MAX_HEAD_DIM_PER_GROUP
+    """prefill_wgmma: sm_90a, a compiled head dim that is a multiple of 64, at most 256 (any cache:
+    fp8 stages are widened in shared memory for the MMAs)."""
+    return arch == "sm_90a" and head_dim % 64 == 0 and head_dim <= MAX_HEAD_DIM_PER_GROUP
 
 
 def multi_mode(call: _Call, head_dim: int, tma: bool) -> str | None:

@@ -30,7 +30,7 @@ def tile_config(head_dim: int, mode: str, fp8: bool = False, arch: str = "sm_90a
     the KV range (kWarpsN); prefill's warps split the rows (kWarpsM). decode_tma is decode with each
     warp filling its own ring by TMA (sm_90, paged caches; see attn_traits.cuh); multi and multi_tma
     are those two with 32 rows per warp (multi-token decode); prefill_wgmma is prefill with warpgroup
-    MMAs (sm_90a, 16-bit caches, head dims that are multiples of 64).
+    MMAs (sm_90a, head dims that are multiples of 64; fp8 stages widened in shared memory).
     On an arch with less shared memory than the default tile needs, fewer warps split the keys
     (each stage holds kBlockN x kWarpsN keys); UnsupportedError if even one warp's stages overflow."""
     if head_dim > MAX_HEAD_DIM_PER_GROUP and mode not in ("decode", "prefill"):

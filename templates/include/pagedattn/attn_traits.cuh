@@ -21,9 +21,10 @@
 // S = Q K^T (the same numbers in every group) and its own kHeadDimO-column slice of O += P V. The
 // softmax state is identical across the groups, so the epilogue has nothing to merge.
 //
-// kWgmma (sm_90a prefill, 16-bit caches): the same cp.async stages and swizzled tiles (they are the
-// 128-byte-swizzled K-major layout warpgroup MMAs read), but each warpgroup of four warps multiplies
-// its 64 rows with wgmma: S = Q K^T from shared memory, O += P V with P in registers (attn_wgmma.cuh).
+// kWgmma (sm_90a prefill): the same cp.async stages and swizzled tiles (they are the 128-byte-swizzled
+// K-major layout warpgroup MMAs read), but each warpgroup of four warps multiplies its 64 rows with
+// wgmma: S = Q K^T from shared memory, O += P V with P in registers (attn_wgmma.cuh). fp8 caches land
+// raw and the CTA widens each stage into the one Element stage the MMAs read, as the SM80 path does.
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
@@ -72,9 +73,9 @@ struct AttnTraits {
   // thread converts its own MMA operands from fp8 in registers (attn_fp8_regs.cuh); no widened copy.
   static constexpr bool kFp8Regs = kTma && kIsFp8 && kHeadDim % 128 == 0;
   static_assert(!kFp8Regs || kBlockM == 16, "fp8 register operands: one 16-row MMA tile per warp");
-  static_assert(!kWgmma || (!kTma && !kIsFp8 && kWarpsN == 1 && kWarpsM % 4 == 0 && kBlockM == 16 * kWarpsM &&
+  static_assert(!kWgmma || (!kTma && kWarpsN == 1 && kWarpsM % 4 == 0 && kBlockM == 16 * kWarpsM &&
                             kHeadDim % 64 == 0 && kBlockN % 64 == 0),
-                "wgmma: whole warpgroups of 64 rows, 16-bit tiles in 64-column swizzle atoms");
+                "wgmma: whole warpgroups of 64 rows, Element tiles in 64-column swizzle atoms");
 
   // Swizzled shared-memory tiles: 8-row atoms as wide as the head dim allows (64, 32 or 16 columns).
   static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : (kHeadDim % 32 == 0 ? 32 : 16);

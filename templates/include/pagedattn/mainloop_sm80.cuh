@@ -117,6 +117,27 @@ struct CpAsyncKVLoader {
 };
 
 
+// fp8 caches: `kKeys` raw rows of K and V (kHeadDim bytes each, as the loader lands them) widened to
+// Element into the swizzled tiles the MMAs read, by `threads` threads from `first`; the caller
+// synchronises those threads before the MMAs (scales are folded in later).
+template <class Traits, int kKeys>
+__device__ __forceinline__ void widen_fp8_keys(uint8_t const* raw_k, uint8_t const* raw_v, typename Traits::Element* k_tile,
+                                               typename Traits::Element* v_tile, int first, int threads) {
+  constexpr int kHeadDim = Traits::kHeadDim, kChunks = kHeadDim / 16;
+  typename Traits::SmemLayoutKV layout;
+  for (int i = first; i < kKeys * kChunks; i += threads) {
+    int const r = i / kChunks, col = (i % kChunks) * 16;
+    int const raw_off = r * kHeadDim + col;
+    uint4 lo, hi;
+    dequant_fp8x16<Traits::kIsBf16, Traits::kFp8>(*reinterpret_cast<uint4 const*>(raw_k + raw_off), lo, hi);
+    *reinterpret_cast<uint4*>(k_tile + layout(r, col)) = lo;
+    *reinterpret_cast<uint4*>(k_tile + layout(r, col + 8)) = hi;
+    dequant_fp8x16<Traits::kIsBf16, Traits::kFp8>(*reinterpret_cast<uint4 const*>(raw_v + raw_off), lo, hi);
+    *reinterpret_cast<uint4*>(v_tile + layout(r, col)) = lo;
+    *reinterpret_cast<uint4*>(v_tile + layout(r, col + 8)) = hi;
+  }
+}
+
 // Barrier over one warp group (named barrier 1 + group; the whole CTA when there is one group).
 template <class Traits>
 __device__ __forceinline__ void group_sync(int group_idx) {
@@ -218,24 +239,11 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
     if constexpr (Traits::kIsFp8) {
       // each warp group widens its own sub-tile into the one Element stage (with the column groups
       // that share it); only those threads wait for it
-      constexpr int kChunks = kHeadDim / 16;
-      typename Traits::SmemLayoutKV layout;
       k_tile = c.smem.k_tile(0, group_idx);
       v_tile = c.smem.v_tile(0, group_idx);
-      uint8_t const* raw_k = c.smem.raw_k(stage, group_idx * kBlockN);
-      uint8_t const* raw_v = c.smem.raw_v(stage, group_idx * kBlockN);
-      constexpr int kSubTileThreads = Traits::kGroupThreads * Traits::kWarpsD;
-      for (int i = gtid + c.d_idx * Traits::kGroupThreads; i < kBlockN * kChunks; i += kSubTileThreads) {
-        int const r = i / kChunks, col = (i % kChunks) * 16;
-        int const raw_off = r * kHeadDim + col;
-        uint4 lo, hi;
-        dequant_fp8x16<Traits::kIsBf16, Traits::kFp8>(*reinterpret_cast<uint4 const*>(raw_k + raw_off), lo, hi);
-        *reinterpret_cast<uint4*>(k_tile + layout(r, col)) = lo;
-        *reinterpret_cast<uint4*>(k_tile + layout(r, col + 8)) = hi;
-        dequant_fp8x16<Traits::kIsBf16, Traits::kFp8>(*reinterpret_cast<uint4 const*>(raw_v + raw_off), lo, hi);
-        *reinterpret_cast<uint4*>(v_tile + layout(r, col)) = lo;
-        *reinterpret_cast<uint4*>(v_tile + layout(r, col + 8)) = hi;
-      }
+      widen_fp8_keys<Traits, kBlockN>(c.smem.raw_k(stage, group_idx * kBlockN), c.smem.raw_v(stage, group_idx * kBlockN),
+                                      k_tile, v_tile, gtid + c.d_idx * Traits::kGroupThreads,
+                                      Traits::kGroupThreads * Traits::kWarpsD);
       group_sync<Traits>(group_idx);
     } else {
       k_tile = c.smem.k_tile(stage, group_idx);

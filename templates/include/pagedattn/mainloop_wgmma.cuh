@@ -1,5 +1,6 @@
 // The sm_90a prefill mainloop (Traits::kWgmma): warpgroup MMAs (attn_wgmma.cuh) over the cp.async
-// K/V pipeline (mainloop_sm80.cuh's loader, publishing each stage to the async proxy). One step at a
+// K/V pipeline (mainloop_sm80.cuh's loader, publishing each stage to the async proxy; fp8 stages are
+// widened by the CTA into one Element stage first). One step at a
 // time: S = Q K^T, mask, online softmax, O += P V, each waited for; the four warpgroups of a CTA keep
 // the tensor cores busy between them. (Overlapping step i+1's S with step i's P V inside a warpgroup
 // measured slower: perf/results/history/prefill_sweep_h200_overlap_8e4b57c.json.)
@@ -46,8 +47,17 @@ __device__ __forceinline__ void mainloop_wgmma(TileCtx<Traits> const& c) {
   CpAsyncKVLoader<Traits, /*kAsyncProxy=*/true> const loader(c, n_steps);
   loader.prologue();
   for (int it = 0; it < n_steps; ++it) {
-    int const stage = it % Traits::kStages;
+    int stage = it % Traits::kStages;
     loader.wait(it);
+    if constexpr (Traits::kIsFp8) {
+      // the CTA widens the raw stage into the one Element stage (free: every warpgroup waited for its
+      // MMAs of the step before), then publishes it to the async proxy that wgmma reads through
+      widen_fp8_keys<Traits, kBlockN>(c.smem.raw_k(stage), c.smem.raw_v(stage), c.smem.k_tile(0, 0),
+                                      c.smem.v_tile(0, 0), c.tidx, Traits::kThreads);
+      fence_proxy_async_smem();
+      __syncthreads();
+      stage = 0;
+    }
     Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
     wgmma_gemm<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(stage_k(stage)), acc_s);
     float const s_scale = mask.template apply<kBlockN>(acc_s, tScS, (c.w.step_begin + it) * kBlockN, c.scale_log2);
