@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
-# (info precompile packbundle bundle tests alltests sanitize fuzz fuzzsanitize overhead attnquick decodesweep prefillsweep prefillmodes writesweep writequick aotcheck ncu benchdw
+# (info precompile packbundle bundle tests alltests sanitize fuzz fuzzsanitize overhead overheadab attnquick decodesweep prefillsweep prefillmodes writesweep writequick aotcheck ncu benchdw
 # benchp benchs benchq bench-full demo multigpu hfcb).
 # Logs and results go under $OUT; RESULTS.md and plots are regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
@@ -70,6 +70,13 @@ for stage in "$@"; do
     benchs)    python3 -m pagedattn.cli bench --suite "${BENCH_SUITES:-features}" --quick --no-flex --no-report --out "$OUT/results" ;;
     bench-full) python3 -m pagedattn.cli bench --suite all --no-report --out "$OUT/results" ;;
     demo)      python3 -m pagedattn.demo ;;
+    # host cost A/B in one call: an older build (a wheel carried in .carry/oldwhl, with its own bundle dirs in
+    # OLD_AOT_DIR) against this tree, alternating old / new AB_ROUNDS times (the machine's speed drifts between calls)
+    overheadab) python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site-old "$ROOT"/.carry/oldwhl/*.whl || exit 1
+               for r in $(seq ${AB_ROUNDS:-2}); do
+                 PYTHONPATH=/tmp/site-old PAGEDATTN_AOT_DIR=${OLD_AOT_DIR:-/tmp/bundle} python3 "$ROOT/perf/launch_overhead.py" "$OUT/results/ab_old_$r" | grep -E "^(raw|flash_attn_decode|reshape|op_flash_attn_decode|torch_add)_.*us " | sed "s/^/old$r /"
+                 python3 "$ROOT/perf/launch_overhead.py" "$OUT/results/ab_new_$r" | grep -E "^(raw|flash_attn_decode|reshape|op_flash_attn_decode|torch_add)_.*us " | sed "s/^/new$r /"
+               done ;;
     # issue 21 on the GPUs of this host (one: a smoke test of the code path)
     multigpu)  torchrun --nproc_per_node=${NGPUS:-$(nvidia-smi -L | wc -l)} "$ROOT/perf/multigpu.py" --out "$OUT/results" 2>&1 | tail -n 15 ;;
     hfcb)      python3 "$ROOT/perf/hf_continuous_batching.py" --out "$OUT/results" ${HF_ARGS:-} > "$OUT/hf_cb.log" 2>&1; rc=$?; tail -n 25 "$OUT/hf_cb.log"; (exit $rc) ;;

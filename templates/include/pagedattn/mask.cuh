@@ -65,7 +65,15 @@ struct AttnMask {
   template <int kKeys, class TensorS, class TensorC>
   __device__ __forceinline__ float apply(TensorS& acc_s, TensorC const& tScS, int key0, float scale_log2) const {
     using namespace cute;
-    if constexpr (Features::kScoreMod) {
+    if constexpr (Features::kSoftcap && !Features::kAlibi) {
+      // s2 = cap_out * tanh(acc * scale_log2 * cap_in): the tanh here, cap_out (> 0, so it keeps the
+      // order of the scores) returned for the softmax to apply; interior sub-tiles skip the mask
+      float const in = scale_log2 * cap_in;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) acc_s(i) = tanh_approx(acc_s(i) * in);
+      mask_keys<kKeys>(acc_s, tScS, key0);
+      return cap_out;
+    } else if constexpr (Features::kScoreMod) {
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) {
         int const r = row_of(i), j = key0 + int(get<1>(tScS(i)));
@@ -76,13 +84,20 @@ struct AttnMask {
       }
       return 1.f;
     } else {
-      if ((!Features::kWindow || key0 >= mask_below) && key0 + kKeys <= mask_from) return scale_log2;
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) {
-        int const r = row_of(i), j = key0 + int(get<1>(tScS(i)));
-        if ((Features::kWindow && j < key_begin[r]) || j >= key_end[r]) acc_s(i) = kNegInf;
-      }
+      mask_keys<kKeys>(acc_s, tScS, key0);
       return scale_log2;
+    }
+  }
+
+  // Scores of keys a row may not see -> -inf, on sub-tiles that cross an edge of the visible range.
+  template <int kKeys, class TensorS, class TensorC>
+  __device__ __forceinline__ void mask_keys(TensorS& acc_s, TensorC const& tScS, int key0) const {
+    using namespace cute;
+    if ((!Features::kWindow || key0 >= mask_below) && key0 + kKeys <= mask_from) return;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_s); ++i) {
+      int const r = row_of(i), j = key0 + int(get<1>(tScS(i)));
+      if ((Features::kWindow && j < key_begin[r]) || j >= key_end[r]) acc_s(i) = kNegInf;
     }
   }
 };
