@@ -67,7 +67,7 @@ for stage in "$@"; do
     benchq)    python3 -m pagedattn.cli bench --suite all --quick --no-flex --no-report --out "$OUT/results" ;;
     benchdw)   python3 -m pagedattn.cli bench --suite decode,write --quick --no-flex --no-report --out "$OUT/results" ;;
     benchp)    python3 -m pagedattn.cli bench --suite prefill --quick --no-flex --no-report --out "$OUT/results" ;;
-    benchs)    python3 -m pagedattn.cli bench --suite "${BENCH_SUITES:-features}" --quick --no-flex --no-report --out "$OUT/results" ;;
+    benchs)    python3 -m pagedattn.cli bench --suite "${BENCH_SUITES:-features}" ${BENCH_ONLY:+--only "$BENCH_ONLY"} --quick --no-flex --no-report --out "$OUT/results" ;;
     bench-full) python3 -m pagedattn.cli bench --suite all --no-report --out "$OUT/results" ;;
     demo)      python3 -m pagedattn.demo ;;
     # host cost A/B in one call: an older build (a wheel carried in .carry/oldwhl, with its own bundle dirs in
