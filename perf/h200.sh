@@ -74,7 +74,7 @@ for stage in "$@"; do
     # OLD_AOT_DIR) against this tree, alternating old / new AB_ROUNDS times (the machine's speed drifts between calls)
     overheadab) python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site-old "$ROOT"/.carry/oldwhl/*.whl || exit 1
                for r in $(seq ${AB_ROUNDS:-2}); do
-                 PYTHONPATH=/tmp/site-old PAGEDATTN_AOT_DIR=${OLD_AOT_DIR:-/tmp/bundle} python3 "$ROOT/perf/launch_overhead.py" "$OUT/results/ab_old_$r" | grep -E "^(raw|flash_attn_decode|reshape|op_flash_attn_decode|torch_add)_.*us " | sed "s/^/old$r /"
+                 PYTHONPATH=/tmp/site-old:/tmp/site PAGEDATTN_AOT_DIR=${OLD_AOT_DIR:-/tmp/bundle} python3 "$ROOT/perf/launch_overhead.py" "$OUT/results/ab_old_$r" | grep -E "^(raw|flash_attn_decode|reshape|op_flash_attn_decode|torch_add)_.*us " | sed "s/^/old$r /"
                  python3 "$ROOT/perf/launch_overhead.py" "$OUT/results/ab_new_$r" | grep -E "^(raw|flash_attn_decode|reshape|op_flash_attn_decode|torch_add)_.*us " | sed "s/^/new$r /"
                done ;;
     # issue 21 on the GPUs of this host (one: a smoke test of the code path)
