@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import pagedattn
+from pagedattn.bench.timing import median_us
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 
@@ -51,21 +52,6 @@ def cp_shard(table, ctx: int, rank: int, world: int):
     lo, hi = pages * rank // world, pages * (rank + 1) // world
     used = max(0, min(ctx, hi * BS) - lo * BS)
     return table[:, lo:hi].contiguous(), used
-
-
-def time_us(fn, reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -109,8 +95,9 @@ def main() -> None:
     err = ((merged.float() - full.float()).norm() / full.float().norm()).item()
     res["cp_rel_l2"] = err
     res["cp_ok"] = err <= 2e-3
-    res["cp_us"] = time_us(cp_step)
-    res["single_gpu_us"] = time_us(lambda: call(q, kc, vc, table, used_full, args.ctx))
+    res["cp_us"] = median_us(cp_step, reps=50, before=dist.barrier)
+    res["single_gpu_us"] = median_us(lambda: call(q, kc, vc, table, used_full, args.ctx), reps=50,
+                                     before=dist.barrier)
     if rank == 0:
         commit = os.environ.get("PAGEDATTN_GIT_COMMIT") or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
