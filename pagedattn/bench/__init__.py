@@ -1,17 +1,9 @@
-"""`pagedattn bench`: per-architecture performance comparisons (issue 6).
+"""`pagedattn bench`: per-architecture performance comparisons (issue 6; perf/README.md explains the lot).
 
-    pagedattn bench [--suite write|decode|prefill|legacy|jit|all] [--quick] [--out DIR]
+    pagedattn bench [--suite write|decode|prefill|features|legacy|jit|all] [--quick] [--out DIR]
     pagedattn bench compare A.json B.json [--peers] [--markdown]
     pagedattn bench report [--results DIR]
     pagedattn bench sweep decode|prefill|modes|quick [CONFIG ...] [--out DIR]
-
-DIR defaults to envs.bench_results_dir() (~/.local/share/pagedattn/bench/results), not to the working
-folder; the repository's recorded results are `--out perf/results`.
-
-Modules: timing (CUDA-event medians, rotation), ceilings, write / attention (decode, prefill) / legacy /
-jit (the suites), sweeps (configuration sweeps with tile overrides), runner + child (one process per
-suite), schema (the results file), report (tables, RESULTS.md, compare), plots (matplotlib), meta (GPU,
-software, clocks). perf/README.md explains the lot.
 """
 from __future__ import annotations
 

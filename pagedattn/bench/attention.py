@@ -1,34 +1,8 @@
-"""decode and prefill suites: `pagedattn.flash_attn_varlen_func` over a paged cache, against torch.
-
-decode (issue 17's goal cases, --quick and full alike): bf16, Hq=32, Hkv=8, D=128, block 16, NHD,
-shuffled block tables, one query token per request, equal context lengths —
-B=1 ctx 32768, B=1 ctx 131072, B=16 ctx 4096, B=64 ctx 4096, B=128 ctx 2048; fp8 e4m3 and e5m2 caches
-(per-tensor descale) at B=64 ctx 4096; at B=64 ctx 4096 also the HND layout and blocks of 32/64/128,
-each against "pagedattn NHD bs16" (ours on a plain cache of the same shape, timed in the same case).
-A case whose cache dtype the op does not support is reported skipped ("unsupported by pagedattn").
-Every decode and prefill measurement is timed under both methods of timing.py ("rot": back to back,
-rotated inputs; "flush": L2 flushed before every call, as do_bench); the headline number, the
-ratios and the goals use the worse of the two (schema.py).
-prefill: B=4, S=4096, causal (q_len = kv_len), TFLOP/s = 4 * B * Hq * D * S^2 / 2; the same with an
-fp8 e4m3 cache (issue 16: at least 0.9x the bf16 speed; no peers). Multi-token decode: B=32, 8 and 32
-query tokens per request over 4096 keys, causal (speculative decoding, chunk tails), reported as KV
-bandwidth like decode.
-decode reports the effective KV bandwidth: bytes = K + V pages read (2 * B * ctx * Hkv * D * elem);
-its floor is those bytes at the copy bandwidth of the same run (schema.floor_us).
-
-Check (once): `pagedattn.reference.paged_attention` (float32, K/V read through the block table,
-bottom-right causal; `reference_out`), relative L2 of the output <= 2e-2.
-Peers, all on the same data, each at its best configuration (peers.py says how that is chosen):
-- "sdpa cudnn" / "sdpa flash": torch SDPA with one backend on a contiguous (unpaged) copy of the KV.
-- "gather+sdpa": gather the pages through the block table, then SDPA (default dispatch); the gather
-  (and the fp8 dequantisation) is inside the timing — the naive paged way.
-- "fa4 paged" / "vllm triton": FlashAttention-4 and vLLM's Triton unified attention on our paged
-  cache (bf16 cases), when their packages import; otherwise reported unavailable with the reason.
-- "flex": torch.compile(flex_attention) on the contiguous copy, if it compiles; each shape is a new
-  compile (tens of seconds), so it runs at decode B=1 ctx 32768 and B=64 and at prefill, not with
-  --quick.
-The fp8 e4m3 case's torch peers read a bf16 (dequantised) copy: torch has no fp8-KV attention; the
-e5m2 case has no peers (they would read the same bf16 copy as the e4m3 case).
+"""decode and prefill suites: `pagedattn.flash_attn_varlen_func` over a paged cache against torch and the
+optional paged peers (perf/README.md, "What is measured", has the cases, the work counted, the peers and
+the goals). Every case is checked once against `pagedattn.reference` (float32, `reference_out`, relative
+L2 <= TOLERANCE), then timed under both methods of timing.py; flex runs at FLEX_DECODE and prefill only,
+not with --quick. A cache dtype the op does not list is reported skipped ("unsupported by pagedattn").
 """
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""jit suite: what the JIT costs a user.
-
-- jit/cold/<workload>: first call in a fresh process with an empty PAGEDATTN_CACHE_DIR (and no AOT
-  bundles), in seconds; `extra.variants` = {variant: NVRTC compile seconds} for what it compiled.
-- jit/warm/<workload>: first call in another fresh process on the now-filled cache (disk hit), in ms;
-  `extra.compiles` must be 0.
-- jit/host/<workload>: steady-state host microseconds per API call at a tiny size: time.perf_counter over
-  many calls without a sync (median of 5 loops), the torch equivalent as a peer. Target 6 µs.
-- jit/launcher/<workload>: the raw launcher alone: the launches one API call makes are captured
-  (Launcher.__call__) and replayed, µs per launch; `extra.lookup_us` is `get_kernel(spec).launcher(dev)`.
-  Target 6 µs per launch.
+"""jit suite: what the JIT costs a user (perf/README.md, "jit suite"): cold and warm first calls in fresh
+processes (_jit_worker.py), steady-state host µs per API call, and the raw launcher's µs per launch.
 """
 from __future__ import annotations
 

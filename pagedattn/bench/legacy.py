@@ -1,14 +1,7 @@
-"""legacy suite: `pagedattn.legacy.paged_attention_v1 / _v2 / paged_attention` (vLLM's removed
-partition-and-reduce kernels, issue 7) at the decode shapes, block sizes 16 and 32.
-
-Legacy cache layout: K [num_blocks, H, D // x, block_size, x] with x = 16 // element size,
-V [num_blocks, H, D, block_size]; fp8 caches are uint8 with kv_cache_dtype "fp8" and float32 [1] scales.
-The same logical KV is also kept as an NHD cache, which feeds the reference, the flash-path peer and
-the contiguous copy for the SDPA peer. v2 partitions are 512 tokens.
-Peers (measured once per shape and block size, shared by the v1 / v2 / auto cases):
-"pagedattn flash" = pagedattn.flash_attn_varlen_func on the NHD cache (when it exists), and
-"sdpa cudnn" = torch SDPA (cuDNN backend) on a contiguous copy, in its faster configuration
-(peers.fastest).
+"""legacy suite: `pagedattn.legacy.paged_attention_v1 / _v2 / paged_attention` (issue 7) at the decode
+shapes of issue 4 on the legacy cache layout (`to_legacy`), v2 partitions of 512 tokens. The same KV as
+an NHD cache feeds the reference and the peers, which are measured once per shape and block size and
+shared by the v1 / v2 / auto cases.
 """
 from __future__ import annotations
 

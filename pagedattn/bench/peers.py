@@ -1,22 +1,10 @@
-"""The attention peers, each at its best configuration.
+"""The attention peers, each at its best configuration (perf/README.md says which configurations).
 
-A peer is a list of candidate configurations `(variant, factory)`; `factory()` returns fn(k) -> out
-[total_q, Hq, D] for input set k, or raises (that configuration cannot run here). `fastest` runs each
-candidate once, rejects those that fail or disagree with the float32 reference, probes the rest for a
-few calls (timing.probe_us) and keeps the fastest; the record names the variant chosen and what each
-candidate did. So a peer is never measured in a configuration that is slower than another it has.
-
-- SDPA (cuDNN, flash, or the default dispatch after a gather) on contiguous KV [B, Hkv, L, D]:
-  decode offers `enable_gqa=True` with q [B, Hq, 1, D] and the group folded into the query length
-  (q [B, Hkv, Hq/Hkv, D], exact for one query token). cuDNN at B=1 ctx 32768 runs ~50 µs with
-  enable_gqa against 379 µs folded (issue 17; the folded number is in
-  perf/results/h200_sm90_20261130_decode_write_603002d.json, where flash folded ran 50.7 µs): each
-  backend gets whichever is faster here. Prefill offers enable_gqa and KV repeated to Hq heads.
-- FA4 (`flash_attn.cute.flash_attn_varlen_func`, the flash-attn-4 package) on the paged cache
-  through `page_table`, num_splits 0 (its heuristic) or 1 (sm_90 has no split-KV in FA4).
-- vLLM's Triton unified attention (`unified_attention`) on the paged cache, 2D or 3D (16 segments
-  and a reduce). Both optional: when the package does not import, the peer is reported as
-  unavailable with the reason, and the rest of the case runs.
+A peer is a list of candidates `(variant, factory)`; `factory()` returns fn(k) -> out [total_q, Hq, D] for
+input set k, or raises. `fastest` runs each once, rejects those that fail or disagree with the float32
+reference, probes the rest (timing.probe_us) and keeps the fastest; the record names the variant chosen
+and what each candidate did. FA4 and vLLM are optional: when they do not import, the peer is reported as
+unavailable with the reason.
 """
 from __future__ import annotations
 

@@ -97,20 +97,14 @@ def fmt_us(us) -> str:
     return f"{us:.2f} µs"
 
 
+VALUE_FORMATS = {"GB/s": "{:,.0f} GB/s", "TFLOP/s": "{:.1f} TFLOP/s", "s": "{:.2f} s", "ms": "{:.1f} ms",
+                 "us": "{:.2f} µs"}
+
+
 def fmt_value(value, unit) -> str:
     if value is None or unit is None:
         return "-"
-    if unit == "GB/s":
-        return f"{value:,.0f} GB/s"
-    if unit == "TFLOP/s":
-        return f"{value:.1f} TFLOP/s"
-    if unit == "s":
-        return f"{value:.2f} s"
-    if unit == "ms":
-        return f"{value:.1f} ms"
-    if unit == "us":
-        return f"{value:.2f} µs"
-    return f"{value:g} {unit}"
+    return VALUE_FORMATS.get(unit, "{:g} " + unit).format(value)
 
 
 def fmt_frac(f) -> str:
@@ -481,40 +475,23 @@ def compare(a: dict, b: dict, peers: bool = False) -> tuple[list[str], list[list
 def describe(case: dict) -> str:
     """One line for the progress output."""
     ours = case.get("ours") or {}
-    parts = [f"{case['id']}:"]
     unit = case.get("unit")
-    if case.get("status") not in ("ok", "check_failed"):
+    parts = [f"{case['id']}:"]
+    measured = case.get("status") in ("ok", "check_failed")
+    if not measured:
         parts.append(f"{case['status'].upper()} {case.get('error') or ''}".strip())
-        if not ours or ours.get("us") is None:
-            pass
-        elif unit in ("s", "ms", "us"):
-            parts.append(f"| ours {fmt_value(ours.get('value'), unit)}")
-        else:
-            parts.append(f"| ours {fmt_us(ours.get('us'))}")
-    elif unit in ("s", "ms", "us"):
-        parts.append(fmt_value(ours.get("value"), unit))
+        if ours.get("us") is not None:
+            parts.append(f"| ours {ours_cell(case)}")
     elif ours.get("methods"):
         parts.append(f"{' / '.join(schema.METHODS)} {fmt_methods(ours)}")
-        if ours.get("value") is not None:
-            parts.append(f"(worse: {fmt_value(ours['value'], unit)}")
-            parts[-1] += f", {fmt_frac(ours.get('fraction'))} of {case.get('ceiling')})" \
-                if ours.get("fraction") is not None else ")"
     else:
-        parts.append(fmt_us(ours.get("us")))
-        if ours.get("value") is not None:
-            parts.append(fmt_value(ours["value"], unit))
-        if ours.get("fraction") is not None:
-            parts.append(f"({fmt_frac(ours['fraction'])} of {case.get('ceiling')})")
+        parts.append(ours_cell(case))
+    if measured and ours.get("value") is not None and unit in ("GB/s", "TFLOP/s"):
+        of = f", {fmt_frac(ours['fraction'])} of {case.get('ceiling')}" if ours.get("fraction") is not None else ""
+        parts.append(f"({fmt_value(ours['value'], unit)}{of})")
     if case.get("target") or case.get("goals"):
         parts.append(f"goal {goals_cell(case)}")
-    for name, peer in case.get("peers", {}).items():
-        if peer.get("error"):
-            parts.append(f"| {name}: n/a")
-        else:
-            r = case.get("ratios", {}).get(name)
-            shown = (fmt_value(peer.get("value"), unit) if unit in ("s", "ms", "us")
-                     else fmt_methods(peer) if peer.get("methods") else fmt_us(peer.get("us")))
-            parts.append(f"| {name} {shown}" + (f" (ours {fmt_ratio(r)})" if r else ""))
+    parts += [f"| {name} {peer_cell(case, name)}" for name in case.get("peers", {})]
     chk = case.get("check")
     if chk is not None:
         parts.append("| check ok" if chk.get("ok") else f"| CHECK FAILED: {chk.get('detail')}")

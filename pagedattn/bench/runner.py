@@ -1,11 +1,8 @@
-"""`pagedattn bench`: run the suites, each in its own process, and write the results file.
+"""`pagedattn bench`: run the suites, one child process each (child.py), and write the results file.
 
-Why processes: a kernel fault (illegal address) poisons the CUDA context, and a hang never returns.
-The runner starts one child per suite (pagedattn.bench.child) and follows its JSON-lines log. When the
-child dies inside a case (crash, lost context) or stops making progress for --case-timeout seconds
-(killed), that case is recorded as crashed / timeout with whatever it had measured, and a fresh child
-continues with the remaining cases. The results file is rewritten after every suite, so an interrupted
-run still leaves the finished suites on disk.
+A kernel fault poisons the CUDA context and a hang never returns: when the child dies inside a case or
+makes no progress for --case-timeout seconds, that case is recorded as crashed / timeout with what it had
+measured, and a fresh child runs the remaining cases. The results file is rewritten after every suite.
 """
 from __future__ import annotations
 

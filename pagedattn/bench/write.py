@@ -1,17 +1,7 @@
-"""write suite: `reshape_and_cache_flash` against torch `index_copy_` / `index_put_` into the same cache.
-
-Shapes (issue 3): H=8, D=128, bf16 inputs, T in {1, 16, 256, 4096, 65536}, NHD and HND caches,
-kv_cache_dtype auto (bf16 cache) and fp8_e4m3 (per-tensor scale), block size 16.
-bytes = K and V read + K and V written + slot ids (int64).
-The cache holds max(4T, 256 MiB worth of) slots and each call writes to random distinct slots; T=65536
-is also measured with page-contiguous slots (case suffix /pages: whole 16-slot pages drawn at random,
-as a prefill fills its pages). Random slots scatter every head's row on its own (worst case for HND).
-Check (once per case, before timing): caches poisoned with NaN, ours on the full T, every written slot
-bit-exact against the reference's conversion (pagedattn.reference.quantize_fp8 for fp8), every other slot
-still NaN; and pagedattn.reference.reshape_and_cache_flash itself on the first 64 tokens, bit-exact.
-Peer: NHD: cache.view(-1, H, D).index_copy_(0, slots, k) (after torch's own fp8 quantise for fp8);
-HND: index_copy_ of [H, D] rows into the [num_blocks * H * block_size, D] view of the storage, the row
-ids computed from the slots inside the timing.
+"""write suite: `reshape_and_cache_flash` against torch `index_copy_` into the same cache (perf/README.md
+has the shapes, the bytes counted and the goals). The cache holds max(4T, 256 MiB worth of) slots; each
+call writes random distinct slots, or (params "slots": "pages") whole pages drawn at random as a prefill
+writes them. The check (`_check`) is bit-exact against pagedattn.reference.
 """
 from __future__ import annotations
 
