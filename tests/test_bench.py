@@ -335,7 +335,8 @@ def test_attention_suites_not_available_without_the_kernel(monkeypatch):
 
 
 def _fake_flash_features(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=None, causal=False,
-                         block_table=None, softmax_scale=None, num_splits=0, s_aux=None, **features):
+                         block_table=None, softmax_scale=None, num_splits=0, s_aux=None, return_softmax_lse=False,
+                         **features):
     from pagedattn import reference
     return reference.paged_attention(q, k, v, cu_seqlens_q, seqused_k, block_table, causal=causal,
                                      softmax_scale=softmax_scale, sinks=s_aux, **features).to(q.dtype)
@@ -571,7 +572,7 @@ def test_sdpa_decode_offers_enable_gqa_first():
     ctx = _cpu_ctx()
     data = attention.build(ctx, attention.decode_cases(ctx)[0].params, sets=1)
     k, v = data.contiguous_kv(0)
-    names = [n for n, _ in peers.sdpa_candidates(data, data.q, [k], [v])]
+    names = [n for n, _ in peers.sdpa_candidates(data, data.q, lambda i: (k, v))]
     assert names == ["enable_gqa", "gqa folded into q_len"]
 
 
@@ -582,7 +583,7 @@ def test_sdpa_peers_agree_with_the_reference():
         data = attention.build(ctx, p, sets=1)
         ref = attention.reference_out(data)
         k, v = data.contiguous_kv(0)
-        for variant, factory in peers.sdpa_candidates(data, data.q, [k], [v]):
+        for variant, factory in peers.sdpa_candidates(data, data.q, lambda i: (k, v)):
             assert common.rel_l2(factory()(0), ref) < 1e-2, variant
 
 
@@ -911,7 +912,7 @@ def test_sdpa_peers_pick_a_correct_configuration_on_gpu(backend):
     k, v = data.contiguous_kv(0)
     info = {}
     with attention._sdpa_backend(backend)():
-        fn = peers.fastest(ctx, peers.sdpa_candidates(data, data.q, [k], [v]), ref, info)
+        fn = peers.fastest(ctx, peers.sdpa_candidates(data, data.q, lambda i: (k, v)), ref, info)
         out = fn(0)
     assert info["variant"] in ("enable_gqa", "gqa folded into q_len"), info
     assert common.rel_l2(out, ref) < 2e-2, info

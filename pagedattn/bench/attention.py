@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 import pagedattn
 
@@ -205,12 +204,14 @@ def build(ctx: Ctx, p: dict, sets: int, gen_seed: int = 0) -> PagedData:
 
 
 # -- the reference ---------------------------------------------------------------------------------
-def reference_out(data: PagedData, s: int = 0, causal: bool = True) -> torch.Tensor:
-    """float32 output of input set `s` by pagedattn.reference (the one oracle), matmuls in full fp32."""
+def reference_out(data: PagedData, s: int = 0, causal: bool = True, **features) -> torch.Tensor:
+    """float32 output of input set `s` by pagedattn.reference (the one oracle), matmuls in full fp32;
+    `features` are the op's feature arguments (window_size, softcap, alibi_slopes, s_aux)."""
     from pagedattn import reference  # noqa: PLC0415
 
-    kw = {} if data.kv == "auto" else {"kv_cache_dtype": data.kv, "k_descale": data.k_descale,
-                                       "v_descale": data.v_descale}
+    kw = {("sinks" if k == "s_aux" else k): v for k, v in features.items()}
+    if data.kv != "auto":
+        kw.update(kv_cache_dtype=data.kv, k_descale=data.k_descale, v_descale=data.v_descale)
     prev = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
@@ -240,8 +241,8 @@ def unsupported(p: dict) -> str | None:
     return None
 
 
-def _ours_fn(fa, data: PagedData, num_splits: int = 0):
-    kwargs = {}
+def _ours_fn(fa, data: PagedData, num_splits: int = 0, **features):
+    kwargs = dict(features)
     if data.kv != "auto":  # the caches are float8 tensors: their dtype names the format
         kwargs.update(k_descale=data.k_descale, v_descale=data.v_descale)
 
@@ -294,11 +295,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
         if tuple(out.shape) != (B * sq, hq, d):
             rec.check(False, "rel_l2", f"output shape {tuple(out.shape)}, expected {(B * sq, hq, d)}")
         elif ref is not None:
-            err = rel_l2(out, ref)
-            ok = math.isfinite(err) and err <= TOLERANCE
-            rec.check(ok, "rel_l2", f"relative L2 {err:.2e} vs float32 reference (tolerance {TOLERANCE:g})"
-                      if math.isfinite(err) else "output has NaN/Inf",
-                      rel_l2=err if math.isfinite(err) else None)
+            rec.check_close(out, ref, TOLERANCE)
         del out
         rec.ours("pagedattn", ours, sets, methods=METHODS)
     rec.attempt("pagedattn", check_and_time)
@@ -332,7 +329,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
 
 
 def _torch_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int, flex: bool) -> None:
-    B, sq, L, hq, hkv, d, g = data.B, data.q_len, data.ctx_len, data.hq, data.hkv, data.d, data.groups
+    B, sq, L = data.B, data.q_len, data.ctx_len
     k_sets, v_sets = [], []
     for s in range(sets):
         kk, vv = data.contiguous_kv(s)
@@ -344,8 +341,8 @@ def _torch_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int, flex:
         if not ctx.is_cuda:
             rec.peer_failed(name, "needs CUDA")
             continue
-        rec.peer(name, lambda: peerlib.fastest(ctx, peerlib.sdpa_candidates(data, data.q, k_sets, v_sets), ref,
-                                               info, sets),
+        candidates = peerlib.sdpa_candidates(data, data.q, lambda k: (k_sets[k], v_sets[k]))
+        rec.peer(name, lambda: peerlib.fastest(ctx, candidates, ref, info, sets),
                  sets, context=_sdpa_backend(backend), methods=METHODS)
         _merge_info(rec, name, info)
 
@@ -357,31 +354,10 @@ def _torch_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int, flex:
                 x = data.dequant(x, descale, torch.bfloat16)
             kv.append(x.transpose(1, 2))
         return kv
-
-    def gather_candidates():
-        if sq == 1:
-            def gqa(k):
-                kk, vv = gathered(k)
-                o = F.scaled_dot_product_attention(data.q[k].view(B, hq, 1, d), kk, vv, scale=data.scale,
-                                                   enable_gqa=True)
-                return o.reshape(B, hq, d)
-
-            def folded(k):
-                kk, vv = gathered(k)
-                o = F.scaled_dot_product_attention(data.q[k].view(B, hkv, g, d), kk, vv, scale=data.scale)
-                return o.reshape(B, hq, d)
-            return [("gather then sdpa enable_gqa, default backend", lambda: gqa),
-                    ("gather then sdpa folded, default backend", lambda: folded)]
-
-        def prefill(k):
-            kk, vv = gathered(k)
-            qp = data.q[k].view(B, sq, hq, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qp, kk, vv, scale=data.scale, enable_gqa=True,
-                                               **peerlib.causal_kwargs(sq, L))
-            return o.transpose(1, 2).reshape(B * sq, hq, d)
-        return [("gather then sdpa enable_gqa, default backend", lambda: prefill)]
+    gather_candidates = [(f"gather then sdpa {variant}, default backend", factory) for variant, factory
+                         in peerlib.sdpa_candidates(data, data.q, gathered, repeat=False)]
     name, info = "gather+sdpa", {}
-    rec.peer(name, lambda: peerlib.fastest(ctx, gather_candidates(), ref, info, sets), sets, methods=METHODS)
+    rec.peer(name, lambda: peerlib.fastest(ctx, gather_candidates, ref, info, sets), sets, methods=METHODS)
     _merge_info(rec, name, info)
 
     flex_skip = ("needs CUDA" if not ctx.is_cuda else "--quick" if ctx.quick else "--no-flex" if ctx.no_flex

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from .attention import BLOCK, HKV, HQ, TOLERANCE, build, flash_fn
-from .common import Case, Ctx, Recorder, rel_l2
+from .attention import TOLERANCE, _dims, _ours_fn, build, flash_fn, reference_out
+from .attention import available  # noqa: F401 - the suite table asks this module (suites.py)
+from .common import Case, Ctx, Recorder
+from .timing import METHODS
 
 SOFTCAP = 30.0
 # (id, shape, features of ours, (peer shape, ratio goal) or fraction-of-copy goal)
@@ -33,12 +35,6 @@ TINY_CASES = (
 PLAIN = "pagedattn plain"
 
 
-def available(ctx: Ctx):
-    if flash_fn() is None:
-        return False, "not available: pagedattn.flash_attn_varlen_func does not exist yet"
-    return True, None
-
-
 def cases(ctx: Ctx) -> list[Case]:
     out = []
     for cid, shape, feats, goal in (TINY_CASES if ctx.tiny else CASES):
@@ -50,7 +46,7 @@ def cases(ctx: Ctx) -> list[Case]:
 
 
 def _params(ctx: Ctx, shape: dict) -> dict:
-    dims = {"hq": 4, "hkv": 2, "d": 64, "bs": 16} if ctx.tiny else {"hq": HQ, "hkv": HKV, "d": 128, "bs": BLOCK}
+    dims = _dims(ctx)
     dims["d"] = shape.get("d", dims["d"])
     return {"B": shape["B"], "q_len": shape["q_len"], "ctx": shape["ctx"], "kv_cache_dtype": "auto",
             "cache": "bf16", "dtype": "bf16", "layout": "NHD", "causal": True, **dims}
@@ -67,13 +63,6 @@ def _feature_kwargs(feats: dict, hq: int, device) -> dict:
     return kw
 
 
-def _call(fa, data, kw: dict):
-    def fn(k):
-        return fa(data.q[k], data.kc, data.vc, data.q_len, data.cu_q, data.ctx_len, seqused_k=data.seqused,
-                  causal=True, block_table=data.tables[k], softmax_scale=data.scale, num_splits=0, **kw)
-    return fn
-
-
 def _work(rec: Recorder, p: dict, feats: dict) -> int:
     """Bytes of K/V the case must read (decode: the window's, not the history's) or its FLOPs."""
     B, sq, L, hkv, hq, d = p["B"], p["q_len"], p["ctx"], p["hkv"], p["hq"], p["d"]
@@ -87,27 +76,18 @@ def _work(rec: Recorder, p: dict, feats: dict) -> int:
 
 
 def run_case(ctx: Ctx, rec: Recorder, p: dict, feats: dict, goal: dict) -> None:
-    from .. import reference  # noqa: PLC0415
-    from .timing import METHODS  # noqa: PLC0415
-
     fa = flash_fn()
     cache_bytes = _work(rec, p, feats)
     sets = ctx.sets_for(cache_bytes, cap=8)
     data = build(ctx, p, sets)
     kw = _feature_kwargs(feats, p["hq"], ctx.device)
-    ours = _call(fa, data, kw)
+    ours = _ours_fn(fa, data, **kw)
     rec.extra(sets=sets, methods=list(METHODS))
 
     def check_and_time():
         out = ours(0)
-        ref_kw = {("sinks" if k == "s_aux" else k): v for k, v in kw.items()}
-        ref = reference.paged_attention(data.q[0], data.kc, data.vc, data.cu_q, data.seqused, data.tables[0],
-                                        causal=True, softmax_scale=data.scale, compute_dtype=torch.float32,
-                                        **ref_kw)
-        err = rel_l2(out, ref)
-        rec.check(err <= TOLERANCE, "rel_l2", f"relative L2 {err:.2e} vs pagedattn.reference (float32)",
-                  rel_l2=err)
-        del out, ref
+        rec.check_close(out, reference_out(data, **kw), TOLERANCE)
+        del out
         rec.ours("pagedattn " + "+".join(feats) if feats else "pagedattn", ours, sets, methods=METHODS)
     if not rec.attempt("pagedattn", check_and_time):
         return
@@ -116,6 +96,6 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, feats: dict, goal: dict) -> None:
         return
     peer_p = dict(p, **goal["peer"])
     peer_sets = ctx.sets_for(2 * peer_p["B"] * peer_p["ctx"] * p["hkv"] * p["d"] * 2, cap=8)
-    rec.peer(PLAIN, lambda: _call(fa, build(ctx, peer_p, peer_sets), {}), sets=peer_sets, methods=METHODS)
+    rec.peer(PLAIN, lambda: _ours_fn(fa, build(ctx, peer_p, peer_sets)), sets=peer_sets, methods=METHODS)
     rec.extra(peer_shape={k: peer_p[k] for k in ("B", "q_len", "ctx")}, peer_sets=peer_sets)
     rec.goal_ratio(PLAIN, goal["ratio"])

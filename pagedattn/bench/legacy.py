@@ -11,7 +11,7 @@ import math
 import torch
 
 from . import attention, peers
-from .common import Case, Ctx, Recorder, rel_l2
+from .common import Case, Ctx, Recorder
 
 NAME = "legacy"
 BLOCK_SIZES = (16, 32)
@@ -123,6 +123,27 @@ def _make_fn(p: dict, shared: dict):
     return out, (lambda k: f(out, *common(k), **opts))
 
 
+def _flash_peer(ctx: Ctx, rec: Recorder, shared: dict) -> None:
+    fa = attention.flash_fn()
+    if fa is None:
+        rec.peer_failed("pagedattn flash", "pagedattn.flash_attn_varlen_func does not exist yet")
+        return
+    rec.peer("pagedattn flash", lambda: attention._ours_fn(fa, shared["data"]), shared["sets"])
+
+
+def _cudnn_peer(ctx: Ctx, rec: Recorder, shared: dict) -> None:
+    if not ctx.is_cuda:
+        rec.peer_failed("sdpa cudnn", "needs CUDA")
+        return
+    data, sets = shared["data"], shared["sets"]
+    kv_sets = [data.contiguous_kv(s) for s in range(sets)]
+    candidates = peers.sdpa_candidates(data, data.q, lambda k: kv_sets[k])
+    info: dict = {}
+    rec.peer("sdpa cudnn", lambda: peers.fastest(ctx, candidates, shared["ref"], info, sets), sets,
+             context=attention._sdpa_backend("cudnn"))
+    attention._merge_info(rec, "sdpa cudnn", info)
+
+
 def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
     shared = _shared(ctx, p)
     data, sets = shared["data"], shared["sets"]
@@ -142,39 +163,18 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
         if isinstance(picked, str):  # paged_attention says which one it chose
             rec.extra(picked=picked)
             rec.note(f"auto picked {picked}")
-        err = rel_l2(out, shared["ref"])
-        ok = math.isfinite(err) and err <= attention.TOLERANCE
-        rec.check(ok, "rel_l2", f"relative L2 {err:.2e} vs float32 reference (tolerance "
-                  f"{attention.TOLERANCE:g})" if math.isfinite(err) else "output has NaN/Inf (or unwritten)",
-                  rel_l2=err if math.isfinite(err) else None)
+        rec.check_close(out, shared["ref"], attention.TOLERANCE)
         rec.ours(f"legacy {p['variant']}", fn, sets)
     rec.attempt("pagedattn.legacy", check_and_time)
 
     # -- peers, shared by the variants of one shape ------------------------------------------------
     memo = shared["peers"]
-    if "pagedattn flash" not in memo:
-        if attention.flash_fn() is not None:
-            rec.peer("pagedattn flash", lambda: attention._ours_fn(attention.flash_fn(), data), sets)
+    for name, measure in (("pagedattn flash", _flash_peer), ("sdpa cudnn", _cudnn_peer)):
+        if name not in memo:
+            measure(ctx, rec, shared)
+            memo[name] = rec.record["peers"][name]
         else:
-            rec.peer_failed("pagedattn flash", "pagedattn.flash_attn_varlen_func does not exist yet")
-        memo["pagedattn flash"] = rec.record["peers"]["pagedattn flash"]
-    else:
-        rec.record["peers"]["pagedattn flash"] = dict(memo["pagedattn flash"])
-    if "sdpa cudnn" not in memo:
-        if ctx.is_cuda:
-            k_sets, v_sets = zip(*(data.contiguous_kv(s) for s in range(sets)))
-            info: dict = {}
-            rec.peer("sdpa cudnn", lambda: peers.fastest(
-                ctx, peers.sdpa_candidates(data, data.q, list(k_sets), list(v_sets)), shared["ref"], info,
-                len(k_sets)),
-                sets, context=attention._sdpa_backend("cudnn"))
-            attention._merge_info(rec, "sdpa cudnn", info)
-            del k_sets, v_sets
-        else:
-            rec.peer_failed("sdpa cudnn", "needs CUDA")
-        memo["sdpa cudnn"] = rec.record["peers"]["sdpa cudnn"]
-    else:
-        rec.record["peers"]["sdpa cudnn"] = dict(memo["sdpa cudnn"])
+            rec.record["peers"][name] = dict(memo[name])
     rec.note("peers measured once per shape and block size, shared by v1/v2/auto")
     if p["kv_cache_dtype"] != "auto":
         rec.note("sdpa reads a bf16 dequantised copy")
