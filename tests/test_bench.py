@@ -784,10 +784,10 @@ def test_report_renders_the_stored_h200_results():
 def test_jit_workloads_build_on_the_bench_data():
     """The jit suite's attention / legacy workloads set up on the CPU (attention.build) and the decode
     workload's torch peer runs on them."""
-    from pagedattn.bench import jitwork
+    from pagedattn.bench import jit
 
-    for name, (family, setup) in jitwork.WORKLOADS.items():
-        if family == "write" or (family == "legacy" and not jitwork._has_legacy()):
+    for name, (family, setup) in jit.WORKLOADS.items():
+        if family == "write" or (family == "legacy" and not jit._has_legacy()):
             continue
         work = setup("cpu")
         assert callable(work["fn"]), name

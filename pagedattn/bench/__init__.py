@@ -34,15 +34,9 @@ def _cmd_compare(args) -> int:
         print("\n".join(f"- {s}" for s in summary))
         return 0
     from rich.console import Console
-    from rich.table import Table
 
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-    table = Table(title=f"A = {args.a}   B = {args.b}")
-    for h in header:
-        table.add_column(h, overflow="fold", justify="left" if h in ("suite", "case", "impl") else "right")
-    for r in rows:
-        table.add_row(*r)
-    console.print(table)
+    console.print(report.console_table(f"A = {args.a}   B = {args.b}", header, rows))
     for s in summary:
         console.print(s, markup=False)
     return 0

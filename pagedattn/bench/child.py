@@ -35,13 +35,6 @@ class Emitter:
         self._f.flush()
 
 
-def _console():
-    from rich.console import Console
-
-    con = Console(highlight=False, soft_wrap=True)
-    return con
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pagedattn.bench.child")
     ap.add_argument("--suite", required=True)
@@ -56,8 +49,10 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated substrings: run matching case ids only")
     args = ap.parse_args(argv)
 
+    from rich.console import Console
+
     emit = Emitter(args.jsonl)
-    con = _console()
+    con = Console(highlight=False, soft_wrap=True)
 
     def say(text: str) -> None:
         con.print(text, markup=False)

@@ -286,9 +286,27 @@ def _jit_detail(c: dict) -> str:
     return "; ".join(parts)
 
 
+def _kept_columns(header: list[str], rows: list[list[str]]) -> list[int]:
+    """The columns to show: the first, and those not empty in every row (e.g. "status" when all ok)."""
+    return [i for i in range(len(header)) if i == 0 or any(r[i] for r in rows)]
+
+
+def console_table(title: str, header: list[str], rows: list[list[str]]):
+    """A rich Table (the console's form of markdown_table): names left, numbers right."""
+    from rich.table import Table
+
+    keep = _kept_columns(header, rows)
+    table = Table(title=title)
+    for i in keep:
+        left = header[i] in ("suite", "case", "impl", "status")
+        table.add_column(header[i], overflow="fold", justify="left" if left else "right")
+    for r in rows:
+        table.add_row(*[r[i] for i in keep])
+    return table
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    # drop columns that are empty in every row (e.g. "status" when all ok)
-    keep = [i for i, h in enumerate(header) if i == 0 or any(r[i] for r in rows)]
+    keep = _kept_columns(header, rows)
     esc = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
     lines = ["| " + " | ".join(esc(header[i]) for i in keep) + " |",
              "|" + "|".join(" --- " for _ in keep) + "|"]

@@ -107,46 +107,32 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
         rec.ours("pagedattn", ours, sets)
     rec.attempt("pagedattn", check_and_time)
 
-    if layout == "NHD":
-        name = "torch index_copy_"
+    def quantised(x, scale):  # the peer's fp8: torch ops before the scatter
+        return reference.quantize_fp8(x, scale, kv).view(torch.uint8) if fp8 else x
 
-        def make():
+    def make():
+        if layout == "NHD":
             kflat, vflat = kc.view(-1, H, D), vc.view(-1, H, D)
-            if fp8:
-                def peer(k):
-                    kq = reference.quantize_fp8(keys[k], k_scale, kv).view(torch.uint8)
-                    vq = reference.quantize_fp8(values[k], v_scale, kv).view(torch.uint8)
-                    kflat.index_copy_(0, slots[k], kq)
-                    vflat.index_copy_(0, slots[k], vq)
-            else:
-                def peer(k):
-                    kflat.index_copy_(0, slots[k], keys[k])
-                    vflat.index_copy_(0, slots[k], values[k])
-            return peer
-    else:
-        name = "torch index_copy_"
-
-        def make():
-            # HND storage is [num_blocks, H, block_size, D]: row (blk * H + h) * bs + off of its
-            # [-1, D] view holds token (blk, off), head h. (index_put_ through the permuted logical
-            # view would copy the whole cache on every call: not a fair peer.)
-            krows = kc.permute(0, 2, 1, 3).reshape(-1, D)
-            vrows = vc.permute(0, 2, 1, 3).reshape(-1, D)
-            assert krows.data_ptr() == kc.data_ptr() and krows._base is not None, "HND rows must be a view"
-            heads = torch.arange(H, device=dev).view(1, H)
 
             def peer(k):
-                s = slots[k].view(-1, 1)
-                rows = ((s // BLOCK) * H + heads) * BLOCK + s % BLOCK  # [T, H]
-                rows = rows.reshape(-1)
-                kk, vv = keys[k], values[k]
-                if fp8:
-                    kk = reference.quantize_fp8(kk, k_scale, kv).view(torch.uint8)
-                    vv = reference.quantize_fp8(vv, v_scale, kv).view(torch.uint8)
-                krows.index_copy_(0, rows, kk.reshape(-1, D))
-                vrows.index_copy_(0, rows, vv.reshape(-1, D))
+                kflat.index_copy_(0, slots[k], quantised(keys[k], k_scale))
+                vflat.index_copy_(0, slots[k], quantised(values[k], v_scale))
             return peer
-    rec.peer(name, make, sets)
+        # HND storage is [num_blocks, H, block_size, D]: row (blk * H + h) * bs + off of its [-1, D] view
+        # holds token (blk, off), head h. (index_put_ through the permuted logical view would copy the
+        # whole cache on every call: not a fair peer.)
+        krows = kc.permute(0, 2, 1, 3).reshape(-1, D)
+        vrows = vc.permute(0, 2, 1, 3).reshape(-1, D)
+        assert krows.data_ptr() == kc.data_ptr() and krows._base is not None, "HND rows must be a view"
+        heads = torch.arange(H, device=dev).view(1, H)
+
+        def peer(k):
+            s = slots[k].view(-1, 1)
+            rows = (((s // BLOCK) * H + heads) * BLOCK + s % BLOCK).reshape(-1)  # [T * H]
+            krows.index_copy_(0, rows, quantised(keys[k], k_scale).reshape(-1, D))
+            vrows.index_copy_(0, rows, quantised(values[k], v_scale).reshape(-1, D))
+        return peer
+    rec.peer("torch index_copy_", make, sets)
     if fp8:
         rec.note("peer quantises with torch ops before the scatter")
     if layout == "HND":
