@@ -10,21 +10,20 @@ per GPU. Checks, then times CP decode B=1 ctx 131072 against the same call on on
       within 2e-3 relative L2 of the single-GPU output.
 Every rank builds the same cache (same seed) and computes the single-GPU result itself. With one
 process (world size 1) it runs as a smoke test of the code path. Rank 0 writes
-perf/results/multigpu_<gpu>_<date>_<commit>.json."""
+perf/results/multigpu_<gpu>_<date>_x<world>_<commit>.json."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import subprocess
-from datetime import date
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import pagedattn
+from pagedattn.bench.meta import write_quick
 from pagedattn.bench.timing import median_us
+from pagedattn.info import git_commit
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 
@@ -99,17 +98,9 @@ def main() -> None:
     res["single_gpu_us"] = median_us(lambda: call(q, kc, vc, table, used_full, args.ctx), reps=50,
                                      before=dist.barrier)
     if rank == 0:
-        commit = os.environ.get("PAGEDATTN_GIT_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        meta = {"gpu": torch.cuda.get_device_name(dev), "world_size": world, "torch": torch.__version__,
-                "driver": subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                         capture_output=True, text=True).stdout.split("\n")[0].strip() or None,
-                "commit": commit, "date": date.today().isoformat(),
-                "shapes": {"tp": "B=8 ctx 4096", "cp": f"B=1 ctx {args.ctx}"}, "hq": HQ, "hkv": HKV, "d": D}
-        name = f"multigpu_{meta['gpu'].lower().replace(' ', '_')}_x{world}_{meta['date'].replace('-', '')}_{commit}.json"
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / name).write_text(json.dumps({"kind": "multigpu", "metadata": meta, "results": res},
-                                                      indent=1))
+        suffix = f"_x{world}_{(git_commit() or 'nocommit')[:7]}"
+        write_quick(args.out, "multigpu", res, suffix=suffix, world_size=world, hq=HQ, hkv=HKV, d=D,
+                    shapes={"tp": "B=8 ctx 4096", "cp": f"B=1 ctx {args.ctx}"})
         print(json.dumps(res))
     dist.destroy_process_group()
     if not (res["tp_bit_identical"] and res["cp_ok"]):

@@ -50,14 +50,8 @@ FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def flash_fn():
-    """pagedattn.flash_attn_varlen_func; before it is exported, the op module's; else None."""
-    fa = getattr(pagedattn, "flash_attn_varlen_func", None)
-    if fa is None:
-        try:
-            from pagedattn.ops.attention import flash_attn_varlen_func as fa  # noqa: PLC0415
-        except ImportError:
-            return None
-    return fa
+    """pagedattn.flash_attn_varlen_func, or None (then the suites are "not available")."""
+    return getattr(pagedattn, "flash_attn_varlen_func", None)
 
 
 def available(ctx: Ctx):
@@ -231,14 +225,10 @@ def _sdpa_backend(name: str):
 
 def unsupported(p: dict) -> str | None:
     """Why the op cannot run this case (its registry does not list the cache dtype), or None."""
-    try:
-        from pagedattn.ops.attention import AttnFwdSpec  # noqa: PLC0415
-    except ImportError:
-        return None  # flash_fn() found the op elsewhere: let the call say
-    kv = p["kv_cache_dtype"]
-    if kv not in AttnFwdSpec.SUPPORTED.get("kv_cache_dtype", (kv,)):
-        return f"kv_cache_dtype {kv!r} (supported: {', '.join(AttnFwdSpec.SUPPORTED['kv_cache_dtype'])})"
-    return None
+    from pagedattn.ops.attention import AttnFwdSpec  # noqa: PLC0415
+
+    kv, supported = p["kv_cache_dtype"], AttnFwdSpec.SUPPORTED["kv_cache_dtype"]
+    return None if kv in supported else f"kv_cache_dtype {kv!r} (supported: {', '.join(supported)})"
 
 
 def _ours_fn(fa, data: PagedData, num_splits: int = 0, **features):
@@ -256,8 +246,6 @@ def _ours_fn(fa, data: PagedData, num_splits: int = 0, **features):
 
 def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> None:
     fa = flash_fn()
-    if not hasattr(pagedattn, "flash_attn_varlen_func"):
-        rec.note("called as pagedattn.ops.attention.flash_attn_varlen_func (not exported yet)")
     B, sq, L, hq, hkv, d = p["B"], p["q_len"], p["ctx"], p["hq"], p["hkv"], p["d"]
     fp8 = p["kv_cache_dtype"] != "auto"
     elem = 1 if fp8 else 2
