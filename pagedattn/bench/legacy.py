@@ -5,10 +5,10 @@ shared by the v1 / v2 / auto cases.
 """
 from __future__ import annotations
 
-import inspect
-import math
-
 import torch
+
+import pagedattn.legacy
+from pagedattn.legacy import allocate_partials, num_partitions
 
 from . import attention, peers
 from .common import Case, Ctx, Recorder
@@ -16,7 +16,6 @@ from .common import Case, Ctx, Recorder
 NAME = "legacy"
 BLOCK_SIZES = (16, 32)
 VARIANTS = ("v1", "v2", "auto")
-PARTITION = 512
 # the decode shapes of issue 4 (the decode suite's list grew with issue 17; legacy keeps these)
 SHAPES = ({"B": 1, "ctx": 32768, "kv": "auto"}, {"B": 16, "ctx": 4096, "kv": "auto"},
           {"B": 64, "ctx": 4096, "kv": "auto"}, {"B": 64, "ctx": 4096, "kv": "fp8_e4m3"})
@@ -25,21 +24,8 @@ _MEMO: dict = {"key": None}
 
 
 def _legacy():
-    import pagedattn.legacy as legacy  # noqa: PLC0415 - optional module
-
-    return legacy
-
-
-def available(ctx: Ctx):
-    try:
-        legacy = _legacy()
-    except ImportError as exc:
-        return False, f"not available: pagedattn.legacy cannot be imported ({exc})"
-    missing = [f for f in ("paged_attention_v1", "paged_attention_v2", "paged_attention")
-               if not hasattr(legacy, f)]
-    if len(missing) == 3:
-        return False, "not available: pagedattn.legacy has no paged_attention_v1/v2/paged_attention"
-    return True, None
+    """The module the cases call (tests put a stand-in here)."""
+    return pagedattn.legacy
 
 
 def cases(ctx: Ctx) -> list[Case]:
@@ -88,39 +74,22 @@ def _shared(ctx: Ctx, p: dict) -> dict:
     return _MEMO
 
 
-def _call_args(p: dict, shared: dict):
-    data = shared["data"]
-    fp8 = p["kv_cache_dtype"] != "auto"
-    B, hq, d, L = data.B, data.hq, data.d, data.ctx_len
-    parts = math.ceil(L / PARTITION)
-    dev = data.q[0].device
-    out = torch.empty(B, hq, d, dtype=torch.bfloat16, device=dev)
-    exp_sums = torch.empty(B, hq, parts, dtype=torch.float32, device=dev)
-    max_logits = torch.empty_like(exp_sums)
-    tmp_out = torch.empty(B, hq, parts, d, dtype=torch.bfloat16, device=dev)
-    opts = {"alibi_slopes": None, "kv_cache_dtype": "fp8" if fp8 else "auto",
-            "k_scale": data.k_descale if fp8 else None, "v_scale": data.v_descale if fp8 else None}
-    return out, (exp_sums, max_logits, tmp_out), opts
-
-
 def _make_fn(p: dict, shared: dict):
+    """(out, fn(k)): the case's variant on input set k (v2 with its partial-result scratch)."""
     legacy = _legacy()
     data = shared["data"]
-    out, workspace, opts = _call_args(p, shared)
-    kl, vl = shared["k_leg"], shared["v_leg"]
-    common = lambda k: (data.q[k], kl, vl, data.hkv, data.scale, data.tables[k], data.seqused,  # noqa: E731
-                        data.bs, data.ctx_len)
-    variant = p["variant"]
-    if variant == "v1":
-        f = legacy.paged_attention_v1
-        return out, (lambda k: f(out, *common(k), **opts))
-    if variant == "v2":
-        f = legacy.paged_attention_v2
-        return out, (lambda k: f(out, *workspace, *common(k), **opts))
-    f = legacy.paged_attention
-    if "exp_sums" in inspect.signature(f).parameters:
-        return out, (lambda k: f(out, *workspace, *common(k), **opts))
-    return out, (lambda k: f(out, *common(k), **opts))
+    fp8 = p["kv_cache_dtype"] != "auto"
+    out = torch.empty(data.B, data.hq, data.d, dtype=torch.bfloat16, device=data.q[0].device)
+    scratch = allocate_partials(out, data.ctx_len) if p["variant"] == "v2" else ()
+    opts = {"alibi_slopes": None, "kv_cache_dtype": "fp8" if fp8 else "auto",
+            "k_scale": data.k_descale if fp8 else None, "v_scale": data.v_descale if fp8 else None}
+    op = {"v1": legacy.paged_attention_v1, "v2": legacy.paged_attention_v2,
+          "auto": legacy.paged_attention}[p["variant"]]
+
+    def fn(k):
+        return op(out, *scratch, data.q[k], shared["k_leg"], shared["v_leg"], data.hkv, data.scale, data.tables[k],
+                  data.seqused, data.bs, data.ctx_len, **opts)
+    return out, fn
 
 
 def _flash_peer(ctx: Ctx, rec: Recorder, shared: dict) -> None:
@@ -148,11 +117,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
     shared = _shared(ctx, p)
     data, sets = shared["data"], shared["sets"]
     rec.work("GB/s", shared["kv_bytes"], "copy")
-    rec.extra(sets=sets, partitions=math.ceil(p["ctx"] / PARTITION))
-    fn_name = {"v1": "paged_attention_v1", "v2": "paged_attention_v2", "auto": "paged_attention"}[p["variant"]]
-    if not hasattr(_legacy(), fn_name):
-        rec.skip(f"pagedattn.legacy.{fn_name} does not exist")
-        return
+    rec.extra(sets=sets, partitions=num_partitions(p["ctx"]))
     out, fn = _make_fn(p, shared)
 
     # -- correctness once, then timing (a failure is the case's error; the peers still run) -------
