@@ -52,16 +52,11 @@ def load_folder(folder, include_samples: bool = False, warn=None) -> list[tuple[
         return out
     for path in sorted(folder.glob("*.json")):
         try:
-            head = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            if warn:
-                warn(f"skipping {path}: {str(exc).splitlines()[0]}")
-            continue
-        if not (isinstance(head, dict) and str(head.get("schema", "")).startswith("pagedattn-bench/")):
-            continue  # another tool's JSON (e.g. perf/aot_precompile.py's) shares the folder
-        try:
-            data = load(path)
-        except (OSError, ValueError) as exc:
+            data = json.loads(path.read_text())
+            if not (isinstance(data, dict) and str(data.get("schema", "")).startswith("pagedattn-bench/")):
+                continue  # another tool's JSON (e.g. perf/aot_precompile.py's) shares the folder
+            schema.check(data, str(path))
+        except (OSError, ValueError) as exc:  # schema.SchemaError is a ValueError
             if warn:
                 warn(f"skipping {path}: {str(exc).splitlines()[0]}")
             continue
