@@ -316,6 +316,21 @@ def test_flush_buffer_size_and_l2flush_on_cpu():
     assert res["flush"].method == "flush" and len(seen) >= res["flush"].reps and set(seen) == {4096}
 
 
+def test_host_loops_and_median_us_before(monkeypatch):
+    """The host-cost loops (jit suite, perf/launch_overhead.py, perf/host_profile.py) and median_us's
+    `before` (perf/multigpu.py's barrier): what runs where, on fake clocks and events."""
+    log = []
+    ticks = iter(range(0, 10**6, 10))
+    loops = timing.host_loops(lambda: log.append("C"), 4, loops=3, warmup=2, before=lambda: log.append("B"),
+                              sync=lambda: log.append("S"), clock=lambda: next(ticks) * 1e-6)
+    assert "".join(log) == "CCS" + "BCCCCS" * 3
+    assert len(loops) == 3 and all(host < synced for host, synced in loops)
+    _fake_events(monkeypatch, log)
+    log.clear()
+    assert timing.median_us(lambda: log.append("C"), reps=3, warmup=1, before=lambda: log.append("B")) >= 0
+    assert "".join(log) == "C" + "BRCR" * 3
+
+
 def _fake_flash(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=None, causal=False,
                 block_table=None, softmax_scale=None, return_softmax_lse=False, num_splits=0,
                 k_descale=None, v_descale=None):
