@@ -10,7 +10,6 @@ Writes perf/results/launch_overhead_<gpu>_<date>.json.
 """
 from __future__ import annotations
 
-import statistics
 import sys
 
 import torch
@@ -27,13 +26,18 @@ SLEEP_CYCLES = 40_000_000  # ~20 ms at 2 GHz: longer than BATCH calls at 100 µs
 
 def per_call_us(fn, n=20000):
     """Idle regime: median of 5 timed loops of n calls."""
-    return statistics.median(host for host, _ in host_loops(fn, n))
+    return _middle(host_loops(fn, n))
 
 
 def busy_call_us(fn, n=10000):
     """Busy regime: median over batches of BATCH calls, each batch queued behind a sleep kernel."""
-    loops = host_loops(fn, BATCH, loops=max(1, n // BATCH), before=lambda: torch.cuda._sleep(SLEEP_CYCLES))
-    return statistics.median(host for host, _ in loops)
+    return _middle(host_loops(fn, BATCH, loops=max(1, n // BATCH), before=lambda: torch.cuda._sleep(SLEEP_CYCLES)))
+
+
+def _middle(loops) -> float:
+    """The middle (upper middle of an even count) of the loops' host µs per call."""
+    hosts = sorted(host for host, _ in loops)
+    return hosts[len(hosts) // 2]
 
 
 def main(out_dir="perf/results"):
