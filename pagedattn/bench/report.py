@@ -501,7 +501,8 @@ def describe(case: dict) -> str:
         parts.append(ours_cell(case))
     if measured and ours.get("value") is not None and unit in ("GB/s", "TFLOP/s"):
         of = f", {fmt_frac(ours['fraction'])} of {case.get('ceiling')}" if ours.get("fraction") is not None else ""
-        parts.append(f"({fmt_value(ours['value'], unit)}{of})")
+        worse = "worse: " if ours.get("methods") else ""
+        parts.append(f"({worse}{fmt_value(ours['value'], unit)}{of})")
     if case.get("target") or case.get("goals"):
         parts.append(f"goal {goals_cell(case)}")
     parts += [f"| {name} {peer_cell(case, name)}" for name in case.get("peers", {})]
