@@ -177,13 +177,19 @@ def case_label(case: dict) -> str:
     return cid.split("/", 1)[1] if "/" in cid else cid
 
 
+def time_cell(impl: dict, unit: str | None) -> str:
+    """An Impl's number as the tables show it: the value for the jit suite's units (s, ms, µs), else
+    the median time."""
+    if unit in ("s", "ms", "us"):
+        return fmt_value(impl.get("value"), unit)
+    return fmt_us(impl.get("us"))
+
+
 def ours_cell(case: dict) -> str:
     ours = case.get("ours")
     if not ours or ours.get("error"):
         return "-"
-    if case.get("unit") in ("s", "ms", "us"):
-        return fmt_value(ours.get("value"), case["unit"])
-    return fmt_us(ours.get("us"))
+    return time_cell(ours, case.get("unit"))
 
 
 def peer_cell(case: dict, name: str) -> str:
@@ -192,12 +198,7 @@ def peer_cell(case: dict, name: str) -> str:
         return ""
     if peer.get("error"):
         return "n/a"
-    if case.get("unit") in ("s", "ms", "us"):
-        t = fmt_value(peer.get("value"), case["unit"])
-    elif peer.get("methods"):  # "rot / flush"
-        t = fmt_methods(peer)
-    else:
-        t = fmt_us(peer.get("us"))
+    t = fmt_methods(peer) if peer.get("methods") else time_cell(peer, case.get("unit"))  # "rot / flush"
     r = case.get("ratios", {}).get(name)
     return f"{t} (ours {fmt_ratio(r)})" if r is not None else t
 
@@ -465,18 +466,17 @@ def compare(a: dict, b: dict, peers: bool = False) -> tuple[list[str], list[list
             speed = ua / ub if ua and ub else None
             if speed and label == "ours":
                 per_suite.setdefault(ca["suite"], []).append(speed)
-            fa = (lambda i, c: fmt_value(i.get("value"), c.get("unit")) if c.get("unit") in ("s", "ms", "us")
-                  else fmt_us(i.get("us")))
             rows.append([ca["suite"], case_label(ca), ia.get("name", label) if label == "ours" else label,
-                         fa(ia, ca) if ua else (ca.get("status") if label == "ours" else "n/a"),
-                         fa(ib, cb) if ub else (cb.get("status") if label == "ours" else "n/a"),
+                         time_cell(ia, ca.get("unit")) if ua else (ca.get("status") if label == "ours" else "n/a"),
+                         time_cell(ib, cb.get("unit")) if ub else (cb.get("status") if label == "ours" else "n/a"),
                          fmt_ratio(speed), fmt_frac(ia.get("fraction")), fmt_frac(ib.get("fraction"))])
     only_b = [cid for cid in cases_b if cid not in seen]
     summary = [f"A = {la}, {a['metadata'].get('date', '')[:10]}; B = {lb}, {b['metadata'].get('date', '')[:10]}",
                "B speed vs A = A's time / B's time: above 1, B is faster."]
     for suite, speeds in per_suite.items():
         gm = math.exp(sum(math.log(s) for s in speeds) / len(speeds))
-        summary.append(f"{suite}: geometric mean B speed vs A = {gm:.2f}× over {len(speeds)} case{'s' if len(speeds) != 1 else ''}")
+        cases = f"{len(speeds)} case{'s' if len(speeds) != 1 else ''}"
+        summary.append(f"{suite}: geometric mean B speed vs A = {gm:.2f}× over {cases}")
     if only_a:
         summary.append(f"only in A ({len(only_a)}): {', '.join(only_a[:8])}{' ...' if len(only_a) > 8 else ''}")
     if only_b:
