@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from pagedattn.bench.timing import host_loops
+
 
 def stub_cuda():
     """Make the eager paths run on CPU tensors with a stubbed launch."""
@@ -78,15 +80,8 @@ def stub_cuda():
 def per_call_us(fn, n=20000, runs=7):
     """This thread's CPU time per call (thread_time: other processes on a shared machine do not
     count), the best of `runs`."""
-    for _ in range(500):
-        fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.thread_time_ns()
-        for _ in range(n):
-            fn()
-        times.append((time.thread_time_ns() - t0) / n / 1e3)
-    return min(times)
+    loops = host_loops(fn, n, loops=runs, warmup=500, sync=lambda: None, clock=time.thread_time)
+    return min(host for host, _ in loops)
 
 
 def cases():

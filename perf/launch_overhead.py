@@ -11,13 +11,13 @@ Writes perf/results/launch_overhead_<gpu>_<date>.json.
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 
 import pagedattn
 from pagedattn import CacheSpec
 from pagedattn.bench.meta import write_quick
+from pagedattn.bench.timing import host_loops
 from pagedattn.ops.kv_write import KvWriteSpec
 
 BATCH = 200            # calls queued behind one sleep kernel (the launch queue holds ~1000)
@@ -26,33 +26,18 @@ SLEEP_CYCLES = 40_000_000  # ~20 ms at 2 GHz: longer than BATCH calls at 100 µs
 
 def per_call_us(fn, n=20000):
     """Idle regime: median of 5 timed loops of n calls."""
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    best = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return sorted(best)[len(best) // 2]
+    return _middle(host_loops(fn, n))
 
 
 def busy_call_us(fn, n=10000):
     """Busy regime: median over batches of BATCH calls, each batch queued behind a sleep kernel."""
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    per_batch = []
-    for _ in range(max(1, n // BATCH)):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        t0 = time.perf_counter()
-        for _ in range(BATCH):
-            fn()
-        per_batch.append((time.perf_counter() - t0) / BATCH * 1e6)
-        torch.cuda.synchronize()
-    return sorted(per_batch)[len(per_batch) // 2]
+    return _middle(host_loops(fn, BATCH, loops=max(1, n // BATCH), before=lambda: torch.cuda._sleep(SLEEP_CYCLES)))
+
+
+def _middle(loops) -> float:
+    """The middle (upper middle of an even count) of the loops' host µs per call."""
+    hosts = sorted(host for host, _ in loops)
+    return hosts[len(hosts) // 2]
 
 
 def main(out_dir="perf/results"):

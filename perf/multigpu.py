@@ -10,20 +10,20 @@ per GPU. Checks, then times CP decode B=1 ctx 131072 against the same call on on
       within 2e-3 relative L2 of the single-GPU output.
 Every rank builds the same cache (same seed) and computes the single-GPU result itself. With one
 process (world size 1) it runs as a smoke test of the code path. Rank 0 writes
-perf/results/multigpu_<gpu>_<date>_<commit>.json."""
+perf/results/multigpu_<gpu>_<date>_x<world>_<commit>.json."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import subprocess
-from datetime import date
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import pagedattn
+from pagedattn.bench.meta import write_quick
+from pagedattn.bench.timing import median_us
+from pagedattn.info import git_commit
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 
@@ -51,21 +51,6 @@ def cp_shard(table, ctx: int, rank: int, world: int):
     lo, hi = pages * rank // world, pages * (rank + 1) // world
     used = max(0, min(ctx, hi * BS) - lo * BS)
     return table[:, lo:hi].contiguous(), used
-
-
-def time_us(fn, reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -109,20 +94,13 @@ def main() -> None:
     err = ((merged.float() - full.float()).norm() / full.float().norm()).item()
     res["cp_rel_l2"] = err
     res["cp_ok"] = err <= 2e-3
-    res["cp_us"] = time_us(cp_step)
-    res["single_gpu_us"] = time_us(lambda: call(q, kc, vc, table, used_full, args.ctx))
+    res["cp_us"] = median_us(cp_step, reps=50, before=dist.barrier)
+    res["single_gpu_us"] = median_us(lambda: call(q, kc, vc, table, used_full, args.ctx), reps=50,
+                                     before=dist.barrier)
     if rank == 0:
-        commit = os.environ.get("PAGEDATTN_GIT_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        meta = {"gpu": torch.cuda.get_device_name(dev), "world_size": world, "torch": torch.__version__,
-                "driver": subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                         capture_output=True, text=True).stdout.split("\n")[0].strip() or None,
-                "commit": commit, "date": date.today().isoformat(),
-                "shapes": {"tp": "B=8 ctx 4096", "cp": f"B=1 ctx {args.ctx}"}, "hq": HQ, "hkv": HKV, "d": D}
-        name = f"multigpu_{meta['gpu'].lower().replace(' ', '_')}_x{world}_{meta['date'].replace('-', '')}_{commit}.json"
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / name).write_text(json.dumps({"kind": "multigpu", "metadata": meta, "results": res},
-                                                      indent=1))
+        suffix = f"_x{world}_{(git_commit() or 'nocommit')[:7]}"
+        write_quick(args.out, "multigpu", res, suffix=suffix, world_size=world, hq=HQ, hkv=HKV, d=D,
+                    shapes={"tp": "B=8 ctx 4096", "cp": f"B=1 ctx {args.ctx}"})
         print(json.dumps(res))
     dist.destroy_process_group()
     if not (res["tp_bit_identical"] and res["cp_ok"]):

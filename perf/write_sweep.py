@@ -1,15 +1,9 @@
-"""Write-path sweep (issue 3): the one-CTA-per-token paths (span/head, at their defaults) against the flat
-path at packs per thread {1, 2, 4} x threads per CTA {64, 128, 256, 512}, and the library's defaults,
-at T=65536 (also with page-contiguous slots) and T=256, H=8, D=128, bf16 input, block size 16, for
-NHD/HND x {bf16 cache, fp8_e4m3 per-tensor scale, fp8_e4m3 per-head scales}. Each point is an
-`overrides=` mapping of reshape_and_cache_flash: launch-time fields of kv_write.WriteConfig (flat,
-items, threads, stream_waves, span_packs) and compile-time fields of the flat variant (max_items,
-stream_items, max_threads, min_blocks; a point that changes them compiles its own variant). Timed as the bench suite times (pagedattn.bench.timing.
-Timer: device time per call, the host kept ahead; inputs rotated through enough sets to miss L2 at
-T=256). One line per point, a summary per config; writes <out>/write_sweep_*.json.
-What to read: frac_copy at T=65536 (goal >= 0.80 for HND and fp8; NHD bf16 >= 0.90) and us at T=256
-(goal <= 6 us) of flat against old, to set kv_write.FLAT_FOR and the MANY / FEW shapes of write_config
-(the T=65536 rows for MANY, T=256 for FEW)."""
+"""Write-path sweep (issue 3; perf/README.md, "Write path", has what it measures and the env knobs):
+the span/head path and the flat path at packs per thread x threads per CTA, and the library's defaults,
+at T=65536 (also page-contiguous slots) and T=256, for NHD/HND x {bf16, fp8_e4m3 per tensor, per head}.
+Each point is an `overrides=` mapping of reshape_and_cache_flash; timed by the bench's Timer. Writes
+<out>/write_sweep_*.json.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +18,7 @@ import torch
 from pagedattn import CacheSpec
 from pagedattn.info import git_commit
 
-from pagedattn.bench.timing import copy_ceiling_gbs
-from pagedattn.bench.timing import Timer, rotation_sets
+from pagedattn.bench.timing import Timer, copy_ceiling_gbs, rotation_sets
 from pagedattn.bench.write import page_slots
 from pagedattn.ops import kv_write
 
@@ -40,20 +33,12 @@ QUICK = bool(os.environ.get("WRITE_SWEEP_QUICK"))  # default, old path and the d
 THREADS = (64, 128, 256, 512)
 TIMER = Timer(budget_s=0.1)
 L2_BYTES = 60 * 2**20  # H200 (rotation at T=256 only: T=65536 is far larger)
-# Streaming points (fp8 configs, many tokens): WRITE_SWEEP_STREAM="1x4,2x4,1x2" = (resident waves x packs per
-# batch) of the capped grid, at the default packs per thread and threads; every other flat point runs
-# the one-shot schedule (stream_waves = 0, variants without a streaming body). Empty: one-shot and
-# default points only.
-# WRITE_SWEEP_MAX_ITEMS=8: compile the flat variants with kItems = 8 (max_items) and add one-shot points
-# of 8 packs per thread. WRITE_SWEEP_SPAN="2,8": the span path (NHD, one scale) also at these packs per thread.
-MAX_ITEMS = int(os.environ.get("WRITE_SWEEP_MAX_ITEMS", "0"))
-# WRITE_SWEEP_MINB="0,4,6": the default streaming shape again with min_blocks at these values
-MIN_BLOCKS = [int(x) for x in os.environ.get("WRITE_SWEEP_MINB", "").split(",") if x]
-SPAN_PACKS = [int(x) for x in os.environ.get("WRITE_SWEEP_SPAN", "").split(",") if x]
-# A third number is the threads per CTA of that point ("1x1x128"; default: write_config's).
+# extra points (perf/README.md): streaming (waves x packs per batch[ x threads]), flat kItems=8, min blocks, span
 STREAMS = [tuple(float(v) if i == 0 else int(v) for i, v in enumerate(x.split("x")))
            for x in os.environ.get("WRITE_SWEEP_STREAM", "").split(",") if x]
-ALL = frozenset((layout, kind) for layout in ("NHD", "HND") for kind in ("copy", "fp8", "fp8_head"))
+MAX_ITEMS = int(os.environ.get("WRITE_SWEEP_MAX_ITEMS", "0"))
+MIN_BLOCKS = [int(x) for x in os.environ.get("WRITE_SWEEP_MINB", "").split(",") if x]
+SPAN_PACKS = [int(x) for x in os.environ.get("WRITE_SWEEP_SPAN", "").split(",") if x]
 
 
 ONE_SHOT = dict(stream_items=0, max_items=4, max_threads=512, min_blocks=0)  # the flat copy variants' build

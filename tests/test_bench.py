@@ -316,6 +316,21 @@ def test_flush_buffer_size_and_l2flush_on_cpu():
     assert res["flush"].method == "flush" and len(seen) >= res["flush"].reps and set(seen) == {4096}
 
 
+def test_host_loops_and_median_us_before(monkeypatch):
+    """The host-cost loops (jit suite, perf/launch_overhead.py, perf/host_profile.py) and median_us's
+    `before` (perf/multigpu.py's barrier): what runs where, on fake clocks and events."""
+    log = []
+    ticks = iter(range(0, 10**6, 10))
+    loops = timing.host_loops(lambda: log.append("C"), 4, loops=3, warmup=2, before=lambda: log.append("B"),
+                              sync=lambda: log.append("S"), clock=lambda: next(ticks) * 1e-6)
+    assert "".join(log) == "CCS" + "BCCCCS" * 3
+    assert len(loops) == 3 and all(host < synced for host, synced in loops)
+    _fake_events(monkeypatch, log)
+    log.clear()
+    assert timing.median_us(lambda: log.append("C"), reps=3, warmup=1, before=lambda: log.append("B")) >= 0
+    assert "".join(log) == "C" + "BRCR" * 3
+
+
 def _fake_flash(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=None, causal=False,
                 block_table=None, softmax_scale=None, return_softmax_lse=False, num_splits=0,
                 k_descale=None, v_descale=None):
@@ -335,7 +350,8 @@ def test_attention_suites_not_available_without_the_kernel(monkeypatch):
 
 
 def _fake_flash_features(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=None, causal=False,
-                         block_table=None, softmax_scale=None, num_splits=0, s_aux=None, **features):
+                         block_table=None, softmax_scale=None, num_splits=0, s_aux=None, return_softmax_lse=False,
+                         **features):
     from pagedattn import reference
     return reference.paged_attention(q, k, v, cu_seqlens_q, seqused_k, block_table, causal=causal,
                                      softmax_scale=softmax_scale, sinks=s_aux, **features).to(q.dtype)
@@ -571,7 +587,7 @@ def test_sdpa_decode_offers_enable_gqa_first():
     ctx = _cpu_ctx()
     data = attention.build(ctx, attention.decode_cases(ctx)[0].params, sets=1)
     k, v = data.contiguous_kv(0)
-    names = [n for n, _ in peers.sdpa_candidates(data, data.q, [k], [v])]
+    names = [n for n, _ in peers.sdpa_candidates(data, data.q, lambda i: (k, v))]
     assert names == ["enable_gqa", "gqa folded into q_len"]
 
 
@@ -582,7 +598,7 @@ def test_sdpa_peers_agree_with_the_reference():
         data = attention.build(ctx, p, sets=1)
         ref = attention.reference_out(data)
         k, v = data.contiguous_kv(0)
-        for variant, factory in peers.sdpa_candidates(data, data.q, [k], [v]):
+        for variant, factory in peers.sdpa_candidates(data, data.q, lambda i: (k, v)):
             assert common.rel_l2(factory()(0), ref) < 1e-2, variant
 
 
@@ -783,10 +799,10 @@ def test_report_renders_the_stored_h200_results():
 def test_jit_workloads_build_on_the_bench_data():
     """The jit suite's attention / legacy workloads set up on the CPU (attention.build) and the decode
     workload's torch peer runs on them."""
-    from pagedattn.bench import jitwork
+    from pagedattn.bench import jit
 
-    for name, (family, setup) in jitwork.WORKLOADS.items():
-        if family == "write" or (family == "legacy" and not jitwork._has_legacy()):
+    for name, (family, setup) in jit.WORKLOADS.items():
+        if family == "write" or (family == "legacy" and not jit._has_legacy()):
             continue
         work = setup("cpu")
         assert callable(work["fn"]), name
@@ -911,7 +927,7 @@ def test_sdpa_peers_pick_a_correct_configuration_on_gpu(backend):
     k, v = data.contiguous_kv(0)
     info = {}
     with attention._sdpa_backend(backend)():
-        fn = peers.fastest(ctx, peers.sdpa_candidates(data, data.q, [k], [v]), ref, info)
+        fn = peers.fastest(ctx, peers.sdpa_candidates(data, data.q, lambda i: (k, v)), ref, info)
         out = fn(0)
     assert info["variant"] in ("enable_gqa", "gqa folded into q_len"), info
     assert common.rel_l2(out, ref) < 2e-2, info

@@ -1,17 +1,9 @@
-"""`pagedattn bench`: per-architecture performance comparisons (issue 6).
+"""`pagedattn bench`: per-architecture performance comparisons (issue 6; perf/README.md explains the lot).
 
-    pagedattn bench [--suite write|decode|prefill|legacy|jit|all] [--quick] [--out DIR]
+    pagedattn bench [--suite write|decode|prefill|features|legacy|jit|all] [--quick] [--out DIR]
     pagedattn bench compare A.json B.json [--peers] [--markdown]
     pagedattn bench report [--results DIR]
     pagedattn bench sweep decode|prefill|modes|quick [CONFIG ...] [--out DIR]
-
-DIR defaults to envs.bench_results_dir() (~/.local/share/pagedattn/bench/results), not to the working
-folder; the repository's recorded results are `--out perf/results`.
-
-Modules: timing (CUDA-event medians, rotation), ceilings, write / attention (decode, prefill) / legacy /
-jit (the suites), sweeps (configuration sweeps with tile overrides), runner + child (one process per
-suite), schema (the results file), report (tables, RESULTS.md, compare), plots (matplotlib), meta (GPU,
-software, clocks). perf/README.md explains the lot.
 """
 from __future__ import annotations
 
@@ -42,15 +34,9 @@ def _cmd_compare(args) -> int:
         print("\n".join(f"- {s}" for s in summary))
         return 0
     from rich.console import Console
-    from rich.table import Table
 
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-    table = Table(title=f"A = {args.a}   B = {args.b}")
-    for h in header:
-        table.add_column(h, overflow="fold", justify="left" if h in ("suite", "case", "impl") else "right")
-    for r in rows:
-        table.add_row(*r)
-    console.print(table)
+    console.print(report.console_table(f"A = {args.a}   B = {args.b}", header, rows))
     for s in summary:
         console.print(s, markup=False)
     return 0

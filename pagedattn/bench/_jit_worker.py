@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     emit({"event": "start", "import_torch_s": t_torch, "import_pagedattn_s": t_import,
           "cache_dir": str(envs.cache_dir()), "pid": os.getpid()})
 
-    from pagedattn.bench.jitwork import WORKLOADS
+    from pagedattn.bench.jit import WORKLOADS
 
     root = envs.cache_dir()
     for name in args.workloads.split(","):

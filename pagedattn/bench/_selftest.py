@@ -11,10 +11,6 @@ import torch
 from .common import Case, Ctx, Recorder
 
 
-def available(ctx: Ctx):
-    return True, None
-
-
 def _ok(ctx: Ctx, rec: Recorder) -> None:
     a = torch.randn(64, 64, device=ctx.device)
     b = torch.empty_like(a)

@@ -1,34 +1,8 @@
-"""decode and prefill suites: `pagedattn.flash_attn_varlen_func` over a paged cache, against torch.
-
-decode (issue 17's goal cases, --quick and full alike): bf16, Hq=32, Hkv=8, D=128, block 16, NHD,
-shuffled block tables, one query token per request, equal context lengths —
-B=1 ctx 32768, B=1 ctx 131072, B=16 ctx 4096, B=64 ctx 4096, B=128 ctx 2048; fp8 e4m3 and e5m2 caches
-(per-tensor descale) at B=64 ctx 4096; at B=64 ctx 4096 also the HND layout and blocks of 32/64/128,
-each against "pagedattn NHD bs16" (ours on a plain cache of the same shape, timed in the same case).
-A case whose cache dtype the op does not support is reported skipped ("unsupported by pagedattn").
-Every decode and prefill measurement is timed under both methods of timing.py ("rot": back to back,
-rotated inputs; "flush": L2 flushed before every call, as do_bench); the headline number, the
-ratios and the goals use the worse of the two (schema.py).
-prefill: B=4, S=4096, causal (q_len = kv_len), TFLOP/s = 4 * B * Hq * D * S^2 / 2; the same with an
-fp8 e4m3 cache (issue 16: at least 0.9x the bf16 speed; no peers). Multi-token decode: B=32, 8 and 32
-query tokens per request over 4096 keys, causal (speculative decoding, chunk tails), reported as KV
-bandwidth like decode.
-decode reports the effective KV bandwidth: bytes = K + V pages read (2 * B * ctx * Hkv * D * elem);
-its floor is those bytes at the copy bandwidth of the same run (schema.floor_us).
-
-Check (once): `pagedattn.reference.paged_attention` (float32, K/V read through the block table,
-bottom-right causal; `reference_out`), relative L2 of the output <= 2e-2.
-Peers, all on the same data, each at its best configuration (peers.py says how that is chosen):
-- "sdpa cudnn" / "sdpa flash": torch SDPA with one backend on a contiguous (unpaged) copy of the KV.
-- "gather+sdpa": gather the pages through the block table, then SDPA (default dispatch); the gather
-  (and the fp8 dequantisation) is inside the timing — the naive paged way.
-- "fa4 paged" / "vllm triton": FlashAttention-4 and vLLM's Triton unified attention on our paged
-  cache (bf16 cases), when their packages import; otherwise reported unavailable with the reason.
-- "flex": torch.compile(flex_attention) on the contiguous copy, if it compiles; each shape is a new
-  compile (tens of seconds), so it runs at decode B=1 ctx 32768 and B=64 and at prefill, not with
-  --quick.
-The fp8 e4m3 case's torch peers read a bf16 (dequantised) copy: torch has no fp8-KV attention; the
-e5m2 case has no peers (they would read the same bf16 copy as the e4m3 case).
+"""decode and prefill suites: `pagedattn.flash_attn_varlen_func` over a paged cache against torch and the
+optional paged peers (perf/README.md, "What is measured", has the cases, the work counted, the peers and
+the goals). Every case is checked once against `pagedattn.reference` (float32, `reference_out`, relative
+L2 <= TOLERANCE), then timed under both methods of timing.py; flex runs at FLEX_DECODE and prefill only,
+not with --quick. A cache dtype the op does not list is reported skipped ("unsupported by pagedattn").
 """
 from __future__ import annotations
 
@@ -36,7 +10,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 import pagedattn
 
@@ -77,14 +50,8 @@ FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def flash_fn():
-    """pagedattn.flash_attn_varlen_func; before it is exported, the op module's; else None."""
-    fa = getattr(pagedattn, "flash_attn_varlen_func", None)
-    if fa is None:
-        try:
-            from pagedattn.ops.attention import flash_attn_varlen_func as fa  # noqa: PLC0415
-        except ImportError:
-            return None
-    return fa
+    """pagedattn.flash_attn_varlen_func, or None (then the suites are "not available")."""
+    return getattr(pagedattn, "flash_attn_varlen_func", None)
 
 
 def available(ctx: Ctx):
@@ -231,12 +198,14 @@ def build(ctx: Ctx, p: dict, sets: int, gen_seed: int = 0) -> PagedData:
 
 
 # -- the reference ---------------------------------------------------------------------------------
-def reference_out(data: PagedData, s: int = 0, causal: bool = True) -> torch.Tensor:
-    """float32 output of input set `s` by pagedattn.reference (the one oracle), matmuls in full fp32."""
+def reference_out(data: PagedData, s: int = 0, causal: bool = True, **features) -> torch.Tensor:
+    """float32 output of input set `s` by pagedattn.reference (the one oracle), matmuls in full fp32;
+    `features` are the op's feature arguments (window_size, softcap, alibi_slopes, s_aux)."""
     from pagedattn import reference  # noqa: PLC0415
 
-    kw = {} if data.kv == "auto" else {"kv_cache_dtype": data.kv, "k_descale": data.k_descale,
-                                       "v_descale": data.v_descale}
+    kw = {("sinks" if k == "s_aux" else k): v for k, v in features.items()}
+    if data.kv != "auto":
+        kw.update(kv_cache_dtype=data.kv, k_descale=data.k_descale, v_descale=data.v_descale)
     prev = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
@@ -256,18 +225,14 @@ def _sdpa_backend(name: str):
 
 def unsupported(p: dict) -> str | None:
     """Why the op cannot run this case (its registry does not list the cache dtype), or None."""
-    try:
-        from pagedattn.ops.attention import AttnFwdSpec  # noqa: PLC0415
-    except ImportError:
-        return None  # flash_fn() found the op elsewhere: let the call say
-    kv = p["kv_cache_dtype"]
-    if kv not in AttnFwdSpec.SUPPORTED.get("kv_cache_dtype", (kv,)):
-        return f"kv_cache_dtype {kv!r} (supported: {', '.join(AttnFwdSpec.SUPPORTED['kv_cache_dtype'])})"
-    return None
+    from pagedattn.ops.attention import AttnFwdSpec  # noqa: PLC0415
+
+    kv, supported = p["kv_cache_dtype"], AttnFwdSpec.SUPPORTED["kv_cache_dtype"]
+    return None if kv in supported else f"kv_cache_dtype {kv!r} (supported: {', '.join(supported)})"
 
 
-def _ours_fn(fa, data: PagedData, num_splits: int = 0):
-    kwargs = {}
+def _ours_fn(fa, data: PagedData, num_splits: int = 0, **features):
+    kwargs = dict(features)
     if data.kv != "auto":  # the caches are float8 tensors: their dtype names the format
         kwargs.update(k_descale=data.k_descale, v_descale=data.v_descale)
 
@@ -281,8 +246,6 @@ def _ours_fn(fa, data: PagedData, num_splits: int = 0):
 
 def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> None:
     fa = flash_fn()
-    if not hasattr(pagedattn, "flash_attn_varlen_func"):
-        rec.note("called as pagedattn.ops.attention.flash_attn_varlen_func (not exported yet)")
     B, sq, L, hq, hkv, d = p["B"], p["q_len"], p["ctx"], p["hq"], p["hkv"], p["d"]
     fp8 = p["kv_cache_dtype"] != "auto"
     elem = 1 if fp8 else 2
@@ -320,11 +283,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
         if tuple(out.shape) != (B * sq, hq, d):
             rec.check(False, "rel_l2", f"output shape {tuple(out.shape)}, expected {(B * sq, hq, d)}")
         elif ref is not None:
-            err = rel_l2(out, ref)
-            ok = math.isfinite(err) and err <= TOLERANCE
-            rec.check(ok, "rel_l2", f"relative L2 {err:.2e} vs float32 reference (tolerance {TOLERANCE:g})"
-                      if math.isfinite(err) else "output has NaN/Inf",
-                      rel_l2=err if math.isfinite(err) else None)
+            rec.check_close(out, ref, TOLERANCE)
         del out
         rec.ours("pagedattn", ours, sets, methods=METHODS)
     rec.attempt("pagedattn", check_and_time)
@@ -358,7 +317,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
 
 
 def _torch_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int, flex: bool) -> None:
-    B, sq, L, hq, hkv, d, g = data.B, data.q_len, data.ctx_len, data.hq, data.hkv, data.d, data.groups
+    B, sq, L = data.B, data.q_len, data.ctx_len
     k_sets, v_sets = [], []
     for s in range(sets):
         kk, vv = data.contiguous_kv(s)
@@ -370,8 +329,8 @@ def _torch_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int, flex:
         if not ctx.is_cuda:
             rec.peer_failed(name, "needs CUDA")
             continue
-        rec.peer(name, lambda: peerlib.fastest(ctx, peerlib.sdpa_candidates(data, data.q, k_sets, v_sets), ref,
-                                               info, sets),
+        candidates = peerlib.sdpa_candidates(data, data.q, lambda k: (k_sets[k], v_sets[k]))
+        rec.peer(name, lambda: peerlib.fastest(ctx, candidates, ref, info, sets),
                  sets, context=_sdpa_backend(backend), methods=METHODS)
         _merge_info(rec, name, info)
 
@@ -383,31 +342,10 @@ def _torch_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int, flex:
                 x = data.dequant(x, descale, torch.bfloat16)
             kv.append(x.transpose(1, 2))
         return kv
-
-    def gather_candidates():
-        if sq == 1:
-            def gqa(k):
-                kk, vv = gathered(k)
-                o = F.scaled_dot_product_attention(data.q[k].view(B, hq, 1, d), kk, vv, scale=data.scale,
-                                                   enable_gqa=True)
-                return o.reshape(B, hq, d)
-
-            def folded(k):
-                kk, vv = gathered(k)
-                o = F.scaled_dot_product_attention(data.q[k].view(B, hkv, g, d), kk, vv, scale=data.scale)
-                return o.reshape(B, hq, d)
-            return [("gather then sdpa enable_gqa, default backend", lambda: gqa),
-                    ("gather then sdpa folded, default backend", lambda: folded)]
-
-        def prefill(k):
-            kk, vv = gathered(k)
-            qp = data.q[k].view(B, sq, hq, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qp, kk, vv, scale=data.scale, enable_gqa=True,
-                                               **peerlib.causal_kwargs(sq, L))
-            return o.transpose(1, 2).reshape(B * sq, hq, d)
-        return [("gather then sdpa enable_gqa, default backend", lambda: prefill)]
+    gather_candidates = [(f"gather then sdpa {variant}, default backend", factory) for variant, factory
+                         in peerlib.sdpa_candidates(data, data.q, gathered, repeat=False)]
     name, info = "gather+sdpa", {}
-    rec.peer(name, lambda: peerlib.fastest(ctx, gather_candidates(), ref, info, sets), sets, methods=METHODS)
+    rec.peer(name, lambda: peerlib.fastest(ctx, gather_candidates, ref, info, sets), sets, methods=METHODS)
     _merge_info(rec, name, info)
 
     flex_skip = ("needs CUDA" if not ctx.is_cuda else "--quick" if ctx.quick else "--no-flex" if ctx.no_flex

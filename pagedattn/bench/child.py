@@ -1,9 +1,6 @@
-"""One suite in its own process (`python -m pagedattn.bench.child`), driven by the runner.
-
-The child writes JSON lines to --jsonl as it goes: `plan` (the case ids), then per case `start`,
-`partial` (after each measurement), `case` (the finished record); `fatal` when the CUDA context is lost
-(the child then exits with code 3 so the runner starts a fresh one for the remaining cases); `done`.
-Every case runs inside try/except: an exception becomes that case's error and the next case runs.
+"""One suite in its own process (`python -m pagedattn.bench.child`), driven by the runner. It writes JSON
+lines: `plan` (the case ids), per case `start`, `partial` (after each measurement) and `case`; `fatal`
+when the CUDA context is lost (then exit code 3: the runner starts a fresh child); `done`.
 """
 from __future__ import annotations
 
@@ -38,13 +35,6 @@ class Emitter:
         self._f.flush()
 
 
-def _console():
-    from rich.console import Console
-
-    con = Console(highlight=False, soft_wrap=True)
-    return con
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pagedattn.bench.child")
     ap.add_argument("--suite", required=True)
@@ -59,8 +49,10 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated substrings: run matching case ids only")
     args = ap.parse_args(argv)
 
+    from rich.console import Console
+
     emit = Emitter(args.jsonl)
-    con = _console()
+    con = Console(highlight=False, soft_wrap=True)
 
     def say(text: str) -> None:
         con.print(text, markup=False)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable
@@ -114,12 +115,9 @@ class Recorder:
 
     def ours_value(self, name: str, value: float, us: float | None = None, **stats) -> dict:
         """A number that is not a CUDA-event timing (jit suite: seconds, host µs)."""
-        impl = {"name": name, "us": us if us is not None else value, "value": value, "fraction": None,
-                "error": None, "reps": stats.pop("reps", 1), "sets": 1}
-        impl.update(stats)
-        self.record["ours"] = impl
+        self.record["ours"] = _value_impl(name, value, us, stats)
         self._emit(self.record)
-        return impl
+        return self.record["ours"]
 
     def peer(self, name: str, make_fn, sets: int = 1, context=None, methods=("rot",)) -> dict:
         """Time a peer under each of `methods`. `make_fn()` builds the callable fn(k) (and may raise:
@@ -139,12 +137,9 @@ class Recorder:
         return impl
 
     def peer_value(self, name: str, value: float, us: float | None = None, **stats) -> dict:
-        impl = {"name": name, "us": us if us is not None else value, "value": value, "fraction": None,
-                "error": None, "reps": stats.pop("reps", 1), "sets": 1}
-        impl.update(stats)
-        self.record["peers"][name] = impl
+        self.record["peers"][name] = _value_impl(name, value, us, stats)
         self._emit(self.record)
-        return impl
+        return self.record["peers"][name]
 
     def peer_failed(self, name: str, reason: str) -> None:
         self.record["peers"][name] = schema.impl_error(name, reason)
@@ -155,6 +150,15 @@ class Recorder:
         if not ok:
             self.record["status"] = "check_failed"
         self._emit(self.record)
+
+    def check_close(self, out: torch.Tensor, ref: torch.Tensor, tolerance: float) -> None:
+        """Relative L2 of `out` against the float32 reference, at most `tolerance`."""
+        err = rel_l2(out, ref)
+        if math.isfinite(err):
+            self.check(err <= tolerance, "rel_l2",
+                       f"relative L2 {err:.2e} vs float32 reference (tolerance {tolerance:g})", rel_l2=err)
+        else:
+            self.check(False, "rel_l2", "output has NaN/Inf (or is unwritten)", rel_l2=None)
 
     def attempt(self, what: str, fn) -> bool:
         """Run fn(); on an exception record it as this case's error (the case goes on to its peers,
@@ -184,6 +188,13 @@ class Recorder:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+def _value_impl(name: str, value: float, us: float | None, stats: dict) -> dict:
+    impl = {"name": name, "us": us if us is not None else value, "value": value, "fraction": None,
+            "error": None, "reps": stats.pop("reps", 1), "sets": 1}
+    impl.update(stats)
+    return impl
+
+
 def short_error(exc: BaseException, limit: int = 600) -> str:
     text = f"{type(exc).__name__}: {exc}".strip()
     text = " ".join(text.split())

@@ -1,18 +1,10 @@
-"""jit suite: what the JIT costs a user.
-
-- jit/cold/<workload>: first call in a fresh process with an empty PAGEDATTN_CACHE_DIR (and no AOT
-  bundles), in seconds; `extra.variants` = {variant: NVRTC compile seconds} for what it compiled.
-- jit/warm/<workload>: first call in another fresh process on the now-filled cache (disk hit), in ms;
-  `extra.compiles` must be 0.
-- jit/host/<workload>: steady-state host microseconds per API call at a tiny size: time.perf_counter over
-  many calls without a sync (median of 5 loops), the torch equivalent as a peer. Target 6 µs.
-- jit/launcher/<workload>: the raw launcher alone: the launches one API call makes are captured
-  (Launcher.__call__) and replayed, µs per launch; `extra.lookup_us` is `get_kernel(spec).launcher(dev)`.
-  Target 6 µs per launch.
+"""jit suite: what the JIT costs a user (perf/README.md, "jit suite"): cold and warm first calls in fresh
+processes (_jit_worker.py), steady-state host µs per API call, and the raw launcher's µs per launch.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -24,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from . import jitwork
 from .common import Case, Ctx, Recorder
+from .timing import host_loops
 
 NAME = "jit"
 HOST_TARGET_US = 6.0
@@ -38,14 +30,131 @@ def available(ctx: Ctx):
     return True, None
 
 
+# -- the workloads: setup(device) -> {"fn": our call, "peer": (name, torch call) or None} --------------
+# (shared with _jit_worker.py, which measures their first calls in fresh processes)
+H, D, BLOCK = 8, 128, 16
+
+
+def _write(layout: str, kv: str):
+    def setup(device):
+        import pagedattn
+
+        fp8 = kv != "auto"
+        spec = pagedattn.CacheSpec(64, BLOCK, H, D, torch.uint8 if fp8 else torch.bfloat16,
+                                   kv_cache_dtype=kv, layout=layout)
+        kc, vc = spec.allocate(device)
+        k = torch.randn(1, H, D, dtype=torch.bfloat16, device=device)
+        v = torch.randn(1, H, D, dtype=torch.bfloat16, device=device)
+        slots = torch.tensor([37], dtype=torch.int64, device=device)
+        scale = torch.tensor([0.02], dtype=torch.float32, device=device) if fp8 else None
+
+        def fn():
+            pagedattn.reshape_and_cache_flash(k, v, kc, vc, slots, kv, scale, scale)
+        peer = None
+        if layout == "NHD" and not fp8:
+            kf, vf = kc.view(-1, H, D), vc.view(-1, H, D)
+
+            def torch_write():
+                kf.index_copy_(0, slots, k)
+                vf.index_copy_(0, slots, v)
+            peer = ("torch index_copy_ (K and V)", torch_write)
+        return {"fn": fn, "peer": peer}
+    return setup
+
+
+def _paged(device, q_len: int, L: int, kv: str):
+    """One request's paged inputs, the bench's (attention.build: Hq=32, Hkv=8, D=128, block 16)."""
+    from .attention import build
+    from .common import Ctx
+
+    p = dict(B=1, q_len=q_len, ctx=L, hq=32, hkv=8, d=D, bs=BLOCK, kv_cache_dtype=kv)
+    return build(Ctx(torch.device(device)), p, sets=1)
+
+
+def _attention(kv: str, q_len: int, L: int):
+    def setup(device):
+        from .attention import _ours_fn, flash_fn
+
+        data = _paged(device, q_len, L, kv)
+        ours = _ours_fn(flash_fn(), data)
+        peer = None
+        if kv == "auto" and q_len == 1:
+            import torch.nn.functional as F
+
+            kk, vv = data.contiguous_kv(0)
+            qf = data.q[0].view(1, 8, 4, 128)
+            peer = ("torch sdpa (unpaged, default backend)",
+                    lambda: F.scaled_dot_product_attention(qf, kk, vv))
+        return {"fn": lambda: ours(0), "peer": peer}
+    return setup
+
+
+def _legacy(variant: str, bs: int = 16, L: int = 1024):
+    def setup(device):
+        import pagedattn.legacy as legacy
+
+        from .legacy import to_legacy
+
+        data = _paged(device, 1, L, "auto")
+        if bs != BLOCK:
+            raise ValueError("jit legacy workloads use block size 16")
+        kl, vl = to_legacy(data.kc, data.vc)
+        out = torch.empty(1, 32, 128, dtype=torch.bfloat16, device=device)
+        parts = math.ceil(L / 512)
+        ws = (torch.empty(1, 32, parts, dtype=torch.float32, device=device),
+              torch.empty(1, 32, parts, dtype=torch.float32, device=device),
+              torch.empty(1, 32, parts, 128, dtype=torch.bfloat16, device=device))
+        args = (data.q[0], kl, vl, 8, 1 / math.sqrt(128), data.tables[0], data.seqused, bs, L)
+        if variant == "v1":
+            return {"fn": lambda: legacy.paged_attention_v1(out, *args), "peer": None}
+        return {"fn": lambda: legacy.paged_attention_v2(out, *ws, *args), "peer": None}
+    return setup
+
+
+def _has_flash() -> bool:
+    from .attention import flash_fn
+
+    return flash_fn() is not None
+
+
+def _has_legacy() -> bool:
+    try:
+        import pagedattn.legacy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# name -> (family it needs, setup)
+WORKLOADS = {
+    "write_nhd_bf16": ("write", _write("NHD", "auto")),
+    "write_hnd_bf16": ("write", _write("HND", "auto")),
+    "write_nhd_fp8": ("write", _write("NHD", "fp8_e4m3")),
+    "write_hnd_fp8": ("write", _write("HND", "fp8_e4m3")),
+    "decode_bf16": ("flash", _attention("auto", 1, 256)),
+    "decode_fp8": ("flash", _attention("fp8_e4m3", 1, 256)),
+    "prefill_bf16": ("flash", _attention("auto", 256, 256)),
+    "legacy_v1": ("legacy", _legacy("v1")),
+    "legacy_v2": ("legacy", _legacy("v2")),
+}
+QUICK = ("write_nhd_bf16", "write_nhd_fp8", "decode_bf16", "legacy_v1")
+# steady-state host overhead is measured on these (tiny sizes)
+HOST = ("write_nhd_bf16", "write_nhd_fp8", "decode_bf16", "legacy_v1")
+
+
+def available_workloads(names) -> list[str]:
+    have = {"write": True, "flash": _has_flash(), "legacy": _has_legacy()}
+    return [n for n in names if have[WORKLOADS[n][0]]]
+
+
 def _workloads(ctx: Ctx) -> list[str]:
-    names = jitwork.QUICK if ctx.quick else tuple(jitwork.WORKLOADS)
-    return jitwork.available_workloads(names)
+    names = QUICK if ctx.quick else tuple(WORKLOADS)
+    return available_workloads(names)
 
 
 def cases(ctx: Ctx) -> list[Case]:
     names = _workloads(ctx)
-    host = jitwork.available_workloads(jitwork.HOST)
+    host = available_workloads(HOST)
     kinds = (("cold", names, "first call, empty cache", _cold),
              ("warm", names, "first call, disk hit", _warm),
              ("host", host, "host µs per API call", _host),
@@ -150,20 +259,14 @@ def _warm(ctx: Ctx, rec: Recorder, name: str) -> None:
 
 
 # -- in-process host overhead ----------------------------------------------------------------------
-def _host_us(ctx: Ctx, fn, n: int, loops: int = 5) -> tuple[float, float]:
-    for _ in range(min(n, 50)):
-        fn()
-    ctx.sync()
-    host, synced = [], []
-    for _ in range(loops):
-        h, s = ctx.timer.host_loop(fn, n)
-        host.append(h)
-        synced.append(s)
-    return statistics.median(host), statistics.median(synced)
+def _host_us(ctx: Ctx, fn, n: int) -> tuple[float, float]:
+    """(host µs per call, µs per call with the final sync): medians of 5 loops of n calls."""
+    loops = host_loops(fn, n, warmup=min(n, 50), sync=ctx.sync)
+    return statistics.median(h for h, _ in loops), statistics.median(s for _, s in loops)
 
 
 def _host(ctx: Ctx, rec: Recorder, name: str) -> None:
-    work = jitwork.WORKLOADS[name][1](ctx.device)
+    work = WORKLOADS[name][1](ctx.device)
     n = 500 if ctx.quick else 2000
     rec.work("us")
     host, synced = _host_us(ctx, work["fn"], n)
@@ -212,7 +315,7 @@ def _launcher(ctx: Ctx, rec: Recorder, name: str) -> None:
     import pagedattn
     from pagedattn.codegen import launch
 
-    work = jitwork.WORKLOADS[name][1](ctx.device)
+    work = WORKLOADS[name][1](ctx.device)
     work["fn"]()
     ctx.sync()
     calls, specs, keep = capture_launches(work["fn"])  # keep: outputs stay alive during the replay

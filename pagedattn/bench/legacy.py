@@ -1,29 +1,21 @@
-"""legacy suite: `pagedattn.legacy.paged_attention_v1 / _v2 / paged_attention` (vLLM's removed
-partition-and-reduce kernels, issue 7) at the decode shapes, block sizes 16 and 32.
-
-Legacy cache layout: K [num_blocks, H, D // x, block_size, x] with x = 16 // element size,
-V [num_blocks, H, D, block_size]; fp8 caches are uint8 with kv_cache_dtype "fp8" and float32 [1] scales.
-The same logical KV is also kept as an NHD cache, which feeds the reference, the flash-path peer and
-the contiguous copy for the SDPA peer. v2 partitions are 512 tokens.
-Peers (measured once per shape and block size, shared by the v1 / v2 / auto cases):
-"pagedattn flash" = pagedattn.flash_attn_varlen_func on the NHD cache (when it exists), and
-"sdpa cudnn" = torch SDPA (cuDNN backend) on a contiguous copy, in its faster configuration
-(peers.fastest).
+"""legacy suite: `pagedattn.legacy.paged_attention_v1 / _v2 / paged_attention` (issue 7) at the decode
+shapes of issue 4 on the legacy cache layout (`to_legacy`), v2 partitions of 512 tokens. The same KV as
+an NHD cache feeds the reference and the peers, which are measured once per shape and block size and
+shared by the v1 / v2 / auto cases.
 """
 from __future__ import annotations
 
-import inspect
-import math
-
 import torch
 
+import pagedattn.legacy
+from pagedattn.legacy import allocate_partials, num_partitions
+
 from . import attention, peers
-from .common import Case, Ctx, Recorder, rel_l2
+from .common import Case, Ctx, Recorder
 
 NAME = "legacy"
 BLOCK_SIZES = (16, 32)
 VARIANTS = ("v1", "v2", "auto")
-PARTITION = 512
 # the decode shapes of issue 4 (the decode suite's list grew with issue 17; legacy keeps these)
 SHAPES = ({"B": 1, "ctx": 32768, "kv": "auto"}, {"B": 16, "ctx": 4096, "kv": "auto"},
           {"B": 64, "ctx": 4096, "kv": "auto"}, {"B": 64, "ctx": 4096, "kv": "fp8_e4m3"})
@@ -32,21 +24,8 @@ _MEMO: dict = {"key": None}
 
 
 def _legacy():
-    import pagedattn.legacy as legacy  # noqa: PLC0415 - optional module
-
-    return legacy
-
-
-def available(ctx: Ctx):
-    try:
-        legacy = _legacy()
-    except ImportError as exc:
-        return False, f"not available: pagedattn.legacy cannot be imported ({exc})"
-    missing = [f for f in ("paged_attention_v1", "paged_attention_v2", "paged_attention")
-               if not hasattr(legacy, f)]
-    if len(missing) == 3:
-        return False, "not available: pagedattn.legacy has no paged_attention_v1/v2/paged_attention"
-    return True, None
+    """The module the cases call (tests put a stand-in here)."""
+    return pagedattn.legacy
 
 
 def cases(ctx: Ctx) -> list[Case]:
@@ -95,50 +74,50 @@ def _shared(ctx: Ctx, p: dict) -> dict:
     return _MEMO
 
 
-def _call_args(p: dict, shared: dict):
-    data = shared["data"]
-    fp8 = p["kv_cache_dtype"] != "auto"
-    B, hq, d, L = data.B, data.hq, data.d, data.ctx_len
-    parts = math.ceil(L / PARTITION)
-    dev = data.q[0].device
-    out = torch.empty(B, hq, d, dtype=torch.bfloat16, device=dev)
-    exp_sums = torch.empty(B, hq, parts, dtype=torch.float32, device=dev)
-    max_logits = torch.empty_like(exp_sums)
-    tmp_out = torch.empty(B, hq, parts, d, dtype=torch.bfloat16, device=dev)
-    opts = {"alibi_slopes": None, "kv_cache_dtype": "fp8" if fp8 else "auto",
-            "k_scale": data.k_descale if fp8 else None, "v_scale": data.v_descale if fp8 else None}
-    return out, (exp_sums, max_logits, tmp_out), opts
-
-
 def _make_fn(p: dict, shared: dict):
+    """(out, fn(k)): the case's variant on input set k (v2 with its partial-result scratch)."""
     legacy = _legacy()
     data = shared["data"]
-    out, workspace, opts = _call_args(p, shared)
-    kl, vl = shared["k_leg"], shared["v_leg"]
-    common = lambda k: (data.q[k], kl, vl, data.hkv, data.scale, data.tables[k], data.seqused,  # noqa: E731
-                        data.bs, data.ctx_len)
-    variant = p["variant"]
-    if variant == "v1":
-        f = legacy.paged_attention_v1
-        return out, (lambda k: f(out, *common(k), **opts))
-    if variant == "v2":
-        f = legacy.paged_attention_v2
-        return out, (lambda k: f(out, *workspace, *common(k), **opts))
-    f = legacy.paged_attention
-    if "exp_sums" in inspect.signature(f).parameters:
-        return out, (lambda k: f(out, *workspace, *common(k), **opts))
-    return out, (lambda k: f(out, *common(k), **opts))
+    fp8 = p["kv_cache_dtype"] != "auto"
+    out = torch.empty(data.B, data.hq, data.d, dtype=torch.bfloat16, device=data.q[0].device)
+    scratch = allocate_partials(out, data.ctx_len) if p["variant"] == "v2" else ()
+    opts = {"alibi_slopes": None, "kv_cache_dtype": "fp8" if fp8 else "auto",
+            "k_scale": data.k_descale if fp8 else None, "v_scale": data.v_descale if fp8 else None}
+    op = {"v1": legacy.paged_attention_v1, "v2": legacy.paged_attention_v2,
+          "auto": legacy.paged_attention}[p["variant"]]
+
+    def fn(k):
+        return op(out, *scratch, data.q[k], shared["k_leg"], shared["v_leg"], data.hkv, data.scale, data.tables[k],
+                  data.seqused, data.bs, data.ctx_len, **opts)
+    return out, fn
+
+
+def _flash_peer(ctx: Ctx, rec: Recorder, shared: dict) -> None:
+    fa = attention.flash_fn()
+    if fa is None:
+        rec.peer_failed("pagedattn flash", "pagedattn.flash_attn_varlen_func does not exist yet")
+        return
+    rec.peer("pagedattn flash", lambda: attention._ours_fn(fa, shared["data"]), shared["sets"])
+
+
+def _cudnn_peer(ctx: Ctx, rec: Recorder, shared: dict) -> None:
+    if not ctx.is_cuda:
+        rec.peer_failed("sdpa cudnn", "needs CUDA")
+        return
+    data, sets = shared["data"], shared["sets"]
+    kv_sets = [data.contiguous_kv(s) for s in range(sets)]
+    candidates = peers.sdpa_candidates(data, data.q, lambda k: kv_sets[k])
+    info: dict = {}
+    rec.peer("sdpa cudnn", lambda: peers.fastest(ctx, candidates, shared["ref"], info, sets), sets,
+             context=attention._sdpa_backend("cudnn"))
+    attention._merge_info(rec, "sdpa cudnn", info)
 
 
 def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
     shared = _shared(ctx, p)
     data, sets = shared["data"], shared["sets"]
     rec.work("GB/s", shared["kv_bytes"], "copy")
-    rec.extra(sets=sets, partitions=math.ceil(p["ctx"] / PARTITION))
-    fn_name = {"v1": "paged_attention_v1", "v2": "paged_attention_v2", "auto": "paged_attention"}[p["variant"]]
-    if not hasattr(_legacy(), fn_name):
-        rec.skip(f"pagedattn.legacy.{fn_name} does not exist")
-        return
+    rec.extra(sets=sets, partitions=num_partitions(p["ctx"]))
     out, fn = _make_fn(p, shared)
 
     # -- correctness once, then timing (a failure is the case's error; the peers still run) -------
@@ -149,39 +128,18 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
         if isinstance(picked, str):  # paged_attention says which one it chose
             rec.extra(picked=picked)
             rec.note(f"auto picked {picked}")
-        err = rel_l2(out, shared["ref"])
-        ok = math.isfinite(err) and err <= attention.TOLERANCE
-        rec.check(ok, "rel_l2", f"relative L2 {err:.2e} vs float32 reference (tolerance "
-                  f"{attention.TOLERANCE:g})" if math.isfinite(err) else "output has NaN/Inf (or unwritten)",
-                  rel_l2=err if math.isfinite(err) else None)
+        rec.check_close(out, shared["ref"], attention.TOLERANCE)
         rec.ours(f"legacy {p['variant']}", fn, sets)
     rec.attempt("pagedattn.legacy", check_and_time)
 
     # -- peers, shared by the variants of one shape ------------------------------------------------
     memo = shared["peers"]
-    if "pagedattn flash" not in memo:
-        if attention.flash_fn() is not None:
-            rec.peer("pagedattn flash", lambda: attention._ours_fn(attention.flash_fn(), data), sets)
+    for name, measure in (("pagedattn flash", _flash_peer), ("sdpa cudnn", _cudnn_peer)):
+        if name not in memo:
+            measure(ctx, rec, shared)
+            memo[name] = rec.record["peers"][name]
         else:
-            rec.peer_failed("pagedattn flash", "pagedattn.flash_attn_varlen_func does not exist yet")
-        memo["pagedattn flash"] = rec.record["peers"]["pagedattn flash"]
-    else:
-        rec.record["peers"]["pagedattn flash"] = dict(memo["pagedattn flash"])
-    if "sdpa cudnn" not in memo:
-        if ctx.is_cuda:
-            k_sets, v_sets = zip(*(data.contiguous_kv(s) for s in range(sets)))
-            info: dict = {}
-            rec.peer("sdpa cudnn", lambda: peers.fastest(
-                ctx, peers.sdpa_candidates(data, data.q, list(k_sets), list(v_sets)), shared["ref"], info,
-                len(k_sets)),
-                sets, context=attention._sdpa_backend("cudnn"))
-            attention._merge_info(rec, "sdpa cudnn", info)
-            del k_sets, v_sets
-        else:
-            rec.peer_failed("sdpa cudnn", "needs CUDA")
-        memo["sdpa cudnn"] = rec.record["peers"]["sdpa cudnn"]
-    else:
-        rec.record["peers"]["sdpa cudnn"] = dict(memo["sdpa cudnn"])
+            rec.record["peers"][name] = dict(memo[name])
     rec.note("peers measured once per shape and block size, shared by v1/v2/auto")
     if p["kv_cache_dtype"] != "auto":
         rec.note("sdpa reads a bf16 dequantised copy")

@@ -52,9 +52,7 @@ def clocks(uuid: str | None = None, index: int | None = None) -> dict | None:
     row = nvidia_smi(uuid, index)
     if row is None:
         return None
-    keys = ("pstate", "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem", "power.draw",
-            "power.limit", "temperature.gpu")
-    out = {k: row.get(k) for k in keys}
+    out = {k: row.get(k) for k in SMI_FIELDS[4:]}  # from pstate on
     out["time"] = now()
     return out
 
@@ -74,11 +72,6 @@ def git_info() -> tuple[str | None, bool | None]:
     head = _run(["git", "-C", str(root), "rev-parse", "HEAD"])
     status = _run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
     return (head.strip() if head else None), (bool(status.strip()) if status is not None else None)
-
-
-def _uuid(props) -> str | None:
-    u = getattr(props, "uuid", None)
-    return str(u) if u else None
 
 
 def collect(device: str, quick: bool, suites: list[str]) -> dict:
@@ -114,7 +107,7 @@ def collect(device: str, quick: bool, suites: list[str]) -> dict:
                 memory_gib=round(props.total_memory / 2**30, 1),
                 l2_bytes=int(getattr(props, "L2_cache_size", 0) or 0) or None,
                 cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
-    uuid = _uuid(props)
+    uuid = str(props.uuid) if getattr(props, "uuid", None) else None
     row = nvidia_smi(uuid, idx)
     meta["driver"] = row.get("driver_version") if row else None
     try:

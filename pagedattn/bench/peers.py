@@ -1,22 +1,10 @@
-"""The attention peers, each at its best configuration.
+"""The attention peers, each at its best configuration (perf/README.md says which configurations).
 
-A peer is a list of candidate configurations `(variant, factory)`; `factory()` returns fn(k) -> out
-[total_q, Hq, D] for input set k, or raises (that configuration cannot run here). `fastest` runs each
-candidate once, rejects those that fail or disagree with the float32 reference, probes the rest for a
-few calls (timing.probe_us) and keeps the fastest; the record names the variant chosen and what each
-candidate did. So a peer is never measured in a configuration that is slower than another it has.
-
-- SDPA (cuDNN, flash, or the default dispatch after a gather) on contiguous KV [B, Hkv, L, D]:
-  decode offers `enable_gqa=True` with q [B, Hq, 1, D] and the group folded into the query length
-  (q [B, Hkv, Hq/Hkv, D], exact for one query token). cuDNN at B=1 ctx 32768 runs ~50 µs with
-  enable_gqa against 379 µs folded (issue 17; the folded number is in
-  perf/results/h200_sm90_20261130_decode_write_603002d.json, where flash folded ran 50.7 µs): each
-  backend gets whichever is faster here. Prefill offers enable_gqa and KV repeated to Hq heads.
-- FA4 (`flash_attn.cute.flash_attn_varlen_func`, the flash-attn-4 package) on the paged cache
-  through `page_table`, num_splits 0 (its heuristic) or 1 (sm_90 has no split-KV in FA4).
-- vLLM's Triton unified attention (`unified_attention`) on the paged cache, 2D or 3D (16 segments
-  and a reduce). Both optional: when the package does not import, the peer is reported as
-  unavailable with the reason, and the rest of the case runs.
+A peer is a list of candidates `(variant, factory)`; `factory()` returns fn(k) -> out [total_q, Hq, D] for
+input set k, or raises. `fastest` runs each once, rejects those that fail or disagree with the float32
+reference, probes the rest (timing.probe_us) and keeps the fastest; the record names the variant chosen
+and what each candidate did. FA4 and vLLM are optional: when they do not import, the peer is reported as
+unavailable with the reason.
 """
 from __future__ import annotations
 
@@ -45,16 +33,19 @@ def causal_kwargs(q_len: int, k_len: int) -> dict:
     return {"attn_mask": causal_lower_right(q_len, k_len)}
 
 
-def sdpa_candidates(data, q_sets, k_sets, v_sets):
-    """SDPA configurations on contiguous [B, Hkv, L, D] copies of the KV, for the current backend."""
+def sdpa_candidates(data, q_sets, kv_of, repeat: bool = True):
+    """SDPA configurations for the current backend. `kv_of(k)` gives input set k's (K, V) [B, Hkv, L, D]:
+    contiguous copies, or pages gathered inside the timing (gather+sdpa: then repeat=False, no KV
+    repeated to Hq heads beforehand). Decode offers enable_gqa and the group folded into the query
+    length (exact for one query token, no causal mask); prefill enable_gqa and KV repeated to Hq heads."""
     B, sq, hq, hkv, d, g = data.B, data.q_len, data.hq, data.hkv, data.d, data.groups
     scale = data.scale
-    if sq == 1:  # decode: no causal mask (one query token sees every key)
+    if sq == 1:
         def gqa():
             qg = [q.view(B, hq, 1, d) for q in q_sets]
 
             def fn(k):
-                o = F.scaled_dot_product_attention(qg[k], k_sets[k], v_sets[k], scale=scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qg[k], *kv_of(k), scale=scale, enable_gqa=True)
                 return o.reshape(B, hq, d)
             return fn
 
@@ -62,28 +53,28 @@ def sdpa_candidates(data, q_sets, k_sets, v_sets):
             qf = [q.view(B, hkv, g, d) for q in q_sets]
 
             def fn(k):
-                o = F.scaled_dot_product_attention(qf[k], k_sets[k], v_sets[k], scale=scale)
+                o = F.scaled_dot_product_attention(qf[k], *kv_of(k), scale=scale)
                 return o.reshape(B, hq, d)
             return fn
         return [("enable_gqa", gqa), ("gqa folded into q_len", folded)]
     qp = [q.view(B, sq, hq, d).transpose(1, 2).contiguous() for q in q_sets]
-    causal = causal_kwargs(sq, k_sets[0].shape[2])
+    causal = causal_kwargs(sq, data.ctx_len)
 
     def gqa_prefill():
         def fn(k):
-            o = F.scaled_dot_product_attention(qp[k], k_sets[k], v_sets[k], scale=scale, enable_gqa=True, **causal)
+            o = F.scaled_dot_product_attention(qp[k], *kv_of(k), scale=scale, enable_gqa=True, **causal)
             return o.transpose(1, 2).reshape(B * sq, hq, d)
         return fn
 
     def repeated():
-        kr = [x.repeat_interleave(g, dim=1) for x in k_sets]
-        vr = [x.repeat_interleave(g, dim=1) for x in v_sets]
+        kv = [[x.repeat_interleave(g, dim=1) for x in kv_of(k)] for k in range(len(q_sets))]
 
         def fn(k):
-            o = F.scaled_dot_product_attention(qp[k], kr[k], vr[k], scale=scale, **causal)
+            o = F.scaled_dot_product_attention(qp[k], *kv[k], scale=scale, **causal)
             return o.transpose(1, 2).reshape(B * sq, hq, d)
         return fn
-    return [("enable_gqa", gqa_prefill), ("kv repeated to Hq heads (outside timing)", repeated)]
+    candidates = [("enable_gqa", gqa_prefill)]
+    return candidates + [("kv repeated to Hq heads (outside timing)", repeated)] if repeat else candidates
 
 
 # -- FA4 and vLLM on the paged cache ---------------------------------------------------------------

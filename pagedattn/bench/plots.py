@@ -1,10 +1,5 @@
-"""PNG plots from results files (matplotlib, no pyplot state: Figure + Agg canvas).
-
-- <gpu>_<suite>.png for write / decode / prefill / legacy: achieved GB/s or TFLOP/s per case, ours next
-  to each peer, the ceiling of the same run as a dashed line (log axis when the values span > 50×).
-- <gpu>_jit.png: cold first call (s), warm first call (ms), host µs per call / launch against the 6 µs goal.
-- across_arch.png: per suite, ours as a fraction of each GPU's own ceiling (newest run per GPU), and
-  the ceilings themselves.
+"""PNG plots from results files (matplotlib Figure + Agg canvas, no pyplot state): per GPU and suite,
+the jit suite, and ours as a fraction of each GPU's own ceiling across architectures.
 """
 from __future__ import annotations
 

@@ -52,16 +52,11 @@ def load_folder(folder, include_samples: bool = False, warn=None) -> list[tuple[
         return out
     for path in sorted(folder.glob("*.json")):
         try:
-            head = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            if warn:
-                warn(f"skipping {path}: {str(exc).splitlines()[0]}")
-            continue
-        if not (isinstance(head, dict) and str(head.get("schema", "")).startswith("pagedattn-bench/")):
-            continue  # another tool's JSON (e.g. perf/aot_precompile.py's) shares the folder
-        try:
-            data = load(path)
-        except (OSError, ValueError) as exc:
+            data = json.loads(path.read_text())
+            if not (isinstance(data, dict) and str(data.get("schema", "")).startswith("pagedattn-bench/")):
+                continue  # another tool's JSON (e.g. perf/aot_precompile.py's) shares the folder
+            schema.check(data, str(path))
+        except (OSError, ValueError) as exc:  # schema.SchemaError is a ValueError
             if warn:
                 warn(f"skipping {path}: {str(exc).splitlines()[0]}")
             continue
@@ -97,20 +92,14 @@ def fmt_us(us) -> str:
     return f"{us:.2f} µs"
 
 
+VALUE_FORMATS = {"GB/s": "{:,.0f} GB/s", "TFLOP/s": "{:.1f} TFLOP/s", "s": "{:.2f} s", "ms": "{:.1f} ms",
+                 "us": "{:.2f} µs"}
+
+
 def fmt_value(value, unit) -> str:
     if value is None or unit is None:
         return "-"
-    if unit == "GB/s":
-        return f"{value:,.0f} GB/s"
-    if unit == "TFLOP/s":
-        return f"{value:.1f} TFLOP/s"
-    if unit == "s":
-        return f"{value:.2f} s"
-    if unit == "ms":
-        return f"{value:.1f} ms"
-    if unit == "us":
-        return f"{value:.2f} µs"
-    return f"{value:g} {unit}"
+    return VALUE_FORMATS.get(unit, "{:g} " + unit).format(value)
 
 
 def fmt_frac(f) -> str:
@@ -188,13 +177,19 @@ def case_label(case: dict) -> str:
     return cid.split("/", 1)[1] if "/" in cid else cid
 
 
+def time_cell(impl: dict, unit: str | None) -> str:
+    """An Impl's number as the tables show it: the value for the jit suite's units (s, ms, µs), else
+    the median time."""
+    if unit in ("s", "ms", "us"):
+        return fmt_value(impl.get("value"), unit)
+    return fmt_us(impl.get("us"))
+
+
 def ours_cell(case: dict) -> str:
     ours = case.get("ours")
     if not ours or ours.get("error"):
         return "-"
-    if case.get("unit") in ("s", "ms", "us"):
-        return fmt_value(ours.get("value"), case["unit"])
-    return fmt_us(ours.get("us"))
+    return time_cell(ours, case.get("unit"))
 
 
 def peer_cell(case: dict, name: str) -> str:
@@ -203,12 +198,7 @@ def peer_cell(case: dict, name: str) -> str:
         return ""
     if peer.get("error"):
         return "n/a"
-    if case.get("unit") in ("s", "ms", "us"):
-        t = fmt_value(peer.get("value"), case["unit"])
-    elif peer.get("methods"):  # "rot / flush"
-        t = fmt_methods(peer)
-    else:
-        t = fmt_us(peer.get("us"))
+    t = fmt_methods(peer) if peer.get("methods") else time_cell(peer, case.get("unit"))  # "rot / flush"
     r = case.get("ratios", {}).get(name)
     return f"{t} (ours {fmt_ratio(r)})" if r is not None else t
 
@@ -292,9 +282,27 @@ def _jit_detail(c: dict) -> str:
     return "; ".join(parts)
 
 
+def _kept_columns(header: list[str], rows: list[list[str]]) -> list[int]:
+    """The columns to show: the first, and those not empty in every row (e.g. "status" when all ok)."""
+    return [i for i in range(len(header)) if i == 0 or any(r[i] for r in rows)]
+
+
+def console_table(title: str, header: list[str], rows: list[list[str]]):
+    """A rich Table (the console's form of markdown_table): names left, numbers right."""
+    from rich.table import Table
+
+    keep = _kept_columns(header, rows)
+    table = Table(title=title)
+    for i in keep:
+        left = header[i] in ("suite", "case", "impl", "status")
+        table.add_column(header[i], overflow="fold", justify="left" if left else "right")
+    for r in rows:
+        table.add_row(*[r[i] for i in keep])
+    return table
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    # drop columns that are empty in every row (e.g. "status" when all ok)
-    keep = [i for i, h in enumerate(header) if i == 0 or any(r[i] for r in rows)]
+    keep = _kept_columns(header, rows)
     esc = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
     lines = ["| " + " | ".join(esc(header[i]) for i in keep) + " |",
              "|" + "|".join(" --- " for _ in keep) + "|"]
@@ -458,18 +466,17 @@ def compare(a: dict, b: dict, peers: bool = False) -> tuple[list[str], list[list
             speed = ua / ub if ua and ub else None
             if speed and label == "ours":
                 per_suite.setdefault(ca["suite"], []).append(speed)
-            fa = (lambda i, c: fmt_value(i.get("value"), c.get("unit")) if c.get("unit") in ("s", "ms", "us")
-                  else fmt_us(i.get("us")))
             rows.append([ca["suite"], case_label(ca), ia.get("name", label) if label == "ours" else label,
-                         fa(ia, ca) if ua else (ca.get("status") if label == "ours" else "n/a"),
-                         fa(ib, cb) if ub else (cb.get("status") if label == "ours" else "n/a"),
+                         time_cell(ia, ca.get("unit")) if ua else (ca.get("status") if label == "ours" else "n/a"),
+                         time_cell(ib, cb.get("unit")) if ub else (cb.get("status") if label == "ours" else "n/a"),
                          fmt_ratio(speed), fmt_frac(ia.get("fraction")), fmt_frac(ib.get("fraction"))])
     only_b = [cid for cid in cases_b if cid not in seen]
     summary = [f"A = {la}, {a['metadata'].get('date', '')[:10]}; B = {lb}, {b['metadata'].get('date', '')[:10]}",
                "B speed vs A = A's time / B's time: above 1, B is faster."]
     for suite, speeds in per_suite.items():
         gm = math.exp(sum(math.log(s) for s in speeds) / len(speeds))
-        summary.append(f"{suite}: geometric mean B speed vs A = {gm:.2f}× over {len(speeds)} case{'s' if len(speeds) != 1 else ''}")
+        cases = f"{len(speeds)} case{'s' if len(speeds) != 1 else ''}"
+        summary.append(f"{suite}: geometric mean B speed vs A = {gm:.2f}× over {cases}")
     if only_a:
         summary.append(f"only in A ({len(only_a)}): {', '.join(only_a[:8])}{' ...' if len(only_a) > 8 else ''}")
     if only_b:
@@ -481,40 +488,24 @@ def compare(a: dict, b: dict, peers: bool = False) -> tuple[list[str], list[list
 def describe(case: dict) -> str:
     """One line for the progress output."""
     ours = case.get("ours") or {}
-    parts = [f"{case['id']}:"]
     unit = case.get("unit")
-    if case.get("status") not in ("ok", "check_failed"):
+    parts = [f"{case['id']}:"]
+    measured = case.get("status") in ("ok", "check_failed")
+    if not measured:
         parts.append(f"{case['status'].upper()} {case.get('error') or ''}".strip())
-        if not ours or ours.get("us") is None:
-            pass
-        elif unit in ("s", "ms", "us"):
-            parts.append(f"| ours {fmt_value(ours.get('value'), unit)}")
-        else:
-            parts.append(f"| ours {fmt_us(ours.get('us'))}")
-    elif unit in ("s", "ms", "us"):
-        parts.append(fmt_value(ours.get("value"), unit))
+        if ours.get("us") is not None:
+            parts.append(f"| ours {ours_cell(case)}")
     elif ours.get("methods"):
         parts.append(f"{' / '.join(schema.METHODS)} {fmt_methods(ours)}")
-        if ours.get("value") is not None:
-            parts.append(f"(worse: {fmt_value(ours['value'], unit)}")
-            parts[-1] += f", {fmt_frac(ours.get('fraction'))} of {case.get('ceiling')})" \
-                if ours.get("fraction") is not None else ")"
     else:
-        parts.append(fmt_us(ours.get("us")))
-        if ours.get("value") is not None:
-            parts.append(fmt_value(ours["value"], unit))
-        if ours.get("fraction") is not None:
-            parts.append(f"({fmt_frac(ours['fraction'])} of {case.get('ceiling')})")
+        parts.append(ours_cell(case))
+    if measured and ours.get("value") is not None and unit in ("GB/s", "TFLOP/s"):
+        of = f", {fmt_frac(ours['fraction'])} of {case.get('ceiling')}" if ours.get("fraction") is not None else ""
+        worse = "worse: " if ours.get("methods") else ""
+        parts.append(f"({worse}{fmt_value(ours['value'], unit)}{of})")
     if case.get("target") or case.get("goals"):
         parts.append(f"goal {goals_cell(case)}")
-    for name, peer in case.get("peers", {}).items():
-        if peer.get("error"):
-            parts.append(f"| {name}: n/a")
-        else:
-            r = case.get("ratios", {}).get(name)
-            shown = (fmt_value(peer.get("value"), unit) if unit in ("s", "ms", "us")
-                     else fmt_methods(peer) if peer.get("methods") else fmt_us(peer.get("us")))
-            parts.append(f"| {name} {shown}" + (f" (ours {fmt_ratio(r)})" if r else ""))
+    parts += [f"| {name} {peer_cell(case, name)}" for name in case.get("peers", {})]
     chk = case.get("check")
     if chk is not None:
         parts.append("| check ok" if chk.get("ok") else f"| CHECK FAILED: {chk.get('detail')}")

@@ -1,16 +1,14 @@
-"""`pagedattn bench`: run the suites, each in its own process, and write the results file.
+"""`pagedattn bench`: run the suites, one child process each (child.py), and write the results file.
 
-Why processes: a kernel fault (illegal address) poisons the CUDA context, and a hang never returns.
-The runner starts one child per suite (pagedattn.bench.child) and follows its JSON-lines log. When the
-child dies inside a case (crash, lost context) or stops making progress for --case-timeout seconds
-(killed), that case is recorded as crashed / timeout with whatever it had measured, and a fresh child
-continues with the remaining cases. The results file is rewritten after every suite, so an interrupted
-run still leaves the finished suites on disk.
+A kernel fault poisons the CUDA context and a hang never returns: when the child dies inside a case or
+makes no progress for --case-timeout seconds, that case is recorded as crashed / timeout with what it had
+measured, and a fresh child runs the remaining cases. The results file is rewritten after every suite.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,7 +123,8 @@ class SuiteRunner:
                 problems.append(f"the suite process exited with code {_rc_text(rc)} before listing its cases")
                 break
             if current is not None:
-                rec = partials.get(current) or schema.new_case(current, suite, _params(plan, current))
+                params = next((c.get("params") for c in plan["cases"] if c["id"] == current), None)
+                rec = partials.get(current) or schema.new_case(current, suite, params)
                 rec = dict(rec)
                 rec["status"] = "timeout" if timed_out else "crashed"
                 rec["error"] = (f"no progress for {timeout:.0f} s; process killed" if timed_out
@@ -143,15 +142,7 @@ class SuiteRunner:
                      f"(attempt {attempt + 1})", style="yellow")
         else:
             problems.append(f"gave up after {MAX_ATTEMPTS} processes")
-        for p in (jsonl, skip_file):
-            try:
-                p.unlink()
-            except OSError:
-                pass
-        try:
-            tmp.rmdir()
-        except OSError:
-            pass
+        shutil.rmtree(tmp, ignore_errors=True)
         return self._assemble(suite, plan, records, problems, time.perf_counter() - t_suite)
 
     def _assemble(self, suite, plan, records, problems, seconds) -> dict:
@@ -191,13 +182,6 @@ def _rc_text(rc) -> str:
         except ValueError:
             return str(rc)
     return str(rc)
-
-
-def _params(plan: dict, case_id: str) -> dict:
-    for c in plan.get("cases", []):
-        if c["id"] == case_id:
-            return c.get("params") or {}
-    return {}
 
 
 def _write_json(path: Path, results: dict) -> None:
@@ -281,7 +265,8 @@ def run(args) -> int:
         if suite["status"] in ("skipped", "error"):
             console.print(f"  {name}: {suite['status']} — {suite.get('reason')}", markup=False)
         else:
-            _print_table(console, results, name)
+            header, rows = report.suite_table(results, name)
+            console.print(report.console_table(f"{name} — {results['metadata']['gpu']}", header, rows))
         metadata["wall_seconds"] = round(time.perf_counter() - t0, 1)
         _write_json(path, results)
 
@@ -317,16 +302,3 @@ def regenerate(results_dir: Path, console, include_samples: bool = False) -> Non
     warn = lambda m: console.print(m, style="yellow", markup=False)  # noqa: E731
     md, made = report.write_results_md(results_dir, md, plots, include_samples=include_samples, warn=warn)
     console.print(f"wrote {md} and {len(made)} plot{'s' if len(made) != 1 else ''} in {plots}", markup=False)
-
-
-def _print_table(console, results: dict, suite: str) -> None:
-    from rich.table import Table
-
-    header, rows = report.suite_table(results, suite)
-    keep = [i for i, h in enumerate(header) if i == 0 or any(r[i] for r in rows)]
-    t = Table(title=f"{suite} — {results['metadata']['gpu']}", show_lines=False)
-    for i in keep:
-        t.add_column(header[i], overflow="fold")
-    for r in rows:
-        t.add_row(*[r[i] for i in keep])
-    console.print(t)

@@ -1,37 +1,9 @@
-"""The results file: its shape, the derived numbers, and a validator (no extra dependency).
+"""The results file (`pagedattn-bench/1`, described in perf/README.md "The results file"): new records,
+the derived numbers (throughput, fraction of the ceiling, ratios, goals met) and a validator.
 
-A results file is one JSON object::
-
-    {"schema": "pagedattn-bench/1",
-     "metadata": {...},                       # the machine and software, see REQUIRED_METADATA
-     "ceilings": {"copy": Impl, "matmul": Impl},   # each null when not measured
-     "suites": {"write": {"status", "reason", "seconds", "cases": [Case, ...]}, ...}}
-
-A Case is one measured configuration::
-
-    {"id": "write/NHD/bf16/T65536", "suite": "write", "params": {...},
-     "status": "ok" | "check_failed" | "error" | "skipped" | "crashed" | "timeout",
-     "error": str | null,
-     "unit": "GB/s" | "TFLOP/s" | "s" | "ms" | "us",   # what `value` is in
-     "work": bytes (GB/s) or flops (TFLOP/s) | null,
-     "ceiling": "copy" | "matmul" | null,             # which ceiling `fraction` is of
-     "ours": Impl | null, "peers": {name: Impl}, "ratios": {name: peer_us / ours_us},
-     "ratios_by_method": {method: {name: ratio}},     # when ours and the peer have `methods`
-     "floor_us": float | null,                        # work / the ceiling: the bytes (or flops) alone
-     "check": {"ok": bool, "kind": str, "detail": str, ...} | null,
-     "target": {"value": float, "unit": "us"|"s"|"ms"|"fraction"|"GB/s"|"TFLOP/s", "met": bool|null}
-               | null,                                  # a goal from the issues; met is derived
-     "goals": [{"value": float, "unit": "ratio", "peer": name, "met": bool|null}, ...],
-               # relative goals: ratios[peer] >= value (e.g. ahead of cuDNN: 1.0)
-     "notes": str | null, "extra": {...}}
-
-An Impl is {"name", "us" (median), "p10", "p90", "min", "reps", "sets", "method", "value", "fraction",
-"error"}; a failed peer keeps only name and error. `ratios` > 1 means ours is faster than that peer.
-Timed under several methods (timing.METHODS: "rot" back to back with rotated inputs, "flush" with
-the L2 flushed before every call), an Impl also has "methods": {method: {"us", "p10", "p90", "min",
-"reps", "sets", "value", "fraction"}}, and its headline numbers (us, value, fraction, `method`) are the
-WORSE method's; each ratio is then the smallest over the methods both sides have (the least
-favourable to ours), so a goal met on the headline holds under every method.
+Timed under several methods (timing.METHODS), an Impl's headline numbers are the WORSE method's and each
+ratio is the smallest over the methods both sides have, so a goal met on the headline holds under every
+method.
 """
 from __future__ import annotations
 
@@ -184,30 +156,40 @@ def target_met(target: dict, ours: dict | None) -> bool | None:
 
 
 # -- validation ------------------------------------------------------------------------------------
+NUMBERS = ("p10", "p90", "min", "value", "fraction")
+
+
 def _num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _need(errors: list[str], ok, message: str) -> None:
+    if not ok:
+        errors.append(message)
+
+
+def _validate_numbers(where: str, entry: dict, errors: list[str]) -> None:
+    for key in NUMBERS:
+        _need(errors, entry.get(key) is None or _num(entry[key]), f"{where}.{key}: must be a number or null")
 
 
 def _validate_impl(where: str, impl, errors: list[str]) -> None:
     if not isinstance(impl, dict):
         errors.append(f"{where}: must be an object")
         return
-    if not isinstance(impl.get("name"), str):
-        errors.append(f"{where}.name: must be a string")
+    _need(errors, isinstance(impl.get("name"), str), f"{where}.name: must be a string")
     if impl.get("error") is not None:
-        if not isinstance(impl["error"], str):
-            errors.append(f"{where}.error: must be a string or null")
+        _need(errors, isinstance(impl["error"], str), f"{where}.error: must be a string or null")
         return
-    if not _num(impl.get("us")) or impl["us"] <= 0:
-        errors.append(f"{where}.us: must be a positive number (median microseconds)")
-    for key in ("p10", "p90", "min", "value", "fraction"):
-        if impl.get(key) is not None and not _num(impl[key]):
-            errors.append(f"{where}.{key}: must be a number or null")
+    positive = "must be a positive number (median microseconds)"
+    _need(errors, _num(impl.get("us")) and impl["us"] > 0, f"{where}.us: {positive}")
+    _validate_numbers(where, impl, errors)
     for key in ("reps", "sets"):
-        if impl.get(key) is not None and (not isinstance(impl[key], int) or impl[key] < 1):
-            errors.append(f"{where}.{key}: must be a positive int")
-    if impl.get("method") is not None and impl["method"] not in METHODS:
-        errors.append(f"{where}.method: {impl['method']!r} not in {METHODS}")
+        value = impl.get(key)
+        positive_int = value is None or (isinstance(value, int) and value >= 1)
+        _need(errors, positive_int, f"{where}.{key}: must be a positive int")
+    method = impl.get("method")
+    _need(errors, method is None or method in METHODS, f"{where}.method: {method!r} not in {METHODS}")
     methods = impl.get("methods")
     if methods is None:
         return
@@ -218,72 +200,56 @@ def _validate_impl(where: str, impl, errors: list[str]) -> None:
         if m not in METHODS:
             errors.append(f"{where}.methods: unknown method {m!r} (known: {METHODS})")
         elif not isinstance(entry, dict) or not _num(entry.get("us")) or entry["us"] <= 0:
-            errors.append(f"{where}.methods.{m}.us: must be a positive number (median microseconds)")
+            errors.append(f"{where}.methods.{m}.us: {positive}")
         else:
-            for key in ("p10", "p90", "min", "value", "fraction"):
-                if entry.get(key) is not None and not _num(entry[key]):
-                    errors.append(f"{where}.methods.{m}.{key}: must be a number or null")
-    if impl.get("method") in methods and _num(impl.get("us")) and \
-            impl["us"] != max(e.get("us") or 0 for e in methods.values() if isinstance(e, dict)):
-        errors.append(f"{where}.us: must be the worse (larger) of its methods' medians")
+            _validate_numbers(f"{where}.methods.{m}", entry, errors)
+    if method in methods and _num(impl.get("us")):
+        worst = max(e.get("us") or 0 for e in methods.values() if isinstance(e, dict))
+        _need(errors, impl["us"] == worst, f"{where}.us: must be the worse (larger) of its methods' medians")
 
 
 def validate_case(case, where: str = "case") -> list[str]:
-    errors: list[str] = []
     if not isinstance(case, dict):
         return [f"{where}: must be an object"]
-    for key in CASE_KEYS:
-        if key not in case:
-            errors.append(f"{where}: missing key {key!r}")
+    errors = [f"{where}: missing key {key!r}" for key in CASE_KEYS if key not in case]
     if errors:
         return errors
     where = f"{where} {case['id']!r}"
-    if not isinstance(case["id"], str) or not case["id"]:
-        errors.append(f"{where}: id must be a non-empty string")
-    if case["status"] not in STATUSES:
-        errors.append(f"{where}: status {case['status']!r} not in {STATUSES}")
-    if case["unit"] is not None and case["unit"] not in UNITS:
-        errors.append(f"{where}: unit {case['unit']!r} not in {UNITS}")
-    if case["ceiling"] is not None and case["ceiling"] not in CEILINGS:
-        errors.append(f"{where}: ceiling {case['ceiling']!r} not in {CEILINGS}")
-    if case["work"] is not None and not _num(case["work"]):
-        errors.append(f"{where}: work must be a number or null")
-    if not isinstance(case["params"], dict):
-        errors.append(f"{where}: params must be an object")
-    if case["status"] in ("ok", "check_failed") and case["ours"] is None:
-        errors.append(f"{where}: status {case['status']!r} needs an 'ours' measurement")
-    if case["status"] in ("error", "crashed", "timeout") and not case["error"]:
-        errors.append(f"{where}: status {case['status']!r} needs an error message")
+    status, unit, ceiling, peers, ratios, check = (case[k] for k in ("status", "unit", "ceiling", "peers",
+                                                                      "ratios", "check"))
+    _need(errors, isinstance(case["id"], str) and case["id"], f"{where}: id must be a non-empty string")
+    _need(errors, status in STATUSES, f"{where}: status {status!r} not in {STATUSES}")
+    _need(errors, unit is None or unit in UNITS, f"{where}: unit {unit!r} not in {UNITS}")
+    _need(errors, ceiling is None or ceiling in CEILINGS, f"{where}: ceiling {ceiling!r} not in {CEILINGS}")
+    _need(errors, case["work"] is None or _num(case["work"]), f"{where}: work must be a number or null")
+    _need(errors, isinstance(case["params"], dict), f"{where}: params must be an object")
+    _need(errors, status not in ("ok", "check_failed") or case["ours"] is not None,
+          f"{where}: status {status!r} needs an 'ours' measurement")
+    _need(errors, status not in ("error", "crashed", "timeout") or case["error"],
+          f"{where}: status {status!r} needs an error message")
     if case["ours"] is not None:
         _validate_impl(f"{where}.ours", case["ours"], errors)
-    if not isinstance(case["peers"], dict):
-        errors.append(f"{where}: peers must be an object")
-    else:
-        for name, impl in case["peers"].items():
+    if isinstance(peers, dict):
+        for name, impl in peers.items():
             _validate_impl(f"{where}.peers[{name!r}]", impl, errors)
-    if not isinstance(case["ratios"], dict) or not all(_num(v) for v in case["ratios"].values()):
+    else:
+        errors.append(f"{where}: peers must be an object")
+    if not isinstance(ratios, dict) or not all(_num(v) for v in ratios.values()):
         errors.append(f"{where}: ratios must map peer names to numbers")
-    elif isinstance(case["peers"], dict):
-        for name in case["ratios"]:
-            if name not in case["peers"]:
-                errors.append(f"{where}: ratio for unknown peer {name!r}")
+    elif isinstance(peers, dict):
+        errors += [f"{where}: ratio for unknown peer {name!r}" for name in ratios if name not in peers]
     goals = case.get("goals")
-    if goals is not None:
-        if not isinstance(goals, list):
-            errors.append(f"{where}: goals must be a list")
-        else:
-            for i, g in enumerate(goals):
-                if not isinstance(g, dict) or g.get("unit") != "ratio" or not _num(g.get("value")) \
-                        or not isinstance(g.get("peer"), str):
-                    errors.append(f"{where}: goals[{i}] must be {{'unit': 'ratio', 'value': number, "
-                                  f"'peer': name, 'met': bool|null}}")
-    if case.get("floor_us") is not None and not _num(case["floor_us"]):
-        errors.append(f"{where}: floor_us must be a number or null")
-    check = case["check"]
-    if check is not None and (not isinstance(check, dict) or not isinstance(check.get("ok"), bool)):
-        errors.append(f"{where}: check must be null or an object with a bool 'ok'")
-    if case["status"] == "check_failed" and check is not None and check.get("ok"):
-        errors.append(f"{where}: status check_failed but check.ok is true")
+    _need(errors, goals is None or isinstance(goals, list), f"{where}: goals must be a list")
+    for i, g in enumerate(goals if isinstance(goals, list) else []):
+        _need(errors, isinstance(g, dict) and g.get("unit") == "ratio" and _num(g.get("value"))
+              and isinstance(g.get("peer"), str),
+              f"{where}: goals[{i}] must be {{'unit': 'ratio', 'value': number, 'peer': name, 'met': bool|null}}")
+    floor = case.get("floor_us")
+    _need(errors, floor is None or _num(floor), f"{where}: floor_us must be a number or null")
+    _need(errors, check is None or (isinstance(check, dict) and isinstance(check.get("ok"), bool)),
+          f"{where}: check must be null or an object with a bool 'ok'")
+    _need(errors, not (status == "check_failed" and isinstance(check, dict) and check.get("ok")),
+          f"{where}: status check_failed but check.ok is true")
     return errors
 
 
@@ -292,43 +258,38 @@ def validate(results) -> list[str]:
     if not isinstance(results, dict):
         return ["results: must be a JSON object"]
     errors: list[str] = []
-    if results.get("schema") != SCHEMA:
-        errors.append(f"schema: expected {SCHEMA!r}, got {results.get('schema')!r}")
+    tag = results.get("schema")
+    _need(errors, tag == SCHEMA, f"schema: expected {SCHEMA!r}, got {tag!r}")
     meta = results.get("metadata")
-    if not isinstance(meta, dict):
+    if isinstance(meta, dict):
+        errors += [f"metadata: missing key {key!r}" for key in REQUIRED_METADATA if key not in meta]
+        _need(errors, isinstance(meta.get("sample"), bool), "metadata.sample: must be true or false")
+        gpu = meta.get("gpu")
+        _need(errors, isinstance(gpu, str) and gpu, "metadata.gpu: must be a non-empty string")
+    else:
         errors.append("metadata: must be an object")
-    else:
-        for key in REQUIRED_METADATA:
-            if key not in meta:
-                errors.append(f"metadata: missing key {key!r}")
-        if not isinstance(meta.get("sample"), bool):
-            errors.append("metadata.sample: must be true or false")
-        if not isinstance(meta.get("gpu"), str) or not meta.get("gpu"):
-            errors.append("metadata.gpu: must be a non-empty string")
     ceilings = results.get("ceilings")
-    if not isinstance(ceilings, dict):
-        errors.append("ceilings: must be an object")
-    else:
+    if isinstance(ceilings, dict):
         for name in CEILINGS:
             c = ceilings.get(name)
-            if c is None:
-                continue
-            _validate_impl(f"ceilings.{name}", c, errors)
-            if not c.get("error") and not _num(c.get("value")):
-                errors.append(f"ceilings.{name}.value: must be a number ({CEILING_UNIT[name]})")
+            if c is not None:
+                _validate_impl(f"ceilings.{name}", c, errors)
+                _need(errors, c.get("error") or _num(c.get("value")),
+                      f"ceilings.{name}.value: must be a number ({CEILING_UNIT[name]})")
+    else:
+        errors.append("ceilings: must be an object")
     suites = results.get("suites")
     if not isinstance(suites, dict):
-        errors.append("suites: must be an object")
-        return errors
+        return errors + ["suites: must be an object"]
     for name, suite in suites.items():
         where = f"suites.{name}"
-        if name not in SUITES and not name.startswith("_"):  # "_name": the harness's own tests
-            errors.append(f"{where}: unknown suite (known: {', '.join(SUITES)})")
+        known = name in SUITES or name.startswith("_")  # "_name": the harness's own tests
+        _need(errors, known, f"{where}: unknown suite (known: {', '.join(SUITES)})")
         if not isinstance(suite, dict):
             errors.append(f"{where}: must be an object")
             continue
-        if suite.get("status") not in SUITE_STATUSES:
-            errors.append(f"{where}.status: {suite.get('status')!r} not in {SUITE_STATUSES}")
+        status = suite.get("status")
+        _need(errors, status in SUITE_STATUSES, f"{where}.status: {status!r} not in {SUITE_STATUSES}")
         cases = suite.get("cases")
         if not isinstance(cases, list):
             errors.append(f"{where}.cases: must be a list")
@@ -337,11 +298,10 @@ def validate(results) -> list[str]:
         for i, case in enumerate(cases):
             errors += validate_case(case, f"{where}.cases[{i}]")
             cid = case.get("id") if isinstance(case, dict) else None
-            if cid in seen:
-                errors.append(f"{where}: duplicate case id {cid!r}")
+            _need(errors, cid not in seen, f"{where}: duplicate case id {cid!r}")
             seen.add(cid)
-            if isinstance(case, dict) and case.get("suite") != name:
-                errors.append(f"{where}.cases[{i}]: suite {case.get('suite')!r} != {name!r}")
+            if isinstance(case, dict):
+                _need(errors, case.get("suite") == name, f"{where}.cases[{i}]: suite {case.get('suite')!r} != {name!r}")
     return errors
 
 

@@ -1,27 +1,35 @@
-"""Suite name -> (available(ctx) -> (bool, reason), cases(ctx) -> [Case]). Modules load lazily."""
+"""Suite name -> (available(ctx) -> (bool, reason), cases(ctx) -> [Case]), the suites' modules loaded
+lazily; and the machine's two ceilings, measured first in every run: a device-to-device copy of 2 GiB
+(1 GiB with --quick; bytes read + written) and a bf16 8192^3 matmul on random data (never zeros: they run
+faster; flops = 2 n^3).
+"""
 from __future__ import annotations
 
 import importlib
 
+import torch
+
+from .common import Case, Ctx, Recorder
+
 ORDER = ("write", "decode", "prefill", "features", "legacy", "jit")
-_TABLE = {
-    "ceilings": ("ceilings", "available", "cases"),
-    "write": ("write", "available", "cases"),
-    "decode": ("attention", "available", "decode_cases"),
-    "prefill": ("attention", "available", "prefill_cases"),
-    "features": ("features", "available", "cases"),
-    "legacy": ("legacy", "available", "cases"),
-    "jit": ("jit", "available", "cases"),
-    "_selftest": ("_selftest", "available", "cases"),  # the harness's own test (CPU), hidden
+_TABLE = {  # name -> (module, its cases function); a module without `available` is always available
+    "ceilings": ("suites", "ceiling_cases"),
+    "write": ("write", "cases"),
+    "decode": ("attention", "decode_cases"),
+    "prefill": ("attention", "prefill_cases"),
+    "features": ("features", "cases"),
+    "legacy": ("legacy", "cases"),
+    "jit": ("jit", "cases"),
+    "_selftest": ("_selftest", "cases"),  # the harness's own test (CPU), hidden
 }
 
 
 def get(name: str):
     if name not in _TABLE:
         raise KeyError(f"unknown suite {name!r}; known: {', '.join(ORDER)}")
-    module, avail, cases = _TABLE[name]
+    module, cases = _TABLE[name]
     mod = importlib.import_module(f"pagedattn.bench.{module}")
-    return getattr(mod, avail), getattr(mod, cases)
+    return getattr(mod, "available", always), getattr(mod, cases)
 
 
 def parse(spec: str) -> list[str]:
@@ -33,3 +41,35 @@ def parse(spec: str) -> list[str]:
     if unknown:
         raise ValueError(f"unknown suite(s) {', '.join(unknown)}; choose from all, {', '.join(ORDER)}")
     return [n for n in ORDER if n in names] + [n for n in names if n not in ORDER]
+
+
+def always(ctx: Ctx):
+    return True, None
+
+
+def _copy(ctx: Ctx, rec: Recorder) -> None:
+    if ctx.tiny or not ctx.is_cuda:
+        nbytes = 16 * 2**20
+    else:
+        nbytes = (1 if ctx.quick else 2) * 2**30
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=ctx.device).uniform_(-1, 1)
+    dst = torch.empty_like(src)
+    rec.work("GB/s", 2 * nbytes, None)
+    rec.extra(buffer_bytes=nbytes)
+    rec.ours("torch copy_", lambda k: dst.copy_(src))
+
+
+def _matmul(ctx: Ctx, rec: Recorder) -> None:
+    n = 256 if (ctx.tiny or not ctx.is_cuda) else 8192
+    dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
+    a = torch.randn(n, n, dtype=dtype, device=ctx.device)
+    b = torch.randn(n, n, dtype=dtype, device=ctx.device)
+    c = torch.empty(n, n, dtype=dtype, device=ctx.device)
+    rec.work("TFLOP/s", 2 * n ** 3, None)
+    rec.extra(n=n, dtype=str(dtype).replace("torch.", ""))
+    rec.ours("torch.mm", lambda k: torch.mm(a, b, out=c))
+
+
+def ceiling_cases(ctx: Ctx) -> list[Case]:
+    return [Case("ceilings/copy", "ceilings", {"what": "device-to-device copy, read+write"}, _copy),
+            Case("ceilings/matmul", "ceilings", {"what": "bf16 matmul 8192^3, random data"}, _matmul)]

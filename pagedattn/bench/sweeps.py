@@ -1,20 +1,7 @@
-"""`pagedattn bench sweep KIND [CONFIG ...]`: configuration sweeps on the bench's data, timer and oracle.
-
-Kinds (each writes <out>/<kind>_<gpu>_<date>.json: rows, machine, commit):
-  decode   decode tiles and loader, Hq=32 Hkv=8 D=128 block 16, bf16 query, shuffled tables; CONFIG is
-           `kWarpsN,kStages,kMinBlocks[,tma|cp[,kBlockN]]` or `default`. --splits 8,16 adds forced-split
-           B=1 ctx 32768 points; --variants "HND;seq;splits=2" adds B=64 ctx 4096 points with the HND
-           layout, a page-ordered table (the unpaged access pattern) or forced splits; --cases "a;b" keeps
-           the named cases; --tma-promotion sets the tensor maps' L2 promotion.
-  prefill  prefill_wgmma tiles on B=4 S=4096 causal d128; CONFIG is `kBlockM,kBlockN,kWarpsM,kStages` or
-           `default`; each checked against pagedattn.reference first.
-  modes    SM80 prefill against prefill_wgmma: CONFIG `long` (head dims 64..256 on B=4 S=4096) and/or
-           `short` (q_len 5..64 over 4096 keys, B=32, also with multi-token decode forced up to 256 rows).
-  quick    decode and prefill at the issue's shapes and split-count sweeps, cuDNN / flash SDPA alongside;
-           each call synchronised (timing.median_us), so numbers sit above the bench's.
-A kernel's tiles are fixed once it is built, so decode and prefill run each CONFIG in a child process
-that overrides the tiles of its modes (`override_tiles`). `--precompile ROOT` builds each config's sm_90a
-kernels into ROOT/cfg_<config> (no GPU needed); `--aot ROOT` makes the children load them.
+"""`pagedattn bench sweep KIND [CONFIG ...]`: configuration sweeps on the bench's data, timer and oracle
+(perf/README.md, "Quick scripts", lists the kinds and their options). Each writes
+<out>/<kind>_<gpu>_<date>.json. A kernel's tiles are fixed once it is built, so decode and prefill run
+each CONFIG in a child process that overrides the tiles of its modes (`override_tiles`).
 """
 from __future__ import annotations
 

@@ -1,31 +1,8 @@
-"""Timing: CUDA events around each call, median of many, warm-up excluded; two methods.
-
-Methods (`METHODS`; `Timer.measure(fn, sets, methods)` runs each and returns {method: Timing}):
-- "rot": back to back, inputs rotated (`Timer.__call__`): the GPU runs the calls one after another
-  and consecutive calls read different input sets, so each finds little of its input in L2.
-- "flush": the L2 flushed before every call, as `triton.testing.do_bench` does: a buffer of
-  `flush_bytes(l2)` (4x the L2, at least 256 MiB) is zeroed between calls, outside the event pair
-  that times the call. The zeroed lines are still dirty in L2 when the call starts, so the call also
-  pays for their write-back, exactly as under do_bench.
-A kernel meant to sit at the memory limit should hold its number under both.
-
-How one measurement goes (`fn(k)` runs the op on input set `k`; `before()` is the flush or nothing):
-
-1. Warm-up: call `fn` over every input set, then keep calling for at least `warmup_s` of wall time
-   (JIT compiles, autotuning, handle creation and clock ramp-up stay out of the numbers).
-2. Probe a few calls for the host enqueue cost and the device time per call; from the larger of the
-   two pick the number of repetitions that fits `budget_s` (clamped to [min_reps, max_reps]).
-3. Time in batches: a sleep kernel first keeps the GPU busy while the host enqueues the whole batch,
-   so the GPU then runs the calls back to back and the event pair around each call measures device
-   time, not the host's launch overhead (host overhead is the jit suite's business). With "flush"
-   each call of the batch is `before(); start.record(); fn(k); end.record()`.
-4. Report the median (and p10 / p90 / min) over all calls, in microseconds.
-
-Rotation: when a case's working set is small against the L2 (`rotation_sets`), the caller builds
-several input sets and `fn(k)` uses set `k % sets`, so consecutive calls do not find their inputs in L2.
-
-`CpuTimer` has the same interface with time.perf_counter; the CPU tests drive the suites through it.
-`median_us` is the one-call-at-a-time variant the perf/ scripts and the demo use (`copy_ceiling_gbs` on it).
+"""The one timer of the bench, the sweeps and the perf/ scripts (perf/README.md, "Timing", says how
+it measures). Device time: `Timer.measure(fn, sets, methods)` with the methods of METHODS ("rot": back
+to back, inputs rotated over `sets`; "flush": the L2 flushed before every call, as do_bench); `CpuTimer`
+is the same on the host clock (CPU tests). `median_us`: one synchronised call at a time. `host_loops`:
+the host's cost of a call, no sync in the loop. `probe_us`: a quick comparison, not a measurement.
 """
 from __future__ import annotations
 
@@ -123,10 +100,6 @@ class Timer:
         """The "rot" method alone."""
         return self._measure(fn, sets, None, "rot")
 
-    @staticmethod
-    def sync() -> None:
-        torch.cuda.synchronize()
-
     # -- keeping the GPU ahead of the host --------------------------------------------------------
     def _calibrate_sleep(self) -> float:
         if self._cycles_per_s is None:
@@ -196,24 +169,9 @@ class Timer:
             samples += [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
         return Timing.from_samples(samples, sets, method)
 
-    def host_loop(self, fn, n: int) -> tuple[float, float]:
-        """(host µs per call without syncing, µs per call including the final sync)."""
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        return (t1 - t0) / n * 1e6, (t2 - t0) / n * 1e6
-
 
 class CpuTimer(Timer):
     """Same interface on the host clock (tests and `--device cpu` dry runs)."""
-
-    @staticmethod
-    def sync() -> None:
-        pass
 
     def _measure(self, fn, sets: int, before, method: str) -> Timing:
         sets = max(1, int(sets))
@@ -233,30 +191,22 @@ class CpuTimer(Timer):
             samples.append((time.perf_counter() - t0) * 1e6)
         return Timing.from_samples(samples, sets, method)
 
-    def host_loop(self, fn, n: int) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        us = (time.perf_counter() - t0) / n * 1e6
-        return us, us
 
-
-def median_us(fn, reps: int = 30, warmup: int = 5, flush: bool = False) -> float:
-    """Median of CUDA-event times of `fn()`, one synchronised call at a time, in microseconds, after
-    `warmup` untimed calls; with flush=True the L2 is flushed before each call (outside the events), as
-    do_bench does. Includes any gap while the GPU waits for the host's launch: for quick scripts and the
-    demo, not for the suites."""
-    flusher = None
+def median_us(fn, reps: int = 30, warmup: int = 5, flush: bool = False, before=None) -> float:
+    """Median µs of CUDA-event times of `fn()`, one synchronised call at a time, after `warmup` untimed
+    calls. `before()` runs before each call, outside the events (flush=True: an L2 flush, as do_bench;
+    perf/multigpu.py: a barrier). Includes any gap while the GPU waits for the host: for the quick
+    scripts and the demo, not for the suites."""
     if flush:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        flusher = L2Flush(flush_bytes(getattr(props, "L2_cache_size", 0)), "cuda")
+        before = L2Flush(flush_bytes(getattr(props, "L2_cache_size", 0)), "cuda")
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
-        if flusher is not None:
-            flusher()
+        if before is not None:
+            before()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -264,6 +214,29 @@ def median_us(fn, reps: int = 30, warmup: int = 5, flush: bool = False) -> float
         b.synchronize()
         ts.append(a.elapsed_time(b) * 1e3)
     return sorted(ts)[len(ts) // 2]
+
+
+def host_loops(fn, calls: int, loops: int = 5, warmup: int = 200, before=None, sync=None,
+               clock=time.perf_counter) -> list[tuple[float, float]]:
+    """The host's cost of `fn()`: for each of `loops` loops of `calls` calls with no sync inside, (µs per
+    call, µs per call up to the end of the sync after the loop). `before()` runs untimed before each loop
+    (a sleep kernel that keeps the GPU busy: perf/launch_overhead.py); off the GPU pass sync=lambda: None
+    (and clock=time.thread_time for this thread's CPU time: perf/host_profile.py)."""
+    sync = sync or torch.cuda.synchronize
+    for _ in range(warmup):
+        fn()
+    sync()
+    out = []
+    for _ in range(loops):
+        if before is not None:
+            before()
+        t0 = clock()
+        for _ in range(calls):
+            fn()
+        t1 = clock()
+        sync()
+        out.append(((t1 - t0) / calls * 1e6, (clock() - t0) / calls * 1e6))
+    return out
 
 
 def copy_ceiling_gbs(nbytes: int = 2 * 2**30) -> float:

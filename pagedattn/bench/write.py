@@ -1,17 +1,7 @@
-"""write suite: `reshape_and_cache_flash` against torch `index_copy_` / `index_put_` into the same cache.
-
-Shapes (issue 3): H=8, D=128, bf16 inputs, T in {1, 16, 256, 4096, 65536}, NHD and HND caches,
-kv_cache_dtype auto (bf16 cache) and fp8_e4m3 (per-tensor scale), block size 16.
-bytes = K and V read + K and V written + slot ids (int64).
-The cache holds max(4T, 256 MiB worth of) slots and each call writes to random distinct slots; T=65536
-is also measured with page-contiguous slots (case suffix /pages: whole 16-slot pages drawn at random,
-as a prefill fills its pages). Random slots scatter every head's row on its own (worst case for HND).
-Check (once per case, before timing): caches poisoned with NaN, ours on the full T, every written slot
-bit-exact against the reference's conversion (pagedattn.reference.quantize_fp8 for fp8), every other slot
-still NaN; and pagedattn.reference.reshape_and_cache_flash itself on the first 64 tokens, bit-exact.
-Peer: NHD: cache.view(-1, H, D).index_copy_(0, slots, k) (after torch's own fp8 quantise for fp8);
-HND: index_copy_ of [H, D] rows into the [num_blocks * H * block_size, D] view of the storage, the row
-ids computed from the slots inside the timing.
+"""write suite: `reshape_and_cache_flash` against torch `index_copy_` into the same cache (perf/README.md
+has the shapes, the bytes counted and the goals). The cache holds max(4T, 256 MiB worth of) slots; each
+call writes random distinct slots, or (params "slots": "pages") whole pages drawn at random as a prefill
+writes them. The check (`_check`) is bit-exact against pagedattn.reference.
 """
 from __future__ import annotations
 
@@ -117,46 +107,32 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
         rec.ours("pagedattn", ours, sets)
     rec.attempt("pagedattn", check_and_time)
 
-    if layout == "NHD":
-        name = "torch index_copy_"
+    def quantised(x, scale):  # the peer's fp8: torch ops before the scatter
+        return reference.quantize_fp8(x, scale, kv).view(torch.uint8) if fp8 else x
 
-        def make():
+    def make():
+        if layout == "NHD":
             kflat, vflat = kc.view(-1, H, D), vc.view(-1, H, D)
-            if fp8:
-                def peer(k):
-                    kq = reference.quantize_fp8(keys[k], k_scale, kv).view(torch.uint8)
-                    vq = reference.quantize_fp8(values[k], v_scale, kv).view(torch.uint8)
-                    kflat.index_copy_(0, slots[k], kq)
-                    vflat.index_copy_(0, slots[k], vq)
-            else:
-                def peer(k):
-                    kflat.index_copy_(0, slots[k], keys[k])
-                    vflat.index_copy_(0, slots[k], values[k])
-            return peer
-    else:
-        name = "torch index_copy_"
-
-        def make():
-            # HND storage is [num_blocks, H, block_size, D]: row (blk * H + h) * bs + off of its
-            # [-1, D] view holds token (blk, off), head h. (index_put_ through the permuted logical
-            # view would copy the whole cache on every call: not a fair peer.)
-            krows = kc.permute(0, 2, 1, 3).reshape(-1, D)
-            vrows = vc.permute(0, 2, 1, 3).reshape(-1, D)
-            assert krows.data_ptr() == kc.data_ptr() and krows._base is not None, "HND rows must be a view"
-            heads = torch.arange(H, device=dev).view(1, H)
 
             def peer(k):
-                s = slots[k].view(-1, 1)
-                rows = ((s // BLOCK) * H + heads) * BLOCK + s % BLOCK  # [T, H]
-                rows = rows.reshape(-1)
-                kk, vv = keys[k], values[k]
-                if fp8:
-                    kk = reference.quantize_fp8(kk, k_scale, kv).view(torch.uint8)
-                    vv = reference.quantize_fp8(vv, v_scale, kv).view(torch.uint8)
-                krows.index_copy_(0, rows, kk.reshape(-1, D))
-                vrows.index_copy_(0, rows, vv.reshape(-1, D))
+                kflat.index_copy_(0, slots[k], quantised(keys[k], k_scale))
+                vflat.index_copy_(0, slots[k], quantised(values[k], v_scale))
             return peer
-    rec.peer(name, make, sets)
+        # HND storage is [num_blocks, H, block_size, D]: row (blk * H + h) * bs + off of its [-1, D] view
+        # holds token (blk, off), head h. (index_put_ through the permuted logical view would copy the
+        # whole cache on every call: not a fair peer.)
+        krows = kc.permute(0, 2, 1, 3).reshape(-1, D)
+        vrows = vc.permute(0, 2, 1, 3).reshape(-1, D)
+        assert krows.data_ptr() == kc.data_ptr() and krows._base is not None, "HND rows must be a view"
+        heads = torch.arange(H, device=dev).view(1, H)
+
+        def peer(k):
+            s = slots[k].view(-1, 1)
+            rows = (((s // BLOCK) * H + heads) * BLOCK + s % BLOCK).reshape(-1)  # [T * H]
+            krows.index_copy_(0, rows, quantised(keys[k], k_scale).reshape(-1, D))
+            vrows.index_copy_(0, rows, quantised(values[k], v_scale).reshape(-1, D))
+        return peer
+    rec.peer("torch index_copy_", make, sets)
     if fp8:
         rec.note("peer quantises with torch ops before the scatter")
     if layout == "HND":
