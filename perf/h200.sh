@@ -71,10 +71,11 @@ for stage in "$@"; do
     bench-full) python3 -m pagedattn.cli bench --suite all --no-report --out "$OUT/results" ;;
     demo)      python3 -m pagedattn.demo ;;
     # host cost A/B in one call: an older build (a wheel carried in .carry/oldwhl, with its own bundle dirs in
-    # OLD_AOT_DIR) against this tree, alternating old / new AB_ROUNDS times (the machine's speed drifts between calls)
-    overheadab) python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site-old "$ROOT"/.carry/oldwhl/*.whl || exit 1
+    # OLD_AOT_DIR, and that build's launch_overhead.py when carried there too) against this tree, alternating old / new AB_ROUNDS times (the machine's speed drifts between calls)
+    overheadab) old_script="$ROOT/perf/launch_overhead.py"; [ -f "$ROOT/.carry/oldwhl/launch_overhead.py" ] && old_script="$ROOT/.carry/oldwhl/launch_overhead.py"
+               python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site-old "$ROOT"/.carry/oldwhl/*.whl || exit 1
                for r in $(seq ${AB_ROUNDS:-2}); do
-                 PYTHONPATH=/tmp/site-old:/tmp/site PAGEDATTN_AOT_DIR=${OLD_AOT_DIR:-/tmp/bundle} python3 "$ROOT/perf/launch_overhead.py" "$OUT/results/ab_old_$r" | grep -E "^(raw|flash_attn_decode|reshape|op_flash_attn_decode|torch_add)_.*us " | sed "s/^/old$r /"
+                 PYTHONPATH=/tmp/site-old:/tmp/site PAGEDATTN_AOT_DIR=${OLD_AOT_DIR:-/tmp/bundle} python3 "$old_script" "$OUT/results/ab_old_$r" | grep -E "^(raw|flash_attn_decode|reshape|op_flash_attn_decode|torch_add)_.*us " | sed "s/^/old$r /"
                  python3 "$ROOT/perf/launch_overhead.py" "$OUT/results/ab_new_$r" | grep -E "^(raw|flash_attn_decode|reshape|op_flash_attn_decode|torch_add)_.*us " | sed "s/^/new$r /"
                done ;;
     # issue 21 on the GPUs of this host (one: a smoke test of the code path)
