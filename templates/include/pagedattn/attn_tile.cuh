@@ -27,7 +27,7 @@ struct TileCtx {
   __device__ __forceinline__ TileCtx(AttnParams const& p_, AttnWork const& w_, char* smem_base)
       : p(p_), w(w_), smem{smem_base}, kv(request_kv(p_, w_)), tidx(int(threadIdx.x)),
         group_idx(int(threadIdx.x) / Traits::kGroupThreads % Traits::kWarpsN),
-        d_idx(Traits::kWarpsD > 1 ? int(threadIdx.x) / (Traits::kGroupThreads * Traits::kWarpsN) : 0),
+        d_idx(int(threadIdx.x) / (Traits::kGroupThreads * Traits::kWarpsN)),
         gtid(int(threadIdx.x) % Traits::kGroupThreads),
         scale_log2(p_.scale_log2), v_scale(1.f) {
     if constexpr (Traits::kIsFp8) {

@@ -17,10 +17,9 @@
 //     inside the mainloop.
 //
 // kWarpsD > 1 (head dims above 256, where one warp's O accumulator would outgrow its registers): the
-// kWarpsD groups of kWarpsM warps share every stage's keys (kWarpsN == 1); each multiplies its own
-// kHeadDimO columns of Q and K, the groups add their partial scores through shared memory in one order
-// (so every group holds the same S), and each accumulates its own kHeadDimO-column slice of O += P V.
-// The softmax state is identical across the groups, so the epilogue has nothing to merge.
+// kWarpsD groups of kWarpsM warps share every stage's keys (kWarpsN == 1); each computes the whole
+// S = Q K^T (the same numbers in every group) and its own kHeadDimO-column slice of O += P V. The
+// softmax state is identical across the groups, so the epilogue has nothing to merge.
 //
 // kWgmma (sm_90a prefill): the same cp.async stages and swizzled tiles (they are the 128-byte-swizzled
 // K-major layout warpgroup MMAs read), but each warpgroup of four warps multiplies its 64 rows with
@@ -91,14 +90,6 @@ struct AttnTraits {
   // 8-row atoms: exactly what a TMA box {64 columns, kBlockN rows} with 128-byte swizzle writes.
   using SmemLayoutKV = decltype(cute::tile_to_shape(
       SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
-  // A column group's kHeadDimO columns of the Q and K tiles (its share of S = Q K^T when kWarpsD > 1;
-  // the whole tiles otherwise): whole column blocks, kBlockM (kBlockN) * kHeadDimO elements per group in.
-  using SmemLayoutQS = decltype(cute::tile_to_shape(
-      SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimO>>{}));
-  using SmemLayoutKS = decltype(cute::tile_to_shape(
-      SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDimO>>{}));
-  static_assert(kWarpsD == 1 || kBlockM * 4 <= kHeadDimO * int(sizeof(Element)),
-                "column groups: a group's partial scores fit in its columns of a K tile");
   // V seen as (d, key): the B operand of P.V, read with transposing ldmatrix.
   using SmemLayoutVt = decltype(cute::composition(
       SmemLayoutKV{},

@@ -167,19 +167,17 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
   typename Traits::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(gtid);
   Tensor sQ = make_tensor(make_smem_ptr(c.smem.q()), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
-  // this column group's columns of Q (all of them unless kWarpsD > 1) and of each K tile
-  Tensor sQs = make_tensor(make_smem_ptr(c.smem.q() + c.d_idx * kBlockM * kHeadDimO), typename Traits::SmemLayoutQS{});
-  Tensor sK0 = make_tensor(make_smem_ptr(c.smem.k_tile(0, 0)), typename Traits::SmemLayoutKS{});
+  Tensor sK0 = make_tensor(make_smem_ptr(c.smem.k_tile(0, 0)), typename Traits::SmemLayoutKV{});
   Tensor sVt0 = make_tensor(make_smem_ptr(c.smem.v_tile(0, 0)), typename Traits::SmemLayoutVtO{});
-  Tensor tSrQ = thr_mma.partition_fragment_A(sQs);    // (MMA, kMmaM, kHeadDimO/16)
-  Tensor tSrK = thr_mma.partition_fragment_B(sK0);    // (MMA, kBlockN/8, kHeadDimO/16)
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);     // (MMA, kMmaM, kHeadDim/16)
+  Tensor tSrK = thr_mma.partition_fragment_B(sK0);    // (MMA, kBlockN/8, kHeadDim/16)
   Tensor tOrVt = thr_mma.partition_fragment_B(sVt0);  // (MMA, kHeadDimO/8, kBlockN/16)
   Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDimO>>{});  // (MMA, kMmaM, kHeadDimO/8)
   clear(acc_o);
 
   auto s2r_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
   auto s2r_q_thr = s2r_q.get_thread_slice(gtid);
-  Tensor tSsQ = s2r_q_thr.partition_S(sQs);
+  Tensor tSsQ = s2r_q_thr.partition_S(sQ);
   Tensor tSrQ_view = s2r_q_thr.retile_D(tSrQ);
   auto s2r_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
   auto s2r_k_thr = s2r_k.get_thread_slice(gtid);
@@ -254,7 +252,7 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
     int const key0 = (w.step_begin + it) * kStageKeys + group_idx * kBlockN;
     if (key0 >= w.k_len) continue;  // this group's sub-tile lies past the end: nothing to add
 
-    Tensor sK = make_tensor(make_smem_ptr(k_tile + c.d_idx * kBlockN * kHeadDimO), typename Traits::SmemLayoutKS{});
+    Tensor sK = make_tensor(make_smem_ptr(k_tile), typename Traits::SmemLayoutKV{});
     Tensor sVt = make_tensor(make_smem_ptr(v_tile + c.d_idx * kBlockN * kHeadDimO), typename Traits::SmemLayoutVtO{});
     Tensor tSsK = s2r_k_thr.partition_S(sK);
     Tensor tOsVt = s2r_v_thr.partition_S(sVt);
@@ -279,25 +277,6 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
     if constexpr (kTwoChains) {
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) acc_s(i) += acc_s_odd(i);
-    }
-    if constexpr (Traits::kWarpsD > 1) {
-      // the column groups' partial scores, summed in one order by every group (so all hold the same
-      // S). Once every group has read its K columns of this stage (the barrier), its partials go there;
-      // the stage is refilled only after the next step's barrier.
-      __syncthreads();
-      float* mine = reinterpret_cast<float*>(k_tile + c.d_idx * kBlockN * kHeadDimO);
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) mine[i * Traits::kGroupThreads + gtid] = acc_s(i);
-      __syncthreads();
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) {
-        float sum = 0.f;
-        CUTE_UNROLL
-        for (int d = 0; d < Traits::kWarpsD; ++d) {
-          sum += reinterpret_cast<float const*>(k_tile + d * kBlockN * kHeadDimO)[i * Traits::kGroupThreads + gtid];
-        }
-        acc_s(i) = sum;
-      }
     }
 
     float const s_scale = mask.template apply<kBlockN>(acc_s, tScS, key0, scale_log2);
