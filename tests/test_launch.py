@@ -140,34 +140,15 @@ def test_wrong_context_is_pushed_for_one_launch_and_restored(fake_driver):
 def test_threads_never_mix_their_params(fake_driver):
     fake_driver.fake_set_current(ctypes.c_void_p(0x1234))
     launcher = launch.Launcher(0xF00D, KvWriteParams, 0)
-    per_thread, threads = 2000, 4
-
-    def work(t):
-        for i in range(per_thread):
-            launcher((1, 1, 1), (32, 1, 1), _values((t << 32) | i))
-
     # the stand-in's "current context" is process-wide, so every thread sees the right one
-    pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
-    for th in pool:
-        th.start()
-    for th in pool:
-        th.join()
-    n = fake_driver.fake_launches()
-    assert n == per_thread * threads
-    seen = {fake_driver.fake_key(i) for i in range(n)}
-    assert seen == {(t << 32) | i for t in range(threads) for i in range(per_thread)}
+    _launch_from_threads(fake_driver, lambda key: launcher((1, 1, 1), (32, 1, 1), _values(key)))
 
 
-def test_threads_never_mix_their_prepared_params(fake_driver):
-    """A Prepared launch's buffer is per thread too: every thread's addresses reach the driver intact."""
-    fake_driver.fake_set_current(ctypes.c_void_p(0x1234))
-    launcher = launch.Launcher(0xF00D, KvWriteParams, 0)
-    prepared = launcher.prepare((1, 1, 1), (32, 1, 1), 7, _values(0)[7:])
-    per_thread, threads = 2000, 4
-
+def _launch_from_threads(fake_driver, launch_one, per_thread=2000, threads=4):
+    """launch_one(key) from `threads` threads, `per_thread` keys each: every key reaches the driver once."""
     def work(t):
         for i in range(per_thread):
-            prepared.launch((t << 32) | i, 2, 3, 4, 5, 0, 0)
+            launch_one((t << 32) | i)
 
     pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
     for th in pool:
@@ -177,6 +158,14 @@ def test_threads_never_mix_their_prepared_params(fake_driver):
     n = fake_driver.fake_launches()
     assert n == per_thread * threads
     assert {fake_driver.fake_key(i) for i in range(n)} == {(t << 32) | i for t in range(threads) for i in range(per_thread)}
+
+
+def test_threads_never_mix_their_prepared_params(fake_driver):
+    """A Prepared launch's buffer is per thread too: every thread's addresses reach the driver intact."""
+    fake_driver.fake_set_current(ctypes.c_void_p(0x1234))
+    launcher = launch.Launcher(0xF00D, KvWriteParams, 0)
+    prepared = launcher.prepare((1, 1, 1), (32, 1, 1), 7, _values(0)[7:])
+    _launch_from_threads(fake_driver, lambda key: prepared.launch(key, 2, 3, 4, 5, 0, 0))
 
 
 def test_a_prepared_launch_packs_what_a_full_one_does(fake_driver):
