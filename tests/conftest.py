@@ -72,8 +72,11 @@ def pytest_terminal_summary(terminalreporter):
     s = _nvrtc_farm.stats
     if any(s.values()):
         times = _nvrtc_farm.timings()
-        terminalreporter.write_line(f"NVRTC: {s['farmed']} kernels compiled by the farm, {s['nvrtc']} in the test "
-                                    f"process, {s['reused']} compiles reused; {len(times)} compiles took "
+        from pagedattn.info import plural
+
+        terminalreporter.write_line(f"NVRTC: {plural(s['farmed'], 'kernel')} compiled by the farm, {s['nvrtc']} in "
+                                    f"the test process, {plural(s['reused'], 'compile')} reused; "
+                                    f"{plural(len(times), 'compile')} took "
                                     f"{sum(t[3] for t in times):.0f} s of CPU ({sum(t[2] for t in times):.0f} s wall)")
         if terminalreporter.config.option.durations:
             for variant, arch, wall, cpu in times[:terminalreporter.config.option.durations]:
