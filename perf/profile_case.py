@@ -10,9 +10,10 @@ import pagedattn
 from pagedattn import CacheSpec
 from pagedattn.bench.sweeps import ours, paged
 
-# kind: (B, ctx, q_len, causal, kv cache dtype, num_splits)
-KINDS = {"decode": (64, 4096, 1, False, "auto", 1), "decode_fp8": (64, 4096, 1, False, "fp8_e4m3", 1),
-         "b1": (1, 32768, 1, False, "auto", 0), "prefill": (4, 4096, 4096, True, "auto", 1)}
+# kind: (B, ctx, q_len, causal, kv cache dtype, num_splits, head dim)
+KINDS = {"decode": (64, 4096, 1, False, "auto", 1, 128), "decode_fp8": (64, 4096, 1, False, "fp8_e4m3", 1, 128),
+         "b1": (1, 32768, 1, False, "auto", 0, 128), "prefill": (4, 4096, 4096, True, "auto", 1, 128),
+         "prefill_fp8": (4, 4096, 4096, True, "fp8_e4m3", 1, 128), "decode_d512": (16, 4096, 1, False, "auto", 0, 512)}
 kind = sys.argv[1] if len(sys.argv) > 1 else "decode"
 if kind.startswith("write"):  # write_<layout>_<kv>[_head]: T=65536 H=8 D=128 bf16 input, random slots
     _, layout, kvw = kind.split("_", 2)
@@ -30,14 +31,14 @@ if kind.startswith("write"):  # write_<layout>_<kv>[_head]: T=65536 H=8 D=128 bf
     torch.cuda.synchronize()
     sys.exit(0)
 peer = kind.endswith("_cudnn")
-B, ctx, q_len, causal, kv, splits = KINDS[kind.removesuffix("_cudnn")]
-data = paged(B, ctx, kv, q_len=q_len)  # the sweeps' inputs: the bench's paged data, shuffled table
+B, ctx, q_len, causal, kv, splits, d = KINDS[kind.removesuffix("_cudnn")]
+data = paged(B, ctx, kv, q_len=q_len, d=d)  # the sweeps' inputs: the bench's paged data, shuffled table
 fn = ours(data, splits)
 if peer:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     kk, vv = data.contiguous_kv(0)
-    qq = data.q[0].view(B, q_len, 32, 128).transpose(1, 2)
+    qq = data.q[0].view(B, q_len, 32, d).transpose(1, 2)
     fn = lambda k: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
         qq, kk, vv, enable_gqa=True, is_causal=causal and q_len > 1)
 torch.cuda.synchronize()
