@@ -314,6 +314,31 @@ def test_fp8_wgmma_prefill_matches_reference(c, decode_loader):
     assert "prefill_wgmma" in modes, modes
 
 
+def _ws_grid(n, seed=17):
+    """The warp-specialised sm_90a prefill (prefill_ws: TMA producer, wgmma consumers): paged 16-bit
+    caches with pages of whole 16-key chunks, every head dim it compiles (120 runs on 128, its last
+    columns zero-filled by the tensor map), both layouts, splits, mixed batches (decode rows and
+    requests with no keys in the same launch)."""
+    rng = random.Random(seed)
+    axes = dict(dtype=[torch.float16, torch.bfloat16], D=[64, 128, 192, 256, 120], layout=["NHD", "HND"],
+                bs=[16, 32, 64, 256], heads=[(16, 8), (32, 8), (28, 4), (16, 1)], causal=[False, True],
+                batch=["prefill", "mixed"], splits=[0, 1, 3], kv=KV[:1], lse=[False, True], out=[False, True],
+                loader=["auto"])
+    return cover_axes(axes, n, rng, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", _ws_grid(48), ids=_case_id)
+def test_ws_prefill_matches_reference(c, decode_loader):
+    from pagedattn.ops import attention as attention_ops
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("prefill_ws is sm_90a-only")
+    test_attention_matches_reference(c, decode_loader)
+    modes = {mode for plan in attention_ops._PLANS.values() for mode, _ in plan._kernels}
+    assert "prefill_ws" in modes or c["batch"] == "mixed", modes  # a mixed batch may pack <= 128 rows
+
+
 def _d512_grid(n, seed=5):
     """Head dim 512 (and head sizes it serves: 320, 504 with its 8-byte fp8 rows), every path it has."""
     rng = random.Random(seed)

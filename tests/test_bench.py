@@ -955,5 +955,5 @@ def test_sweep_points_measure_on_gpu():
 
     row = sweeps.quick_row("decode B=2 ctx=512", 2, 512, "auto", 0, 1, 3000.0)
     assert row["us"] > 0 and row["kv_gbs"] > 0 and "cudnn_us" in row
-    row = sweeps.prefill_row(128, True, batch=1, q_len=64, ctx=512)
+    row = sweeps.prefill_row(128, "prefill_wgmma", batch=1, q_len=64, ctx=512)
     assert row["rel_l2_err"] < 2e-2 and row["us"] > 0 and row["mode"]

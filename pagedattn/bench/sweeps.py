@@ -107,11 +107,15 @@ def decode_row(config: str, opts: dict, name: str, B: int, ctx: int, kv: str, sp
     return row
 
 
-def prefill_row(d: int, wgmma: bool, batch: int = 4, q_len: int = 4096, ctx: int = 4096,
+PREFILL_MODES = ("prefill", "prefill_wgmma", "prefill_ws")  # what `sweep modes long|short` forces in turn
+
+
+def prefill_row(d: int, prefill: str | None = None, batch: int = 4, q_len: int = 4096, ctx: int = 4096,
                 multi: bool | None = False) -> dict:
-    """One prefill point with the dispatch's choice (wgmma) or with prefill_wgmma off, and multi-token
-    decode off (multi=False), as the dispatch has it (None) or forced up to 256 packed rows (True);
-    checked first (short queries as timed, long ones on B=2 S=517) against pagedattn.reference."""
+    """One prefill point with the dispatch's choice of prefill (None) or with `prefill` forced
+    ("prefill", "prefill_wgmma", "prefill_ws"), and multi-token decode off (multi=False), as the
+    dispatch has it (None) or forced up to 256 packed rows (True); checked first (short queries as
+    timed, long ones on B=2 S=517) against pagedattn.reference."""
     from pagedattn.ops import attention
     from pagedattn.ops.attention import heuristics
 
@@ -120,8 +124,9 @@ def prefill_row(d: int, wgmma: bool, batch: int = 4, q_len: int = 4096, ctx: int
     from .timing import Timer
 
     attention._PLANS.clear()
-    use, use_multi, multi_rows = attention.wgmma_ok, attention.multi_mode, heuristics.MULTI_ROWS
-    attention.wgmma_ok = use if wgmma else (lambda call, arch, head_dim: False)
+    use, use_multi, multi_rows = attention.prefill_mode, attention.multi_mode, heuristics.MULTI_ROWS
+    if prefill is not None:
+        attention.prefill_mode = lambda wgmma, tma, fp8: prefill
     if multi is False:
         attention.multi_mode = lambda call, head_dim, tma: None
     elif multi:
@@ -137,7 +142,7 @@ def prefill_row(d: int, wgmma: bool, batch: int = 4, q_len: int = 4096, ctx: int
         return dict(head_dim=d, batch=batch, q_len=q_len, ctx=ctx, mode=mode, us=us, tflops=flops / us / 1e6,
                     kv_gbs=2 * batch * ctx * HKV * d * 2 / us / 1e3, rel_l2_err=err)
     finally:
-        attention.wgmma_ok, attention.multi_mode, heuristics.MULTI_ROWS = use, use_multi, multi_rows
+        attention.prefill_mode, attention.multi_mode, heuristics.MULTI_ROWS = use, use_multi, multi_rows
 
 
 def quick_row(name: str, B: int, ctx: int, kv: str, splits: int, q_len: int, ceiling: float) -> dict:
@@ -189,7 +194,7 @@ def child(kind: str, config: str, opts: dict) -> None:
     points = decode_points(opts) if kind == "decode" else [None]
     for pt in points:
         try:
-            row = decode_row(config, opts, *pt) if kind == "decode" else dict(config=config, **prefill_row(D, True))
+            row = decode_row(config, opts, *pt) if kind == "decode" else dict(config=config, **prefill_row(D, "prefill_wgmma"))
         except Exception as exc:  # noqa: BLE001
             row = dict(config=config, error=str(exc)[:300], **({"case": pt[0]} if pt else {}))
         print("ROW " + json.dumps(row), flush=True)
@@ -260,9 +265,13 @@ def run(args) -> int:
         if args.kind == "modes":
             points = [dict(d=d) for d in (64, 128, 192, 256)] if "long" in configs else []
             short = [dict(d=D, batch=32, q_len=n, ctx=4096) for n in (5, 8, 16, 32, 64)] if "short" in configs else []
-            todo = [(f"d{pt['d']} q_len={pt.get('q_len', 4096)} wgmma={w}",
-                     lambda pt=pt, w=w: prefill_row(wgmma=w, **pt)) for pt in points + short for w in (False, True)]
-            todo += [(f"d{pt['d']} q_len={pt['q_len']} multi", lambda pt=pt: prefill_row(wgmma=True, multi=True, **pt))
+            ws = [dict(d=D), dict(d=D, batch=1, q_len=16384, ctx=16384), dict(d=64), dict(d=256)] \
+                if "ws" in configs else []
+            forced = [(pt, m) for pt in points + short for m in PREFILL_MODES] + \
+                     [(pt, m) for pt in ws for m in ("prefill_wgmma", "prefill_ws")]
+            todo = [(f"d{pt['d']} B={pt.get('batch', 4)} q_len={pt.get('q_len', 4096)} {m}",
+                     lambda pt=pt, m=m: prefill_row(prefill=m, **pt)) for pt, m in forced]
+            todo += [(f"d{pt['d']} q_len={pt['q_len']} multi", lambda pt=pt: prefill_row(multi=True, **pt))
                      for pt in short]
         else:
             todo = [(c[0], lambda c=c: quick_row(*c, ceiling)) for c in QUICK_CASES]

@@ -29,8 +29,8 @@ from .. import steady, workspace
 from ..params import AttnParams
 # re-exported: `from pagedattn.ops.attention import X` finds every name of the former single module
 from .heuristics import MAX_SPLITS, _best_splits, mode_for, split_cost, splits_for  # noqa: F401
-from .heuristics import multi_mode, tma_ok, wave_capacity, wgmma_ok  # noqa: F401
-from .tiles import HEAD_DIMS, MODES, TMA_MODES, SMALL_SMEM_ARCH, SMEM_LIMIT, SMEM_PER_CTA, _tiles  # noqa: F401
+from .heuristics import multi_mode, prefill_mode, tma_ok, wave_capacity, wgmma_ok  # noqa: F401
+from .tiles import HEAD_DIMS, MODES, SM90_MODES, TMA_MODES, WGMMA_MODES, SMALL_SMEM_ARCH, SMEM_LIMIT, SMEM_PER_CTA, _tiles  # noqa: F401
 from .tiles import fp8_regs, smem_bytes, smem_limit, tile_config  # noqa: F401
 from .tma import TMA_L2_PROMOTION, tma_maps  # noqa: F401
 from .validate import _INT32_MAX, _NO_FEATURES, _UNSUPPORTED_OK, _batch, _Call, _check_aligned  # noqa: F401
@@ -142,8 +142,11 @@ class AttnFwdSpec(KernelSpec):
             raise UnsupportedError(f"attn_fwd: mode=multi_tma needs a 16-bit cache (fp8 operands in registers "
                                    f"take one 16-row MMA tile per warp), got {self.kv_cache_dtype}; "
                                    f"mode=multi runs fp8 caches")
-        if self.mode == "prefill_wgmma" and self.head_dim % 64:
-            raise UnsupportedError(f"attn_fwd: mode=prefill_wgmma needs head_dim a multiple of 64 (128-byte "
+        if self.mode == "prefill_ws" and self.kv_cache_dtype != "auto":
+            raise UnsupportedError(f"attn_fwd: mode=prefill_ws needs a 16-bit cache, got {self.kv_cache_dtype}; "
+                                   f"mode=prefill_wgmma runs fp8 caches")
+        if self.mode in WGMMA_MODES and self.head_dim % 64:
+            raise UnsupportedError(f"attn_fwd: mode={self.mode} needs head_dim a multiple of 64 (128-byte "
                                    f"swizzled tiles), got {self.head_dim}")
         if self.small_smem:
             fp8 = self.kv_cache_dtype != "auto"
@@ -160,7 +163,7 @@ class AttnFwdSpec(KernelSpec):
     def supports_arch(self, arch: str) -> bool:
         """sm_90a-only modes aside, a variant is built for the archs whose tile_config it holds (so a
         default tile too large for sm_86/sm_89 is never built there: its small_smem twin is)."""
-        if self.mode in (*TMA_MODES, "prefill_wgmma") and arch != "sm_90a":
+        if self.mode in SM90_MODES and arch != "sm_90a":
             return False
         try:
             return tile_config(self.head_dim, self.mode, self.kv_cache_dtype != "auto", arch) == self.tiles
@@ -172,7 +175,10 @@ class AttnFwdSpec(KernelSpec):
 
     @property
     def threads(self) -> int:
-        return 32 * self.tiles["kWarpsM"] * self.tiles["kWarpsN"] * self.tiles["kWarpsD"]
+        """Threads of a CTA (AttnTraits::kCtaThreads): the computing warps, and prefill_ws's producer
+        warpgroup."""
+        t = self.tiles
+        return 32 * t["kWarpsM"] * t["kWarpsN"] * t["kWarpsD"] + (128 if t["kTma"] and t["kWgmma"] else 0)
 
 
 def kernel_head_dim(head_size: int) -> int:
@@ -243,7 +249,8 @@ class _Plan:
         self.arch = arch = arch_for_device(self.device)
         self.decode_mode = "decode_tma" if tma_ok(call, arch, self.head_dim) else "decode"
         self.multi_mode = multi_mode(call, self.head_dim, self.decode_mode == "decode_tma")
-        self.prefill_mode = "prefill_wgmma" if wgmma_ok(call, arch, self.head_dim) else "prefill"
+        self.prefill_mode = prefill_mode(wgmma_ok(call, arch, self.head_dim), self.decode_mode == "decode_tma",
+                                         call.kv_name != "auto")
         # prefill_wgmma's tiles are larger: it takes over once the rows overflow one SM80 prefill tile.
         # Measured on H200 (perf/results/prefill_modes_nvidia_h200_20261130_short_3eaa587.json, d128,
         # B=32 over 4096 keys): q_len 5-32 (20-128 rows) ran 17 % slower on wgmma, q_len 64 1.7x faster.

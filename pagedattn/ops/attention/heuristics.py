@@ -45,6 +45,15 @@ def wgmma_ok(call: _Call, arch: str, head_dim: int) -> bool:
     return arch == "sm_90a" and head_dim % 64 == 0 and head_dim <= MAX_HEAD_DIM_PER_GROUP
 
 
+def prefill_mode(wgmma: bool, tma: bool, fp8: bool) -> str:
+    """The prefill of a plan's long queries, given wgmma_ok's and tma_ok's answers: prefill_ws (the
+    warp-specialised wgmma prefill, fed by TMA) for a 16-bit cache TMA can read, else prefill_wgmma
+    where warpgroup MMAs apply, else prefill."""
+    if not wgmma:
+        return "prefill"
+    return "prefill_ws" if tma and not fp8 else "prefill_wgmma"
+
+
 def multi_mode(call: _Call, head_dim: int, tma: bool) -> str | None:
     """The multi-token decode mode of a plan whose decode takes TMA (`tma`, tma_ok's answer): multi_tma
     for a 16-bit cache there, multi (cp.async) otherwise; None above MAX_HEAD_DIM_MULTI (prefill serves

@@ -17,8 +17,11 @@ MAX_HEAD_DIM_PER_GROUP = 256
 # decoding): the decode tiles with 32 rows per warp, at head dims up to MAX_HEAD_DIM_MULTI (a warp's
 # 32 x 128 fp32 O takes 128 registers; wider ones would spill).
 MAX_HEAD_DIM_MULTI = 128
-MODES = ("decode", "decode_tma", "multi", "multi_tma", "prefill", "prefill_wgmma")
-TMA_MODES = ("decode_tma", "multi_tma")  # sm_90, paged caches: K/V by TMA into each warp's ring
+MODES = ("decode", "decode_tma", "multi", "multi_tma", "prefill", "prefill_wgmma", "prefill_ws")
+# sm_90, paged caches: K/V by TMA (into each warp's ring; prefill_ws: by a producer warpgroup)
+TMA_MODES = ("decode_tma", "multi_tma", "prefill_ws")
+WGMMA_MODES = ("prefill_wgmma", "prefill_ws")  # sm_90a warpgroup MMAs
+SM90_MODES = (*TMA_MODES, "prefill_wgmma")
 # Shared memory one CTA may use (the opt-in maximum of cudaFuncSetAttribute), per NVRTC target.
 SMEM_PER_CTA = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90a": 227 * 1024}
 SMEM_LIMIT = SMEM_PER_CTA["sm_90a"]  # the budget of the default tiles (every one of them also fits sm_80's)
@@ -30,7 +33,8 @@ def tile_config(head_dim: int, mode: str, fp8: bool = False, arch: str = "sm_90a
     the KV range (kWarpsN); prefill's warps split the rows (kWarpsM). decode_tma is decode with each
     warp filling its own ring by TMA (sm_90, paged caches; see attn_traits.cuh); multi and multi_tma
     are those two with 32 rows per warp (multi-token decode); prefill_wgmma is prefill with warpgroup
-    MMAs (sm_90a, head dims that are multiples of 64; fp8 stages widened in shared memory).
+    MMAs (sm_90a, head dims that are multiples of 64; fp8 stages widened in shared memory);
+    prefill_ws is the warp-specialised one (a TMA producer warpgroup; paged 16-bit caches).
     On an arch with less shared memory than the default tile needs, fewer warps split the keys
     (each stage holds kBlockN x kWarpsN keys); UnsupportedError if even one warp's stages overflow."""
     if head_dim > MAX_HEAD_DIM_PER_GROUP and mode not in ("decode", "prefill"):
@@ -39,7 +43,7 @@ def tile_config(head_dim: int, mode: str, fp8: bool = False, arch: str = "sm_90a
     if head_dim > MAX_HEAD_DIM_MULTI and mode in ("multi", "multi_tma"):
         raise UnsupportedError(f"attn_fwd: mode={mode} supports head dims up to {MAX_HEAD_DIM_MULTI}, "
                                f"got {head_dim} (prefill runs it)")
-    cfg = {"kWgmma": mode == "prefill_wgmma", "kWarpsD": 1, **_tiles(head_dim, mode, fp8)}
+    cfg = {"kWgmma": mode in WGMMA_MODES, "kWarpsD": 1, **_tiles(head_dim, mode, fp8)}
     limit = smem_limit(arch)
     while smem_bytes(cfg, head_dim, fp8) > limit and cfg["kWarpsN"] > 1:
         cfg["kWarpsN"] //= 2
@@ -92,6 +96,11 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         if fp8:
             return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=2, kMinBlocks=3, kTma=True)
         return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=3, kMinBlocks=2, kTma=True)
+    if mode == "prefill_ws":
+        # two consumer warpgroups of 64 rows each and a producer warpgroup; 128-key stages where the
+        # O and S accumulators fit the consumers' registers (64 + 64 fp32 at d128), 64 keys above
+        return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1, kStages=2,
+                    kMinBlocks=1, kTma=True)
     if mode == "prefill_wgmma":
         # Measured on H200, B=4 S=4096 causal d128 (perf/results/history/prefill_sweep_h200_*): more
         # warpgroups sharing each K/V stage win. rows x keys: 128x128 227 TFLOP/s, 192x128 300-309,
@@ -107,7 +116,7 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
 
 def fp8_regs(head_dim: int, tma: bool) -> bool:
     """AttnTraits::kFp8Regs for an fp8 cache: TMA decode converts fp8 operands in registers when the
-    rows split into 128-byte swizzled blocks."""
+    rows split into 128-byte swizzled blocks (not in prefill_ws, which takes 16-bit caches only)."""
     return tma and head_dim % 128 == 0
 
 
@@ -115,10 +124,11 @@ def smem_bytes(cfg: dict, head_dim: int, fp8: bool) -> int:
     """Mirror of AttnTraits::kSmemBytes (attn_traits.cuh); the rendered source static_asserts it."""
     stage = cfg["kBlockN"] * cfg["kWarpsN"] * head_dim
     q = cfg["kBlockM"] * head_dim * 2
-    elem_stages = (0 if fp8_regs(head_dim, cfg["kTma"]) else 1) if fp8 else cfg["kStages"]
+    elem_stages = (0 if fp8_regs(head_dim, cfg["kTma"] and not cfg["kWgmma"]) else 1) if fp8 else cfg["kStages"]
     kv = (2 * cfg["kStages"] * stage if fp8 else 0) + 2 * elem_stages * stage * 2
     epilogue = cfg["kWarpsN"] * cfg["kBlockM"] * (head_dim + 2) * 4
     main = max(q + kv, epilogue)
-    barriers = 8 * cfg["kWarpsN"] * cfg["kStages"] if cfg["kTma"] else 0
+    # TMA: an mbarrier per (warp, ring slot); prefill_ws: a full and an empty one per slot
+    barriers = 8 * (2 if cfg["kWgmma"] else cfg["kWarpsN"]) * cfg["kStages"] if cfg["kTma"] else 0
     return -(-main // 8) * 8 + barriers
 

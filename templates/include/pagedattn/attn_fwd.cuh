@@ -5,6 +5,7 @@
 //   mainloop_sm80.cuh   mma.sync mainloop (sm_80 ... sm_90) and the cp.async K/V loader
 //   mainloop_tma.cuh    TMA decode's per-warp K/V ring, a loader of the SM80 mainloop
 //   mainloop_wgmma.cuh  sm_90a prefill: warpgroup MMAs over the cp.async pipeline
+//   mainloop_ws.cuh     sm_90a prefill of paged caches: a TMA producer warpgroup feeding wgmma consumers
 //   mask.cuh            every mask and score modifier (causal, window, softcap, ALiBi), for all mainloops
 //   epilogue.cuh        warp groups merged, O and LSE (or a split's partials) written
 //   split_combine.cuh   the last split of a tile to arrive merges the partials
@@ -24,6 +25,7 @@
 #include "pagedattn/tile_scheduler.cuh"
 #if PAGEDATTN_WGMMA
 #include "pagedattn/mainloop_wgmma.cuh"
+#include "pagedattn/mainloop_ws.cuh"
 #endif
 
 namespace pagedattn {
@@ -70,7 +72,14 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   AttnWork w;
   bool const has_tile = schedule<Traits, Features>(p, row_tile(), w);
   if (w.q_len * p.group > int(gridDim.y) * Traits::kBlockM) attn_rows_past_grid<Traits, Features>(p, w);  // rare
-  if (has_tile) attn_fwd_tile<Traits, Features>(p, smem, w);
+  if (!has_tile) return;
+  if constexpr (Traits::kWs) {
+#if PAGEDATTN_WGMMA
+    attn_fwd_ws_tile<Traits, Features>(p, smem, w);
+#endif
+  } else {
+    attn_fwd_tile<Traits, Features>(p, smem, w);
+  }
 }
 
 }  // namespace pagedattn

@@ -48,4 +48,15 @@ struct TileCtx {
   }
 };
 
+// Barrier over the threads that compute the tile (Traits::kThreads): the whole CTA, or the consumer
+// warpgroups of the warp-specialised prefill (named barrier 1: its producer warpgroup has left).
+template <class Traits>
+__device__ __forceinline__ void tile_sync() {
+  if constexpr (Traits::kWs) {
+    asm volatile("bar.sync 1, %0;\n" ::"n"(Traits::kThreads) : "memory");
+  } else {
+    __syncthreads();
+  }
+}
+
 }  // namespace pagedattn

@@ -56,7 +56,12 @@ struct AttnTraits {
   static constexpr int kWarpsD = kWarpsD_;    // warp groups that split O's columns (one sub-tile of keys)
   static constexpr int kHeadDimO = kHeadDim / kWarpsD;  // columns of O each group accumulates
   static constexpr int kGroupThreads = 32 * kWarpsM;
-  static constexpr int kThreads = kGroupThreads * kWarpsN * kWarpsD;
+  static constexpr int kThreads = kGroupThreads * kWarpsN * kWarpsD;  // the threads that compute a tile
+  // kWs: the warp-specialised sm_90a prefill (TMA feeding warpgroup MMAs, mainloop_ws.cuh), whose
+  // producer warpgroup follows the kThreads consumer threads
+  static constexpr bool kWs = kTma && kWgmma;
+  static constexpr int kProducerThreads = kWs ? 128 : 0;
+  static constexpr int kCtaThreads = kThreads + kProducerThreads;
   static constexpr int kStageKeys = kBlockN * kWarpsN;
   static constexpr int kMmaM = kBlockM / (16 * kWarpsM);  // 16-row MMA tiles per warp
   static constexpr int kRows = 2 * kMmaM;                  // softmax rows held by each thread
@@ -67,13 +72,15 @@ struct AttnTraits {
   static_assert(kBlockM % (16 * kWarpsM) == 0, "kBlockM must be a multiple of 16 * kWarpsM");
   static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16 (one MMA K step of P.V)");
   static_assert(kStages >= 2, "the K/V pipeline needs at least two stages");
-  static_assert(!kTma || (kWarpsM == 1 && (kIsFp8 || kHeadDim % 64 == 0)),
+  static_assert(!kTma || kWgmma || (kWarpsM == 1 && (kIsFp8 || kHeadDim % 64 == 0)),
                 "TMA loading: one warp per group; 16-bit tiles in 64-column (128-byte) swizzle atoms");
+  static_assert(!kWs || (!kIsFp8 && kBlockN % 16 == 0 && kBlockN <= 512),
+                "warp-specialised prefill: 16-bit caches, 16-key TMA chunks, one per producer lane");
   // fp8 TMA decode with 128-byte rows per column block: the tiles land 128-byte swizzled and each
   // thread converts its own MMA operands from fp8 in registers (attn_fp8_regs.cuh); no widened copy.
-  static constexpr bool kFp8Regs = kTma && kIsFp8 && kHeadDim % 128 == 0;
+  static constexpr bool kFp8Regs = kTma && !kWgmma && kIsFp8 && kHeadDim % 128 == 0;
   static_assert(!kFp8Regs || kBlockM == 16, "fp8 register operands: one 16-row MMA tile per warp");
-  static_assert(!kWgmma || (!kTma && kWarpsN == 1 && kWarpsM % 4 == 0 && kBlockM == 16 * kWarpsM &&
+  static_assert(!kWgmma || (kWarpsN == 1 && kWarpsM % 4 == 0 && kBlockM == 16 * kWarpsM &&
                             kHeadDim % 64 == 0 && kBlockN % 64 == 0),
                 "wgmma: whole warpgroups of 64 rows, Element tiles in 64-column swizzle atoms");
 
@@ -124,8 +131,9 @@ struct AttnTraits {
   static constexpr int kSmemEpilogue = kWarpsN * kBlockM * (kHeadDim + 2) * int(sizeof(float));
   static constexpr int kSmemMain =
       kSmemQ + kSmemKV > kSmemEpilogue ? kSmemQ + kSmemKV : kSmemEpilogue;
-  // TMA: one 8-byte mbarrier per (warp, slot), after everything the epilogue reuses
-  static constexpr int kSmemBarriers = kTma ? 8 * kWarpsN * kStages : 0;
+  // TMA: one 8-byte mbarrier per (warp, slot), after everything the epilogue reuses; kWs: a full and
+  // an empty one per slot
+  static constexpr int kSmemBarriers = kTma ? 8 * (kWs ? 2 : kWarpsN) * kStages : 0;
   static constexpr int kSmemBytes = (kSmemMain + 7) / 8 * 8 + kSmemBarriers;
 };
 

@@ -15,7 +15,7 @@
 namespace pagedattn {
 
 // acc_o and tOcO (its coordinates) are either mainloop's accumulator; softmax holds its rows' (m, l).
-// Every thread of the CTA calls it.
+// Every thread that computes the tile calls it.
 template <class Traits, class Features, class AccO, class Softmax, class TensorC>
 __device__ __forceinline__ void write_tile(TileCtx<Traits> const& c, AccO const& acc_o, Softmax const& softmax,
                                            TensorC const& tOcO) {
@@ -25,7 +25,7 @@ __device__ __forceinline__ void write_tile(TileCtx<Traits> const& c, AccO const&
   AttnParams const& p = c.p;
   AttnWork const& w = c.w;
   cp_async_wait<0>();
-  __syncthreads();  // all K/V reads done: shared memory is reused
+  tile_sync<Traits>();  // all K/V reads done: shared memory is reused
 #pragma unroll
   for (int r = 0; r < Traits::kRows; ++r) {
     SoftmaxPartial const st = softmax.row_state(r);
@@ -41,7 +41,7 @@ __device__ __forceinline__ void write_tile(TileCtx<Traits> const& c, AccO const&
                                      : c.d_idx * Traits::kHeadDimO + int(get<1>(tOcO(i)));
     c.smem.o(c.group_idx, get<0>(tOcO(i)))[col] = acc_o(i);
   }
-  __syncthreads();
+  tile_sync<Traits>();
 
   bool const split_out = p.num_splits > 1;
   constexpr int kVec = 8;  // columns per thread step: 16 bytes of Element, 32 of fp32

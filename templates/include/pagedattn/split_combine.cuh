@@ -127,7 +127,7 @@ __device__ __forceinline__ void merge_splits_if_last(TileCtx<Traits> const& c) {
   AttnParams const& p = c.p;
   AttnWork const& w = c.w;
   int* is_last = c.smem.last_split_flag();
-  __syncthreads();  // every thread's partials are written and the epilogue's shared memory is read
+  tile_sync<Traits>();  // every thread's partials are written and the epilogue's shared memory is read
   if (c.tidx == 0) {
     int* counter = p.split_counters + (int64_t(blockIdx.x) * gridDim.y + blockIdx.y);
     asm volatile("fence.acq_rel.gpu;" ::: "memory");  // this CTA's partials before its arrival
@@ -138,7 +138,7 @@ __device__ __forceinline__ void merge_splits_if_last(TileCtx<Traits> const& c) {
     }
     *is_last = last;
   }
-  __syncthreads();
+  tile_sync<Traits>();
   if (!*is_last) return;
   int64_t const part_stride = int64_t(p.total_q) * p.num_q_heads * kHeadDim;
   for (int m = c.tidx / 32; m < Traits::kBlockM; m += Traits::kThreads / 32) {  // a warp per row

@@ -29,6 +29,13 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
 #endif
 }
 
+// One plain arrival (a consumer handing a ring slot back to its producer).
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(cute::cast_smem_ptr_to_uint(bar)) : "memory");
+#endif
+}
+
 // Blocks until the phase with parity `phase` has completed.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -1,0 +1,203 @@
+// The warp-specialised sm_90a prefill (Traits::kWs: warpgroup MMAs fed by TMA, paged 16-bit caches
+// whose pages hold whole 16-key chunks). A CTA is kWarpsM / 4 consumer warpgroups and one producer
+// warpgroup after them:
+//   producer   one warp issues the TMA copies of each step's K and V tiles (kBlockN keys as 16-key
+//              chunks, one per lane, each inside one cache page) into a ring of kStages slots; it
+//              gives its registers to the consumers (setmaxnreg) and leaves when the range is issued;
+//   consumers  each warpgroup owns 64 rows: S = Q K^T, the mask policy, online softmax, O += P V
+//              (attn_wgmma.cuh), then hands the slot back; the epilogue is the other prefills'.
+// Two mbarriers per slot: `full` (the producer's expected bytes landed) and `empty` (every consumer
+// warp is done reading it). Keys past the request's end inside the last chunk are real cache slots:
+// the mask hides their scores and the consumers zero their V rows (0 * NaN is not 0) before P V. A
+// chunk in a page outside [0, num_blocks) is zero-filled by the producer instead of copied.
+#pragma once
+
+#include "pagedattn/nvrtc_compat.cuh"
+#include "pagedattn/async_copy.cuh"
+#include "pagedattn/attn_tile.cuh"
+#include "pagedattn/attn_wgmma.cuh"
+#include "pagedattn/epilogue.cuh"
+#include "pagedattn/mainloop_sm80.cuh"
+#include "pagedattn/mask.cuh"
+#include "pagedattn/softmax.cuh"
+#include "pagedattn/tma_copy.cuh"
+
+namespace pagedattn {
+
+// Registers per thread after the hand-over: the producer keeps kProducerRegs, the consumers take
+// what the SM's 64 Ki registers leave (both multiples of 8, as setmaxnreg wants).
+template <class Traits>
+struct WsRegisters {
+  static constexpr int kConsumerThreads = Traits::kThreads;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs =
+      ((65536 - kProducerRegs * Traits::kProducerThreads) / kConsumerThreads) / 8 * 8 > 240
+          ? 240
+          : ((65536 - kProducerRegs * Traits::kProducerThreads) / kConsumerThreads) / 8 * 8;
+};
+
+template <int kRegs>
+__device__ __forceinline__ void regs_increase() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void regs_decrease() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// The producer warp: steps [step_begin, step_end) into slot it % kStages once the consumers freed it.
+template <class Traits>
+__device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, uint64_t* full, uint64_t* empty) {
+  constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
+  constexpr int kChunks = kBlockN / 16, kBoxCols = 64;
+  constexpr int kChunkBytes = 16 * kHeadDim * 2;  // K (or V) bytes of one chunk
+  static_assert(kChunks <= 32, "one 16-key chunk per lane");
+  AttnParams const& p = c.p;
+  AttnWork const& w = c.w;
+  int const lane = int(threadIdx.x) % 32;
+  void const* k_map = p.tma_desc;
+  void const* v_map = static_cast<char const*>(p.tma_desc) + 128;
+  if (lane == 0) {
+    tma_prefetch_map(k_map);
+    tma_prefetch_map(v_map);
+  }
+  int const n_steps = w.step_end - w.step_begin;
+  // this lane's chunk of step `it`, and its page (read one step ahead of its copies)
+  auto chunk_key = [&](int it) { return (w.step_begin + it) * kBlockN + 16 * lane; };
+  auto chunk_page = [&](int it) {
+    int const j = chunk_key(it);
+    return it < n_steps && lane < kChunks && j < w.k_len ? c.kv.page(j) : 0;
+  };
+  int phys_next = chunk_page(0);
+  for (int it = 0; it < n_steps; ++it) {
+    int const slot = it % kStages;
+    int const phys = phys_next;
+    phys_next = chunk_page(it + 1);
+    int const j = chunk_key(it);
+    bool const mine = lane < kChunks && j < w.k_len;
+    bool const valid = mine && phys >= 0 && phys < p.num_blocks;
+    uint32_t const loads = __ballot_sync(0xffffffffu, valid);
+    uint32_t const bad = __ballot_sync(0xffffffffu, mine && !valid);
+    char* k_dst = reinterpret_cast<char*>(c.smem.k_tile(slot, 0));
+    char* v_dst = reinterpret_cast<char*>(c.smem.v_tile(slot, 0));
+    mbarrier_wait(empty + slot, (uint32_t(it / kStages) & 1u) ^ 1u);
+    if (bad) {  // rare: zero the chunks of corrupt pages, all lanes together, before the slot is published
+      for (int q = 0; q < kChunks; ++q) {
+        if (!(bad >> q & 1u)) continue;
+        for (int col = 0; col < kHeadDim / kBoxCols; ++col) {
+          int const base = (col * kBlockN + 16 * q) * kBoxCols * 2;
+          for (int b = 16 * lane; b < 16 * kBoxCols * 2; b += 16 * 32) {
+            *reinterpret_cast<uint4*>(k_dst + base + b) = make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4*>(v_dst + base + b) = make_uint4(0, 0, 0, 0);
+          }
+        }
+      }
+      fence_proxy_async_smem();
+      __syncwarp();
+    }
+    if (lane == 0) mbarrier_arrive_expect_tx(full + slot, __popc(loads) * 2 * kChunkBytes);
+    __syncwarp();
+    if (valid) {
+      int const off = c.kv.offset(j);
+      int const c1 = p.tma_row_dim == 1 ? off : w.kv_head;
+      int const c2 = p.tma_row_dim == 1 ? w.kv_head : off;
+      CUTE_UNROLL
+      for (int col = 0; col < kHeadDim / kBoxCols; ++col) {
+        int const dst = (col * kBlockN + 16 * lane) * kBoxCols * 2;
+        tma_load_4d(k_dst + dst, k_map, col * kBoxCols, c1, c2, phys, full + slot);
+        tma_load_4d(v_dst + dst, v_map, col * kBoxCols, c1, c2, phys, full + slot);
+      }
+    }
+  }
+}
+
+// V rows [first, kBlockN) of a landed slot -> 0, by every consumer thread; published to wgmma.
+template <class Traits>
+__device__ __forceinline__ void ws_clear_tail(TileCtx<Traits> const& c, int slot, int first) {
+  constexpr int kRowChunks = Traits::kHeadDim / 8;  // 16-byte chunks of a row
+  char* v_dst = reinterpret_cast<char*>(c.smem.v_tile(slot, 0));
+  first = first > 0 ? first : 0;
+  for (int i = c.tidx; i < (Traits::kBlockN - first) * kRowChunks; i += Traits::kThreads) {
+    int const r = first + i / kRowChunks, chunk = i % kRowChunks;
+    int const b = int(typename Traits::SmemLayoutKV{}(r, chunk * 8)) * 2;
+    *reinterpret_cast<uint4*>(v_dst + b) = make_uint4(0, 0, 0, 0);
+  }
+  fence_proxy_async_smem();
+  tile_sync<Traits>();
+}
+
+// A consumer thread (c.tidx < kThreads); the Q tile's cp.async copies are in flight.
+template <class Traits, class Features>
+__device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, uint64_t* full, uint64_t* empty) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  using Tiles = WgmmaTiles<Traits>;
+  typename Tiles::TiledMmaQK mma_qk;
+  typename Tiles::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(c.tidx);
+  auto thr_pv = mma_pv.get_thread_slice(c.tidx);
+  Tensor tSrQ = thr_qk.partition_fragment_A(make_tensor(make_smem_ptr(c.smem.q()), typename Tiles::SmemLayoutQ{}));
+  Tensor acc_o = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_o);
+  Tensor o_rows = make_tensor(acc_o.data(), Layout<Shape<_4, _1, Int<kHeadDim / 8>>>{});
+  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  AttnMask<2, Features> const mask(c.p, c.w, tScS);
+  OnlineSoftmax<2> softmax;
+  typename Tiles::FragP tOrP;
+
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_proxy_async_smem();  // the Q tile, read by wgmma
+  tile_sync<Traits>();
+
+  int const n_steps = c.w.step_end - c.w.step_begin;
+  for (int it = 0; it < n_steps; ++it) {
+    int const slot = it % kStages;
+    int const key0 = (c.w.step_begin + it) * kBlockN;
+    mbarrier_wait(full + slot, uint32_t(it / kStages) & 1u);
+    if (c.w.k_len - key0 < kBlockN) ws_clear_tail(c, slot, c.w.k_len - key0);  // uniform: the last step only
+    Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor sK = make_tensor(make_smem_ptr(c.smem.k_tile(slot, 0)), typename Tiles::SmemLayoutK{});
+    wgmma_gemm<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(sK), acc_s);
+    float const s_scale = mask.template apply<kBlockN>(acc_s, tScS, key0, c.scale_log2);
+    Tensor s_rows = make_tensor(acc_s.data(), Layout<Shape<_4, _1, Int<kBlockN / 8>>>{});
+    softmax.update(s_rows, o_rows, s_scale);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_s); ++i) tOrP(i) = Element(acc_s(i));
+    Tensor sVt = make_tensor(make_smem_ptr(c.smem.v_tile(slot, 0)), typename Tiles::SmemLayoutVt{});
+    wgmma_gemm<false>(mma_pv, tOrP, thr_pv.partition_fragment_B(sVt), acc_o);
+    __syncwarp();
+    if (c.tidx % 32 == 0) mbarrier_arrive(empty + slot);  // this warp is done with the slot
+  }
+  write_tile<Traits, Features>(c, o_rows, softmax,
+                               thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+}
+
+// One row tile of the warp-specialised prefill: every thread of the CTA calls it.
+template <class Traits, class Features>
+__device__ __forceinline__ void attn_fwd_ws_tile(AttnParams const& p, char* smem, AttnWork const& w) {
+  using Regs = WsRegisters<Traits>;
+  TileCtx<Traits> const c(p, w, smem);
+  uint64_t* full = c.smem.ring_bars(0);
+  uint64_t* empty = c.smem.ring_bars(1);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Traits::kStages; ++s) {
+      mbarrier_init(full + s, 1);
+      mbarrier_init(empty + s, Traits::kThreads / 32);
+    }
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+  if (int(threadIdx.x) >= Traits::kThreads) {  // the producer warpgroup
+    regs_decrease<Regs::kProducerRegs>();
+    if (int(threadIdx.x) < Traits::kThreads + 32) ws_produce(c, full, empty);
+    return;
+  }
+  regs_increase<Regs::kConsumerRegs>();
+  load_q_tile(c);
+  ws_consume<Traits, Features>(c, full, empty);
+}
+
+}  // namespace pagedattn
