@@ -98,8 +98,10 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=4, kStages=3, kMinBlocks=2, kTma=True)
     if mode == "prefill_ws":
         # two consumer warpgroups of 64 rows each and a producer warpgroup; 128-key stages where the
-        # O and S accumulators fit the consumers' registers (64 + 64 fp32 at d128), 64 keys above
-        return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1, kStages=2,
+        # O and S accumulators fit the consumers' registers (64 + 64 fp32 at d128), 64 keys above.
+        # Three slots: a consumer holds two while a step's S overlaps the P V of the one before
+        # (tile_config drops to two where shared memory ends, at d256).
+        return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1, kStages=3,
                     kMinBlocks=1, kTma=True)
     if mode == "prefill_wgmma":
         # Measured on H200, B=4 S=4096 causal d128 (perf/results/history/prefill_sweep_h200_*): more

@@ -48,9 +48,10 @@ struct WgmmaTiles {
       cute::Shape<cute::Shape<cute::_2, cute::_2, cute::_2>, cute::_1, cute::Int<kN / 16>>{}));
 };
 
-// C (+)= A B over all k-steps of the operands, issued as one wgmma batch and waited for; kZeroInit
-// overwrites C (no clear needed). A is shared-memory descriptors or registers (then fenced too).
-template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
+// C (+)= A B over all k-steps of the operands, issued as one wgmma batch; kZeroInit overwrites C (no
+// clear needed). A is shared-memory descriptors or registers (then fenced too). kWait: wait for the
+// batch here; otherwise the caller waits (wgmma_wait) before it touches C or a register A again.
+template <bool kZeroInit, bool kWait = true, class TiledMma, class TA, class TB, class TC>
 __device__ __forceinline__ void wgmma_gemm(TiledMma& mma, TA& a, TB const& b, TC& c) {
   using namespace cute;
   constexpr bool kRegA = !is_same_v<typename TA::engine_type::iterator, GMMA::DescriptorIterator>;
@@ -64,9 +65,19 @@ __device__ __forceinline__ void wgmma_gemm(TiledMma& mma, TA& a, TB const& b, TC
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(c);
-  if constexpr (kRegA) warpgroup_fence_operand(a);
+  if constexpr (kWait) {
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(c);
+    if constexpr (kRegA) warpgroup_fence_operand(a);
+  }
+}
+
+// Waits until at most kPending of this warpgroup's wgmma batches are in flight (they complete in
+// order), then fences the accumulator `c` of the batch waited for.
+template <int kPending, class TC>
+__device__ __forceinline__ void wgmma_wait(TC& c) {
+  cute::warpgroup_wait<kPending>();
+  cute::warpgroup_fence_operand(c);
 }
 
 }  // namespace pagedattn

@@ -5,7 +5,8 @@
 //              chunks, one per lane, each inside one cache page) into a ring of kStages slots; it
 //              gives its registers to the consumers (setmaxnreg) and leaves when the range is issued;
 //   consumers  each warpgroup owns 64 rows: S = Q K^T, the mask policy, online softmax, O += P V
-//              (attn_wgmma.cuh), then hands the slot back; the epilogue is the other prefills'.
+//              (attn_wgmma.cuh), the S of a step overlapping the P V of the step before; a slot
+//              goes back once its P V is done. The epilogue is the other prefills'.
 // Two mbarriers per slot: `full` (the producer's expected bytes landed) and `empty` (every consumer
 // warp is done reading it). Keys past the request's end inside the last chunk are real cache slots:
 // the mask hides their scores and the consumers zero their V rows (0 * NaN is not 0) before P V. A
@@ -152,24 +153,52 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, uint64_t* f
   fence_proxy_async_smem();  // the Q tile, read by wgmma
   tile_sync<Traits>();
 
+  // Steps overlap inside the warpgroup: S of step it is computed while P V of step it - 1 still
+  // accumulates into O; O takes step it's rescaling once that P V is done.
   int const n_steps = c.w.step_end - c.w.step_begin;
-  for (int it = 0; it < n_steps; ++it) {
-    int const slot = it % kStages;
-    int const key0 = (c.w.step_begin + it) * kBlockN;
-    mbarrier_wait(full + slot, uint32_t(it / kStages) & 1u);
-    if (c.w.k_len - key0 < kBlockN) ws_clear_tail(c, slot, c.w.k_len - key0);  // uniform: the last step only
-    Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    Tensor sK = make_tensor(make_smem_ptr(c.smem.k_tile(slot, 0)), typename Tiles::SmemLayoutK{});
-    wgmma_gemm<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(sK), acc_s);
-    float const s_scale = mask.template apply<kBlockN>(acc_s, tScS, key0, c.scale_log2);
-    Tensor s_rows = make_tensor(acc_s.data(), Layout<Shape<_4, _1, Int<kBlockN / 8>>>{});
-    softmax.update(s_rows, o_rows, s_scale);
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_s); ++i) tOrP(i) = Element(acc_s(i));
-    Tensor sVt = make_tensor(make_smem_ptr(c.smem.v_tile(slot, 0)), typename Tiles::SmemLayoutVt{});
-    wgmma_gemm<false>(mma_pv, tOrP, thr_pv.partition_fragment_B(sVt), acc_o);
+  auto key0_of = [&](int it) { return (c.w.step_begin + it) * kBlockN; };
+  auto wait_slot = [&](int it) {  // step it's K and V landed (V rows past the request's end zeroed)
+    mbarrier_wait(full + it % kStages, uint32_t(it / kStages) & 1u);
+    int const first = c.w.k_len - key0_of(it);
+    if (first < kBlockN) ws_clear_tail(c, it % kStages, first);  // uniform: the last step only
+  };
+  auto tSrK = [&](int slot) {
+    return thr_qk.partition_fragment_B(make_tensor(make_smem_ptr(c.smem.k_tile(slot, 0)), typename Tiles::SmemLayoutK{}));
+  };
+  auto tOrVt = [&](int slot) {
+    return thr_pv.partition_fragment_B(make_tensor(make_smem_ptr(c.smem.v_tile(slot, 0)), typename Tiles::SmemLayoutVt{}));
+  };
+  auto release = [&](int slot) {  // this warp is done with the slot
     __syncwarp();
-    if (c.tidx % 32 == 0) mbarrier_arrive(empty + slot);  // this warp is done with the slot
+    if (c.tidx % 32 == 0) mbarrier_arrive(empty + slot);
+  };
+  auto to_p = [&](auto const& s) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(s); ++i) tOrP(i) = Element(s(i));
+  };
+  Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor s_rows = make_tensor(acc_s.data(), Layout<Shape<_4, _1, Int<kBlockN / 8>>>{});
+  if (n_steps > 0) {
+    wait_slot(0);
+    wgmma_gemm<true>(mma_qk, tSrQ, tSrK(0), acc_s);
+    softmax.update(s_rows, o_rows, mask.template apply<kBlockN>(acc_s, tScS, key0_of(0), c.scale_log2));
+    to_p(acc_s);
+    for (int it = 1; it < n_steps; ++it) {
+      int const slot = it % kStages, prev = (it - 1) % kStages;
+      wait_slot(it);
+      wgmma_gemm<true, false>(mma_qk, tSrQ, tSrK(slot), acc_s);
+      wgmma_gemm<false, false>(mma_pv, tOrP, tOrVt(prev), acc_o);
+      wgmma_wait<1>(acc_s);
+      float alpha[2];
+      softmax.exponentiate(s_rows, mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2), alpha);
+      wgmma_wait<0>(acc_o);
+      warpgroup_fence_operand(tOrP);  // P of step it - 1 stays in its registers until its MMAs are done
+      release(prev);
+      softmax.rescale(o_rows, alpha);
+      to_p(acc_s);
+    }
+    wgmma_gemm<false>(mma_pv, tOrP, tOrVt((n_steps - 1) % kStages), acc_o);
+    release((n_steps - 1) % kStages);
   }
   write_tile<Traits, Features>(c, o_rows, softmax,
                                thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));

@@ -38,9 +38,18 @@ struct OnlineSoftmax {
   // and rescales acc_o's rows to the new maxima. scale_log2 = softmax_scale * log2(e) * k_descale.
   template <class TensorS, class TensorO>
   __device__ __forceinline__ void update(TensorS& acc_s, TensorO& acc_o, float scale_log2) {
+    float alpha[kRows];
+    exponentiate(acc_s, scale_log2, alpha);
+    rescale(acc_o, alpha);
+  }
+
+  // The first half of update(): the new maxima and probabilities; alpha[r] is the factor row r of O
+  // must take (rescale) before the tile's P V adds to it. Leaves O alone, so that a P V of the tile
+  // before may still be accumulating into it.
+  template <class TensorS>
+  __device__ __forceinline__ void exponentiate(TensorS& acc_s, float scale_log2, float (&alpha)[kRows]) {
     using namespace cute;
     constexpr int kMmaN = decltype(size<2>(acc_s))::value;
-    constexpr int kMmaD = decltype(size<2>(acc_o))::value;
 #pragma unroll
     for (int mi = 0; mi < kRows / 2; ++mi) {
 #pragma unroll
@@ -53,7 +62,7 @@ struct OnlineSoftmax {
         }
         float const m_new = fmaxf(m[r], quad_max(tile_max) * scale_log2);
         float const m_use = m_new == kNegInf ? 0.f : m_new;  // an all-masked row stays at p = 0
-        float const alpha = exp2f(m[r] - m_use);
+        alpha[r] = exp2f(m[r] - m_use);
         m[r] = m_new;
         float sum = 0.f;
 #pragma unroll
@@ -65,12 +74,26 @@ struct OnlineSoftmax {
             sum += p;
           }
         }
-        l[r] = l[r] * alpha + sum;
-        if (alpha != 1.f) {  // the max moved: rescale this row of O (skipped, exactly, otherwise)
+        l[r] = l[r] * alpha[r] + sum;
+      }
+    }
+  }
+
+  // The second half: O's rows times alpha (a row whose max did not move is skipped, exactly).
+  template <class TensorO>
+  __device__ __forceinline__ void rescale(TensorO& acc_o, float const (&alpha)[kRows]) {
+    using namespace cute;
+    constexpr int kMmaD = decltype(size<2>(acc_o))::value;
+#pragma unroll
+    for (int mi = 0; mi < kRows / 2; ++mi) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float const a = alpha[2 * mi + h];
+        if (a != 1.f) {
 #pragma unroll
           for (int nd = 0; nd < kMmaD; ++nd) {
-            acc_o(2 * h, mi, nd) *= alpha;
-            acc_o(2 * h + 1, mi, nd) *= alpha;
+            acc_o(2 * h, mi, nd) *= a;
+            acc_o(2 * h + 1, mi, nd) *= a;
           }
         }
       }
