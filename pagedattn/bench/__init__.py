@@ -98,7 +98,7 @@ def add_parser(sub) -> None:
     w = bsub.add_parser("sweep", help="tile / mode sweeps, one process per configuration (see bench/sweeps.py)")
     w.add_argument("kind", choices=("decode", "prefill", "modes", "quick"))
     w.add_argument("configs", nargs="*", help="decode: kWarpsN,kStages,kMinBlocks[,tma|cp[,kBlockN]]; prefill: "
-                                              "kBlockM,kBlockN,kWarpsM,kStages; either: default; modes: long short ws")
+                                              "kBlockM,kBlockN,kWarpsM,kStages; either: default; modes: long short ws wsab")
     w.add_argument("--out", default=str(default_out),
                    help="results folder (default: where `pagedattn bench` writes, %(default)s; the "
                         "repository's: perf/results)")

@@ -111,11 +111,12 @@ PREFILL_MODES = ("prefill", "prefill_wgmma", "prefill_ws")  # what `sweep modes 
 
 
 def prefill_row(d: int, prefill: str | None = None, batch: int = 4, q_len: int = 4096, ctx: int = 4096,
-                multi: bool | None = False) -> dict:
+                multi: bool | None = False, tiles: dict | None = None) -> dict:
     """One prefill point with the dispatch's choice of prefill (None) or with `prefill` forced
     ("prefill", "prefill_wgmma", "prefill_ws"), and multi-token decode off (multi=False), as the
     dispatch has it (None) or forced up to 256 packed rows (True); checked first (short queries as
-    timed, long ones on B=2 S=517) against pagedattn.reference."""
+    timed, long ones on B=2 S=517) against pagedattn.reference. `tiles` overrides tile_config's
+    answer for the forced mode (e.g. {"kPingPong": False} for prefill_ws)."""
     from pagedattn.ops import attention
     from pagedattn.ops.attention import heuristics
 
@@ -125,6 +126,10 @@ def prefill_row(d: int, prefill: str | None = None, batch: int = 4, q_len: int =
 
     attention._PLANS.clear()
     use, use_multi, multi_rows = attention.prefill_mode, attention.multi_mode, heuristics.MULTI_ROWS
+    use_tiles = attention.tile_config
+    if tiles:
+        attention.tile_config = lambda hd, mode, fp8=False, arch="sm_90a": \
+            {**use_tiles(hd, mode, fp8, arch), **(tiles if mode == prefill else {})}
     if prefill is not None:
         attention.prefill_mode = lambda wgmma, tma, fp8: prefill
     if multi is False:
@@ -143,6 +148,7 @@ def prefill_row(d: int, prefill: str | None = None, batch: int = 4, q_len: int =
                     kv_gbs=2 * batch * ctx * HKV * d * 2 / us / 1e3, rel_l2_err=err)
     finally:
         attention.prefill_mode, attention.multi_mode, heuristics.MULTI_ROWS = use, use_multi, multi_rows
+        attention.tile_config = use_tiles
 
 
 def quick_row(name: str, B: int, ctx: int, kv: str, splits: int, q_len: int, ceiling: float) -> dict:
@@ -265,12 +271,17 @@ def run(args) -> int:
         if args.kind == "modes":
             points = [dict(d=d) for d in (64, 128, 192, 256)] if "long" in configs else []
             short = [dict(d=D, batch=32, q_len=n, ctx=4096) for n in (5, 8, 16, 32, 64)] if "short" in configs else []
-            ws = [dict(d=D), dict(d=D, batch=1, q_len=16384, ctx=16384), dict(d=64), dict(d=256)] \
-                if "ws" in configs else []
+            ws_points = [dict(d=D), dict(d=D, batch=1, q_len=16384, ctx=16384), dict(d=64), dict(d=256)]
+            ws = ws_points if "ws" in configs else []
             forced = [(pt, m) for pt in points + short for m in PREFILL_MODES] + \
                      [(pt, m) for pt in ws for m in ("prefill_wgmma", "prefill_ws")]
             todo = [(f"d{pt['d']} B={pt.get('batch', 4)} q_len={pt.get('q_len', 4096)} {m}",
                      lambda pt=pt, m=m: prefill_row(prefill=m, **pt)) for pt, m in forced]
+            # wsab: prefill_ws with and without the consumers' ping-pong
+            todo += [(f"d{pt['d']} B={pt.get('batch', 4)} q_len={pt.get('q_len', 4096)} prefill_ws pingpong={pp}",
+                      lambda pt=pt, pp=pp: dict(prefill_row(prefill="prefill_ws", tiles={"kPingPong": pp}, **pt),
+                                                ping_pong=pp))
+                     for pt in (ws_points[:2] if "wsab" in configs else []) for pp in (False, True)]
             todo += [(f"d{pt['d']} q_len={pt['q_len']} multi", lambda pt=pt: prefill_row(multi=True, **pt))
                      for pt in short]
         else:

@@ -102,7 +102,7 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # Three slots: a consumer holds two while a step's S overlaps the P V of the one before
         # (tile_config drops to two where shared memory ends, at d256).
         return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1, kStages=3,
-                    kMinBlocks=1, kTma=True)
+                    kMinBlocks=1, kTma=True, kPingPong=True)
     if mode == "prefill_wgmma":
         # Measured on H200, B=4 S=4096 causal d128 (perf/results/history/prefill_sweep_h200_*): more
         # warpgroups sharing each K/V stage win. rows x keys: 128x128 227 TFLOP/s, 192x128 300-309,

@@ -60,7 +60,7 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   // this split starts). Guess that start from the table's capacity (exact for the longest requests,
   // e.g. equal-length decode batches) and pull those table lines into L2 now, in flight with
   // schedule()'s loads; a wrong guess costs a few L2 lines.
-  if constexpr (Traits::kTma) {
+  if constexpr (Traits::kTma && !Traits::kWs) {
     if (p.block_table != nullptr) {
       int const b = blockIdx.x / p.num_kv_heads;
       int const steps = (PagedKV::table_capacity(p.max_blocks_per_seq, p.block_size) + kStageKeys - 1) / kStageKeys;
@@ -70,7 +70,7 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
     }
   }
   AttnWork w;
-  bool const has_tile = schedule<Traits, Features>(p, row_tile(), w);
+  bool const has_tile = schedule<Traits, Features>(p, grid_slot<Traits>(), w);
   if (w.q_len * p.group > int(gridDim.y) * Traits::kBlockM) attn_rows_past_grid<Traits, Features>(p, w);  // rare
   if (!has_tile) return;
   if constexpr (Traits::kWs) {

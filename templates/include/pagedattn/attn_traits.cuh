@@ -37,7 +37,8 @@
 namespace pagedattn {
 
 template <class Element_, Fp8Format kFp8_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsM_,
-          int kWarpsN_, int kStages_, bool kTma_ = false, bool kWgmma_ = false, int kWarpsD_ = 1>
+          int kWarpsN_, int kStages_, bool kTma_ = false, bool kWgmma_ = false, int kWarpsD_ = 1,
+          bool kPingPong_ = false>
 struct AttnTraits {
   using Element = Element_;  // cutlass::half_t or cutlass::bfloat16_t: Q, O and both MMA operands
   static constexpr Fp8Format kFp8 = kFp8_;
@@ -62,6 +63,7 @@ struct AttnTraits {
   static constexpr bool kWs = kTma && kWgmma;
   static constexpr int kProducerThreads = kWs ? 128 : 0;
   static constexpr int kCtaThreads = kThreads + kProducerThreads;
+  static constexpr bool kPingPong = kPingPong_;  // kWs: the consumer warpgroups take turns issuing MMAs
   static constexpr int kStageKeys = kBlockN * kWarpsN;
   static constexpr int kMmaM = kBlockM / (16 * kWarpsM);  // 16-row MMA tiles per warp
   static constexpr int kRows = 2 * kMmaM;                  // softmax rows held by each thread

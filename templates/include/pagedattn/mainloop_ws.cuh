@@ -178,16 +178,35 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, uint64_t* f
   };
   Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
   Tensor s_rows = make_tensor(acc_s.data(), Layout<Shape<_4, _1, Int<kBlockN / 8>>>{});
+  // kPingPong: the two warpgroups take turns on the tensor cores, one issuing a step's MMAs while the
+  // other runs its softmax. Warpgroup w waits on named barrier 2 + w before it issues and then lets
+  // the other one go (bar.arrive); warpgroup 1 lets warpgroup 0 start, and warpgroup 0 takes that
+  // last arrival at the end, so every barrier is balanced.
+  constexpr bool kPingPong = Traits::kPingPong;
+  static_assert(!kPingPong || Traits::kThreads == 256, "ping-pong: two consumer warpgroups");
+  int const wg = c.tidx / 128;
+  auto my_turn = [&] {
+    if constexpr (kPingPong) asm volatile("bar.sync %0, 256;\n" ::"r"(2 + wg) : "memory");
+  };
+  auto your_turn = [&] {
+    if constexpr (kPingPong) asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - wg) : "memory");
+  };
   if (n_steps > 0) {
+    if (wg == 1) your_turn();
     wait_slot(0);
-    wgmma_gemm<true>(mma_qk, tSrQ, tSrK(0), acc_s);
+    my_turn();
+    wgmma_gemm<true, false>(mma_qk, tSrQ, tSrK(0), acc_s);
+    your_turn();
+    wgmma_wait<0>(acc_s);
     softmax.update(s_rows, o_rows, mask.template apply<kBlockN>(acc_s, tScS, key0_of(0), c.scale_log2));
     to_p(acc_s);
     for (int it = 1; it < n_steps; ++it) {
       int const slot = it % kStages, prev = (it - 1) % kStages;
       wait_slot(it);
+      my_turn();
       wgmma_gemm<true, false>(mma_qk, tSrQ, tSrK(slot), acc_s);
       wgmma_gemm<false, false>(mma_pv, tOrP, tOrVt(prev), acc_o);
+      your_turn();
       wgmma_wait<1>(acc_s);
       float alpha[2];
       softmax.exponentiate(s_rows, mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2), alpha);
@@ -197,8 +216,13 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, uint64_t* f
       softmax.rescale(o_rows, alpha);
       to_p(acc_s);
     }
-    wgmma_gemm<false>(mma_pv, tOrP, tOrVt((n_steps - 1) % kStages), acc_o);
+    my_turn();
+    wgmma_gemm<false, false>(mma_pv, tOrP, tOrVt((n_steps - 1) % kStages), acc_o);
+    your_turn();
+    wgmma_wait<0>(acc_o);
+    warpgroup_fence_operand(tOrP);
     release((n_steps - 1) % kStages);
+    if (wg == 0) my_turn();
   }
   write_tile<Traits, Features>(c, o_rows, softmax,
                                thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));

@@ -24,7 +24,7 @@ __device__ __noinline__ void attn_rows_past_grid(AttnParams const& p, AttnWork c
   int const lane = threadIdx.x % 32;
   int const warps = blockDim.x / 32;
   int const first = int(gridDim.y) * Traits::kBlockM, rows = w.q_len * p.group, D = p.head_size;
-  int const cta = blockIdx.z * gridDim.y + blockIdx.y;
+  int const cta = blockIdx.z * gridDim.y + w.column_cta;
   PagedKV const kv = TileCtx<Traits>::request_kv(p, w);
   float scale_log2 = p.scale_log2, v_scale = 1.f;
   if constexpr (Traits::kIsFp8) {

@@ -53,6 +53,7 @@ __device__ __forceinline__ KeyRange visible_keys(AttnParams const& p, int q_len,
 
 struct AttnWork {
   int b, kv_head, split;
+  int column_cta;              // this CTA among those of its (request, KV head) column and split: 0 .. gridDim.y - 1
   int q_start, q_len;          // request's first query row and query count, inside [0, total_q)
   int k_start, k_len;          // contiguous varlen: first K row (inside [0, total_k)); visible keys
   int row0;                    // first packed row of the tile
@@ -63,15 +64,34 @@ struct AttnWork {
 
 __device__ __forceinline__ int clamp_to(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
-// This CTA's row tile. Row tiles go in reverse: with causal masking the last tiles of a request see
-// the most keys, and the grid runs in blockIdx order, so the longest CTAs start first instead of
-// forming the tail.
-__device__ __forceinline__ int row_tile() { return int(gridDim.y - 1 - blockIdx.y); }
+// Which (request, KV head) column and row tile this CTA takes. The grid is (columns, row tiles,
+// splits) and starts CTAs in blockIdx order, x fastest. Row tiles go in reverse: with causal masking
+// the last tiles of a request see the most keys, so the longest CTAs start first instead of forming
+// the tail. kWs (the warp-specialised prefill, one CTA per SM): consecutive CTAs take the row tiles of
+// one column instead of one row tile of every column, so the CTAs resident together read the same
+// K/V and it stays in L2.
+struct GridSlot {
+  int column, row_tile, column_cta;
+};
+
+template <class Traits>
+__device__ __forceinline__ GridSlot grid_slot() {
+  int const tiles = int(gridDim.y);
+  if constexpr (Traits::kWs) {
+    int64_t const linear = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
+    int const column = int(linear / tiles), t = int(linear % tiles);
+    return {column, tiles - 1 - t, t};
+  } else {
+    return {int(blockIdx.x), tiles - 1 - int(blockIdx.y), int(blockIdx.y)};
+  }
+}
 
 template <class Traits, class Features>
-__device__ __forceinline__ bool schedule(AttnParams const& p, int tile, AttnWork& w) {
-  w.b = blockIdx.x / p.num_kv_heads;
-  w.kv_head = blockIdx.x - w.b * p.num_kv_heads;
+__device__ __forceinline__ bool schedule(AttnParams const& p, GridSlot const& slot, AttnWork& w) {
+  int const tile = slot.row_tile;
+  w.b = slot.column / p.num_kv_heads;
+  w.kv_head = slot.column - w.b * p.num_kv_heads;
+  w.column_cta = slot.column_cta;
   w.split = blockIdx.z;
   w.q_start = clamp_to(p.cu_seqlens_q[w.b], 0, p.total_q);
   w.q_len = clamp_to(p.cu_seqlens_q[w.b + 1], w.q_start, p.total_q) - w.q_start;
