@@ -281,7 +281,8 @@ def run(args) -> int:
             todo += [(f"d{pt['d']} B={pt.get('batch', 4)} q_len={pt.get('q_len', 4096)} prefill_ws pingpong={pp}",
                       lambda pt=pt, pp=pp: dict(prefill_row(prefill="prefill_ws", tiles={"kPingPong": pp}, **pt),
                                                 ping_pong=pp))
-                     for pt in (ws_points[:2] if "wsab" in configs else []) for pp in (False, True)]
+                     for i, pt in enumerate(ws_points if "wsab" in configs else []) for pp in (False, True)
+                     if pp or i < 2]
             todo += [(f"d{pt['d']} q_len={pt['q_len']} multi", lambda pt=pt: prefill_row(multi=True, **pt))
                      for pt in short]
         else:

@@ -99,8 +99,7 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
     if mode == "prefill_ws":
         # two consumer warpgroups of 64 rows each and a producer warpgroup; 128-key stages where the
         # O and S accumulators fit the consumers' registers (64 + 64 fp32 at d128), 64 keys above.
-        # Three slots: a consumer holds two while a step's S overlaps the P V of the one before
-        # (tile_config drops to two where shared memory ends, at d256).
+        # Three slots where they fit (tile_config drops to two where shared memory ends, at d256).
         return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1, kStages=3,
                     kMinBlocks=1, kTma=True, kPingPong=True)
     if mode == "prefill_wgmma":
@@ -130,7 +129,7 @@ def smem_bytes(cfg: dict, head_dim: int, fp8: bool) -> int:
     kv = (2 * cfg["kStages"] * stage if fp8 else 0) + 2 * elem_stages * stage * 2
     epilogue = cfg["kWarpsN"] * cfg["kBlockM"] * (head_dim + 2) * 4
     main = max(q + kv, epilogue)
-    # TMA: an mbarrier per (warp, ring slot); prefill_ws: a full and an empty one per slot
-    barriers = 8 * (2 if cfg["kWgmma"] else cfg["kWarpsN"]) * cfg["kStages"] if cfg["kTma"] else 0
+    # TMA: an mbarrier per (warp, ring slot); prefill_ws: a full and an empty one per slot of K and of V
+    barriers = 8 * (4 if cfg["kWgmma"] else cfg["kWarpsN"]) * cfg["kStages"] if cfg["kTma"] else 0
     return -(-main // 8) * 8 + barriers
 

@@ -134,8 +134,8 @@ struct AttnTraits {
   static constexpr int kSmemMain =
       kSmemQ + kSmemKV > kSmemEpilogue ? kSmemQ + kSmemKV : kSmemEpilogue;
   // TMA: one 8-byte mbarrier per (warp, slot), after everything the epilogue reuses; kWs: a full and
-  // an empty one per slot
-  static constexpr int kSmemBarriers = kTma ? 8 * (kWs ? 2 : kWarpsN) * kStages : 0;
+  // an empty one per slot of the K ring and of the V ring
+  static constexpr int kSmemBarriers = kTma ? 8 * (kWs ? 4 : kWarpsN) * kStages : 0;
   static constexpr int kSmemBytes = (kSmemMain + 7) / 8 * 8 + kSmemBarriers;
 };
 
