@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
-# (info precompile packbundle bundle tests alltests sanitize fuzz fuzzsanitize overhead overheadab attnquick decodesweep prefillsweep prefillmodes writesweep writequick aotcheck ncu benchdw
+# (info precompile packbundle bundle tests alltests sanitize racecheck fuzz fuzzsanitize overhead overheadab attnquick decodesweep prefillsweep prefillmodes writesweep writequick aotcheck ncu benchdw
 # benchp benchs benchq bench-full demo multigpu hfcb).
 # Logs and results go under $OUT; RESULTS.md and plots are regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
@@ -33,6 +33,11 @@ for stage in "$@"; do
     tests)     PAGEDATTN_TEST_BUNDLE=${PAGEDATTN_AOT_DIR:-} timeout -s INT -k 30 ${PYTEST_TIMEOUT:-86400} python3 -m pytest -q -ra -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} ${PYTEST_N:+-n "$PYTEST_N"} ${PYTEST_FILES:-"$ROOT/tests"} ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/gpu_tests${PYTEST_TAG:-}.log" 2>&1; rc=$?; tail -n 40 "$OUT/gpu_tests${PYTEST_TAG:-}.log"; (exit $rc) ;;
     alltests)  python3 -m pytest -q -ra -p no:cacheprovider "$ROOT/tests" 2>&1 | tail -n 60 | tee "$OUT/all_tests.log" ;;
     sanitize)  compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" > "$OUT/sanitize.log" 2>&1; rc=$?; tail -n 30 "$OUT/sanitize.log"; (exit $rc) ;;
+    # the warp-specialised prefill under racecheck (shared memory) and synccheck (barriers)
+    racecheck) rc=0; for tool in racecheck synccheck; do
+                 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" ws > "$OUT/$tool.log" 2>&1 || rc=9
+                 tail -n 4 "$OUT/$tool.log"
+               done; (exit $rc) ;;
     fuzz)      python3 "$ROOT/tests/fuzz/fuzz_metadata.py" --cases ${FUZZ_CASES:-2000} --seed ${FUZZ_SEED:-0} ${FUZZ_ARGS:-} --out "$OUT/results" 2>&1 | tail -n 40 ;;
     fuzzsanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/tests/fuzz/fuzz_metadata.py" --sanitize ${FUZZ_ARGS:-} --out "$OUT/results" > "$OUT/fuzzsanitize.log" 2>&1; rc=$?; tail -n 25 "$OUT/fuzzsanitize.log"; (exit $rc) ;;
     overhead)  python3 "$ROOT/perf/launch_overhead.py" "$OUT/results" ;;

@@ -1,9 +1,34 @@
 """Small cases run under compute-sanitizer memcheck on the GPU: corrupt slots and tables must not
-cause any out-of-bounds access."""
+cause any out-of-bounds access. With the argument `ws`: only the warp-specialised prefill (its TMA
+producer, mbarrier rings, ping-pong and tail zeroing), small enough for racecheck and synccheck."""
+import sys
+
 import torch
 
 import pagedattn
 from pagedattn import CacheSpec
+
+if sys.argv[1:] == ["ws"]:
+    from pagedattn.ops.attention import flash_attn_varlen_func
+
+    for layout, D in (("NHD", 128), ("HND", 64), ("NHD", 256)):
+        spec = CacheSpec(40, 16, 2, D, torch.bfloat16, "auto", layout)
+        kc, vc = spec.allocate("cuda", fill=float("nan"))
+        kc[:32].normal_()
+        vc[:32].normal_()
+        # request 0: 300 keys over shuffled pages (a tail of 12 keys, NaN past it); request 1: a corrupt page
+        table = torch.randperm(32, device="cuda").to(torch.int32).view(2, 16)
+        table[1, 3] = 10**6
+        seq = torch.tensor([300, 250], dtype=torch.int32, device="cuda")
+        q = torch.randn(300 + 70, 8, D, dtype=torch.bfloat16, device="cuda")
+        cu_q = torch.tensor([0, 300, 370], dtype=torch.int32, device="cuda")
+        for splits in (1, 3):
+            out = flash_attn_varlen_func(q, kc, vc, 300, cu_q, 300, seqused_k=seq, block_table=table, causal=True,
+                                         num_splits=splits)
+            assert torch.isfinite(out).all()
+    torch.cuda.synchronize()
+    print("sanitize ws cases done")
+    sys.exit(0)
 
 for layout in ("NHD", "HND"):
     for kv, dtype in (("auto", torch.bfloat16), ("fp8_e4m3", torch.uint8)):

@@ -100,7 +100,7 @@ CI_SPECS = [AttnFwdSpec("bf16", "auto", 128, "decode"), AttnFwdSpec("bf16", "aut
             AttnFwdSpec("fp16", "fp8_e4m3", 80, "decode"), AttnFwdSpec("bf16", "auto", 128, "decode_tma"),
             AttnFwdSpec("fp16", "fp8_e5m2", 80, "decode_tma"), AttnFwdSpec("bf16", "fp8_e4m3", 128, "decode_tma"),
             AttnFwdSpec("bf16", "fp8_e4m3", 128, "prefill_wgmma"), AttnFwdSpec("bf16", "auto", 512, "decode"),
-            AttnFwdSpec("bf16", "auto", 128, "multi_tma")]
+            AttnFwdSpec("bf16", "auto", 128, "multi_tma"), AttnFwdSpec("bf16", "auto", 128, "prefill_ws")]
 
 
 # make test compiles the cp.async/mma.sync variants for one arch (sm_80 and sm_90a compile one source):
@@ -847,6 +847,28 @@ def test_wgmma_prefill_dispatch_rules():
         assert smem_bytes(t, d, False) <= 227 * 1024
         assert smem_bytes(tile_config(d, "prefill_wgmma", fp8=True), d, True) <= 227 * 1024
     assert not tile_config(128, "prefill")["kWgmma"] and not tile_config(128, "decode_tma")["kWgmma"]
+
+
+def test_ws_prefill_dispatch_rules():
+    from pagedattn.ops.attention import heuristics, smem_bytes, tile_config
+
+    # the warp-specialised prefill: 16-bit caches TMA can read, on sm_90a
+    assert heuristics.prefill_mode(True, True, False) == "prefill_ws"
+    assert heuristics.prefill_mode(True, True, True) == "prefill_wgmma"     # fp8: widened in shared memory
+    assert heuristics.prefill_mode(True, False, False) == "prefill_wgmma"   # block size 1/8, contiguous KV
+    assert heuristics.prefill_mode(False, True, False) == "prefill"         # sm_80, head dims not multiples of 64
+    with pytest.raises(UnsupportedError, match="16-bit cache"):
+        AttnFwdSpec("bf16", "fp8_e4m3", 128, "prefill_ws")
+    with pytest.raises(UnsupportedError, match="multiple of 64"):
+        AttnFwdSpec("bf16", "auto", 96, "prefill_ws")
+    for d in (64, 128, 192, 256):  # two consumer warpgroups of 64 rows and a producer warpgroup
+        spec = AttnFwdSpec("bf16", "auto", d, "prefill_ws")
+        t = tile_config(d, "prefill_ws")
+        assert t["kWgmma"] and t["kTma"] and t["kBlockM"] == 128 and t["kWarpsM"] == 8 and t["kPingPong"]
+        assert spec.threads == 384 and smem_bytes(t, d, False) <= 227 * 1024
+        assert spec.supports_arch("sm_90a") and not spec.supports_arch("sm_80")
+        assert "true,true,1,true>;" in "".join(Kernel(spec).source.split())  # kTma, kWgmma, kWarpsD, kPingPong
+    assert tile_config(256, "prefill_ws")["kStages"] == 2 and tile_config(128, "prefill_ws")["kStages"] == 3
 
 
 def test_tiles_beyond_shared_memory_are_refused(monkeypatch):

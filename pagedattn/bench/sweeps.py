@@ -130,8 +130,11 @@ def prefill_row(d: int, prefill: str | None = None, batch: int = 4, q_len: int =
     if tiles:
         attention.tile_config = lambda hd, mode, fp8=False, arch="sm_90a": \
             {**use_tiles(hd, mode, fp8, arch), **(tiles if mode == prefill else {})}
-    if prefill is not None:
+    use_mode_for = attention.mode_for
+    if prefill is not None:  # forced: also for rows the dispatch would give the SM80 prefill
         attention.prefill_mode = lambda wgmma, tma, fp8: prefill
+        attention.mode_for = lambda rows, decode, prefill_, wgmma_rows, multi_=None: \
+            use_mode_for(rows, decode, prefill_, 16 if prefill_ != "prefill" else wgmma_rows, multi_)
     if multi is False:
         attention.multi_mode = lambda call, head_dim, tma: None
     elif multi:
@@ -148,7 +151,7 @@ def prefill_row(d: int, prefill: str | None = None, batch: int = 4, q_len: int =
                     kv_gbs=2 * batch * ctx * HKV * d * 2 / us / 1e3, rel_l2_err=err)
     finally:
         attention.prefill_mode, attention.multi_mode, heuristics.MULTI_ROWS = use, use_multi, multi_rows
-        attention.tile_config = use_tiles
+        attention.tile_config, attention.mode_for = use_tiles, use_mode_for
 
 
 def quick_row(name: str, B: int, ctx: int, kv: str, splits: int, q_len: int, ceiling: float) -> dict:
