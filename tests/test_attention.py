@@ -195,9 +195,16 @@ def _case_id(c):
             f"{'lse' if c['lse'] else 'nolse'}-{'out' if c['out'] else 'noout'}-{c['loader']}")
 
 
-def _lengths(kind, rng, group=1):
-    if kind == "multi":      # multi-token decode: 2..MULTI_ROWS / group query tokens over longer histories
-        most = max(2, attention_heuristics.MULTI_ROWS // group)
+def _multi_rows(kv, bs):
+    """The most rows multi-token decode takes for this cache: WS_ROWS where the warp-specialised prefill
+    takes the rows above (16-bit paged caches of 16-key pages), else MULTI_ROWS."""
+    ws = kv == "auto" and bs % 16 == 0
+    return attention_heuristics.WS_ROWS if ws else attention_heuristics.MULTI_ROWS
+
+
+def _lengths(kind, rng, group=1, multi_rows=None):
+    if kind == "multi":      # multi-token decode: 2..multi_rows / group query tokens over longer histories
+        most = max(2, (multi_rows or attention_heuristics.MULTI_ROWS) // group)
         lq = [most, rng.randint(2, most), 1, rng.randint(2, most)]
         lk = [lq[0] + rng.randint(0, 900), lq[1] + rng.randint(1, 300), rng.randint(1, 500), lq[3]]
         return lq, lk
@@ -236,7 +243,7 @@ def test_attention_matches_reference(c, decode_loader):
     rng = random.Random(_case_id(c))
     gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
     Hq, Hkv = c["heads"]
-    lens_q, lens_k = _lengths(c["batch"], rng, Hq // Hkv)
+    lens_q, lens_k = _lengths(c["batch"], rng, Hq // Hkv, _multi_rows(c["kv"][0], c["bs"]))
     kv, gran = c["kv"]
     case = build_case(lens_q, lens_k, Hq, Hkv, c["D"], c["bs"], c["layout"], c["dtype"], kv, gran, gen)
     table = case["table"]
@@ -271,7 +278,8 @@ def test_attention_matches_reference(c, decode_loader):
 
 
 def _multi_grid(n, seed=11):
-    """Multi-token decode (modes multi / multi_tma): up to MULTI_ROWS packed rows per KV head."""
+    """Multi-token decode (modes multi / multi_tma): up to MULTI_ROWS packed rows per KV head (WS_ROWS
+    where prefill_ws takes the rows above)."""
     rng = random.Random(seed)
     axes = dict(dtype=[torch.float16, torch.bfloat16], D=[64, 80, 96, 128, 72], layout=["NHD", "HND"],
                 bs=[1, 8, 16, 32, 128], heads=[(8, 8), (32, 8), (32, 4), (28, 4), (16, 2)], causal=[False, True],
@@ -892,6 +900,10 @@ def test_prefill_variant_by_rows():
     plan.multi_mode = "multi_tma"  # multi-token decode between one decode tile and MULTI_ROWS
     assert [plan.mode_for(r) for r in (16, 17, attention.heuristics.MULTI_ROWS, 128)] == \
         ["decode_tma", "multi_tma", "multi_tma", "prefill"]
+    plan.prefill_mode = "prefill_ws"  # the warp-specialised prefill takes every batch above WS_ROWS
+    ws = attention.heuristics.WS_ROWS
+    assert [plan.mode_for(r) for r in (16, 17, ws, ws + 1, 128, 4096)] == \
+        ["decode_tma", "multi_tma", "multi_tma", "prefill_ws", "prefill_ws", "prefill_ws"]
     plan.multi_mode = None
     plan.prefill_mode = "prefill"  # no wgmma (sm_80, fp8 caches, head dims not multiples of 64)
     assert plan.mode_for(4096) == "prefill"

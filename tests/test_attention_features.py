@@ -9,7 +9,7 @@ import torch
 
 from pagedattn import ContractError, reference
 from pagedattn.ops.attention import FEATURE_SETS, AttnFwdSpec, _Call, features_of, flash_attn_varlen_func
-from pagedattn.ops.attention.heuristics import MULTI_ROWS
+from pagedattn.ops.attention.heuristics import MULTI_ROWS, WS_ROWS
 from pagedattn.registry import variant_name
 from test_attention import build_case, cover_axes, decode_loader, rel_l2  # noqa: F401 (a fixture)
 from test_attention import ci_arch
@@ -177,9 +177,9 @@ def _fid(c):
             f"{'-contig' if c['contiguous'] else ''}")
 
 
-def _feature_lengths(kind, rng, group=1):
-    if kind == "multi":  # multi-token decode: 2..MULTI_ROWS / group queries over histories beyond the windows
-        most = max(2, MULTI_ROWS // group)
+def _feature_lengths(kind, rng, group=1, multi_rows=MULTI_ROWS):
+    if kind == "multi":  # multi-token decode: 2..multi_rows / group queries over histories beyond the windows
+        most = max(2, multi_rows // group)
         return [most, rng.randint(2, most), 1], [rng.randint(most, 1500), rng.randint(200, 900), rng.randint(1, 60)]
     if kind == "decode":
         lk = [rng.randint(1, 700), 0, rng.randint(1, 40), rng.randint(300, 1100)]
@@ -231,8 +231,10 @@ def _check_feature_case(c, decode_loader, max_q=None):
     rng = random.Random(_fid(c))
     gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
     Hq, Hkv = c["heads"]
-    lens_q, lens_k = _feature_lengths(c["batch"], rng, Hq // Hkv)
     kv = "auto" if c["contiguous"] else c["kv"]
+    # multi-token decode keeps WS_ROWS rows where the warp-specialised prefill takes those above
+    multi_rows = WS_ROWS if kv == "auto" and c["bs"] % 16 == 0 and not c["contiguous"] else MULTI_ROWS
+    lens_q, lens_k = _feature_lengths(c["batch"], rng, Hq // Hkv, multi_rows)
     case = build_case(lens_q, lens_k, Hq, Hkv, c["D"], c["bs"], c["layout"], c["dtype"], kv, "tensor", gen)
     B = len(lens_q)
     slopes = None

@@ -181,6 +181,10 @@ def test_mode_choice_is_pure():
     assert [multi(r, "multi_tma") for r in (16, 17, top, top + 1)] == ["decode_tma", "multi_tma", "multi_tma",
                                                                        "prefill"]
     assert multi(17, None) == "prefill"
+    # prefill_ws, where the plan has it, above WS_ROWS (multi-token decode below)
+    ws = lambda rows: heuristics.mode_for(rows, "decode_tma", "prefill_ws", 128, "multi_tma")  # noqa: E731
+    assert [ws(r) for r in (16, heuristics.WS_ROWS, heuristics.WS_ROWS + 1, 129)] == \
+        ["decode_tma", "multi_tma", "prefill_ws", "prefill_ws"]
 
 
 def test_multi_token_decode_modes():

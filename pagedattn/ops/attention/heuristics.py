@@ -20,6 +20,12 @@ if TYPE_CHECKING:
 # (one tile), 269 us at 64 rows (two tiles, each streaming K/V) against prefill's 336 us, and 528 us
 # at 128 rows against 340: the crossing lies between 64 and 128 rows.
 MULTI_ROWS = 64
+# Where the warp-specialised prefill (prefill_ws) serves the plan, it takes every batch above this many
+# rows, multi-token decode the ones between 17 and this. Measured on the H200
+# (perf/results/prefill_modes_nvidia_h200_20261201_short_ws_18f14b0.json, B=32 over 4096 keys, d128,
+# group 4): 32 rows multi_tma 137.6 us / prefill_ws 150.9; 64 rows 262.0 / 154.1; 128 rows (SM80
+# prefill) 321.4 / 159.5.
+WS_ROWS = 32
 
 # THE cap on KV splits: a forced num_splits is clamped to it, the heuristic stops at half of it, and
 # the in-kernel combine (split_combine.cuh) holds MAX_SPLITS split LSEs per row (rendered in)
@@ -65,11 +71,13 @@ def multi_mode(call: _Call, head_dim: int, tma: bool) -> str | None:
 
 def mode_for(rows: int, decode_mode: str, prefill_mode: str, wgmma_rows: int, multi: str | None = None) -> str:
     """The variant for a batch whose longest request has `rows` packed query rows: decode up to one
-    16-row tile; multi-token decode (`multi`, when the plan has one) up to MULTI_ROWS; prefill_wgmma
-    (when the plan allows it) once the rows overflow one SM80 prefill tile (`wgmma_rows`), plain
-    prefill in between."""
+    16-row tile; prefill_ws above WS_ROWS when the plan has it; multi-token decode (`multi`, when the
+    plan has one) up to MULTI_ROWS; prefill_wgmma (when the plan allows it) once the rows overflow one
+    SM80 prefill tile (`wgmma_rows`), plain prefill in between."""
     if rows <= 16:
         return decode_mode
+    if prefill_mode == "prefill_ws" and rows > WS_ROWS:
+        return prefill_mode
     if multi is not None and rows <= MULTI_ROWS:
         return multi
     return prefill_mode if rows > wgmma_rows else "prefill"

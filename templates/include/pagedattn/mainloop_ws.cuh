@@ -263,11 +263,15 @@ __device__ __forceinline__ void attn_fwd_ws_tile(AttnParams const& p, char* smem
   if (int(threadIdx.x) >= Traits::kThreads) {  // the producer warpgroup
     regs_decrease<Regs::kProducerRegs>();
     if (int(threadIdx.x) < Traits::kThreads + 32) ws_produce(c, bars);
+    // stay until the consumers are done (named barrier 4): the CTA's warps leave together, so that
+    // compute-sanitizer sees the consumers' named-barrier epilogue with every warp still resident
+    asm volatile("bar.sync 4, %0;\n" ::"n"(Traits::kCtaThreads) : "memory");
     return;
   }
   regs_increase<Regs::kConsumerRegs>();
   load_q_tile(c);
   ws_consume<Traits, Features>(c, bars);
+  asm volatile("bar.arrive 4, %0;\n" ::"n"(Traits::kCtaThreads) : "memory");
 }
 
 }  // namespace pagedattn
