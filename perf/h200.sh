@@ -33,8 +33,8 @@ for stage in "$@"; do
     tests)     PAGEDATTN_TEST_BUNDLE=${PAGEDATTN_AOT_DIR:-} timeout -s INT -k 30 ${PYTEST_TIMEOUT:-86400} python3 -m pytest -q -ra -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} ${PYTEST_N:+-n "$PYTEST_N"} ${PYTEST_FILES:-"$ROOT/tests"} ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/gpu_tests${PYTEST_TAG:-}.log" 2>&1; rc=$?; tail -n 40 "$OUT/gpu_tests${PYTEST_TAG:-}.log"; (exit $rc) ;;
     alltests)  python3 -m pytest -q -ra -p no:cacheprovider "$ROOT/tests" 2>&1 | tail -n 60 | tee "$OUT/all_tests.log" ;;
     sanitize)  compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" > "$OUT/sanitize.log" 2>&1; rc=$?; tail -n 30 "$OUT/sanitize.log"; (exit $rc) ;;
-    # the warp-specialised prefill under racecheck (shared memory) and synccheck (barriers)
-    racecheck) rc=0; for tool in racecheck synccheck; do
+    # the warp-specialised prefill under memcheck, racecheck (shared memory) and synccheck (barriers)
+    racecheck) rc=0; for tool in memcheck racecheck synccheck; do
                  compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" ws > "$OUT/$tool.log" 2>&1 || rc=9
                  tail -n 4 "$OUT/$tool.log"
                done; (exit $rc) ;;
