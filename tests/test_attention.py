@@ -310,16 +310,21 @@ def _fp8_wgmma_grid(n, seed=13):
     return cover_axes(axes, n, rng, 2)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("c", _fp8_wgmma_grid(40), ids=_case_id)
-def test_fp8_wgmma_prefill_matches_reference(c, decode_loader):
+def _check_sm90a_mode(c, decode_loader, mode, required=True):
+    """An sm_90a-only prefill's case: matches the reference, and (`required`) the dispatch took `mode`."""
     from pagedattn.ops import attention as attention_ops
 
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("prefill_wgmma is sm_90a-only")
+        pytest.skip(f"{mode} is sm_90a-only")
     test_attention_matches_reference(c, decode_loader)
-    modes = {mode for plan in attention_ops._PLANS.values() for mode, _ in plan._kernels}
-    assert "prefill_wgmma" in modes, modes
+    modes = {m for plan in attention_ops._PLANS.values() for m, _ in plan._kernels}
+    assert mode in modes or not required, modes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", _fp8_wgmma_grid(40), ids=_case_id)
+def test_fp8_wgmma_prefill_matches_reference(c, decode_loader):
+    _check_sm90a_mode(c, decode_loader, "prefill_wgmma")
 
 
 def _ws_grid(n, seed=17):
@@ -338,13 +343,7 @@ def _ws_grid(n, seed=17):
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", _ws_grid(48), ids=_case_id)
 def test_ws_prefill_matches_reference(c, decode_loader):
-    from pagedattn.ops import attention as attention_ops
-
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("prefill_ws is sm_90a-only")
-    test_attention_matches_reference(c, decode_loader)
-    modes = {mode for plan in attention_ops._PLANS.values() for mode, _ in plan._kernels}
-    assert "prefill_ws" in modes or c["batch"] == "mixed", modes  # a mixed batch may pack <= 128 rows
+    _check_sm90a_mode(c, decode_loader, "prefill_ws", required=c["batch"] != "mixed")  # mixed: may pack few rows
 
 
 def _d512_grid(n, seed=5):

@@ -12,7 +12,8 @@
 //   rows_past_grid.cuh  rows an understated max_seqlen_q leaves outside the grid
 //   paged_kv.cuh        the only code that turns (request, key) into cache addresses
 // Grid: (num_seqs * num_kv_heads, m_blocks, num_splits). A CTA owns kBlockM packed rows of one
-// (request, kv head) (see attn_traits.cuh), and one split of the request's visible KV range.
+// (request, kv head) (see attn_traits.cuh), and one split of the request's visible KV range; which
+// ones is grid_slot()'s choice (tile_scheduler.cuh).
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"

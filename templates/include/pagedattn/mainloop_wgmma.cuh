@@ -47,17 +47,17 @@ __device__ __forceinline__ void mainloop_wgmma(TileCtx<Traits> const& c) {
   CpAsyncKVLoader<Traits, /*kAsyncProxy=*/true> const loader(c, n_steps);
   loader.prologue();
   for (int it = 0; it < n_steps; ++it) {
-    int stage = it % Traits::kStages;
+    int const loaded = it % Traits::kStages;
     loader.wait(it);
     if constexpr (Traits::kIsFp8) {
       // the CTA widens the raw stage into the one Element stage (free: every warpgroup waited for its
       // MMAs of the step before), then publishes it to the async proxy that wgmma reads through
-      widen_fp8_keys<Traits, kBlockN>(c.smem.raw_k(stage), c.smem.raw_v(stage), c.smem.k_tile(0, 0),
+      widen_fp8_keys<Traits, kBlockN>(c.smem.raw_k(loaded), c.smem.raw_v(loaded), c.smem.k_tile(0, 0),
                                       c.smem.v_tile(0, 0), c.tidx, Traits::kThreads);
       fence_proxy_async_smem();
       __syncthreads();
-      stage = 0;
     }
+    int const stage = Traits::kIsFp8 ? 0 : loaded;  // the Element stage the MMAs read
     Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
     wgmma_gemm<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(stage_k(stage)), acc_s);
     float const s_scale = mask.template apply<kBlockN>(acc_s, tScS, (c.w.step_begin + it) * kBlockN, c.scale_log2);

@@ -197,11 +197,23 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsBarriers 
   constexpr bool kPingPong = Traits::kPingPong;
   static_assert(!kPingPong || Traits::kThreads == 256, "ping-pong: two consumer warpgroups");
   int const wg = c.tidx / 128;
-  auto my_turn = [&] {
-    if constexpr (kPingPong) asm volatile("bar.sync %0, 256;\n" ::"r"(2 + wg) : "memory");
+  auto my_turn = [&] {  // barrier ids as immediates: ptxas then reserves 5 barriers, not all 16
+    if constexpr (kPingPong) {
+      if (wg == 0) {
+        asm volatile("bar.sync 2, 256;\n" ::: "memory");
+      } else {
+        asm volatile("bar.sync 3, 256;\n" ::: "memory");
+      }
+    }
   };
   auto your_turn = [&] {
-    if constexpr (kPingPong) asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - wg) : "memory");
+    if constexpr (kPingPong) {
+      if (wg == 0) {
+        asm volatile("bar.arrive 3, 256;\n" ::: "memory");
+      } else {
+        asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+      }
+    }
   };
   if (n_steps > 0) {
     if (wg == 1) your_turn();
