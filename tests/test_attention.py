@@ -214,6 +214,9 @@ def _lengths(kind, rng, group=1, multi_rows=None):
     if kind == "prefill":    # full prefill, q_len == k_len, not multiples of tiles
         lq = [rng.randint(1, 300), rng.randint(100, 400)]
         return lq, list(lq)
+    if kind == "long":       # more row tiles than SMs: the persistent prefill's CTAs take several each
+        lq = [rng.randint(500, 900), rng.randint(200, 700), rng.randint(1, 300)]
+        return lq, [lq[0], lq[1] + rng.randint(0, 400), lq[2]]
     # mixed: decode + chunked prefill over a cached prefix + full prefill + seqused_k = 0
     lq = [1, rng.randint(2, 90), rng.randint(1, 200), 1]
     lk = [rng.randint(1, 800), lq[1] + rng.randint(1, 500), lq[2], 0]
@@ -331,11 +334,12 @@ def _ws_grid(n, seed=17):
     """The warp-specialised sm_90a prefill (prefill_ws: TMA producer, wgmma consumers): paged 16-bit
     caches with pages of whole 16-key chunks, every head dim it compiles (120 runs on 128, its last
     columns zero-filled by the tensor map), both layouts, splits, mixed batches (decode rows and
-    requests with no keys in the same launch)."""
+    requests with no keys in the same launch), and batches of more row tiles than SMs (each persistent
+    CTA then takes several, its rings and the next item's Q running on across them)."""
     rng = random.Random(seed)
     axes = dict(dtype=[torch.float16, torch.bfloat16], D=[64, 128, 192, 256, 120], layout=["NHD", "HND"],
                 bs=[16, 32, 64, 256], heads=[(16, 8), (32, 8), (28, 4), (16, 1)], causal=[False, True],
-                batch=["prefill", "mixed"], splits=[0, 1, 3], kv=KV[:1], lse=[False, True], out=[False, True],
+                batch=["prefill", "mixed", "long"], splits=[0, 1, 3], kv=KV[:1], lse=[False, True], out=[False, True],
                 loader=["auto"])
     return cover_axes(axes, n, rng, 2)
 
@@ -786,6 +790,10 @@ def test_split_heuristic_fills_whole_waves(monkeypatch):
     tma = AttnFwdSpec("bf16", "auto", 128, "decode_tma")
     pick = lambda B, ctx: attention.choose_splits(0, B * 8, ctx, tma, 0)  # noqa: E731
     assert pick(64, 4096) == 1 and pick(16, 4096) == 1 and pick(1, 32768) == 16
+    # the persistent warp-specialised prefill has no waves: it splits only a grid that underfills the GPU
+    ws = AttnFwdSpec("bf16", "auto", 128, "prefill_ws")
+    assert attention.choose_splits(0, 8 * 512, 16384, ws, 0) == 1   # B=1 S=16384: the wave model said 2
+    assert attention.choose_splits(0, 8 * 4, 16384, ws, 0) > 1      # B=1, 128 new tokens over 16k cached
 
 
 def _call_info(layout="NHD", kv="auto", D=128, bs=16, Hkv=8):

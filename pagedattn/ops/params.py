@@ -39,7 +39,7 @@ AttnParams = _struct(
     "bt_stride:i32, max_blocks_per_seq:i32, num_blocks:i32, block_size:i32, block_shift:i32,"
     "num_seqs:i32, num_q_heads:i32, num_kv_heads:i32, group:i32, head_size:i32, total_q:i32, total_k:i32,"
     "num_splits:i32, causal:i32, descale_batch_stride:i32, descale_head_stride:i32, tma_row_dim:i32,"
-    "window_left:i32, window_right:i32, alibi_batch_stride:i32, scale_log2:f32, softcap:f32")
+    "window_left:i32, window_right:i32, alibi_batch_stride:i32, scale_log2:f32, softcap:f32, grid_tiles:i32")
 
 # -- legacy path (legacy_*.cuh) ---------------------------------------------------------------------
 LegacyCacheGeometry = _struct(

@@ -195,7 +195,8 @@ def choose_splits(num_splits: int, ctas: int, max_seqlen_k: int, spec: AttnFwdSp
     """num_splits=0: the split count with the least whole-wave cost (split_cost), so that a batch
     neither underfills the GPU nor leaves a mostly empty last wave (measured on H200: 512 decode CTAs
     over 396 slots ran 1.29 waves, i.e. two)."""
-    return splits_for(num_splits, ctas, max_seqlen_k, stage_keys(spec), split_capacity(spec, device))
+    return splits_for(num_splits, ctas, max_seqlen_k, stage_keys(spec), split_capacity(spec, device),
+                      persistent=spec.mode == "prefill_ws")
 
 
 def stage_keys(spec: AttnFwdSpec) -> int:
@@ -345,7 +346,8 @@ class _Launch(Prepared):
         if w_left >= 0:
             keys = min(keys, w_left + 1 + max(0, int(max_seqlen_q)) + (0 if causal or w_right < 0 else w_right))
         self.ctas = plan.tiles_per_row * m_blocks
-        self.splits = splits = splits_for(int(num_splits), self.ctas, keys, variant.stage_keys, variant.capacity)
+        self.splits = splits = splits_for(int(num_splits), self.ctas, keys, variant.stage_keys, variant.capacity,
+                                          persistent=variant.mode == "prefill_ws")
         self.head_dim = variant.head_dim
         self.tma = variant.mode in TMA_MODES
         self.capture = splits > 1 or self.tma   # what reads the capture state
@@ -354,8 +356,17 @@ class _Launch(Prepared):
         q_stride = q.stride()
         tail = (q_stride[0], q_stride[1], self.out_stride[0], self.out_stride[1], *plan.geometry, total_q,
                 0 if call.paged else k.shape[0], splits, int(bool(causal)), plan.dbs, plan.dhs, row_dim, w_left,
-                w_right, alibi_stride, scale * LOG2E, cap)
-        super().__init__(variant.launcher, (plan.tiles_per_row, m_blocks, splits), variant.threads, _ADDRESSES, tail)
+                w_right, alibi_stride, scale * LOG2E, cap, m_blocks)
+        # the warp-specialised prefill is persistent: a CTA per SM (at most one per work item) walks the
+        # logical grid (tiles_per_row, m_blocks, splits) (tile_scheduler.cuh, ws_slot)
+        if variant.mode == "prefill_ws":
+            if self.ctas * splits + variant.capacity >= 2**31:  # the kernel counts work items in 32 bits
+                raise ContractError(f"flash_attn_varlen_func: {self.ctas * splits} work items (row tiles x KV heads "
+                                    f"x requests x splits) are more than one launch takes; split the batch")
+            grid = (min(self.ctas * splits, variant.capacity), 1, 1)
+        else:
+            grid = (plan.tiles_per_row, m_blocks, splits)
+        super().__init__(variant.launcher, grid, variant.threads, _ADDRESSES, tail)
 
     def run(self, plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k_descale,
             v_descale, alibi_slopes=None, sinks=None):

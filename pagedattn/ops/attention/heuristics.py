@@ -101,14 +101,19 @@ def split_cost(ctas: int, splits: int, capacity: int, keys: int, fixed_keys: int
     return waves * (1.0 / splits + fixed_keys / max(keys, 1))
 
 
-def splits_for(num_splits: int, ctas: int, max_seqlen_k: int, stage_keys: int, capacity: int) -> int:
+def splits_for(num_splits: int, ctas: int, max_seqlen_k: int, stage_keys: int, capacity: int,
+               persistent: bool = False) -> int:
     """The split count: num_splits > 0 is taken as given (at most MAX_SPLITS and one per stage of
     keys); 0 asks for the count with the least whole-wave cost (split_cost), so that a batch neither
     underfills the GPU nor leaves a mostly empty last wave (measured on H200: 512 decode CTAs over
-    396 slots ran 1.29 waves, i.e. two)."""
+    396 slots ran 1.29 waves, i.e. two). A persistent grid (prefill_ws) has no waves: it splits only
+    a batch of fewer work items than resident CTAs (measured on H200, B=1 S=16384 causal: 2 splits
+    chosen by the wave model ran 6346 us against 1 split's ..., perf/results/ws_tiles_*.json)."""
     max_steps = max(1, -(-max_seqlen_k // stage_keys))
     if num_splits > 0:
         return max(1, min(num_splits, max_steps, MAX_SPLITS))
+    if persistent and ctas >= capacity:
+        return 1
     return _best_splits(ctas, max_seqlen_k, max_steps, capacity)
 
 

@@ -129,7 +129,9 @@ def smem_bytes(cfg: dict, head_dim: int, fp8: bool) -> int:
     kv = (2 * cfg["kStages"] * stage if fp8 else 0) + 2 * elem_stages * stage * 2
     epilogue = cfg["kWarpsN"] * cfg["kBlockM"] * (head_dim + 2) * 4
     main = max(q + kv, epilogue)
-    # TMA: an mbarrier per (warp, ring slot); prefill_ws: a full and an empty one per slot of K and of V
-    barriers = 8 * (4 if cfg["kWgmma"] else cfg["kWarpsN"]) * cfg["kStages"] if cfg["kTma"] else 0
+    # TMA: an mbarrier per (warp, ring slot); prefill_ws: a full and an empty one per slot of K and of V,
+    # then the split-KV flag (8 bytes) and four 56-byte work items
+    ws = cfg["kTma"] and cfg["kWgmma"]
+    barriers = 8 * (4 if ws else cfg["kWarpsN"]) * cfg["kStages"] + (8 + 4 * 56 if ws else 0) if cfg["kTma"] else 0
     return -(-main // 8) * 8 + barriers
 

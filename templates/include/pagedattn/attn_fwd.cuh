@@ -13,7 +13,8 @@
 //   paged_kv.cuh        the only code that turns (request, key) into cache addresses
 // Grid: (num_seqs * num_kv_heads, m_blocks, num_splits). A CTA owns kBlockM packed rows of one
 // (request, kv head) (see attn_traits.cuh), and one split of the request's visible KV range; which
-// ones is grid_slot()'s choice (tile_scheduler.cuh).
+// ones is grid_slot()'s choice (tile_scheduler.cuh). The warp-specialised prefill's grid is one CTA
+// per SM (at most one per work item), each walking that same logical grid (ws_slot).
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
@@ -53,7 +54,8 @@ __device__ __forceinline__ void attn_fwd_tile(AttnParams const& p, char* smem, A
   }
 }
 
-// The kernel: one row tile of one (request, KV head, split) per CTA (tile_scheduler.cuh).
+// The kernel: one row tile of one (request, KV head, split) per CTA (tile_scheduler.cuh), or, for the
+// warp-specialised prefill, one persistent CTA per SM taking its share of them.
 template <class Traits, class Features>
 __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
   constexpr int kStageKeys = Traits::kStageKeys;
@@ -70,16 +72,17 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
       PagedKV::prefetch_table(p.block_table + int64_t(b) * p.bt_stride, p.max_blocks_per_seq, first, 8);
     }
   }
-  AttnWork w;
-  bool const has_tile = schedule<Traits, Features>(p, grid_slot<Traits>(), w);
-  if (w.q_len * p.group > int(gridDim.y) * Traits::kBlockM) attn_rows_past_grid<Traits, Features>(p, w);  // rare
-  if (!has_tile) return;
-  if constexpr (Traits::kWs) {
+  if constexpr (Traits::kWs) {  // persistent: the CTA walks its work items (mainloop_ws.cuh)
 #if PAGEDATTN_WGMMA
-    attn_fwd_ws_tile<Traits, Features>(p, smem, w);
+    attn_fwd_ws<Traits, Features>(p, smem);
 #endif
   } else {
-    attn_fwd_tile<Traits, Features>(p, smem, w);
+    AttnWork w;
+    bool const has_tile = schedule<Traits, Features>(p, grid_slot<Traits>(), w);
+    if (w.q_len * p.group > int(gridDim.y) * Traits::kBlockM) {  // rare
+      attn_rows_past_grid<Traits, Features>(p, w, int(gridDim.y), int(threadIdx.x / 32), int(blockDim.x / 32));
+    }
+    if (has_tile) attn_fwd_tile<Traits, Features>(p, smem, w);
   }
 }
 

@@ -21,7 +21,7 @@ struct AttnParams {
   float* o_accum;               // split-KV partial outputs [num_splits, total_q, Hq, D] fp32
   float* lse_accum;             // split-KV partial LSE [num_splits, Hq, total_q] fp32
   void const* tma_desc;         // decode_tma: two CUtensorMaps (K, V) in global memory, or null
-  int32_t* split_counters;      // split-KV: one arrival counter per (blockIdx.x, blockIdx.y), zero between calls
+  int32_t* split_counters;      // split-KV: one arrival counter per (column, row tile) (AttnWork::tile_slot), zero between calls
   float const* alibi_slopes;    // ALiBi (Features::kAlibi): [Hq] or [B, Hq] fp32, index b * alibi_batch_stride + head
   float const* sinks;           // learnable sinks (Features::kSinks): [Hq] fp32 logits, natural-log units
   int64_t q_row_stride, q_head_stride;
@@ -46,6 +46,7 @@ struct AttnParams {
   int32_t alibi_batch_stride;   // 0 for [Hq] slopes, Hq for [B, Hq]
   float scale_log2;             // softmax_scale * log2(e) (k_descale is applied per CTA)
   float softcap;                // Features::kSoftcap: s = softcap * tanh(s / softcap) on the scaled scores
+  int32_t grid_tiles;           // row tiles per (request, KV head) column: gridDim.y, or the persistent kWs grid's
 };
 
 }  // namespace pagedattn

@@ -5,10 +5,14 @@
 //   mainloop:  [Q tile][K Element stages][V Element stages][raw K stages][raw V stages]
 //   epilogue:  [O of each warp group][m][l], then the split-KV "last CTA" flag: the mainloop's bytes,
 //              reused once every K/V read is done
-//   TMA:       one mbarrier per (warp, ring slot), after both (never reused)
+//   TMA:       one mbarrier per (warp, ring slot), after both (never reused); kWs: the K and V rings'
+//              full and empty mbarriers, then the split-KV flag (its epilogue needs no shared memory,
+//              and the next tile's Q and K/V may already be landing in the mainloop's bytes) and the
+//              consumer warpgroups' work items
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
+#include "pagedattn/tile_scheduler.cuh"
 
 namespace pagedattn {
 
@@ -53,7 +57,14 @@ struct AttnSmem {
   }
   __device__ __forceinline__ float* m() const { return reinterpret_cast<float*>(base) + kEpilogueRows * Traits::kHeadDim; }
   __device__ __forceinline__ float* l() const { return m() + kEpilogueRows; }
-  __device__ __forceinline__ int* last_split_flag() const { return reinterpret_cast<int*>(base); }
+  __device__ __forceinline__ int* last_split_flag() const {
+    return Traits::kWs ? reinterpret_cast<int*>(ring_bars(4)) : reinterpret_cast<int*>(base);
+  }
+  // kWs: consumer warpgroup wg's work item of parity `parity` (items alternate between its two)
+  __device__ __forceinline__ AttnWork* ws_work(int wg, int parity) const {
+    static_assert(sizeof(AttnWork) == 56, "kSmemWsTail holds four 56-byte work items");
+    return reinterpret_cast<AttnWork*>(reinterpret_cast<char*>(ring_bars(4)) + 8) + 2 * wg + parity;
+  }
 };
 
 }  // namespace pagedattn

@@ -139,8 +139,10 @@ struct AttnTraits {
   static constexpr int kSmemMain =
       kSmemQ + kSmemKV > kSmemEpilogue ? kSmemQ + kSmemKV : kSmemEpilogue;
   // TMA: one 8-byte mbarrier per (warp, slot), after everything the epilogue reuses; kWs: a full and
-  // an empty one per slot of the K ring and of the V ring
-  static constexpr int kSmemBarriers = kTma ? 8 * (kWs ? 4 : kWarpsN) * kStages : 0;
+  // an empty one per slot of the K ring and of the V ring, then the split-KV flag (8 bytes) and each
+  // consumer warpgroup's current and next work item (4 x 56 bytes, AttnSmem::ws_work)
+  static constexpr int kSmemWsTail = kWs ? 8 + 4 * 56 : 0;
+  static constexpr int kSmemBarriers = kTma ? 8 * (kWs ? 4 : kWarpsN) * kStages + kSmemWsTail : 0;
   static constexpr int kSmemBytes = (kSmemMain + 7) / 8 * 8 + kSmemBarriers;
 };
 

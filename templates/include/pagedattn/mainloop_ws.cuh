@@ -1,16 +1,21 @@
 // The warp-specialised sm_90a prefill (Traits::kWs: warpgroup MMAs fed by TMA, paged 16-bit caches
-// whose pages hold whole 16-key chunks). A CTA is kWarpsM / 4 consumer warpgroups and one producer
-// warpgroup after them:
-//   producer   one warp issues the TMA copies of each step's K and V tiles (kBlockN keys as 16-key
-//              chunks, one per lane, each inside one cache page) into rings of kStages slots; it
-//              gives its registers to the consumers (setmaxnreg) and leaves when the range is issued;
-//   consumers  each warpgroup owns 64 rows: S = Q K^T, the mask policy, online softmax, O += P V
-//              (attn_wgmma.cuh), the S of a step overlapping the P V of the step before, and (with
-//              kPingPong) the two warpgroups taking turns on the tensor cores. The epilogue is the
-//              other prefills'.
+// whose pages hold whole 16-key chunks). A persistent CTA per SM takes the work items blockIdx.x,
+// blockIdx.x + gridDim.x, ... of the logical grid (ws_slot); it is kWarpsM / 4 consumer warpgroups
+// and one producer warpgroup after them:
+//   producer   one warp issues the TMA copies of every item's K and V tiles (kBlockN keys as 16-key
+//              chunks, one per lane, each inside one cache page) into rings of kStages slots, running
+//              ahead into the next item while the consumers finish one; it gives its registers to the
+//              consumers (setmaxnreg);
+//   consumers  each warpgroup owns 64 rows: its Q rows (cp.async), S = Q K^T, the mask policy, online
+//              softmax, O += P V (attn_wgmma.cuh), the S of a step overlapping the P V of the step
+//              before, and (with kPingPong) the two warpgroups taking turns on the tensor cores. Once
+//              the last S of an item is done, a warpgroup loads its Q rows of the next item; the
+//              epilogue writes O straight from the accumulators, so no shared memory the producer or
+//              the next Q may be filling is touched.
 // K and V have rings of their own (a K slot goes back once its S is computed, a V slot once its P V
 // is), each slot with two mbarriers: `full` (the producer's expected bytes landed) and `empty`
-// (every consumer warp is done reading it). Keys past the request's end inside the last chunk are
+// (every consumer warp is done reading it). The rings run on across items: step n of the CTA (its
+// items' steps in order) uses slot n % kStages. Keys past the request's end inside the last chunk are
 // real cache slots: the mask hides their scores and the consumers zero their V rows (0 * NaN is not
 // 0) before P V. A chunk in a page outside [0, num_blocks) is zero-filled by the producer instead.
 #pragma once
@@ -19,24 +24,23 @@
 #include "pagedattn/async_copy.cuh"
 #include "pagedattn/attn_tile.cuh"
 #include "pagedattn/attn_wgmma.cuh"
-#include "pagedattn/epilogue.cuh"
-#include "pagedattn/mainloop_sm80.cuh"
 #include "pagedattn/mask.cuh"
+#include "pagedattn/rows_past_grid.cuh"
 #include "pagedattn/softmax.cuh"
+#include "pagedattn/softmax_merge.cuh"
+#include "pagedattn/split_combine.cuh"
+#include "pagedattn/tile_scheduler.cuh"
 #include "pagedattn/tma_copy.cuh"
 
 namespace pagedattn {
 
 // Registers per thread after the hand-over: the producer keeps kProducerRegs, the consumers take
-// what the SM's 64 Ki registers leave (both multiples of 8, as setmaxnreg wants).
+// what the SM's 64 Ki registers leave, at most 240 (both multiples of 8, as setmaxnreg wants).
 template <class Traits>
 struct WsRegisters {
-  static constexpr int kConsumerThreads = Traits::kThreads;
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs =
-      ((65536 - kProducerRegs * Traits::kProducerThreads) / kConsumerThreads) / 8 * 8 > 240
-          ? 240
-          : ((65536 - kProducerRegs * Traits::kProducerThreads) / kConsumerThreads) / 8 * 8;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kLeft = (65536 - kProducerRegs * Traits::kProducerThreads) / Traits::kThreads / 8 * 8;
+  static constexpr int kConsumerRegs = kLeft > 240 ? 240 : kLeft;
 };
 
 template <int kRegs>
@@ -52,18 +56,33 @@ __device__ __forceinline__ void regs_decrease() {
 // as its S is computed while its V slot waits for the P V of the step.
 struct WsBarriers {
   uint64_t *full_k, *full_v, *empty_k, *empty_v;
+
+  template <class Traits>
+  __device__ __forceinline__ explicit WsBarriers(AttnSmem<Traits> const& sm)
+      : full_k(sm.ring_bars(0)), full_v(sm.ring_bars(1)), empty_k(sm.ring_bars(2)), empty_v(sm.ring_bars(3)) {}
 };
 
-// The producer warp: the K (then V) tiles of steps [step_begin, step_end) into slot it % kStages of
-// their ring once the consumers freed it.
+// Where step `it` of an item whose steps start at ring step `ring` lives, and the phase its full
+// barrier completes (its empty barrier's wait takes the phase before).
+struct WsRing {
+  uint32_t ring;
+  template <int kStages>
+  __device__ __forceinline__ int slot(int it) const { return int((ring + uint32_t(it)) % kStages); }
+  template <int kStages>
+  __device__ __forceinline__ uint32_t phase(int it) const { return ((ring + uint32_t(it)) / kStages) & 1u; }
+};
+
+// The producer warp: the K (then V) tiles of the item's steps [step_begin, step_end) into their ring
+// slots (WsRing) once the consumers freed them.
 template <class Traits>
-__device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsBarriers const& bars) {
+__device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing const ring) {
   constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
   constexpr int kChunks = kBlockN / 16, kBoxCols = 64;
   constexpr int kChunkBytes = 16 * kHeadDim * 2;  // K (or V) bytes of one chunk
   static_assert(kChunks <= 32, "one 16-key chunk per lane");
   AttnParams const& p = c.p;
   AttnWork const& w = c.w;
+  WsBarriers const bars(c.smem);  // from the shared window's base: constants, not registers held per item
   int const lane = int(threadIdx.x) % 32;
   void const* k_map = p.tma_desc;
   void const* v_map = static_cast<char const*>(p.tma_desc) + 128;
@@ -80,8 +99,8 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsBarriers 
   };
   int phys_next = chunk_page(0);
   for (int it = 0; it < n_steps; ++it) {
-    int const slot = it % kStages;
-    uint32_t const free_phase = (uint32_t(it / kStages) & 1u) ^ 1u;
+    int const slot = ring.slot<kStages>(it);
+    uint32_t const free_phase = ring.phase<kStages>(it) ^ 1u;
     int const phys = phys_next;
     phys_next = chunk_page(it + 1);
     int const j = chunk_key(it);
@@ -138,13 +157,141 @@ __device__ __forceinline__ void ws_clear_tail(TileCtx<Traits> const& c, int slot
   tile_sync<Traits>();
 }
 
-// A consumer thread (c.tidx < kThreads); the Q tile's cp.async copies are in flight.
-template <class Traits, class Features>
-__device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsBarriers const& bars) {
+// Barrier over one consumer warpgroup (named barriers 5 and 6; ids as immediates: ptxas then
+// reserves 7 barriers, not all 16).
+__device__ __forceinline__ void ws_group_sync(int wg) {
+  if (wg == 0) {
+    asm volatile("bar.sync 5, 128;\n" ::: "memory");
+  } else {
+    asm volatile("bar.sync 6, 128;\n" ::: "memory");
+  }
+}
+
+// Warpgroup wg's 64 rows of item w's Q tile, by cp.async (committed; ws_q_ready waits for them).
+template <class Traits>
+__device__ __forceinline__ void ws_load_q(AttnParams const& p, AttnWork const& w, char* smem, int wg) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kChunks = Traits::kHeadDim / 8;
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
+  Element const* q = static_cast<Element const*>(p.q);
+  for (int i = int(threadIdx.x) % 128; i < 64 * kChunks; i += 128) {
+    int const r = 64 * wg + i / kChunks, col = (i % kChunks) * 8;
+    int const R = w.row0 + r, t = R / p.group, g = R - t * p.group;
+    bool const ok = t < w.q_len && col < p.head_size;
+    Element const* src = q + (int64_t(w.q_start + t) * p.q_row_stride +
+                              int64_t(w.kv_head * p.group + g) * p.q_head_stride + col);
+    cp_async_16(&sQ(r, col), ok ? src : q, ok);
+  }
+  cp_async_commit();
+}
+
+// This warpgroup's Q rows landed and are visible to wgmma.
+__device__ __forceinline__ void ws_q_ready(int wg) {
+  cp_async_wait<0>();
+  fence_proxy_async_smem();
+  ws_group_sync(wg);
+}
+
+// kPingPong: the two warpgroups take turns on the tensor cores, one issuing a step's MMAs while the
+// other runs its softmax. Warpgroup w waits on named barrier 2 + w before it issues and then lets the
+// other one go (bar.arrive). The turns run on across items (both warpgroups issue the same batches):
+// warpgroup 1 lets warpgroup 0 start once (start), and warpgroup 0 takes that last arrival after its
+// last item (finish), so every barrier is balanced.
+template <bool kPingPong>
+struct WsPingPong {
+  int wg;
+  __device__ __forceinline__ void my_turn() const {
+    if constexpr (kPingPong) {
+      if (wg == 0) {
+        asm volatile("bar.sync 2, 256;\n" ::: "memory");
+      } else {
+        asm volatile("bar.sync 3, 256;\n" ::: "memory");
+      }
+    }
+  }
+  __device__ __forceinline__ void your_turn() const {
+    if constexpr (kPingPong) {
+      if (wg == 0) {
+        asm volatile("bar.arrive 3, 256;\n" ::: "memory");
+      } else {
+        asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+      }
+    }
+  }
+  __device__ __forceinline__ void start() const {
+    if (wg == 1) your_turn();
+  }
+  __device__ __forceinline__ void finish() const {
+    if (wg == 0) my_turn();
+  }
+};
+
+// The epilogue, straight from the accumulators: each thread's two rows (r and r + 8 of its warp's
+// 16) normalised by their own (m, l) — one warpgroup holds a row's every key, so there is nothing to
+// merge — and written as pairs of columns: O (times v_scale) and the LSE, or a split's fp32 partials,
+// after which the last split of the tile to arrive merges them (split_combine.cuh).
+template <class Traits, class Features, class AccO, class Softmax, class TensorC>
+__device__ __forceinline__ void ws_store_tile(TileCtx<Traits> const& c, AccO const& acc_o, Softmax const& softmax,
+                                              TensorC const& tOcO) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  static_assert(Traits::kRows == 2, "a thread holds two rows of the tile");
+  AttnParams const& p = c.p;
+  AttnWork const& w = c.w;
+  bool const split_out = p.num_splits > 1;
+  int64_t row_at[2];  // element offset of each row's column 0 in out (or o_accum); -1 past the request
+  float wgt[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    int const R = w.row0 + int(get<0>(tOcO(2 * h))), t = R / p.group, g = R - t * p.group;
+    int const token = w.q_start + t, head = w.kv_head * p.group + g;
+    SoftmaxPartial const st = softmax.row_state(h);
+    SoftmaxPartial total = st;
+    // a sink is one more logit with no value row: it joins the final (m, l) only (the merge adds it
+    // when the KV range is split)
+    if constexpr (Features::kSinks) {
+      if (!split_out && t < w.q_len) total = softmax_combine(total, {p.sinks[head] * kLog2e, 1.f});
+    }
+    wgt[h] = softmax_merge_weight<false>(st, total) * c.v_scale;
+    row_at[h] = t >= w.q_len ? -1
+                : !split_out ? int64_t(token) * p.o_row_stride + int64_t(head) * p.o_head_stride
+                             : ((int64_t(w.split) * p.total_q + token) * p.num_q_heads + head) * Traits::kHeadDim;
+    if (t < w.q_len && c.tidx % 4 == 0) {  // the quad's first lane
+      if (!split_out) {
+        if (p.lse != nullptr) p.lse[int64_t(head) * p.total_q + token] = total.lse();
+      } else {
+        p.lse_accum[(int64_t(w.split) * p.num_q_heads + head) * p.total_q + token] = total.lse();
+      }
+    }
+  }
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_o); i += 2) {  // entries i, i + 1: columns col, col + 1 of row h
+    int const h = (i / 2) % 2, col = int(get<1>(tOcO(i)));
+    if (row_at[h] < 0 || col >= p.head_size) continue;
+    float const x = acc_o(i) * wgt[h], y = acc_o(i + 1) * wgt[h];
+    if (!split_out) {
+      Element pair[2] = {Element(x), Element(y)};
+      *reinterpret_cast<uint32_t*>(static_cast<Element*>(p.out) + row_at[h] + col) =
+          *reinterpret_cast<uint32_t const*>(pair);
+    } else {
+      *reinterpret_cast<float2*>(p.o_accum + row_at[h] + col) = make_float2(x, y);
+    }
+  }
+  if (split_out) merge_splits_if_last<Traits, Features>(c);
+}
+
+// One item, by a consumer thread (c.tidx < kThreads), once this warpgroup's Q rows landed
+// (ws_q_ready); `next_q()` is called once, when the item's last S no longer reads them (before the
+// last P V and the epilogue, which its copies overlap).
+template <class Traits, class Features, class NextQ>
+__device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing const ring,
+                                           WsPingPong<Traits::kPingPong> const& pp, NextQ const& next_q) {
   using namespace cute;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   constexpr int kStages = Traits::kStages;
+  static_assert(!Traits::kPingPong || Traits::kThreads == 256, "ping-pong: two consumer warpgroups");
   using Tiles = WgmmaTiles<Traits>;
   typename Tiles::TiledMmaQK mma_qk;
   typename Tiles::TiledMmaPV mma_pv;
@@ -158,31 +305,29 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsBarriers 
   AttnMask<2, Features> const mask(c.p, c.w, tScS);
   OnlineSoftmax<2> softmax;
   typename Tiles::FragP tOrP;
-
-  cp_async_commit();
-  cp_async_wait<0>();
-  fence_proxy_async_smem();  // the Q tile, read by wgmma
-  tile_sync<Traits>();
+  WsBarriers const bars(c.smem);  // from the shared window's base: constants, not registers held per item
 
   // Steps overlap inside the warpgroup: S of step it is computed while P V of step it - 1 still
   // accumulates into O; O takes step it's rescaling once that P V is done.
   int const n_steps = c.w.step_end - c.w.step_begin;
   auto key0_of = [&](int it) { return (c.w.step_begin + it) * kBlockN; };
-  auto wait_k = [&](int it) { mbarrier_wait(bars.full_k + it % kStages, uint32_t(it / kStages) & 1u); };
+  auto wait_k = [&](int it) { mbarrier_wait(bars.full_k + ring.slot<kStages>(it), ring.phase<kStages>(it)); };
   auto wait_v = [&](int it) {  // step it's V landed; rows past the request's end zeroed
-    mbarrier_wait(bars.full_v + it % kStages, uint32_t(it / kStages) & 1u);
+    mbarrier_wait(bars.full_v + ring.slot<kStages>(it), ring.phase<kStages>(it));
     int const first = c.w.k_len - key0_of(it);
-    if (first < kBlockN) ws_clear_tail(c, it % kStages, first);  // uniform: the last step only
+    if (first < kBlockN) ws_clear_tail(c, ring.slot<kStages>(it), first);  // uniform: the last step only
   };
-  auto tSrK = [&](int slot) {
-    return thr_qk.partition_fragment_B(make_tensor(make_smem_ptr(c.smem.k_tile(slot, 0)), typename Tiles::SmemLayoutK{}));
+  auto tSrK = [&](int it) {
+    return thr_qk.partition_fragment_B(
+        make_tensor(make_smem_ptr(c.smem.k_tile(ring.slot<kStages>(it), 0)), typename Tiles::SmemLayoutK{}));
   };
-  auto tOrVt = [&](int slot) {
-    return thr_pv.partition_fragment_B(make_tensor(make_smem_ptr(c.smem.v_tile(slot, 0)), typename Tiles::SmemLayoutVt{}));
+  auto tOrVt = [&](int it) {
+    return thr_pv.partition_fragment_B(
+        make_tensor(make_smem_ptr(c.smem.v_tile(ring.slot<kStages>(it), 0)), typename Tiles::SmemLayoutVt{}));
   };
-  auto release = [&](uint64_t* empty, int slot) {  // this warp is done with the slot
+  auto release = [&](uint64_t* empty, int it) {  // this warp is done with step it's slot
     __syncwarp();
-    if (c.tidx % 32 == 0) mbarrier_arrive(empty + slot);
+    if (c.tidx % 32 == 0) mbarrier_arrive(empty + ring.slot<kStages>(it));
   };
   auto to_p = [&](auto const& s) {
     CUTE_UNROLL
@@ -190,78 +335,86 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsBarriers 
   };
   Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
   Tensor s_rows = make_tensor(acc_s.data(), Layout<Shape<_4, _1, Int<kBlockN / 8>>>{});
-  // kPingPong: the two warpgroups take turns on the tensor cores, one issuing a step's MMAs while the
-  // other runs its softmax. Warpgroup w waits on named barrier 2 + w before it issues and then lets
-  // the other one go (bar.arrive); warpgroup 1 lets warpgroup 0 start, and warpgroup 0 takes that
-  // last arrival at the end, so every barrier is balanced.
-  constexpr bool kPingPong = Traits::kPingPong;
-  static_assert(!kPingPong || Traits::kThreads == 256, "ping-pong: two consumer warpgroups");
-  int const wg = c.tidx / 128;
-  auto my_turn = [&] {  // barrier ids as immediates: ptxas then reserves 5 barriers, not all 16
-    if constexpr (kPingPong) {
-      if (wg == 0) {
-        asm volatile("bar.sync 2, 256;\n" ::: "memory");
-      } else {
-        asm volatile("bar.sync 3, 256;\n" ::: "memory");
-      }
-    }
-  };
-  auto your_turn = [&] {
-    if constexpr (kPingPong) {
-      if (wg == 0) {
-        asm volatile("bar.arrive 3, 256;\n" ::: "memory");
-      } else {
-        asm volatile("bar.arrive 2, 256;\n" ::: "memory");
-      }
-    }
-  };
-  if (n_steps > 0) {
-    if (wg == 1) your_turn();
+  if (n_steps == 0) {
+    next_q();
+  } else {
     wait_k(0);
-    my_turn();
+    pp.my_turn();
     wgmma_gemm<true, false>(mma_qk, tSrQ, tSrK(0), acc_s);
-    your_turn();
+    pp.your_turn();
     wgmma_wait<0>(acc_s);
     release(bars.empty_k, 0);
     softmax.update(s_rows, o_rows, mask.template apply<kBlockN>(acc_s, tScS, key0_of(0), c.scale_log2));
     to_p(acc_s);
     for (int it = 1; it < n_steps; ++it) {
-      int const slot = it % kStages, prev = (it - 1) % kStages;
       wait_k(it);
       wait_v(it - 1);
-      my_turn();
-      wgmma_gemm<true, false>(mma_qk, tSrQ, tSrK(slot), acc_s);
-      wgmma_gemm<false, false>(mma_pv, tOrP, tOrVt(prev), acc_o);
-      your_turn();
+      pp.my_turn();
+      wgmma_gemm<true, false>(mma_qk, tSrQ, tSrK(it), acc_s);
+      wgmma_gemm<false, false>(mma_pv, tOrP, tOrVt(it - 1), acc_o);
+      pp.your_turn();
       wgmma_wait<1>(acc_s);
-      release(bars.empty_k, slot);
+      release(bars.empty_k, it);
       float alpha[2];
       softmax.exponentiate(s_rows, mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2), alpha);
       wgmma_wait<0>(acc_o);
       warpgroup_fence_operand(tOrP);  // P of step it - 1 stays in its registers until its MMAs are done
-      release(bars.empty_v, prev);
+      release(bars.empty_v, it - 1);
       softmax.rescale(o_rows, alpha);
       to_p(acc_s);
     }
+    next_q();  // the last S is done (and S's registers are free): Q's shared memory is no longer read
     wait_v(n_steps - 1);
-    my_turn();
-    wgmma_gemm<false, false>(mma_pv, tOrP, tOrVt((n_steps - 1) % kStages), acc_o);
-    your_turn();
+    pp.my_turn();
+    wgmma_gemm<false, false>(mma_pv, tOrP, tOrVt(n_steps - 1), acc_o);
+    pp.your_turn();
     wgmma_wait<0>(acc_o);
     warpgroup_fence_operand(tOrP);
-    release(bars.empty_v, (n_steps - 1) % kStages);
-    if (wg == 0) my_turn();
+    release(bars.empty_v, n_steps - 1);
   }
-  write_tile<Traits, Features>(c, o_rows, softmax,
-                               thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+  ws_store_tile<Traits, Features>(c, o_rows, softmax,
+                                  thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
 }
 
-// One row tile of the warp-specialised prefill: every thread of the CTA calls it.
+// The next work item from `item` on (stepping gridDim.x) that has a tile: into w, item past it.
 template <class Traits, class Features>
-__device__ __forceinline__ void attn_fwd_ws_tile(AttnParams const& p, char* smem, AttnWork const& w) {
+__device__ __forceinline__ bool ws_next_item(AttnParams const& p, int total, int& item, AttnWork& w) {
+  while (item < total) {
+    bool const has_tile = schedule<Traits, Features>(p, ws_slot(p, item), w);
+    item += gridDim.x;
+    if (has_tile) return true;
+  }
+  return false;
+}
+
+// Rows past the grid's row tiles (rare; rows_past_grid.cuh) of this CTA's items: every thread checks
+// a share of them, and only if one has such rows do all warps walk them. Called by every thread.
+template <class Traits, class Features>
+__device__ __forceinline__ void ws_rows_past_grid(AttnParams const& p, int total) {
+  int const tile_rows = p.grid_tiles * Traits::kBlockM;
+  bool past = false;
+  for (int64_t item = blockIdx.x + int64_t(threadIdx.x) * gridDim.x; item < total;
+       item += int64_t(blockDim.x) * gridDim.x) {  // 64-bit: blockDim.x * gridDim.x items past the last
+    int const b = ws_slot(p, int(item)).column / p.num_kv_heads;
+    int const q_start = clamp_to(p.cu_seqlens_q[b], 0, p.total_q);
+    past |= (clamp_to(p.cu_seqlens_q[b + 1], q_start, p.total_q) - q_start) * p.group > tile_rows;
+  }
+  if (!__syncthreads_or(past)) return;
+  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+    AttnWork w;
+    schedule<Traits, Features>(p, ws_slot(p, item), w);  // the request's fields, tile or not
+    if (w.q_len * p.group > tile_rows) {
+      attn_rows_past_grid<Traits, Features>(p, w, p.grid_tiles, int(threadIdx.x / 32), int(blockDim.x / 32));
+    }
+  }
+}
+
+// The persistent warp-specialised prefill: every thread of the CTA calls it.
+template <class Traits, class Features>
+__device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
   using Regs = WsRegisters<Traits>;
-  TileCtx<Traits> const c(p, w, smem);
-  WsBarriers const bars{c.smem.ring_bars(0), c.smem.ring_bars(1), c.smem.ring_bars(2), c.smem.ring_bars(3)};
+  AttnSmem<Traits> const sm{smem};
+  WsBarriers const bars(sm);
   if (threadIdx.x == 0) {
     for (int s = 0; s < Traits::kStages; ++s) {
       mbarrier_init(bars.full_k + s, 1);
@@ -271,18 +424,64 @@ __device__ __forceinline__ void attn_fwd_ws_tile(AttnParams const& p, char* smem
     }
     mbarrier_init_fence();
   }
-  __syncthreads();
+  int const total = p.num_seqs * p.num_kv_heads * p.grid_tiles * p.num_splits;
+  ws_rows_past_grid<Traits, Features>(p, total);  // its __syncthreads_or also publishes the barriers' init
   if (int(threadIdx.x) >= Traits::kThreads) {  // the producer warpgroup
     regs_decrease<Regs::kProducerRegs>();
-    if (int(threadIdx.x) < Traits::kThreads + 32) ws_produce(c, bars);
+    if (int(threadIdx.x) < Traits::kThreads + 32) {
+      WsRing ring{0};
+      int item = blockIdx.x;
+      AttnWork w;
+      while (ws_next_item<Traits, Features>(p, total, item, w)) {
+        TileCtx<Traits> const c(p, w, smem);
+        ws_produce(c, ring);
+        ring.ring += uint32_t(w.step_end - w.step_begin);
+      }
+    }
     // stay until the consumers are done (named barrier 4): the CTA's warps leave together, so that
     // compute-sanitizer sees the consumers' named-barrier epilogue with every warp still resident
     asm volatile("bar.sync 4, %0;\n" ::"n"(Traits::kCtaThreads) : "memory");
     return;
   }
   regs_increase<Regs::kConsumerRegs>();
-  load_q_tile(c);
-  ws_consume<Traits, Features>(c, bars);
+  // A warpgroup's items alternate between its two work slots in shared memory (written by its first
+  // thread, read after ws_q_ready's barrier): the mainloop reloads the few fields it needs there
+  // instead of holding (or spilling) a work item in registers through it.
+  int const wg = int(threadIdx.x) / 128;
+  bool const leader = threadIdx.x % 128 == 0;
+  WsPingPong<Traits::kPingPong> const pp{wg};
+  pp.start();
+  WsRing ring{0};
+  int item = blockIdx.x;  // the next item to look at
+  int parity = 0;
+  bool more;
+  {
+    AttnWork first;
+    more = ws_next_item<Traits, Features>(p, total, item, first);
+    if (more) {
+      ws_load_q<Traits>(p, first, smem, wg);
+      if (leader) *sm.ws_work(wg, 0) = first;
+    }
+  }
+  while (more) {
+    ws_q_ready(wg);
+    AttnWork const& w = *sm.ws_work(wg, parity);
+    more = false;
+    {
+      TileCtx<Traits> const c(p, w, smem);
+      ws_consume<Traits, Features>(c, ring, pp, [&] {
+        AttnWork next;
+        more = ws_next_item<Traits, Features>(p, total, item, next);
+        if (more) {
+          ws_load_q<Traits>(p, next, smem, wg);
+          if (leader) *sm.ws_work(wg, parity ^ 1) = next;
+        }
+      });
+    }
+    ring.ring += uint32_t(w.step_end - w.step_begin);
+    parity ^= 1;
+  }
+  pp.finish();
   asm volatile("bar.arrive 4, %0;\n" ::"n"(Traits::kCtaThreads) : "memory");
 }
 

@@ -12,19 +12,21 @@
 namespace pagedattn {
 
 // Rows of a request past the grid's row tiles (max_seqlen_q understated its length, or more tiles than
-// a grid dimension holds). They are computed here, exactly but slowly: a warp per row, every CTA of
-// the (request, KV head) column taking its share, each row over its whole visible range (never
-// split), with the same mask, score modifiers, sinks and zero-filled corrupt pages as the tiles.
+// a grid dimension holds). They are computed here, exactly but slowly: a warp per row, every work item
+// of the (request, KV head) column (row tiles x splits) taking its share, each row over its whole
+// visible range (never split), with the same mask, score modifiers, sinks and zero-filled corrupt pages
+// as the tiles. Warp `warp` of the `warps` that share work item `w` takes rows first + (item * warps +
+// warp) + k * items * warps, where item = split * tiles + w.column_cta and items = tiles * splits.
 // Kept out of line: a loop over row tiles around the inlined tile body made ptxas spill 4.7 KB per
 // thread (prefill 340 -> 106 TFLOP/s on H200); this path costs the tile kernels nothing.
 template <class Traits, class Features>
-__device__ __noinline__ void attn_rows_past_grid(AttnParams const& p, AttnWork const& w) {
+__device__ __noinline__ void attn_rows_past_grid(AttnParams const& p, AttnWork const& w, int tiles, int warp,
+                                                 int warps) {
   using Element = typename Traits::Element;
   constexpr int kPerLane = (Traits::kHeadDim + 31) / 32;  // lane holds columns lane, lane + 32, ...
   int const lane = threadIdx.x % 32;
-  int const warps = blockDim.x / 32;
-  int const first = int(gridDim.y) * Traits::kBlockM, rows = w.q_len * p.group, D = p.head_size;
-  int const cta = blockIdx.z * gridDim.y + w.column_cta;
+  int const first = tiles * Traits::kBlockM, rows = w.q_len * p.group, D = p.head_size;
+  int const item = w.split * tiles + w.column_cta, items = tiles * p.num_splits;
   PagedKV const kv = TileCtx<Traits>::request_kv(p, w);
   float scale_log2 = p.scale_log2, v_scale = 1.f;
   if constexpr (Traits::kIsFp8) {
@@ -42,7 +44,7 @@ __device__ __noinline__ void attn_rows_past_grid(AttnParams const& p, AttnWork c
   };
   float const cap_in = Features::kSoftcap ? kLn2 / p.softcap : 0.f;
   float const cap_out = Features::kSoftcap ? p.softcap * kLog2e : 0.f;
-  for (int R = first + cta * warps + int(threadIdx.x / 32); R < rows; R += int(gridDim.y * gridDim.z) * warps) {
+  for (int R = first + item * warps + warp; R < rows; R += items * warps) {
     int const i = R / p.group, head = w.kv_head * p.group + (R - i * p.group);
     int64_t const token = w.q_start + i;
     Element const* q = static_cast<Element const*>(p.q) + token * p.q_row_stride + int64_t(head) * p.q_head_stride;

@@ -115,9 +115,9 @@ __device__ __forceinline__ void combine_split_row(float const* part, int64_t par
 namespace pagedattn {
 
 // Split-KV: after a tile's split has written its partials (epilogue.cuh), the last CTA of the tile
-// to arrive merges every split's partials into O and LSE. The flag lives in the (now free) dynamic
-// shared memory: static shared memory would push a variant whose dynamic size is exactly the 48 KiB
-// default over the launch limit. Release/acquire through thread 0 (bar.sync orders every thread's
+// to arrive merges every split's partials into O and LSE. The flag lives in dynamic shared memory
+// (AttnSmem::last_split_flag): static shared memory would push a variant whose dynamic size is
+// exactly the 48 KiB default over the launch limit. Release/acquire through thread 0 (bar.sync orders every thread's
 // partials before its fence, and its fence after the counter before every thread's reads): one
 // gpu-scope fence on each side, not a sequentially consistent fence per thread.
 template <class Traits, class Features>
@@ -129,7 +129,7 @@ __device__ __forceinline__ void merge_splits_if_last(TileCtx<Traits> const& c) {
   int* is_last = c.smem.last_split_flag();
   tile_sync<Traits>();  // every thread's partials are written and the epilogue's shared memory is read
   if (c.tidx == 0) {
-    int* counter = p.split_counters + (int64_t(blockIdx.x) * gridDim.y + blockIdx.y);
+    int* counter = p.split_counters + w.tile_slot;
     asm volatile("fence.acq_rel.gpu;" ::: "memory");  // this CTA's partials before its arrival
     bool const last = atomicAdd(counter, 1) == p.num_splits - 1;
     if (last) {

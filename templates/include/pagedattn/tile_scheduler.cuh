@@ -1,7 +1,8 @@
 // Which rows, keys and split a CTA of attn_fwd works on.
 //
 // Grid: (num_seqs * num_kv_heads, row tiles, num_splits); the host sizes the middle dimension from
-// max_seqlen_q, a hint (rows past it: attn_fwd.cuh, attn_rows_past_grid).
+// max_seqlen_q, a hint (rows past it: attn_fwd.cuh, attn_rows_past_grid). The persistent kWs kernel
+// walks the same logical grid (ws_slot).
 //
 // Every index that comes from metadata is clamped to the tensors it addresses, whatever the metadata
 // says: query rows to [0, total_q) (a non-monotone cu_seqlens_q gives an empty request), keys to the
@@ -53,7 +54,8 @@ __device__ __forceinline__ KeyRange visible_keys(AttnParams const& p, int q_len,
 
 struct AttnWork {
   int b, kv_head, split;
-  int column_cta;              // this CTA among those of its (request, KV head) column and split: 0 .. gridDim.y - 1
+  int column_cta;              // the work item among those of its (request, KV head) column and split: 0 .. tiles - 1
+  int tile_slot;               // its (column, row tile) pair: the split-KV arrival counter it shares with its splits
   int q_start, q_len;          // request's first query row and query count, inside [0, total_q)
   int k_start, k_len;          // contiguous varlen: first K row (inside [0, total_k)); visible keys
   int row0;                    // first packed row of the tile
@@ -64,26 +66,32 @@ struct AttnWork {
 
 __device__ __forceinline__ int clamp_to(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
-// Which (request, KV head) column and row tile this CTA takes. The grid is (columns, row tiles,
+// Which (request, KV head) column, row tile and split a CTA takes. The grid is (columns, row tiles,
 // splits) and starts CTAs in blockIdx order, x fastest. Row tiles go in reverse: with causal masking
 // the last tiles of a request see the most keys, so the longest CTAs start first instead of forming
-// the tail. kWs (the warp-specialised prefill, one CTA per SM): consecutive CTAs take the row tiles of
-// one column instead of one row tile of every column, so the CTAs resident together read the same
-// K/V and it stays in L2.
+// the tail. kWs (the warp-specialised prefill) is persistent instead: one CTA per SM walks work items
+// blockIdx.x, blockIdx.x + gridDim.x, ... of the same logical grid (p.grid_tiles row tiles), in an
+// order where consecutive items are the row tiles of one column, so the CTAs running together read
+// the same K/V and it stays in L2.
 struct GridSlot {
-  int column, row_tile, column_cta;
+  int column, row_tile, split;
+  int column_cta;  // this work item among those of its (request, KV head) column and split: 0 .. tiles - 1
+  int tile_slot;   // its (column, row tile) pair, shared by its splits: column * tiles + column_cta
 };
 
 template <class Traits>
 __device__ __forceinline__ GridSlot grid_slot() {
-  int const tiles = int(gridDim.y);
-  if constexpr (Traits::kWs) {
-    int64_t const linear = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
-    int const column = int(linear / tiles), t = int(linear % tiles);
-    return {column, tiles - 1 - t, t};
-  } else {
-    return {int(blockIdx.x), tiles - 1 - int(blockIdx.y), int(blockIdx.y)};
-  }
+  int const tiles = int(gridDim.y), t = int(blockIdx.y);
+  return {int(blockIdx.x), tiles - 1 - t, int(blockIdx.z), t, int(blockIdx.x) * tiles + t};
+}
+
+// Work item `item` of the persistent kWs grid: columns x p.grid_tiles row tiles x p.num_splits items
+// (fewer than 2^31: the host checks).
+__device__ __forceinline__ GridSlot ws_slot(AttnParams const& p, int item) {
+  int const per_split = p.num_seqs * p.num_kv_heads * p.grid_tiles;
+  int const split = item / per_split, rem = item - split * per_split;
+  int const column = rem / p.grid_tiles, t = rem - column * p.grid_tiles;
+  return {column, p.grid_tiles - 1 - t, split, t, rem};
 }
 
 template <class Traits, class Features>
@@ -92,7 +100,8 @@ __device__ __forceinline__ bool schedule(AttnParams const& p, GridSlot const& sl
   w.b = slot.column / p.num_kv_heads;
   w.kv_head = slot.column - w.b * p.num_kv_heads;
   w.column_cta = slot.column_cta;
-  w.split = blockIdx.z;
+  w.tile_slot = slot.tile_slot;
+  w.split = slot.split;
   w.q_start = clamp_to(p.cu_seqlens_q[w.b], 0, p.total_q);
   w.q_len = clamp_to(p.cu_seqlens_q[w.b + 1], w.q_start, p.total_q) - w.q_start;
   int k_len;
