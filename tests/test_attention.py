@@ -883,7 +883,8 @@ def test_ws_prefill_dispatch_rules():
         assert spec.threads == 384 and smem_bytes(t, d, False) <= 227 * 1024
         assert spec.supports_arch("sm_90a") and not spec.supports_arch("sm_80")
         assert "true,true,1,true>;" in "".join(Kernel(spec).source.split())  # kTma, kWgmma, kWarpsD, kPingPong
-    assert tile_config(256, "prefill_ws")["kStages"] == 2 and tile_config(128, "prefill_ws")["kStages"] == 3
+    assert tile_config(256, "prefill_ws")["kStages"] == 2 and tile_config(128, "prefill_ws")["kStages"] == 2
+    assert tile_config(64, "prefill_ws")["kStages"] == 3
 
 
 def test_tiles_beyond_shared_memory_are_refused(monkeypatch):
