@@ -304,6 +304,17 @@ def write_point(path: str, items=None, threads=None, stream=None, span=None, max
     return ov
 
 
+def _write_shape(path: str, items, threads, stream, span) -> str:
+    if path == "default":
+        return "library default"
+    if path == "old":
+        return f"old path, span packs/thread {span}" if span else "old path, defaults"
+    text = f"items={items} threads={threads:3d}"
+    if stream:
+        text += f" stream={stream[0]:g}x{stream[1]}" + (f" minblocks={stream[2]}" if len(stream) > 2 else "")
+    return text
+
+
 def write_rows(copy_gbs: float):
     """Every point of the write sweep, measured (a generator: each row as it is measured)."""
     import torch
@@ -363,11 +374,8 @@ def write_rows(copy_gbs: float):
                         assert path == "default" or (took == "flat") == (path == "flat"), f"forced {path}, ran {took}"
                         us = timer(call, sets).us
                         gbs = nbytes / us / 1e3
-                        shape = ("library default" if path == "default" else
-                                 f"old path{f', span packs/thread {span}' if span else ''}" if path == "old" else
-                                 f"items={items} threads={threads}" + (f" stream={stream[0]:g}x{stream[1]}" + (
-                                     f" minblocks={stream[2]}" if len(stream) > 2 else "") if stream else ""))
-                        print(f"T={T:5d} {layout} {kv:9s} {scale:6s} {pattern:6s} {took:4s} {shape:36s}: {us:8.2f} us "
+                        shape = _write_shape(path, items, threads, stream, span)
+                        print(f"T={T:5d} {layout} {kv:9s} {scale:6s} {pattern:6s} {took:4s} {shape:19s}: {us:8.2f} us "
                               f"{gbs:6.0f} GB/s {gbs / copy_gbs:4.0%}", flush=True)
                         yield dict(layout=layout, kv=kv, scale=scale, T=T, slots=pattern, path=took,
                                    default=path == "default", overrides=ov, items=items, threads=threads,
