@@ -50,28 +50,20 @@ def _write(layout: str, kv: str):
     return setup
 
 
-def _paged(device, q_len: int, L: int, kv: str):
-    """One request's paged inputs, the bench's (attention.build: Hq=32, Hkv=8, D=128, block 16)."""
-    from .attention import build
-
-    p = dict(B=1, q_len=q_len, ctx=L, hq=32, hkv=H, d=D, bs=BLOCK, kv_cache_dtype=kv)
-    return build(Ctx(torch.device(device)), p, sets=1)
-
-
 def _attention(kv: str, q_len: int, L: int):
     def setup(device):
         import torch.nn.functional as F
 
-        from .attention import _ours_fn, flash_fn
+        from .sweeps import ours, paged
 
-        data = _paged(device, q_len, L, kv)
-        ours = _ours_fn(flash_fn(), data)
+        data = paged(1, L, kv, q_len, device=device)  # the bench's inputs: Hq=32, Hkv=8, D=128, block 16
         peer = None
         if kv == "auto" and q_len == 1:
             kk, vv = data.contiguous_kv(0)
             qf = data.q[0].view(1, H, 4, D)
             peer = ("torch sdpa (unpaged, default backend)", lambda: F.scaled_dot_product_attention(qf, kk, vv))
-        return {"fn": lambda: ours(0), "peer": peer}
+        fn = ours(data)
+        return {"fn": lambda: fn(0), "peer": peer}
     return setup
 
 
@@ -80,8 +72,9 @@ def _legacy(variant: str, L: int = 1024):
         import pagedattn.legacy as legacy
 
         from .legacy import to_legacy
+        from .sweeps import paged
 
-        data = _paged(device, 1, L, "auto")
+        data = paged(1, L, device=device)
         kl, vl = to_legacy(data.kc, data.vc)
         out = torch.empty(1, 32, D, dtype=torch.bfloat16, device=device)
         args = (data.q[0], kl, vl, H, 1 / math.sqrt(D), data.tables[0], data.seqused, BLOCK, L)

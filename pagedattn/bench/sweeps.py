@@ -61,7 +61,7 @@ def aot_dir(root: str, config: str) -> Path:
 
 # -- data and measurements -------------------------------------------------------------------------
 def paged(B: int, ctx: int, kv: str = "auto", q_len: int = 1, d: int = D, layout: str = "NHD",
-          table_order: str = "random"):
+          table_order: str = "random", device: str = "cuda"):
     """The bench's paged inputs (attention.build, one input set) at the sweeps' heads and block size."""
     import torch
 
@@ -69,9 +69,9 @@ def paged(B: int, ctx: int, kv: str = "auto", q_len: int = 1, d: int = D, layout
     from .common import Ctx
 
     p = dict(B=B, q_len=q_len, ctx=ctx, hq=HQ, hkv=HKV, d=d, bs=BS, kv_cache_dtype=kv, layout=layout)
-    data = build(Ctx(torch.device("cuda")), p, sets=1)
+    data = build(Ctx(torch.device(device)), p, sets=1)
     if table_order == "seq":  # request b owns consecutive pages, in order
-        data.tables[0] = torch.arange(data.tables[0].numel(), dtype=torch.int32, device="cuda").view(B, -1)
+        data.tables[0] = torch.arange(data.tables[0].numel(), dtype=torch.int32, device=device).view(B, -1)
     return data
 
 
