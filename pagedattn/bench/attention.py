@@ -297,11 +297,12 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
         rec.goal_ratio(*goals["vs"])
 
 
-def fastest_peer(ctx: Ctx, rec: Recorder, name: str, candidates, ref, sets: int, context=None) -> None:
+def fastest_peer(ctx: Ctx, rec: Recorder, name: str, candidates, ref, sets: int, context=None,
+                 methods=METHODS) -> None:
     """Time peer `name` at its fastest correct configuration (peers.fastest); the record names it."""
     info: dict = {}
     impl = rec.peer(name, lambda: peerlib.fastest(ctx, candidates, ref, info, sets), sets, context=context,
-                    methods=METHODS)
+                    methods=methods)
     if not impl.get("error"):
         impl.update({k: v for k, v in info.items() if v is None or isinstance(v, (str, int, float))})
 

@@ -103,7 +103,7 @@ def _peers(ctx: Ctx, rec: Recorder, shared: dict) -> None:
         return rec.peer_failed("sdpa cudnn", "needs CUDA")
     kv_sets = [data.contiguous_kv(s) for s in range(sets)]
     attention.fastest_peer(ctx, rec, "sdpa cudnn", peers.sdpa_candidates(data, data.q, lambda k: kv_sets[k]),
-                           shared["ref"], sets, context=attention._sdpa_backend("cudnn"))
+                           shared["ref"], sets, context=attention._sdpa_backend("cudnn"), methods=("rot",))
 
 
 def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
