@@ -21,36 +21,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _git(*args) -> str | None:
-    try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def _machine() -> dict:
-    cpu = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = None
-    try:
-        kb = int(Path("/proc/meminfo").read_text().split()[1])
-        mem = round(kb / 2**20, 1)
-    except (OSError, ValueError, IndexError):
-        pass
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), None)
+    meminfo = Path("/proc/meminfo")
+    mem = round(int(meminfo.read_text().split()[1]) / 2**20, 1) if meminfo.exists() else None
     return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(),
             "usable_cores": len(os.sched_getaffinity(0)), "memory_gib": mem,
             "python": platform.python_version(), "platform": platform.platform()}
 
 
 def main() -> int:
-    from pagedattn import aot, ops  # noqa: F401
+    from pagedattn import aot, ops  # noqa: F401 - ops registers the kernel families
     from pagedattn.codegen.bundle import expected_header
     from pagedattn.info import git_commit
 
@@ -67,60 +49,42 @@ def main() -> int:
     jobs = aot.plan(sel.specs, archs)
     tmp = Path(tempfile.mkdtemp(prefix="pagedattn-aot-perf-"))
     out = args.keep or tmp / "bundle"
-    if out.exists():
-        shutil.rmtree(out)
-    load_before = os.getloadavg()
-    t0 = time.perf_counter()
+    shutil.rmtree(out, ignore_errors=True)
+    load_before, t0 = os.getloadavg(), time.perf_counter()
     cold = aot.precompile(jobs, out, n_jobs=args.jobs, progress=True)
-    cold_wall = time.perf_counter() - t0
-    load_after = os.getloadavg()
-    t0 = time.perf_counter()
+    cold_wall, load_after, t0 = time.perf_counter() - t0, os.getloadavg(), time.perf_counter()
     warm = aot.precompile(jobs, out, n_jobs=args.jobs, progress=False)
     rerun_wall = time.perf_counter() - t0
-    manifest = json.loads((out / "manifest.json").read_text())
+    variants = json.loads((out / "manifest.json").read_text())["variants"]
     on_disk = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     per_family: dict[str, dict] = {}
-    for v in manifest["variants"]:
+    for v in variants:
         f = per_family.setdefault(v["family"], {"kernels": 0, "bytes": 0, "compile_seconds_sum": 0.0})
         f["kernels"] += 1
         f["bytes"] += v["size"]
         f["compile_seconds_sum"] = round(f["compile_seconds_sum"] + v["compile_seconds"], 2)
-    slowest = sorted(manifest["variants"], key=lambda v: -v["compile_seconds"])[:5]
-
+    status = (subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
+              if shutil.which("git") else "")
     record = {
-        "what": f"pagedattn precompile --arch {','.join(archs)} --preset {args.preset} "
-                f"(cold, empty --out; then a rerun)",
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "git_commit": git_commit(),
-        "git_dirty_files": len((_git("status", "--porcelain") or "").splitlines()),
-        "machine": _machine(),
-        "toolchain": expected_header(),
-        "preset": {k: v for k, v in aot.PRESETS[args.preset].items()},
-        "archs": archs,
-        "jobs": cold.jobs,
-        "kernels": len(jobs),
-        "variants_per_family": dict(Counter(s.FAMILY for s in sel.specs)),
-        "compiled": cold.compiled,
-        "failed": [f"{j.label}: {p}" for j, p in cold.failed],
-        "wall_seconds": round(cold_wall, 2),
-        "compile_seconds_sum": round(sum(v["compile_seconds"] for v in manifest["variants"]), 2),
-        "rerun_wall_seconds": round(rerun_wall, 3),
-        "rerun_compiled": warm.compiled,
-        "bundle_bytes_cubins": cold.bundle_bytes,
-        "bundle_bytes_on_disk": on_disk,
-        "bundle_mib_on_disk": round(on_disk / 2**20, 2),
-        "per_family": per_family,
+        "what": f"pagedattn precompile --arch {','.join(archs)} --preset {args.preset} (cold, empty --out; then a rerun)",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(),
+        "git_dirty_files": len(status.splitlines()), "machine": _machine(), "toolchain": expected_header(),
+        "preset": dict(aot.PRESETS[args.preset]), "archs": archs, "jobs": cold.jobs, "kernels": len(jobs),
+        "variants_per_family": dict(Counter(s.FAMILY for s in sel.specs)), "compiled": cold.compiled,
+        "failed": [f"{j.label}: {p}" for j, p in cold.failed], "wall_seconds": round(cold_wall, 2),
+        "compile_seconds_sum": round(sum(v["compile_seconds"] for v in variants), 2),
+        "rerun_wall_seconds": round(rerun_wall, 3), "rerun_compiled": warm.compiled,
+        "bundle_bytes_cubins": cold.bundle_bytes, "bundle_bytes_on_disk": on_disk,
+        "bundle_mib_on_disk": round(on_disk / 2**20, 2), "per_family": per_family,
         "slowest": [{"name": v["name"], "arch": v["arch"], "seconds": v["compile_seconds"]}
-                    for v in slowest],
-        "loadavg_before": [round(x, 2) for x in load_before],
-        "loadavg_after": [round(x, 2) for x in load_after],
+                    for v in sorted(variants, key=lambda v: -v["compile_seconds"])[:5]],
+        "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load_after],
     }
     output = args.output or ROOT / "perf" / "results" / f"aot_precompile_cpu{os.cpu_count()}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({k: record[k] for k in ("kernels", "jobs", "wall_seconds", "compile_seconds_sum",
-                                              "rerun_wall_seconds", "bundle_mib_on_disk",
-                                              "failed")}, indent=1))
+                                              "rerun_wall_seconds", "bundle_mib_on_disk", "failed")}, indent=1))
     print(f"written {output}")
     if args.keep is None:
         shutil.rmtree(tmp, ignore_errors=True)

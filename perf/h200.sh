@@ -48,8 +48,9 @@ for stage in "$@"; do
     # the bundle as it now stands, back to the CPU machine (carry it in the next call)
     packbundle) tar -C "$(dirname "$PAGEDATTN_AOT_DIR")" -cf - "$(basename "$PAGEDATTN_AOT_DIR")" | xz -T16 -6 > "$OUT/bundle.tar.xz"; ls -la "$OUT/bundle.tar.xz" ;;
     aot16)     python3 "$ROOT/perf/aot_precompile.py" --arch sm_90a --jobs 16 --output "$OUT/results/aot_precompile_cpu16.json" 2>&1 | tail -n 5 ;;
-    writesweep) python3 "$ROOT/perf/write_sweep.py" "$OUT/results" ;;
-    writequick) WRITE_SWEEP_QUICK=1 python3 "$ROOT/perf/write_sweep.py" "$OUT/results" ;;
+    # the write sweep; WRITE_SWEEP_QUICK, _STREAM, _MAX_ITEMS, _MINB, _SPAN add or drop points (perf/README.md)
+    writesweep) python3 -m pagedattn.cli bench sweep write --out "$OUT/results" ;;
+    writequick) WRITE_SWEEP_QUICK=1 python3 -m pagedattn.cli bench sweep write --out "$OUT/results" ;;
     benchwrite) python3 -m pagedattn.cli bench --suite write --quick --no-report --out "$OUT/results" ;;
     # the sweeps (pagedattn/bench/sweeps.py); SWEEP_ARGS e.g. '--splits 8,16 --variants "HND;seq"' for decode
     attnquick) python3 -m pagedattn.cli bench sweep quick --out "$OUT/results" ;;

@@ -35,15 +35,13 @@ def measure(kind: str, prompts, max_new_tokens: int, reps: int) -> dict:
     model = hf_tiny.tiny_model(kind, torch.bfloat16, "cuda")
     config = hf_tiny.cb_config(prompts, max_new_tokens)
     impls = {"pagedattn": name, "sdpa": "paged|sdpa"}
+    run = lambda impl: hf_tiny.generate(model, impl, prompts, max_new_tokens, config=config,  # noqa: E731
+                                        record_logits=False)
+    tokens = {key: run(impl).tokens for key, impl in impls.items()}  # untimed: compiles, allocator
     runs = {key: [] for key in impls}
-    tokens = {}
-    for key, impl in impls.items():   # untimed: compiles, allocator
-        tokens[key] = hf_tiny.generate(model, impl, prompts, max_new_tokens, config=config,
-                                       record_logits=False).tokens
     for _ in range(reps):
         for key, impl in impls.items():
-            runs[key].append(hf_tiny.generate(model, impl, prompts, max_new_tokens, config=config,
-                                              record_logits=False).tokens_per_s)
+            runs[key].append(run(impl).tokens_per_s)
     tps = {key: statistics.median(v) for key, v in runs.items()}
     return {"kind": kind, "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
             "max_new_tokens": max_new_tokens, "block_size": config.block_size,

@@ -77,55 +77,22 @@ def stub_cuda():
     torch.cuda.current_device = lambda: 0
 
 
-def per_call_us(fn, n=20000, runs=7):
-    """This thread's CPU time per call (thread_time: other processes on a shared machine do not
-    count), the best of `runs`."""
-    loops = host_loops(fn, n, loops=runs, warmup=500, sync=lambda: None, clock=time.thread_time)
-    return min(host for host, _ in loops)
-
-
-def cases():
-    import pagedattn
-    from pagedattn import CacheSpec
-
-    kc, vc = CacheSpec(16, 16, 8, 128, torch.bfloat16).allocate("cpu", fill=0.0)
-    key = torch.randn(1, 8, 128, dtype=torch.bfloat16)
-    slots = torch.tensor([3])
-    ak, av = CacheSpec(64, 16, 8, 128, torch.bfloat16).allocate("cpu", fill=0.0)
-    q = torch.randn(4, 32, 128, dtype=torch.bfloat16)
-    table = torch.arange(64, dtype=torch.int32).view(4, 16)
-    cu_q = torch.arange(5, dtype=torch.int32)
-    seq = torch.full((4,), 256, dtype=torch.int32)
-    ops = torch.ops.pagedattn
-
-    def attend(splits):
-        return pagedattn.flash_attn_varlen_func(q, ak, av, 1, cu_q, 256, seqused_k=seq, block_table=table,
-                                                num_splits=splits)
-
-    def attend_op(splits):
-        return ops.flash_attn_varlen_func(q, ak, av, 1, cu_q, 256, None, seq, None, False, table, splits, None,
-                                          None, None, [-1, -1], 0.0, None, None)
-    q4, k4 = q.view(4, 1, 32, 128), key.expand(4, 8, 128).contiguous().view(4, 1, 8, 128)
-    lens = torch.full((4,), 200, dtype=torch.int32)
-    return {
-        "reshape_and_cache_flash": lambda: pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots),
-        "op reshape_and_cache_flash": lambda: ops.reshape_and_cache_flash(key, key, kc, vc, slots, "auto", None,
-                                                                          None),
-        "flash_attn_varlen_func decode": lambda: attend(1),
-        "flash_attn_varlen_func decode split4": lambda: attend(4),
-        "op flash_attn_varlen_func decode": lambda: attend_op(1),
-        "op flash_attn_varlen_func decode split4": lambda: attend_op(4),
-        "flash_attn_with_kvcache decode (append 1)": lambda: pagedattn.flash_attn_with_kvcache(
-            q4, ak, av, k4, k4, cache_seqlens=lens, block_table=table, num_splits=1),
-        "torch.empty_like(q)": lambda: torch.empty_like(q),
-        "key.add(key)": lambda: key.add(key),
-    }
+# the rows printed (and in perf/results/host_profile_*.json): launch_overhead.api_cases' calls
+NAMES = {"reshape_and_cache_flash": "reshape_and_cache_flash", "op reshape_and_cache_flash": "op_reshape_and_cache_flash",
+         "flash_attn_varlen_func decode": "flash_attn_decode", "flash_attn_varlen_func decode split4":
+         "flash_attn_decode_split4", "op flash_attn_varlen_func decode": "op_flash_attn_decode",
+         "op flash_attn_varlen_func decode split4": "op_flash_attn_decode_split4",
+         "flash_attn_with_kvcache decode (append 1)": "flash_attn_with_kvcache_decode",
+         "torch.empty_like(key)": "torch_empty_like", "key.add(key)": "torch_add"}
 
 
 def main(argv):
+    from launch_overhead import api_cases  # noqa: PLC0415 - the script beside this one
+
     stub_cuda()
     torch.set_num_threads(1)
-    all_cases = cases()
+    calls = api_cases("cpu")[0]
+    all_cases = {name: calls[key][0] for name, key in NAMES.items()}
     results = {}
     for name, fn in all_cases.items():
         try:
@@ -134,7 +101,10 @@ def main(argv):
             print(f"{name:45s}    n/a ({type(exc).__name__})")
             continue
         n = 4000 if "kvcache" in name or name.startswith("op ") else 20000
-        results[name] = per_call_us(fn, n)
+        # this thread's CPU time per call (thread_time: other processes on a shared machine do not count),
+        # the best of 7 runs
+        loops = host_loops(fn, n, loops=7, warmup=500, sync=lambda: None, clock=time.thread_time)
+        results[name] = min(host for host, _ in loops)
         print(f"{name:45s} {results[name]:6.2f} us")
     if "--json" in argv:  # one line of results, for perf/results/host_profile_*.json
         import json

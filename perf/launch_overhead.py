@@ -22,60 +22,35 @@ import torch
 
 import pagedattn
 from pagedattn import CacheSpec
-from pagedattn.bench.meta import write_quick
-from pagedattn.bench.timing import host_loops
-from pagedattn.ops.kv_write import KvWriteSpec
 
 BATCH = 200            # calls queued behind one sleep kernel (the launch queue holds ~1000)
 SLEEP_CYCLES = 40_000_000  # ~20 ms at 2 GHz: longer than BATCH calls at 100 µs each
 
 
-def per_call_us(fn, n=20000):
-    """Idle regime: median of 5 timed loops of n calls."""
-    return _middle(host_loops(fn, n))
-
-
-def busy_call_us(fn, n=10000):
-    """Busy regime: median over batches of BATCH calls, each batch queued behind a sleep kernel."""
-    return _middle(host_loops(fn, BATCH, loops=max(1, n // BATCH), before=lambda: torch.cuda._sleep(SLEEP_CYCLES)))
-
-
-def _middle(loops) -> float:
-    """The middle (upper middle of an even count) of the loops' host µs per call."""
-    hosts = sorted(host for host, _ in loops)
-    return hosts[len(hosts) // 2]
-
-
-def main(out_dir="perf/results"):
-    spec = CacheSpec(16, 16, 8, 128, torch.bfloat16)
-    kc, vc = spec.allocate("cuda", fill=0.0)
-    key = torch.randn(1, 8, 128, dtype=torch.bfloat16, device="cuda")
-    slots = torch.tensor([3], device="cuda")
-    pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots)
-    launcher = pagedattn.get_kernel(KvWriteSpec("bf16", "auto", "span")).launcher(0)
-    values = (key.data_ptr(), key.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), 0, 0,
-              1024, 1024, *kc.stride()[:3], spec.num_slots, 16, 16, 8, 128, 0, 1, 1)
-    # decode of 4 requests over 256 keys each (Hq=32, Hkv=8): the public attention op's host cost
-    ak, av = CacheSpec(64, 16, 8, 128, torch.bfloat16).allocate("cuda", fill=0.0)
-    q = torch.randn(4, 32, 128, dtype=torch.bfloat16, device="cuda")
-    table = torch.arange(64, dtype=torch.int32, device="cuda").view(4, 16)
-    cu_q = torch.arange(5, dtype=torch.int32, device="cuda")
-    seq = torch.full((4,), 256, dtype=torch.int32, device="cuda")
+def api_cases(device) -> dict:
+    """({name: (the call, calls to time)}, the write's tensors): the public API, the torch ops and two
+    torch controls on tiny problems (shared with perf/host_profile.py): a write of one token, a decode of
+    4 requests over 256 keys each (Hq=32, Hkv=8, D=128)."""
+    kc, vc = CacheSpec(16, 16, 8, 128, torch.bfloat16).allocate(device, fill=0.0)
+    key = torch.randn(1, 8, 128, dtype=torch.bfloat16, device=device)
+    slots = torch.tensor([3], device=device)
+    ak, av = CacheSpec(64, 16, 8, 128, torch.bfloat16).allocate(device, fill=0.0)
+    q = torch.randn(4, 32, 128, dtype=torch.bfloat16, device=device)
+    table = torch.arange(64, dtype=torch.int32, device=device).view(4, 16)
+    cu_q = torch.arange(5, dtype=torch.int32, device=device)
+    seq = torch.full((4,), 256, dtype=torch.int32, device=device)
+    q4, k4 = q.view(4, 1, 32, 128), torch.randn(4, 1, 8, 128, dtype=torch.bfloat16, device=device)
+    lens = torch.full((4,), 200, dtype=torch.int32, device=device)
+    ops = torch.ops.pagedattn
 
     def attend(splits):
         return pagedattn.flash_attn_varlen_func(q, ak, av, 1, cu_q, 256, seqused_k=seq, block_table=table,
                                                 num_splits=splits)
 
-    ops = torch.ops.pagedattn
-
     def attend_op(splits):
         return ops.flash_attn_varlen_func(q, ak, av, 1, cu_q, 256, None, seq, None, False, table, splits, None,
                                           None, None, [-1, -1], 0.0, None, None)
-    q4 = q.view(4, 1, 32, 128)
-    k4 = torch.randn(4, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
-    lens = torch.full((4,), 200, dtype=torch.int32, device="cuda")
-    cases = {
-        "raw_launcher": (lambda: launcher((1, 1, 1), (256, 1, 1), values), 20000),
+    return {
         "reshape_and_cache_flash": (lambda: pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots), 20000),
         "flash_attn_decode": (lambda: attend(1), 5000),
         "flash_attn_decode_split4": (lambda: attend(4), 5000),
@@ -88,16 +63,34 @@ def main(out_dir="perf/results"):
             q4, ak, av, k4, k4, cache_seqlens=lens, block_table=table, num_splits=1), 5000),
         "torch_empty_like": (lambda: torch.empty_like(key), 20000),
         "torch_add": (lambda: key.add(key), 20000),
-    }
+    }, (key, kc, vc, slots)
+
+
+def main(out_dir="perf/results"):
+    from pagedattn.bench.meta import write_quick
+    from pagedattn.bench.timing import host_loops
+    from pagedattn.ops.kv_write import KvWriteSpec
+
+    cases, (key, kc, vc, slots) = api_cases("cuda")
+    pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots)
+    launcher = pagedattn.get_kernel(KvWriteSpec("bf16", "auto", "span")).launcher(0)
+    values = (key.data_ptr(), key.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), 0, 0,
+              1024, 1024, *kc.stride()[:3], kc.shape[0] * 16, 16, 16, 8, 128, 0, 1, 1)
+    cases = {"raw_launcher": (lambda: launcher((1, 1, 1), (256, 1, 1), values), 20000), **cases}
+    # the middle (upper middle of an even count) of the loops' host µs per call
+    middle = lambda loops: sorted(host for host, _ in loops)[len(loops) // 2]  # noqa: E731
     rounds = max(1, int(os.environ.get("LAUNCH_OVERHEAD_ROUNDS", "3")))
     samples = {}
     for _ in range(rounds):
         for name, (fn, n) in cases.items():
-            samples.setdefault(f"{name}_us", []).append(per_call_us(fn, max(1000, n // rounds)))
-            samples.setdefault(f"{name}_busy_us", []).append(busy_call_us(fn, max(BATCH, min(n, 10000) // rounds)))
+            # idle: median of 5 timed loops; busy: over batches of BATCH calls, each behind a sleep kernel
+            samples.setdefault(f"{name}_us", []).append(middle(host_loops(fn, max(1000, n // rounds))))
+            busy = max(BATCH, min(n, 10000) // rounds)
+            samples.setdefault(f"{name}_busy_us", []).append(middle(host_loops(
+                fn, BATCH, loops=max(1, busy // BATCH), before=lambda: torch.cuda._sleep(SLEEP_CYCLES))))
     results = {key: statistics.median(values) for key, values in samples.items()}
-    path = write_quick(out_dir, "launch_overhead", results, rounds={key: [round(v, 3) for v in values]
-                                                                    for key, values in samples.items()})
+    path = write_quick(out_dir, "launch_overhead", results,
+                       rounds={key: [round(v, 3) for v in values] for key, values in samples.items()})
     for k, v in results.items():
         print(f"{k:40s} {v:6.2f} us")
     print(f"wrote {path}")

@@ -59,40 +59,28 @@ for layout in ("NHD", "HND"):
 torch.cuda.synchronize()
 print("sanitize cases done")
 
-# attention: corrupt block ids, seqused_k beyond the table, fp8 with D % 16 == 8, split-KV
+# attention: corrupt block ids, seqused_k beyond the table, fp8 with D % 16 == 8, split-KV, the feature
+# variants (window + sinks, softcap + ALiBi) and head dim 512. 4 x group 4 rows: decode variants; 8 x 4:
+# multi-token decode (multi_tma on sm_90 for 16-bit); 40 x 4: prefill (wgmma on sm_90 for 16-bit)
 from pagedattn.ops.attention import flash_attn_varlen_func  # noqa: E402
 
-for kv, D in (("auto", 128), ("fp8_e4m3", 72), ("fp8_e4m3", 128)):  # fp8 d128: register operands on sm_90
-    spec = CacheSpec(6, 16, 2, D, torch.bfloat16 if kv == "auto" else torch.uint8, kv, "HND")
-    kc, vc = spec.allocate("cuda", fill=0.5)
-    table = torch.tensor([[0, 5, 10**6], [-3, 2, 1]], dtype=torch.int32, device="cuda")
-    seq = torch.tensor([40, 10**5], dtype=torch.int32, device="cuda")
-    s = torch.ones(1, device="cuda")
-    # 4 x group 4 rows: decode variants; 8 x 4: multi-token decode (multi_tma on sm_90 for 16-bit);
-    # 40 x 4: prefill (wgmma on sm_90 for 16-bit)
+table = torch.tensor([[0, 5, 10**6], [-3, 2, 1]], dtype=torch.int32, device="cuda")
+seq = torch.tensor([40, 10**5], dtype=torch.int32, device="cuda")
+s = torch.ones(1, device="cuda")
+features = (dict(window_size=(20, 0), s_aux=torch.randn(8, device="cuda")),
+            dict(softcap=30.0, alibi_slopes=torch.rand(8, device="cuda")))
+runs = [("HND", kv, D, dict(num_splits=n)) for kv, D in (("auto", 128), ("fp8_e4m3", 72), ("fp8_e4m3", 128))
+        for n in (1, 3)]  # fp8 d128: register operands on sm_90
+runs += [("NHD", kv, D, dict(num_splits=3, **f)) for kv, D in (("auto", 128), ("fp8_e4m3", 128), ("auto", 512))
+         for f in features]
+for layout, kv, D, kw in runs:
+    kc, vc = CacheSpec(6, 16, 2, D, torch.bfloat16 if kv == "auto" else torch.uint8, kv, layout).allocate(
+        "cuda", fill=0.5)
     for q_len in (4, 8, 40):
         q = torch.randn(1 + q_len, 8, D, dtype=torch.bfloat16, device="cuda")
         cu_q = torch.tensor([0, 1, 1 + q_len], dtype=torch.int32, device="cuda")
-        for splits in (1, 3):
-            flash_attn_varlen_func(q, kc, vc, q_len, cu_q, 10**5, seqused_k=seq, block_table=table, causal=True,
-                                   num_splits=splits, kv_cache_dtype=kv, k_descale=s, v_descale=s,
-                                   return_softmax_lse=True)
-# the feature variants (window + sinks, softcap + ALiBi) and head dim 512, with the same corrupt tables
-for kv, D in (("auto", 128), ("fp8_e4m3", 128), ("auto", 512)):
-    spec = CacheSpec(6, 16, 2, D, torch.bfloat16 if kv == "auto" else torch.uint8, kv, "NHD")
-    kc, vc = spec.allocate("cuda", fill=0.5)
-    table = torch.tensor([[0, 5, 10**6], [-3, 2, 1]], dtype=torch.int32, device="cuda")
-    seq = torch.tensor([40, 10**5], dtype=torch.int32, device="cuda")
-    s = torch.ones(1, device="cuda")
-    feature_sets = (dict(window_size=(20, 0), s_aux=torch.randn(8, device="cuda")),
-                    dict(softcap=30.0, alibi_slopes=torch.rand(8, device="cuda")))
-    for q_len in (4, 8, 40):
-        q = torch.randn(1 + q_len, 8, D, dtype=torch.bfloat16, device="cuda")
-        cu_q = torch.tensor([0, 1, 1 + q_len], dtype=torch.int32, device="cuda")
-        for feats in feature_sets:
-            flash_attn_varlen_func(q, kc, vc, q_len, cu_q, 10**5, seqused_k=seq, block_table=table, causal=True,
-                                   num_splits=3, kv_cache_dtype=kv, k_descale=s, v_descale=s,
-                                   return_softmax_lse=True, **feats)
+        flash_attn_varlen_func(q, kc, vc, q_len, cu_q, 10**5, seqused_k=seq, block_table=table, causal=True,
+                               kv_cache_dtype=kv, k_descale=s, v_descale=s, return_softmax_lse=True, **kw)
 torch.cuda.synchronize()
 print("sanitize attention cases done")
 

@@ -841,6 +841,24 @@ def test_sweep_decode_points_follow_the_options():
     assert len(sweeps.decode_points(dict(opts, splits="", variants="", cases=""))) == len(sweeps.DECODE_CASES)
 
 
+def test_sweep_write_points_force_their_path():
+    """`bench sweep write` (was perf/write_sweep.py): each point is an overrides= mapping of the write."""
+    from pagedattn.bench import sweeps
+    from pagedattn.ops import kv_write
+
+    assert sweeps.write_point("default") is None
+    assert sweeps.write_point("old") == {"flat": False} and sweeps.write_point("old", span=8)["span_packs"] == 8
+    flat = sweeps.write_point("flat", 2, 128)
+    assert flat == {"flat": True, "stream_items": 0, "max_items": 4, "max_threads": 512, "min_blocks": 0,
+                    "stream_waves": 0, "items": 2, "threads": 128}
+    assert sweeps.write_point("flat", 8, 128, max_items=8)["max_items"] == 8
+    stream = sweeps.write_point("flat", 2, 256, (1.0, 4, 6))
+    assert stream["stream_waves"] == 1.0 and stream["stream_items"] == 4 and stream["min_blocks"] == 6
+    assert stream["max_items"] == kv_write.FLAT_BUILD["fp8"]["max_items"]
+    assert sweeps._write_shape("flat", 2, 256, (1.0, 4, 6), None) == "items=2 threads=256 stream=1x4 minblocks=6"
+    assert len(sweeps.WRITE_CONFIGS) == 6 and "write" in sweeps.KINDS
+
+
 def test_sweep_precompile_plans_the_configs_kernels(monkeypatch, tmp_path):
     """--precompile (in a child per config): that config's decode kernels, into ROOT/cfg_<config>."""
     from pagedattn import aot

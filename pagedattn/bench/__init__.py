@@ -3,7 +3,7 @@
     pagedattn bench [--suite write|decode|prefill|features|legacy|jit|all] [--quick] [--out DIR]
     pagedattn bench compare A.json B.json [--peers] [--markdown]
     pagedattn bench report [--results DIR]
-    pagedattn bench sweep decode|prefill|modes|quick [CONFIG ...] [--out DIR]
+    pagedattn bench sweep decode|prefill|modes|quick|write [CONFIG ...] [--out DIR]
 """
 from __future__ import annotations
 
@@ -29,9 +29,7 @@ def _cmd_compare(args) -> int:
         return 2
     header, rows, summary = report.compare(a, b, peers=args.peers)
     if args.markdown:
-        print(report.markdown_table(header, rows))
-        print()
-        print("\n".join(f"- {s}" for s in summary))
+        print(report.markdown_table(header, rows) + "\n\n" + "\n".join(f"- {s}" for s in summary))
         return 0
     from rich.console import Console
 
@@ -43,13 +41,11 @@ def _cmd_compare(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from pathlib import Path
-
     from rich.console import Console
 
     from . import runner
 
-    runner.regenerate(Path(args.results), Console(highlight=False), include_samples=args.include_samples)
+    runner.regenerate(args.results, Console(highlight=False), include_samples=args.include_samples)
     return 0
 
 
@@ -63,6 +59,7 @@ def add_parser(sub) -> None:
     from ..envs import bench_results_dir
 
     default_out = bench_results_dir()
+    where = "(default: where `pagedattn bench` writes, %(default)s; the repository's: perf/results)"
     p = sub.add_parser("bench", help="benchmark the kernels against torch peers and the machine's ceilings",
                        description="Measure the kernels on this GPU against torch peers and the ceilings "
                                    "measured in the same run; write OUT/<gpu>_<sm>_<date>.json, and "
@@ -91,17 +88,15 @@ def add_parser(sub) -> None:
     c.set_defaults(func=_cmd_compare)
     r = bsub.add_parser("report", help="regenerate RESULTS.md and plots from a results folder (no GPU needed)")
     r.add_argument("--results", default=str(default_out),
-                   help="results folder, RESULTS.md and plots/ are written beside it (default: where "
-                        "`pagedattn bench` writes, %(default)s; the repository's: perf/results)")
+                   help=f"results folder, RESULTS.md and plots/ are written beside it {where}")
     r.add_argument("--include-samples", action="store_true", help=argparse.SUPPRESS)
     r.set_defaults(func=_cmd_report)
-    w = bsub.add_parser("sweep", help="tile / mode sweeps, one process per configuration (see bench/sweeps.py)")
-    w.add_argument("kind", choices=("decode", "prefill", "modes", "quick"))
+    w = bsub.add_parser("sweep", help="tile / mode / write-path sweeps (see bench/sweeps.py)")
+    w.add_argument("kind", choices=("decode", "prefill", "modes", "quick", "write"))
     w.add_argument("configs", nargs="*", help="decode: kWarpsN,kStages,kMinBlocks[,tma|cp[,kBlockN]]; prefill: "
-                                              "kBlockM,kBlockN,kWarpsM,kStages; either: default; modes: long short ws wsab")
-    w.add_argument("--out", default=str(default_out),
-                   help="results folder (default: where `pagedattn bench` writes, %(default)s; the "
-                        "repository's: perf/results)")
+                                              "kBlockM,kBlockN,kWarpsM,kStages; either: default; modes: long short ws "
+                                              "wsab; write: none (WRITE_SWEEP_* in the environment)")
+    w.add_argument("--out", default=str(default_out), help=f"results folder {where}")
     w.add_argument("--splits", default="", help="decode: forced-split B=1 ctx 32768 points, e.g. 8,16,32")
     w.add_argument("--variants", default="", help='decode: B=64 ctx 4096 points, e.g. "HND;seq;splits=2"')
     w.add_argument("--cases", default="", help='decode: keep only these cases, e.g. "B=1 ctx=32768;B=16 ctx=4096"')

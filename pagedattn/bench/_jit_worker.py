@@ -7,8 +7,6 @@ With an empty PAGEDATTN_CACHE_DIR that is the cold path; run again on the same f
 (disk hit, no compile). One JSON line per workload goes to --out as soon as it is done, so a timeout
 keeps what finished.
 """
-from __future__ import annotations
-
 import sys
 
 if sys.path and sys.path[0].rstrip("/").endswith("bench"):
@@ -25,71 +23,57 @@ T_START = time.perf_counter()
 
 def _entries(root: Path) -> dict[str, dict]:
     out = {}
-    if not root.is_dir():
-        return out
-    for folder in root.iterdir():
-        meta = folder / "meta.json"
-        if folder.is_dir() and meta.is_file():
-            try:
-                out[folder.name] = json.loads(meta.read_text())
-            except (OSError, ValueError):
-                pass
+    for meta in root.glob("*/meta.json") if root.is_dir() else ():
+        try:
+            out[meta.parent.name] = json.loads(meta.read_text())
+        except (OSError, ValueError):
+            pass
     return out
 
 
-def main(argv=None) -> int:
+def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", required=True)
     ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
+    args = ap.parse_args()
     out = open(args.out, "a", buffering=1)
-
-    def emit(obj):
-        out.write(json.dumps(obj) + "\n")
-        out.flush()
+    emit = lambda obj: (out.write(json.dumps(obj) + "\n"), out.flush())  # noqa: E731
 
     t0 = time.perf_counter()
     import torch
 
-    t_torch = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    import pagedattn
+    t_torch, t0 = time.perf_counter() - t0, time.perf_counter()
+    import pagedattn  # noqa: F401
     from pagedattn import envs
     from pagedattn.codegen.cache import kernel_cache
 
     t_import = time.perf_counter() - t0
     torch.zeros(1, device="cuda").add_(1)
     torch.cuda.synchronize()  # context creation stays out of the first-call times
-    emit({"event": "start", "import_torch_s": t_torch, "import_pagedattn_s": t_import,
-          "cache_dir": str(envs.cache_dir()), "pid": os.getpid()})
+    root = envs.cache_dir()
+    emit({"event": "start", "import_torch_s": t_torch, "import_pagedattn_s": t_import, "cache_dir": str(root),
+          "pid": os.getpid()})
 
     from pagedattn.bench.jit import WORKLOADS
 
-    root = envs.cache_dir()
     for name in args.workloads.split(","):
         rec = {"event": "workload", "workload": name}
         try:
             work = WORKLOADS[name][1]("cuda")
             torch.cuda.synchronize()
-            before = _entries(root)
-            compiles0 = kernel_cache().compiles
+            before, compiles0 = _entries(root), kernel_cache().compiles
             t0 = time.perf_counter()
             work["fn"]()
             torch.cuda.synchronize()
             rec["first_call_s"] = time.perf_counter() - t0
             rec["compiles"] = kernel_cache().compiles - compiles0
-            after = _entries(root)
             rec["variants"] = {m.get("variant", k): m.get("compile_seconds")
-                               for k, m in after.items() if k not in before}
-            try:
-                rec["origins"] = sorted({a.origin for a in kernel_cache()._memory.values()})
-            except Exception:  # noqa: BLE001 - private detail, informative only
-                pass
+                               for k, m in _entries(root).items() if k not in before}
+            rec["origins"] = sorted({a.origin for a in kernel_cache()._memory.values()})
         except Exception as exc:  # noqa: BLE001
             rec["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"
         emit(rec)
     emit({"event": "done", "total_s": time.perf_counter() - T_START})
-    out.close()
     return 0
 
 

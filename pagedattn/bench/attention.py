@@ -55,13 +55,15 @@ def flash_fn():
 
 
 def available(ctx: Ctx):
-    if flash_fn() is None:
-        return False, "not available: pagedattn.flash_attn_varlen_func does not exist yet"
-    return True, None
+    return (True, None) if flash_fn() else (False, "not available: pagedattn.flash_attn_varlen_func does not exist yet")
 
 
 def _dims(ctx: Ctx) -> dict:
     return dict(TINY) if ctx.tiny else {"hq": HQ, "hkv": HKV, "d": D, "bs": BLOCK}
+
+
+def _cache_name(kv: str) -> str:
+    return "bf16" if kv == "auto" else kv
 
 
 def decode_shape(shape: dict, bs_default: int = BLOCK) -> dict:
@@ -76,26 +78,23 @@ def decode_shape(shape: dict, bs_default: int = BLOCK) -> dict:
 
 
 def decode_case_id(shape: dict, bs_default: int = BLOCK) -> str:
-    cache = "bf16" if shape["kv"] == "auto" else shape["kv"]
-    cid = f"decode/B{shape['B']}/ctx{shape['ctx']}/{cache}"
-    if shape["layout"] != "NHD":
-        cid += f"/{shape['layout']}"
-    if shape["bs"] != bs_default:
-        cid += f"/bs{shape['bs']}"
-    return cid
+    return (f"decode/B{shape['B']}/ctx{shape['ctx']}/{_cache_name(shape['kv'])}"
+            + (f"/{shape['layout']}" if shape["layout"] != "NHD" else "")
+            + (f"/bs{shape['bs']}" if shape["bs"] != bs_default else ""))
+
+
+def _params(ctx: Ctx, B: int, q_len: int, L: int, kv: str, **more) -> dict:
+    return {"B": B, "q_len": q_len, "ctx": L, "kv_cache_dtype": kv, "cache": _cache_name(kv), "dtype": "bf16",
+            "causal": True, **_dims(ctx), **more}
 
 
 def decode_cases(ctx: Ctx) -> list[Case]:
-    out = []
-    dims = _dims(ctx)
+    out, bs = [], _dims(ctx)["bs"]
     for entry in (TINY_DECODE if ctx.tiny else DECODE):
-        shape = decode_shape(entry, dims["bs"])
-        cache = "bf16" if shape["kv"] == "auto" else shape["kv"]
-        params = {"B": shape["B"], "q_len": 1, "ctx": shape["ctx"], "kv_cache_dtype": shape["kv"],
-                  "cache": cache, "dtype": "bf16", "causal": True, **dims, "layout": shape["layout"],
-                  "bs": shape["bs"], "peers": shape["peers"]}
-        goals = {"us": shape["goal_us"], "vs": shape["vs"]}
-        out.append(Case(decode_case_id(shape, dims["bs"]), "decode", params,
+        s = decode_shape(entry, bs)
+        params = _params(ctx, s["B"], 1, s["ctx"], s["kv"], layout=s["layout"], bs=s["bs"], peers=s["peers"])
+        goals = {"us": s["goal_us"], "vs": s["vs"]}
+        out.append(Case(decode_case_id(s, bs), "decode", params,
                         lambda ctx, rec, p=params, g=goals: run_case(ctx, rec, p, g)))
     return out
 
@@ -105,9 +104,8 @@ def prefill_cases(ctx: Ctx) -> list[Case]:
     shapes = [dict(s, q=s["S"], ctx=s["S"]) for s in (TINY_PREFILL if ctx.tiny else PREFILL)]
     for shape in shapes + ([] if ctx.tiny else list(MULTI)):
         kv = shape.get("kv", "auto")
-        params = {"B": shape["B"], "q_len": shape["q"], "ctx": shape["ctx"], "kv_cache_dtype": kv,
-                  "cache": "bf16" if kv == "auto" else kv, "dtype": "bf16", "layout": "NHD", "causal": True,
-                  **_dims(ctx), "peers": "all" if kv == "auto" else "none"}
+        params = _params(ctx, shape["B"], shape["q"], shape["ctx"], kv, layout="NHD",
+                         peers="all" if kv == "auto" else "none")
         cid = (f"prefill/B{shape['B']}/S{shape['q']}/causal" if "S" in shape
                else f"multi/B{shape['B']}/q{shape['q']}/ctx{shape['ctx']}/causal")
         out.append(Case(cid + ("" if kv == "auto" else f"/{kv}"), "prefill", params,
@@ -119,8 +117,7 @@ def prefill_cases(ctx: Ctx) -> list[Case]:
 def gather_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """[num_blocks, bs, H, D] cache, [B, nb] table -> [B, nb * bs, H, D] (fp8 through uint8)."""
     fp8 = cache.dtype in FP8_DTYPES
-    src = cache.view(torch.uint8) if fp8 else cache
-    g = src[table.long()]
+    g = (cache.view(torch.uint8) if fp8 else cache)[table.long()]
     b, nb, bs, h, d = g.shape
     g = g.reshape(b, nb * bs, h, d)  # reshape: an HND cache is a permuted view
     return g.view(cache.dtype) if fp8 else g
@@ -153,43 +150,38 @@ class PagedData:
     def groups(self) -> int:
         return self.hq // self.hkv
 
-    def dequant(self, g: torch.Tensor, descale, dtype) -> torch.Tensor:
-        if g.dtype in FP8_DTYPES:
-            return g.to(dtype) * descale.to(dtype)
-        return g.to(dtype)
-
-    def contiguous_kv(self, s: int, dtype=torch.bfloat16):
-        """Unpaged copies [B, Hkv, ctx, D] of set s's KV (dequantised for fp8)."""
+    def gathered_kv(self, s: int, dtype=torch.bfloat16):
+        """[B, Hkv, ctx, D] views of set s's pages (dequantised for fp8)."""
         out = []
         for cache, descale in ((self.kc, self.k_descale), (self.vc, self.v_descale)):
             g = gather_pages(cache, self.tables[s])[:, :self.ctx_len]
-            out.append(self.dequant(g, descale, dtype).transpose(1, 2).contiguous())
+            out.append((g.to(dtype) * descale.to(dtype) if g.dtype in FP8_DTYPES else g.to(dtype)).transpose(1, 2))
         return out
+
+    def contiguous_kv(self, s: int, dtype=torch.bfloat16):
+        """Unpaged copies [B, Hkv, ctx, D] of set s's KV (dequantised for fp8)."""
+        return [x.contiguous() for x in self.gathered_kv(s, dtype)]
 
 
 def build(ctx: Ctx, p: dict, sets: int, gen_seed: int = 0) -> PagedData:
     dev = ctx.device
-    B, q_len, L, hq, hkv, d, bs = p["B"], p["q_len"], p["ctx"], p["hq"], p["hkv"], p["d"], p["bs"]
+    B, q_len, L, hq, hkv, d, bs, kv = (p[k] for k in ("B", "q_len", "ctx", "hq", "hkv", "d", "bs", "kv_cache_dtype"))
     nb = ceil_div(L, bs)
     need = B * nb * sets
     num_blocks = need + max(need // 4, 8)
     torch.manual_seed(gen_seed)
-    kv = p["kv_cache_dtype"]
     hnd = p.get("layout") == "HND"  # "legacy" (legacy.py) starts from NHD and converts
     shape = (num_blocks, hkv, bs, d) if hnd else (num_blocks, bs, hkv, d)
-
-    def as_logical(t):  # [num_blocks, bs, Hkv, D] whatever the memory order
-        return t.transpose(1, 2) if hnd else t
+    kd = vd = None
     if kv == "auto":
-        kc = as_logical(torch.randn(shape, dtype=torch.bfloat16, device=dev))
-        vc = as_logical(torch.randn(shape, dtype=torch.bfloat16, device=dev))
-        kd = vd = None
+        kc, vc = (torch.randn(shape, dtype=torch.bfloat16, device=dev) for _ in range(2))
     else:
         fmax = 448.0 if kv == "fp8_e4m3" else 57344.0
         kd = torch.tensor([4.0 / fmax], dtype=torch.float32, device=dev)
         vd = kd.clone()
-        kc = as_logical((torch.randn(shape, device=dev) / kd).clamp(-fmax, fmax).to(FP8_TORCH[kv]))
-        vc = as_logical((torch.randn(shape, device=dev) / vd).clamp(-fmax, fmax).to(FP8_TORCH[kv]))
+        kc, vc = ((torch.randn(shape, device=dev) / kd).clamp(-fmax, fmax).to(FP8_TORCH[kv]) for _ in range(2))
+    if hnd:  # the logical [num_blocks, bs, Hkv, D] whatever the memory order
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
     tables = shuffled_tables(num_blocks, B, nb, sets, dev)
     q = [torch.randn(B * q_len, hq, d, dtype=torch.bfloat16, device=dev) for _ in range(sets)]
     cu_q = torch.arange(0, B * q_len + 1, q_len, dtype=torch.int32, device=dev)
@@ -215,7 +207,7 @@ def reference_out(data: PagedData, s: int = 0, causal: bool = True, **features) 
         torch.set_float32_matmul_precision(prev)
 
 
-# -- torch peers -----------------------------------------------------------------------------------
+# -- ours and the peers ----------------------------------------------------------------------------
 def _sdpa_backend(name: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -232,52 +224,44 @@ def unsupported(p: dict) -> str | None:
 
 
 def _ours_fn(fa, data: PagedData, num_splits: int = 0, **features):
-    kwargs = dict(features)
     if data.kv != "auto":  # the caches are float8 tensors: their dtype names the format
-        kwargs.update(k_descale=data.k_descale, v_descale=data.v_descale)
+        features.update(k_descale=data.k_descale, v_descale=data.v_descale)
 
     def ours(k):
         res = fa(data.q[k], data.kc, data.vc, data.q_len, data.cu_q, data.ctx_len, seqused_k=data.seqused,
                  causal=True, block_table=data.tables[k], softmax_scale=data.scale,
-                 return_softmax_lse=False, num_splits=num_splits, **kwargs)
+                 return_softmax_lse=False, num_splits=num_splits, **features)
         return res[0] if isinstance(res, (tuple, list)) else res
     return ours
 
 
 def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> None:
-    fa = flash_fn()
     B, sq, L, hq, hkv, d = p["B"], p["q_len"], p["ctx"], p["hq"], p["hkv"], p["d"]
     fp8 = p["kv_cache_dtype"] != "auto"
-    elem = 1 if fp8 else 2
-    kv_bytes = 2 * B * L * hkv * d * elem
-    io_bytes = 2 * 2 * B * sq * hq * d  # q read + out written (bf16)
+    kv_bytes = 2 * B * L * hkv * d * (1 if fp8 else 2)
     if sq == 1 or sq < L // 8:  # decode and multi-token decode: bound by the KV bytes
         rec.work("GB/s", kv_bytes, "copy")
     else:  # query i sees L - sq + i + 1 keys (bottom-right causal)
         rec.work("TFLOP/s", 4 * B * hq * d * (sq * (L - sq) + sq * (sq + 1) / 2), "matmul")
     why = unsupported(p)
     if why is not None:
-        rec.skip(f"unsupported by pagedattn: {why}")
-        return
-    sets = ctx.sets_for(kv_bytes + io_bytes, cap=8)
+        return rec.skip(f"unsupported by pagedattn: {why}")
+    sets = ctx.sets_for(kv_bytes + 2 * 2 * B * sq * hq * d, cap=8)  # + q read and out written (bf16)
     data = build(ctx, p, sets)
     rec.extra(sets=sets, kv_bytes=kv_bytes, num_blocks=data.kc.shape[0], methods=list(METHODS))
+    fa = flash_fn()
     ours = _ours_fn(fa, data)
 
-    # -- correctness once, then timing (a failure is the case's error; the peers still run) -------
-    ref_box: dict = {}
-
-    def reference():
-        ref_box["ref"] = reference_out(data)
-    rec.attempt("float32 reference", reference)
-    ref = ref_box.get("ref")
-    refused: dict = {}
+    # correctness once, then timing (a failure is the case's error; the peers still run)
+    box: dict = {}
+    rec.attempt("float32 reference", lambda: box.update(ref=reference_out(data)))
+    ref = box.get("ref")
 
     def check_and_time():
         try:
             out = ours(0)
         except (pagedattn.UnsupportedError, NotImplementedError) as exc:
-            refused["why"] = short_error(exc)
+            box["refused"] = short_error(exc)
             return
         ctx.sync()
         if tuple(out.shape) != (B * sq, hq, d):
@@ -287,14 +271,13 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
         del out
         rec.ours("pagedattn", ours, sets, methods=METHODS)
     rec.attempt("pagedattn", check_and_time)
-    if refused:
-        rec.skip(f"unsupported by pagedattn: {refused['why']}")
-        return
+    if "refused" in box:
+        return rec.skip(f"unsupported by pagedattn: {box['refused']}")
 
-    # -- peers ----------------------------------------------------------------------------------
     role = p.get("peers", "all")
-    if role == "base":
-        _base_peer(ctx, rec, fa, p, sets)
+    if role == "base":  # ours on a plain NHD cache, default block size: what a layout / block size is held to
+        base = dict(p, layout="NHD", bs=_dims(ctx)["bs"])
+        rec.peer(BASE_PEER, lambda: _ours_fn(fa, build(ctx, base, sets, gen_seed=1)), sets, methods=METHODS)
     elif role == "none":
         rec.note("no peers: they would read the same bf16 copy as the fp8_e4m3 case")
     else:
@@ -303,8 +286,6 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
             _paged_peers(ctx, rec, data, ref, sets)
     if fp8 and role != "none":
         rec.note("torch peers read a bf16 dequantised copy (torch has no fp8-KV attention)")
-
-    # -- goals ----------------------------------------------------------------------------------
     if ctx.tiny:
         return
     goals = goals or {}
@@ -316,46 +297,35 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
         rec.goal_ratio(*goals["vs"])
 
 
+def fastest_peer(ctx: Ctx, rec: Recorder, name: str, candidates, ref, sets: int, context=None,
+                 methods=METHODS) -> None:
+    """Time peer `name` at its fastest correct configuration (peers.fastest); the record names it."""
+    info: dict = {}
+    impl = rec.peer(name, lambda: peerlib.fastest(ctx, candidates, ref, info, sets), sets, context=context,
+                    methods=methods)
+    if not impl.get("error"):
+        impl.update({k: v for k, v in info.items() if v is None or isinstance(v, (str, int, float))})
+
+
 def _torch_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int, flex: bool) -> None:
     B, sq, L = data.B, data.q_len, data.ctx_len
-    k_sets, v_sets = [], []
-    for s in range(sets):
-        kk, vv = data.contiguous_kv(s)
-        k_sets.append(kk)
-        v_sets.append(vv)
+    kv_sets = [data.contiguous_kv(s) for s in range(sets)]
     for backend in ("cudnn", "flash"):
-        name = f"sdpa {backend}"
-        info: dict = {}
         if not ctx.is_cuda:
-            rec.peer_failed(name, "needs CUDA")
+            rec.peer_failed(f"sdpa {backend}", "needs CUDA")
             continue
-        candidates = peerlib.sdpa_candidates(data, data.q, lambda k: (k_sets[k], v_sets[k]))
-        rec.peer(name, lambda: peerlib.fastest(ctx, candidates, ref, info, sets),
-                 sets, context=_sdpa_backend(backend), methods=METHODS)
-        _merge_info(rec, name, info)
-
-    def gathered(k):  # [B, Hkv, L, D] views of this set's pages (dequantised for fp8)
-        kv = []
-        for cache, descale in ((data.kc, data.k_descale), (data.vc, data.v_descale)):
-            x = gather_pages(cache, data.tables[k])[:, :L]
-            if cache.dtype in FP8_DTYPES:
-                x = data.dequant(x, descale, torch.bfloat16)
-            kv.append(x.transpose(1, 2))
-        return kv
-    gather_candidates = [(f"gather then sdpa {variant}, default backend", factory) for variant, factory
-                         in peerlib.sdpa_candidates(data, data.q, gathered, repeat=False)]
-    name, info = "gather+sdpa", {}
-    rec.peer(name, lambda: peerlib.fastest(ctx, gather_candidates, ref, info, sets), sets, methods=METHODS)
-    _merge_info(rec, name, info)
-
+        fastest_peer(ctx, rec, f"sdpa {backend}", peerlib.sdpa_candidates(data, data.q, lambda k: kv_sets[k]),
+                     ref, sets, context=_sdpa_backend(backend))
+    gather = [(f"gather then sdpa {variant}, default backend", factory) for variant, factory
+              in peerlib.sdpa_candidates(data, data.q, data.gathered_kv, repeat=False)]
+    fastest_peer(ctx, rec, "gather+sdpa", gather, ref, sets)
     flex_skip = ("needs CUDA" if not ctx.is_cuda else "--quick" if ctx.quick else "--no-flex" if ctx.no_flex
                  else "fp8 case (its peers read the bf16 copy the bf16 case measures)" if not flex
                  else f"one compile per shape: decode runs it at (B, ctx) in {FLEX_DECODE} only"
                  if (sq == 1 and (B, L) not in FLEX_DECODE) else None)
     if flex_skip is None:
-        name, info = "flex", {}
-        rec.peer(name, lambda: _make_flex(ctx, data, k_sets, v_sets, ref, info), sets, methods=METHODS)
-        _merge_info(rec, name, info)
+        fastest_peer(ctx, rec, "flex", [("torch.compile(flex_attention), unpaged", lambda: _flex(ctx, data, kv_sets))],
+                     ref, sets)
     else:
         rec.note(f"flex not run: {flex_skip}")
 
@@ -371,40 +341,19 @@ def _paged_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int) -> No
         except Exception as exc:  # noqa: BLE001 - ImportError, or the package breaks on import
             rec.peer_failed(name, f"not available: {short_error(exc, 300)}")
             continue
-        info: dict = {}
-        rec.peer(name, lambda c=cands, i=info: peerlib.fastest(ctx, c, ref, i, sets), sets, methods=METHODS)
-        _merge_info(rec, name, info)
+        fastest_peer(ctx, rec, name, cands, ref, sets)
 
 
-def _base_peer(ctx: Ctx, rec: Recorder, fa, p: dict, sets: int) -> None:
-    """Ours on a plain NHD cache with the default block size, same shape: what a layout or block-size
-    case is held to (its correctness is the plain case's business)."""
-    base = dict(p, layout="NHD", bs=_dims(ctx)["bs"])
-    rec.peer(BASE_PEER, lambda: _ours_fn(fa, build(ctx, base, sets, gen_seed=1)), sets, methods=METHODS)
-
-
-def _merge_info(rec: Recorder, name: str, info: dict) -> None:
-    impl = rec.record["peers"].get(name)
-    if impl is not None and not impl.get("error"):
-        impl.update({k: v for k, v in info.items() if v is None or isinstance(v, (str, int, float))})
-
-
-def _make_flex(ctx: Ctx, data: PagedData, k_sets, v_sets, ref, info: dict):
+def _flex(ctx: Ctx, data: PagedData, kv_sets):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     B, sq, hq, d = data.B, data.q_len, data.hq, data.d
     compiled = torch.compile(flex_attention, dynamic=False)
     qp = [q.view(B, sq, hq, d).transpose(1, 2).contiguous() for q in data.q]
-    mask = None
-    if sq > 1:
-        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, sq, data.ctx_len,
-                                 device=ctx.device)
+    mask = (create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, sq, data.ctx_len, device=ctx.device)
+            if sq > 1 else None)
 
     def fn(k):
-        o = compiled(qp[k], k_sets[k], v_sets[k], block_mask=mask, scale=data.scale, enable_gqa=True)
+        o = compiled(qp[k], *kv_sets[k], block_mask=mask, scale=data.scale, enable_gqa=True)
         return o.transpose(1, 2).reshape(B * sq, hq, d)
-    out = fn(0)  # compiles
-    ctx.sync()
-    info.update(variant="torch.compile(flex_attention), unpaged",
-                rel_l2=rel_l2(out, ref) if ref is not None else None)
     return fn

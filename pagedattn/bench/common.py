@@ -37,13 +37,10 @@ class Ctx:
              say=print, case_timeout_s: float = 600.0, no_flex: bool = False) -> "Ctx":
         dev = torch.device(device)
         if dev.type == "cuda":
-            if dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
+            dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
             torch.cuda.set_device(dev)
-            props = torch.cuda.get_device_properties(dev)
-            l2 = int(getattr(props, "L2_cache_size", 0) or H200_L2)
-            timer = Timer(budget_s=0.12 if quick else 0.3, min_reps=15 if quick else 30, l2_bytes=l2,
-                          device=dev)
+            l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or H200_L2)
+            timer = Timer(budget_s=0.12 if quick else 0.3, min_reps=15 if quick else 30, l2_bytes=l2, device=dev)
         else:
             l2 = 4 * 2**20
             timer = CpuTimer(budget_s=0.01, min_reps=3, max_reps=50, flush_nbytes=2**20, device=dev)
@@ -66,16 +63,24 @@ class Case:
 
 
 class Recorder:
-    """Builds one case record. Every measurement goes through here so that one failing peer is
-    reported in the record and the others still run."""
+    """Builds one case record. Every measurement goes through here, so that one failing peer is
+    reported in the record and the others still run; each one sends the record so far to `emit_partial`
+    (the child's `partial` event: a case that crashes later keeps it)."""
 
     def __init__(self, case: Case, ctx: Ctx, emit_partial: Callable[[dict], None] | None = None):
-        self.case = case
-        self.ctx = ctx
+        self.case, self.ctx = case, ctx
         self.record = schema.new_case(case.id, case.suite, case.params)
         self._emit = emit_partial or (lambda rec: None)
 
-    # -- what the case is ---------------------------------------------------------------------------
+    def _update(self, key: str | None = None, name: str | None = None, impl: dict | None = None) -> dict:
+        if key == "ours":
+            self.record["ours"] = impl
+        elif key == "peers":
+            self.record["peers"][name] = impl
+        schema.derive(self.record, self.ctx.ceilings)
+        self._emit(self.record)
+        return impl
+
     def work(self, unit: str, amount: float | None = None, ceiling: str | None = None) -> None:
         self.record.update(unit=unit, work=amount, ceiling=ceiling)
 
@@ -89,16 +94,11 @@ class Recorder:
     def target(self, value: float, unit: str) -> None:
         """A goal; `met` is derived from ours (schema.target_met)."""
         self.record["target"] = {"value": value, "unit": unit, "met": None}
-        self._derived()
+        schema.derive(self.record, self.ctx.ceilings)
 
     def goal_ratio(self, peer: str, value: float) -> None:
         """A relative goal: ours at least `value` times as fast as `peer` (schema.goal_met)."""
-        self.record.setdefault("goals", []).append({"value": value, "unit": "ratio", "peer": peer,
-                                                     "met": None})
-        self._derived()
-
-    # -- measurements -------------------------------------------------------------------------------
-    def _derived(self):
+        self.record.setdefault("goals", []).append({"value": value, "unit": "ratio", "peer": peer, "met": None})
         schema.derive(self.record, self.ctx.ceilings)
 
     def _time(self, name: str, fn, sets: int, methods) -> dict:
@@ -106,18 +106,12 @@ class Recorder:
         return schema.impl_from_methods(name, {m: t.as_dict() for m, t in timings.items()})
 
     def ours(self, name: str, fn, sets: int = 1, methods=("rot",)) -> dict:
-        """Time our implementation under each of `methods` (timing.METHODS); failures propagate
-        (the case fails)."""
-        self.record["ours"] = self._time(name, fn, sets, methods)
-        self._derived()
-        self._emit(self.record)
-        return self.record["ours"]
+        """Time our implementation under each of `methods` (timing.METHODS); failures propagate."""
+        return self._update("ours", impl=self._time(name, fn, sets, methods))
 
     def ours_value(self, name: str, value: float, us: float | None = None, **stats) -> dict:
         """A number that is not a CUDA-event timing (jit suite: seconds, host µs)."""
-        self.record["ours"] = _value_impl(name, value, us, stats)
-        self._emit(self.record)
-        return self.record["ours"]
+        return self._update("ours", impl=_value_impl(name, value, us, stats))
 
     def peer(self, name: str, make_fn, sets: int = 1, context=None, methods=("rot",)) -> dict:
         """Time a peer under each of `methods`. `make_fn()` builds the callable fn(k) (and may raise:
@@ -125,25 +119,18 @@ class Recorder:
         measurement."""
         try:
             with (context() if context is not None else contextlib.nullcontext()):
-                fn = make_fn()
-                impl = self._time(name, fn, sets, methods)
+                impl = self._time(name, make_fn(), sets, methods)
         except Exception as exc:  # noqa: BLE001 - a peer's failure is data
             impl = schema.impl_error(name, short_error(exc))
             if self.ctx.is_cuda:
                 assert_cuda_healthy()
-        self.record["peers"][name] = impl
-        self._derived()
-        self._emit(self.record)
-        return impl
+        return self._update("peers", name, impl)
 
     def peer_value(self, name: str, value: float, us: float | None = None, **stats) -> dict:
-        self.record["peers"][name] = _value_impl(name, value, us, stats)
-        self._emit(self.record)
-        return self.record["peers"][name]
+        return self._update("peers", name, _value_impl(name, value, us, stats))
 
     def peer_failed(self, name: str, reason: str) -> None:
-        self.record["peers"][name] = schema.impl_error(name, reason)
-        self._emit(self.record)
+        self._update("peers", name, schema.impl_error(name, reason))
 
     def check(self, ok: bool, kind: str, detail: str = "", **numbers) -> None:
         self.record["check"] = {"ok": bool(ok), "kind": kind, "detail": detail, **numbers}
@@ -174,30 +161,23 @@ class Recorder:
             return False
 
     def skip(self, reason: str) -> None:
-        self.record["status"] = "skipped"
-        self.record["error"] = reason
+        self.record.update(status="skipped", error=reason)
 
     def fail(self, exc: BaseException, prefix: str = "") -> None:
-        self.record["status"] = "error"
-        self.record["error"] = prefix + short_error(exc)
+        self.record.update(status="error", error=prefix + short_error(exc))
         self.record["extra"]["traceback"] = traceback.format_exc(limit=8)[-3000:]
 
     def finish(self) -> dict:
-        self._derived()
-        return self.record
+        return schema.derive(self.record, self.ctx.ceilings)
 
 
-# -- helpers ---------------------------------------------------------------------------------------
 def _value_impl(name: str, value: float, us: float | None, stats: dict) -> dict:
-    impl = {"name": name, "us": us if us is not None else value, "value": value, "fraction": None,
-            "error": None, "reps": stats.pop("reps", 1), "sets": 1}
-    impl.update(stats)
-    return impl
+    return {"name": name, "us": us if us is not None else value, "value": value, "fraction": None,
+            "error": None, "reps": stats.pop("reps", 1), "sets": 1, **stats}
 
 
 def short_error(exc: BaseException, limit: int = 600) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    text = " ".join(text.split())
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -209,34 +189,27 @@ def assert_cuda_healthy() -> None:
     """Raise CudaContextLost if the CUDA context is broken (after an illegal address, say)."""
     try:
         torch.cuda.synchronize()
-        x = torch.ones(4, device="cuda")
-        if float(x.sum().item()) != 4.0:
+        if float(torch.ones(4, device="cuda").sum().item()) != 4.0:
             raise RuntimeError("device arithmetic is wrong")
     except Exception as exc:  # noqa: BLE001
         raise CudaContextLost(short_error(exc)) from exc
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out = out.float()
-    ref = ref.float()
+    out, ref = out.float(), ref.float()
     if not torch.isfinite(out).all():
         return float("nan")
     den = ref.norm().item()
     return (out - ref).norm().item() / (den if den > 0 else 1.0)
 
 
-def shuffled_tables(num_blocks: int, batch: int, blocks_per_seq: int, sets: int, device,
-                    generator: torch.Generator | None = None) -> list[torch.Tensor]:
+def shuffled_tables(num_blocks: int, batch: int, blocks_per_seq: int, sets: int, device) -> list[torch.Tensor]:
     """`sets` disjoint random block tables [batch, blocks_per_seq] int32 (shuffled, never in order)."""
-    need = batch * blocks_per_seq * sets
-    if need > num_blocks:
-        raise ValueError(f"need {need} blocks, cache has {num_blocks}")
-    perm = torch.randperm(num_blocks, generator=generator)
-    tables = []
-    for s in range(sets):
-        t = perm[s * batch * blocks_per_seq:(s + 1) * batch * blocks_per_seq].view(batch, blocks_per_seq)
-        tables.append(t.to(torch.int32).to(device))
-    return tables
+    n = batch * blocks_per_seq
+    if n * sets > num_blocks:
+        raise ValueError(f"need {n * sets} blocks, cache has {num_blocks}")
+    perm = torch.randperm(num_blocks)
+    return [perm[s * n:(s + 1) * n].view(batch, blocks_per_seq).to(torch.int32).to(device) for s in range(sets)]
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -22,19 +22,15 @@ from .timing import host_loops
 NAME = "jit"
 HOST_TARGET_US = 6.0
 _MEMO: dict = {}
+H, D, BLOCK = 8, 128, 16
 
 
 def available(ctx: Ctx):
-    if not ctx.is_cuda:
-        return False, "needs CUDA"
-    return True, None
+    return (True, None) if ctx.is_cuda else (False, "needs CUDA")
 
 
 # -- the workloads: setup(device) -> {"fn": our call, "peer": (name, torch call) or None} --------------
 # (shared with _jit_worker.py, which measures their first calls in fresh processes)
-H, D, BLOCK = 8, 128, 16
-
-
 def _write(layout: str, kv: str):
     def setup(device):
         import pagedattn
@@ -43,86 +39,50 @@ def _write(layout: str, kv: str):
         spec = pagedattn.CacheSpec(64, BLOCK, H, D, torch.uint8 if fp8 else torch.bfloat16,
                                    kv_cache_dtype=kv, layout=layout)
         kc, vc = spec.allocate(device)
-        k = torch.randn(1, H, D, dtype=torch.bfloat16, device=device)
-        v = torch.randn(1, H, D, dtype=torch.bfloat16, device=device)
+        k, v = (torch.randn(1, H, D, dtype=torch.bfloat16, device=device) for _ in range(2))
         slots = torch.tensor([37], dtype=torch.int64, device=device)
         scale = torch.tensor([0.02], dtype=torch.float32, device=device) if fp8 else None
-
-        def fn():
-            pagedattn.reshape_and_cache_flash(k, v, kc, vc, slots, kv, scale, scale)
         peer = None
         if layout == "NHD" and not fp8:
             kf, vf = kc.view(-1, H, D), vc.view(-1, H, D)
-
-            def torch_write():
-                kf.index_copy_(0, slots, k)
-                vf.index_copy_(0, slots, v)
-            peer = ("torch index_copy_ (K and V)", torch_write)
-        return {"fn": fn, "peer": peer}
+            peer = ("torch index_copy_ (K and V)", lambda: (kf.index_copy_(0, slots, k), vf.index_copy_(0, slots, v)))
+        return {"fn": lambda: pagedattn.reshape_and_cache_flash(k, v, kc, vc, slots, kv, scale, scale), "peer": peer}
     return setup
-
-
-def _paged(device, q_len: int, L: int, kv: str):
-    """One request's paged inputs, the bench's (attention.build: Hq=32, Hkv=8, D=128, block 16)."""
-    from .attention import build
-    from .common import Ctx
-
-    p = dict(B=1, q_len=q_len, ctx=L, hq=32, hkv=8, d=D, bs=BLOCK, kv_cache_dtype=kv)
-    return build(Ctx(torch.device(device)), p, sets=1)
 
 
 def _attention(kv: str, q_len: int, L: int):
     def setup(device):
-        from .attention import _ours_fn, flash_fn
+        import torch.nn.functional as F
 
-        data = _paged(device, q_len, L, kv)
-        ours = _ours_fn(flash_fn(), data)
+        from .sweeps import ours, paged
+
+        data = paged(1, L, kv, q_len, device=device)  # the bench's inputs: Hq=32, Hkv=8, D=128, block 16
         peer = None
         if kv == "auto" and q_len == 1:
-            import torch.nn.functional as F
-
             kk, vv = data.contiguous_kv(0)
-            qf = data.q[0].view(1, 8, 4, 128)
-            peer = ("torch sdpa (unpaged, default backend)",
-                    lambda: F.scaled_dot_product_attention(qf, kk, vv))
-        return {"fn": lambda: ours(0), "peer": peer}
+            qf = data.q[0].view(1, H, 4, D)
+            peer = ("torch sdpa (unpaged, default backend)", lambda: F.scaled_dot_product_attention(qf, kk, vv))
+        fn = ours(data)
+        return {"fn": lambda: fn(0), "peer": peer}
     return setup
 
 
-def _legacy(variant: str, bs: int = 16, L: int = 1024):
+def _legacy(variant: str, L: int = 1024):
     def setup(device):
         import pagedattn.legacy as legacy
 
         from .legacy import to_legacy
+        from .sweeps import paged
 
-        data = _paged(device, 1, L, "auto")
-        if bs != BLOCK:
-            raise ValueError("jit legacy workloads use block size 16")
+        data = paged(1, L, device=device)
         kl, vl = to_legacy(data.kc, data.vc)
-        out = torch.empty(1, 32, 128, dtype=torch.bfloat16, device=device)
-        parts = math.ceil(L / 512)
-        ws = (torch.empty(1, 32, parts, dtype=torch.float32, device=device),
-              torch.empty(1, 32, parts, dtype=torch.float32, device=device),
-              torch.empty(1, 32, parts, 128, dtype=torch.bfloat16, device=device))
-        args = (data.q[0], kl, vl, 8, 1 / math.sqrt(128), data.tables[0], data.seqused, bs, L)
+        out = torch.empty(1, 32, D, dtype=torch.bfloat16, device=device)
+        args = (data.q[0], kl, vl, H, 1 / math.sqrt(D), data.tables[0], data.seqused, BLOCK, L)
         if variant == "v1":
             return {"fn": lambda: legacy.paged_attention_v1(out, *args), "peer": None}
-        return {"fn": lambda: legacy.paged_attention_v2(out, *ws, *args), "peer": None}
+        scratch = legacy.allocate_partials(out, L)
+        return {"fn": lambda: legacy.paged_attention_v2(out, *scratch, *args), "peer": None}
     return setup
-
-
-def _has_flash() -> bool:
-    from .attention import flash_fn
-
-    return flash_fn() is not None
-
-
-def _has_legacy() -> bool:
-    try:
-        import pagedattn.legacy  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # name -> (family it needs, setup)
@@ -138,23 +98,30 @@ WORKLOADS = {
     "legacy_v2": ("legacy", _legacy("v2")),
 }
 QUICK = ("write_nhd_bf16", "write_nhd_fp8", "decode_bf16", "legacy_v1")
-# steady-state host overhead is measured on these (tiny sizes)
-HOST = ("write_nhd_bf16", "write_nhd_fp8", "decode_bf16", "legacy_v1")
+HOST = QUICK  # steady-state host overhead is measured on these (tiny sizes)
+
+
+def _has_legacy() -> bool:
+    try:
+        import pagedattn.legacy  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def available_workloads(names) -> list[str]:
-    have = {"write": True, "flash": _has_flash(), "legacy": _has_legacy()}
+    from .attention import flash_fn
+
+    have = {"write": True, "flash": flash_fn() is not None, "legacy": _has_legacy()}
     return [n for n in names if have[WORKLOADS[n][0]]]
 
 
-def _workloads(ctx: Ctx) -> list[str]:
-    names = QUICK if ctx.quick else tuple(WORKLOADS)
-    return available_workloads(names)
+def _names(ctx: Ctx) -> list[str]:
+    return available_workloads(QUICK if ctx.quick else tuple(WORKLOADS))
 
 
 def cases(ctx: Ctx) -> list[Case]:
-    names = _workloads(ctx)
-    host = available_workloads(HOST)
+    names, host = _names(ctx), available_workloads(HOST)
     kinds = (("cold", names, "first call, empty cache", _cold),
              ("warm", names, "first call, disk hit", _warm),
              ("host", host, "host µs per API call", _host),
@@ -168,91 +135,71 @@ def cases(ctx: Ctx) -> list[Case]:
 def _run_worker(ctx: Ctx, names: list[str], cache_dir: str, timeout_s: float) -> dict:
     fd, out_path = tempfile.mkstemp(prefix="pagedattn-jit-", suffix=".jsonl")
     os.close(fd)
-    env = dict(os.environ, PAGEDATTN_CACHE_DIR=cache_dir, PAGEDATTN_AOT_DIR="",
-               PAGEDATTN_DISABLE_JIT="0")
+    env = dict(os.environ, PAGEDATTN_CACHE_DIR=cache_dir, PAGEDATTN_AOT_DIR="", PAGEDATTN_DISABLE_JIT="0")
     env.pop("PAGEDATTN_ARCH", None)
-    worker = Path(__file__).with_name("_jit_worker.py")
-    cmd = [sys.executable, str(worker), "--workloads", ",".join(names), "--out", out_path]
-    t0 = time.perf_counter()
+    cmd = [sys.executable, str(Path(__file__).with_name("_jit_worker.py")), "--workloads", ",".join(names),
+           "--out", out_path]
     # same process group as this suite process: if the runner kills us, the worker goes too
     proc = subprocess.Popen(cmd, env=env)
-    timed_out = False
     try:
-        rc = proc.wait(timeout=timeout_s)
+        rc, timed_out = proc.wait(timeout=timeout_s), False
     except subprocess.TimeoutExpired:
-        timed_out = True
         proc.kill()
-        rc = proc.wait()
-    wall = time.perf_counter() - t0
-    result = {"rc": rc, "timed_out": timed_out, "wall_s": wall, "workloads": {}, "start": None}
-    try:
-        for line in Path(out_path).read_text().splitlines():
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue
-            if obj.get("event") == "workload":
-                result["workloads"][obj["workload"]] = obj
-            elif obj.get("event") == "start":
-                result["start"] = obj
-    finally:
-        os.unlink(out_path)
+        rc, timed_out = proc.wait(), True
+    result = {"rc": rc, "timed_out": timed_out, "timeout_s": timeout_s, "workloads": {}, "start": None}
+    for line in Path(out_path).read_text().splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:  # the last line of a worker killed while writing it
+            continue
+        if obj["event"] == "workload":
+            result["workloads"][obj["workload"]] = obj
+        elif obj["event"] == "start":
+            result["start"] = obj
+    os.unlink(out_path)
     return result
 
 
-def _cold_run(ctx: Ctx) -> dict:
+def _fresh_run(ctx: Ctx, which: str) -> dict:
+    """The cold run (an empty cache folder), then the warm one (the same folder, filled), once each."""
     if "cold" not in _MEMO:
-        cache_dir = tempfile.mkdtemp(prefix="pagedattn-bench-cold-")
-        _MEMO["cache_dir"] = cache_dir
+        _MEMO["cache_dir"] = cache_dir = tempfile.mkdtemp(prefix="pagedattn-bench-cold-")
         # stay inside the runner's no-progress limit, which would otherwise kill this case
         timeout = min(150.0 if ctx.quick else 360.0, 0.8 * ctx.case_timeout_s)
-        ctx.say(f"  jit: cold compiles in a fresh process, empty cache {cache_dir} "
-                f"(up to {timeout:.0f} s)")
-        _MEMO["cold"] = _run_worker(ctx, _workloads(ctx), cache_dir, timeout)
-        _MEMO["cold"]["timeout_s"] = timeout
-    return _MEMO["cold"]
-
-
-def _warm_run(ctx: Ctx) -> dict:
-    if "warm" not in _MEMO:
-        _cold_run(ctx)
+        ctx.say(f"  jit: cold compiles in a fresh process, empty cache {cache_dir} (up to {timeout:.0f} s)")
+        _MEMO["cold"] = _run_worker(ctx, _names(ctx), cache_dir, timeout)
+    if which == "warm" and "warm" not in _MEMO:
         ctx.say("  jit: warm first calls in a fresh process (disk hit)")
-        timeout = min(180.0, 0.8 * ctx.case_timeout_s)
-        _MEMO["warm"] = _run_worker(ctx, _workloads(ctx), _MEMO["cache_dir"], timeout)
-        _MEMO["warm"]["timeout_s"] = timeout
+        _MEMO["warm"] = _run_worker(ctx, _names(ctx), _MEMO["cache_dir"], min(180.0, 0.8 * ctx.case_timeout_s))
         shutil.rmtree(_MEMO["cache_dir"], ignore_errors=True)
-    return _MEMO["warm"]
+    return _MEMO[which]
 
 
-def _workload_result(run: dict, name: str) -> dict:
+def _first_call(ctx: Ctx, rec: Recorder, name: str, which: str) -> dict:
+    """Record the fresh process's first call of workload `name`; its worker result."""
+    run = _fresh_run(ctx, which)
     w = run["workloads"].get(name)
     if w is None:
-        why = (f"the fresh process timed out after {run['timeout_s']:.0f} s before this workload finished"
-               if run["timed_out"] else f"the fresh process exited with code {run['rc']} before this "
-               "workload finished")
-        raise RuntimeError(why)
+        raise RuntimeError(f"the fresh process timed out after {run['timeout_s']:.0f} s before this workload "
+                           "finished" if run["timed_out"] else
+                           f"the fresh process exited with code {run['rc']} before this workload finished")
     if w.get("error"):
         raise RuntimeError(w["error"])
+    rec.work("s" if which == "cold" else "ms")
+    rec.extra(compiles=w.get("compiles"), origins=w.get("origins"),
+              import_pagedattn_s=(run.get("start") or {}).get("import_pagedattn_s"))
     return w
 
 
 def _cold(ctx: Ctx, rec: Recorder, name: str) -> None:
-    run = _cold_run(ctx)
-    w = _workload_result(run, name)
-    rec.work("s")
+    w = _first_call(ctx, rec, name, "cold")
     variants = w.get("variants") or {}
-    rec.extra(compiles=w.get("compiles"), variants=variants, origins=w.get("origins"),
-              compile_s_total=sum(v for v in variants.values() if isinstance(v, (int, float))),
-              import_pagedattn_s=(run.get("start") or {}).get("import_pagedattn_s"))
+    rec.extra(variants=variants, compile_s_total=sum(v for v in variants.values() if isinstance(v, (int, float))))
     rec.ours_value("pagedattn", w["first_call_s"], us=w["first_call_s"] * 1e6)
 
 
 def _warm(ctx: Ctx, rec: Recorder, name: str) -> None:
-    run = _warm_run(ctx)
-    w = _workload_result(run, name)
-    rec.work("ms")
-    rec.extra(compiles=w.get("compiles"), origins=w.get("origins"),
-              import_pagedattn_s=(run.get("start") or {}).get("import_pagedattn_s"))
+    w = _first_call(ctx, rec, name, "warm")
     if w.get("compiles"):
         rec.note(f"{w['compiles']} compile(s) on a filled cache: the disk cache missed")
     rec.ours_value("pagedattn", w["first_call_s"] * 1e3, us=w["first_call_s"] * 1e6)
@@ -276,8 +223,7 @@ def _host(ctx: Ctx, rec: Recorder, name: str) -> None:
     if work.get("peer"):
         pname, pfn = work["peer"]
         try:
-            ph, ps = _host_us(ctx, pfn, n)
-            rec.peer_value(pname, ph, us=ph, reps=n)
+            rec.peer_value(pname, _host_us(ctx, pfn, n)[0], reps=n)
         except Exception as exc:  # noqa: BLE001
             rec.peer_failed(pname, f"{type(exc).__name__}: {exc}")
 
@@ -288,8 +234,7 @@ def capture_launches(fn):
     from pagedattn import registry
     from pagedattn.codegen import launch
 
-    orig_call = launch.Launcher.__call__
-    orig_lookup = registry.Kernel.launcher
+    orig_call, orig_lookup = launch.Launcher.__call__, registry.Kernel.launcher
     calls, specs = [], []
 
     def recording_call(self, grid, block, values, stream=None):
@@ -300,19 +245,20 @@ def capture_launches(fn):
         specs.append((self.spec, device))
         return orig_lookup(self, device)
 
-    launch.Launcher.__call__ = recording_call
-    registry.Kernel.launcher = recording_lookup
+    launch.Launcher.__call__, registry.Kernel.launcher = recording_call, recording_lookup
     try:
         result = fn()
         torch.cuda.synchronize()
     finally:
-        launch.Launcher.__call__ = orig_call
-        registry.Kernel.launcher = orig_lookup
+        launch.Launcher.__call__, registry.Kernel.launcher = orig_call, orig_lookup
     return calls, specs, result
 
 
 def _launcher(ctx: Ctx, rec: Recorder, name: str) -> None:
+    import gc
+
     import pagedattn
+    from pagedattn import registry
     from pagedattn.codegen import launch
 
     work = WORKLOADS[name][1](ctx.device)
@@ -322,43 +268,27 @@ def _launcher(ctx: Ctx, rec: Recorder, name: str) -> None:
     if not calls:
         raise RuntimeError("no Launcher calls were captured (the op does not launch through "
                            "pagedattn.codegen.launch.Launcher)")
-    orig_call = launch.Launcher.__call__
-    n = 500 if ctx.quick else 2000
+    orig_call, n = launch.Launcher.__call__, 500 if ctx.quick else 2000
 
     def replay():
         for launcher, grid, block, values, stream in calls:
             orig_call(launcher, grid, block, values, stream)
     host, synced = _host_us(ctx, replay, n)
-    per_launch = host / len(calls)
     rec.work("us")
+    if not specs:  # the op cached its launcher (no lookup per call): find the kernel that owns it (gc scan)
+        ids = {id(c[0]) for c in calls}
+        specs = [(obj.spec, dev) for obj in gc.get_objects() if isinstance(obj, registry.Kernel)
+                 for dev, launcher in getattr(obj, "_launchers", {}).items() if id(launcher) in ids]
     lookup_us = None
-    if not specs:  # the op cached its launcher (no lookup per call): find the kernel that owns it
-        specs = _owners({id(c[0]) for c in calls})
     if specs:
         spec, dev = specs[0]
-        lookup = lambda: pagedattn.get_kernel(spec).launcher(dev)  # noqa: E731
         t0 = time.perf_counter()
         for _ in range(n):
-            lookup()
+            pagedattn.get_kernel(spec).launcher(dev)
         lookup_us = (time.perf_counter() - t0) / n * 1e6
     rec.extra(launches_per_call=len(calls), lookup_us=lookup_us,
               kernels=sorted({pagedattn.variant_name(s) for s, _ in specs}),
               us_per_launch_with_final_sync=synced / len(calls))
-    rec.ours_value("launcher", per_launch, us=per_launch, reps=n)
+    rec.ours_value("launcher", host / len(calls), us=host / len(calls), reps=n)
     rec.target(HOST_TARGET_US, "us")
     del keep
-
-
-def _owners(launcher_ids: set[int]) -> list:
-    """[(spec, device)] of the registry Kernels holding these Launcher objects (gc scan, once)."""
-    import gc
-
-    from pagedattn import registry
-
-    found = []
-    for obj in gc.get_objects():
-        if isinstance(obj, registry.Kernel):
-            for dev, launcher in getattr(obj, "_launchers", {}).items():
-                if id(launcher) in launcher_ids:
-                    found.append((obj.spec, dev))
-    return found

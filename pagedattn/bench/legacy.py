@@ -92,25 +92,18 @@ def _make_fn(p: dict, shared: dict):
     return out, fn
 
 
-def _flash_peer(ctx: Ctx, rec: Recorder, shared: dict) -> None:
+def _peers(ctx: Ctx, rec: Recorder, shared: dict) -> None:
+    data, sets = shared["data"], shared["sets"]
     fa = attention.flash_fn()
     if fa is None:
         rec.peer_failed("pagedattn flash", "pagedattn.flash_attn_varlen_func does not exist yet")
-        return
-    rec.peer("pagedattn flash", lambda: attention._ours_fn(fa, shared["data"]), shared["sets"])
-
-
-def _cudnn_peer(ctx: Ctx, rec: Recorder, shared: dict) -> None:
+    else:
+        rec.peer("pagedattn flash", lambda: attention._ours_fn(fa, data), sets)
     if not ctx.is_cuda:
-        rec.peer_failed("sdpa cudnn", "needs CUDA")
-        return
-    data, sets = shared["data"], shared["sets"]
+        return rec.peer_failed("sdpa cudnn", "needs CUDA")
     kv_sets = [data.contiguous_kv(s) for s in range(sets)]
-    candidates = peers.sdpa_candidates(data, data.q, lambda k: kv_sets[k])
-    info: dict = {}
-    rec.peer("sdpa cudnn", lambda: peers.fastest(ctx, candidates, shared["ref"], info, sets), sets,
-             context=attention._sdpa_backend("cudnn"))
-    attention._merge_info(rec, "sdpa cudnn", info)
+    attention.fastest_peer(ctx, rec, "sdpa cudnn", peers.sdpa_candidates(data, data.q, lambda k: kv_sets[k]),
+                           shared["ref"], sets, context=attention._sdpa_backend("cudnn"), methods=("rot",))
 
 
 def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
@@ -132,14 +125,12 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
         rec.ours(f"legacy {p['variant']}", fn, sets)
     rec.attempt("pagedattn.legacy", check_and_time)
 
-    # -- peers, shared by the variants of one shape ------------------------------------------------
-    memo = shared["peers"]
-    for name, measure in (("pagedattn flash", _flash_peer), ("sdpa cudnn", _cudnn_peer)):
-        if name not in memo:
-            measure(ctx, rec, shared)
-            memo[name] = rec.record["peers"][name]
-        else:
-            rec.record["peers"][name] = dict(memo[name])
+    # the peers, measured once per shape and shared by its variants
+    if not shared["peers"]:
+        _peers(ctx, rec, shared)
+        shared["peers"].update(rec.record["peers"])
+    else:
+        rec.record["peers"].update({name: dict(impl) for name, impl in shared["peers"].items()})
     rec.note("peers measured once per shape and block size, shared by v1/v2/auto")
     if p["kv_cache_dtype"] != "auto":
         rec.note("sdpa reads a bf16 dequantised copy")

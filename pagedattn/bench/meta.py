@@ -4,7 +4,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import platform
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +14,9 @@ SMI_FIELDS = ("index", "uuid", "name", "driver_version", "pstate", "clocks.sm", 
               "clocks.max.sm", "clocks.max.mem", "power.draw", "power.limit", "temperature.gpu")
 
 
-def _run(cmd: list[str], timeout: float = 10.0) -> str | None:
+def _run(cmd: list[str]) -> str | None:
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=10.0)
     except (OSError, subprocess.SubprocessError):
         return None
     return r.stdout if r.returncode == 0 else None
@@ -25,36 +24,22 @@ def _run(cmd: list[str], timeout: float = 10.0) -> str | None:
 
 def nvidia_smi(uuid: str | None = None, index: int | None = None) -> dict | None:
     """One GPU's row of nvidia-smi (read-only query), or None when nvidia-smi is not usable."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    out = _run(["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"])
-    if not out:
-        return None
+    out = _run(["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"]) or ""
     rows = []
     for line in out.strip().splitlines():
         vals = [v.strip() for v in line.split(",")]
         if len(vals) == len(SMI_FIELDS):
             rows.append(dict(zip(SMI_FIELDS, vals)))
-    if not rows:
-        return None
-    if uuid:
-        for r in rows:
-            if r["uuid"].lower().removeprefix("gpu-") == uuid.lower().removeprefix("gpu-"):
-                return r
-    if len(rows) == 1:
-        return rows[0]
-    if index is not None and index < len(rows):
-        return rows[index]  # best effort: CUDA and nvidia-smi order may differ
-    return rows[0]
+    bare = lambda u: u.lower().removeprefix("gpu-")  # noqa: E731
+    by_uuid = [r for r in rows if uuid and bare(r["uuid"]) == bare(uuid)]
+    if by_uuid or len(rows) <= 1:
+        return (by_uuid or rows or [None])[0]
+    return rows[index] if index is not None and index < len(rows) else rows[0]  # CUDA's order may differ
 
 
 def clocks(uuid: str | None = None, index: int | None = None) -> dict | None:
     row = nvidia_smi(uuid, index)
-    if row is None:
-        return None
-    out = {k: row.get(k) for k in SMI_FIELDS[4:]}  # from pstate on
-    out["time"] = now()
-    return out
+    return None if row is None else {**{k: row.get(k) for k in SMI_FIELDS[4:]}, "time": now()}  # pstate on
 
 
 def now() -> str:
@@ -116,25 +101,19 @@ def collect(device: str, quick: bool, suites: list[str]) -> dict:
         driver.cuInit(0)
         _, v = driver.cuDriverGetVersion()
         meta["driver_cuda"] = f"{v // 1000}.{v % 1000 // 10}"
-        if meta["driver"] is None:
-            meta["driver"] = f"CUDA {meta['driver_cuda']} (nvidia-smi unavailable)"
+        meta["driver"] = meta["driver"] or f"CUDA {meta['driver_cuda']} (nvidia-smi unavailable)"
     except Exception:  # noqa: BLE001
         meta.setdefault("driver_cuda", None)
-    meta["clocks"] = {"start": clocks(uuid, idx)} if row else None
-    meta["_uuid"] = uuid
-    meta["_index"] = idx
+    meta.update(clocks={"start": clocks(uuid, idx)} if row else None, _uuid=uuid, _index=idx)
     return meta
 
 
 def results_name(meta: dict, folder: Path) -> Path:
     """<gpu>_<sm>_<yyyymmdd>.json in folder; _2, _3 ... when that name is taken."""
-    day = meta["date"][:10].replace("-", "")
-    base = f"{report.gpu_key(meta)}_{day}"
-    path = folder / f"{base}.json"
-    n = 2
+    base = f"{report.gpu_key(meta)}_{meta['date'][:10].replace('-', '')}"
+    path, n = folder / f"{base}.json", 2
     while path.exists():
-        path = folder / f"{base}_{n}.json"
-        n += 1
+        path, n = folder / f"{base}_{n}.json", n + 1
     return path
 
 

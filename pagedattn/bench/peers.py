@@ -132,13 +132,11 @@ def vllm_candidates(data):
             if segments:
                 if "num_par_softmax_segments" not in inspect.signature(ua).parameters:
                     raise RuntimeError("this vLLM has no segmented (3D) decode path")
+                f32 = dict(dtype=torch.float32, device=dev)
                 kw.update(seq_threshold_3D=data.B, num_par_softmax_segments=segments,
-                          softmax_segm_output=torch.empty(total_q, data.hq, segments, d_pad,
-                                                          dtype=torch.float32, device=dev),
-                          softmax_segm_max=torch.empty(total_q, data.hq, segments, dtype=torch.float32,
-                                                       device=dev),
-                          softmax_segm_expsum=torch.empty(total_q, data.hq, segments, dtype=torch.float32,
-                                                          device=dev))
+                          softmax_segm_output=torch.empty(total_q, data.hq, segments, d_pad, **f32),
+                          softmax_segm_max=torch.empty(total_q, data.hq, segments, **f32),
+                          softmax_segm_expsum=torch.empty(total_q, data.hq, segments, **f32))
             kw = _only_known(ua, kw)
 
             def fn(k):

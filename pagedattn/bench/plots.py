@@ -21,30 +21,38 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
+def _title(name: str, m: dict) -> str:
+    return f"{name} — {report.gpu_label(m)}, {str(m.get('date', ''))[:10]}"
+
+
+def _bars(ax, series, value, every: bool = False) -> list[float]:
+    """Grouped bars: series [(label, color, [item per position])], value(item) -> height or None (no bar;
+    0 too unless `every`, which also gives a series without bars its legend entry)."""
+    width, heights = 0.8 / len(series), []
+    for j, (label, color, items) in enumerate(series):
+        xs, ys = [], []
+        for i, item in enumerate(items):
+            v = value(item)
+            if v is not None if every else v:
+                xs.append(i - 0.4 + width * (j + 0.5))
+                ys.append(v)
+        if ys or every:
+            ax.bar(xs, ys, width=width, color=color, label=label)
+        heights += ys
+    return heights
+
+
 def suite_plot(data: dict, suite: str, path: Path) -> Path | None:
     cases = [c for c in data["suites"].get(suite, {}).get("cases", []) if c.get("unit") in ("GB/s", "TFLOP/s")]
     if not cases:
         return None
-    unit = cases[0]["unit"]
-    peers = report.peer_names(cases)
+    unit, n = cases[0]["unit"], len(cases)
     series = [("ours", OURS_COLOR, [(c.get("ours") or {}) for c in cases])]
-    for i, name in enumerate(peers):
-        series.append((name, PEER_COLORS[i % len(PEER_COLORS)], [c["peers"].get(name) or {} for c in cases]))
-    n = len(cases)
-    width = 0.8 / len(series)
+    series += [(name, PEER_COLORS[i % len(PEER_COLORS)], [c["peers"].get(name) or {} for c in cases])
+               for i, name in enumerate(report.peer_names(cases))]
     fig = Figure(figsize=(max(6.0, 0.55 * n * max(1, len(series)) / 2 + 3), 4.8))
     ax = fig.add_subplot()
-    values = []
-    for j, (label, color, impls) in enumerate(series):
-        xs, ys = [], []
-        for i, impl in enumerate(impls):
-            v = None if impl.get("error") else impl.get("value")
-            if v:
-                xs.append(i - 0.4 + width * (j + 0.5))
-                ys.append(v)
-        values += ys
-        if ys:
-            ax.bar(xs, ys, width=width, color=color, label=label)
+    values = _bars(ax, series, lambda impl: None if impl.get("error") else impl.get("value"))
     ceiling_name = cases[0].get("ceiling")
     ceil = schema.ceiling_value(data.get("ceilings"), ceiling_name)
     if ceil:
@@ -56,12 +64,11 @@ def suite_plot(data: dict, suite: str, path: Path) -> Path | None:
     ax.set_xticks(range(n))
     ax.set_xticklabels([report.case_label(c) for c in cases], rotation=40, ha="right", fontsize=8)
     for i, c in enumerate(cases):
-        if c.get("status") not in ("ok",):
+        if c.get("status") != "ok":
             ax.annotate(c["status"], (i, 0), xycoords=("data", "axes fraction"), ha="center", va="bottom",
                         fontsize=7, color="red", rotation=90)
     ax.set_ylabel(unit)
-    m = data["metadata"]
-    ax.set_title(f"{suite} — {report.gpu_label(m)}, {str(m.get('date', ''))[:10]}", fontsize=10)
+    ax.set_title(_title(suite, data["metadata"]), fontsize=10)
     ax.legend(fontsize=7, loc="best")
     ax.grid(axis="y", alpha=0.3)
     return _save(fig, path)
@@ -71,74 +78,51 @@ def jit_plot(data: dict, path: Path) -> Path | None:
     cases = data["suites"].get("jit", {}).get("cases", [])
     groups = [("cold", "first call, empty cache (s)"), ("warm", "first call, disk hit (ms)"),
               ("host", "host µs per API call"), ("launcher", "raw launcher µs per launch")]
-    present = [(g, t, [c for c in cases if c["id"].startswith(f"jit/{g}/")]) for g, t in groups]
-    present = [p for p in present if p[2]]
+    present = [(g, t, cs) for g, t in groups if (cs := [c for c in cases if c["id"].startswith(f"jit/{g}/")])]
     if not present:
         return None
     fig = Figure(figsize=(11, 2.2 + 1.6 * len(present)))
-    axes = fig.subplots(len(present), 1, squeeze=False)[:, 0]
-    for ax, (g, title, cs) in zip(axes, present):
-        labels = [c["id"].split("/", 2)[2] for c in cs]
+    for ax, (g, title, cs) in zip(fig.subplots(len(present), 1, squeeze=False)[:, 0], present):
         vals = [((c.get("ours") or {}).get("value") or 0.0) if c.get("status") == "ok" else 0.0 for c in cs]
         ax.barh(range(len(cs)), vals, color=OURS_COLOR, label="ours")
         peer_vals = [next((p.get("value") for p in c.get("peers", {}).values() if not p.get("error")), None)
                      for c in cs]
         if any(v is not None for v in peer_vals):
-            ax.scatter([v for v in peer_vals if v is not None],
-                       [i for i, v in enumerate(peer_vals) if v is not None], color=PEER_COLORS[0],
-                       zorder=3, label="torch equivalent")
+            ax.scatter([v for v in peer_vals if v is not None], [i for i, v in enumerate(peer_vals) if v is not None],
+                       color=PEER_COLORS[0], zorder=3, label="torch equivalent")
         if g in ("host", "launcher"):
             ax.axvline(6.0, color="black", linestyle="--", linewidth=1, label="goal 6 µs")
         ax.set_yticks(range(len(cs)))
-        ax.set_yticklabels(labels, fontsize=8)
+        ax.set_yticklabels([c["id"].split("/", 2)[2] for c in cs], fontsize=8)
         ax.set_title(title, fontsize=9)
         ax.grid(axis="x", alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
-    m = data["metadata"]
-    fig.suptitle(f"jit — {report.gpu_label(m)}, {str(m.get('date', ''))[:10]}", fontsize=10)
+    fig.suptitle(_title("jit", data["metadata"]), fontsize=10)
     fig.tight_layout()
     return _save(fig, path)
 
 
 def across_plot(files: list[tuple[Path, dict]], path: Path) -> Path | None:
-    latest = report.latest_per_gpu(files)
+    latest = [data for _, data in report.latest_per_gpu(files).values()]
     if not latest:
         return None
-    keys = list(latest)
-    suites = [s for s in report.MEASURED_SUITES
-              if any(latest[k][1]["suites"].get(s, {}).get("cases") for k in keys)]
+    suites = [s for s in report.MEASURED_SUITES if any(d["suites"].get(s, {}).get("cases") for d in latest)]
     fig = Figure(figsize=(12, 3.2 * (len(suites) + 1)))
     axes = fig.subplots(len(suites) + 1, 1, squeeze=False)[:, 0]
-    width = 0.8 / len(keys)
-    # ceilings
-    ax = axes[0]
-    for j, k in enumerate(keys):
-        c = latest[k][1]["ceilings"]
-        copy = (c.get("copy") or {}).get("value") or 0
-        mm = (c.get("matmul") or {}).get("value") or 0
-        ax.bar([0 - 0.4 + width * (j + 0.5), 1 - 0.4 + width * (j + 0.5)], [copy / 1000, mm / 100],
-               width=width, color=PEER_COLORS[j % len(PEER_COLORS)],
-               label=report.gpu_label(latest[k][1]["metadata"]))
-    ax.set_xticks([0, 1])
-    ax.set_xticklabels(["copy (TB/s)", "bf16 matmul (100 TFLOP/s)"])
-    ax.set_title("ceilings measured in each run", fontsize=9)
-    ax.legend(fontsize=7)
+    gpus = lambda items: [(report.gpu_label(d["metadata"]), PEER_COLORS[j % len(PEER_COLORS)], item)  # noqa: E731
+                          for j, (d, item) in enumerate(zip(latest, items))]
+    ceilings = [[((d["ceilings"].get("copy") or {}).get("value") or 0) / 1000,
+                 ((d["ceilings"].get("matmul") or {}).get("value") or 0) / 100] for d in latest]
+    _bars(axes[0], gpus(ceilings), lambda v: v, every=True)
+    axes[0].set_xticks([0, 1])
+    axes[0].set_xticklabels(["copy (TB/s)", "bf16 matmul (100 TFLOP/s)"])
+    axes[0].set_title("ceilings measured in each run", fontsize=9)
+    axes[0].legend(fontsize=7)
     for ax, suite in zip(axes[1:], suites):
-        ids: list[str] = []
-        for k in keys:
-            for c in latest[k][1]["suites"].get(suite, {}).get("cases", []):
-                if c["id"] not in ids:
-                    ids.append(c["id"])
-        for j, k in enumerate(keys):
-            cases = {c["id"]: c for c in latest[k][1]["suites"].get(suite, {}).get("cases", [])}
-            xs, ys = [], []
-            for i, cid in enumerate(ids):
-                ours = (cases.get(cid) or {}).get("ours") or {}
-                if ours.get("fraction") is not None:
-                    xs.append(i - 0.4 + width * (j + 0.5))
-                    ys.append(ours["fraction"])
-            ax.bar(xs, ys, width=width, color=PEER_COLORS[j % len(PEER_COLORS)],
-                   label=report.gpu_label(latest[k][1]["metadata"]))
+        by_id = [{c["id"]: c for c in d["suites"].get(suite, {}).get("cases", [])} for d in latest]
+        ids = list(dict.fromkeys(cid for cases in by_id for cid in cases))
+        _bars(ax, gpus([[by.get(cid) for cid in ids] for by in by_id]),
+              lambda c: ((c or {}).get("ours") or {}).get("fraction"), every=True)
         ax.set_xticks(range(len(ids)))
         ax.set_xticklabels([cid.split("/", 1)[1] for cid in ids], rotation=40, ha="right", fontsize=7)
         ax.set_ylabel("fraction of ceiling")
@@ -152,14 +136,7 @@ def across_plot(files: list[tuple[Path, dict]], path: Path) -> Path | None:
 
 def make_all(files: list[tuple[Path, dict]], plots_dir) -> list[Path]:
     plots_dir = Path(plots_dir)
-    made: list[Path] = []
-    for suite in report.MEASURED_SUITES + ("jit",):
-        for key, (_, data) in report.latest_per_gpu(files, suite).items():
-            target = plots_dir / f"{key}_{suite}.png"
-            p = jit_plot(data, target) if suite == "jit" else suite_plot(data, suite, target)
-            if p:
-                made.append(p)
-    p = across_plot(files, plots_dir / "across_arch.png")
-    if p:
-        made.append(p)
-    return made
+    made = [jit_plot(data, plots_dir / f"{key}_{suite}.png") if suite == "jit"
+            else suite_plot(data, suite, plots_dir / f"{key}_{suite}.png")
+            for suite in report.MEASURED_SUITES + ("jit",) for key, (_, data) in report.latest_per_gpu(files, suite).items()]
+    return [p for p in made + [across_plot(files, plots_dir / "across_arch.png")] if p]

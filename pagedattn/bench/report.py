@@ -17,6 +17,7 @@ SUITE_TITLES = {
     "legacy": "legacy: paged_attention v1 / v2 / auto (legacy cache layout)",
     "jit": "jit: compile, first-call and host costs",
 }
+MARK = {True: " ✓", False: " ✗"}
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -26,15 +27,11 @@ def load(path) -> dict:
     return data
 
 
-def gpu_slug(name: str) -> str:
-    s = name.lower().replace("nvidia", "").strip()
-    s = re.sub(r"[^a-z0-9]+", "-", s).strip("-")
-    return s or "gpu"
-
-
 def gpu_key(meta: dict) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", str(meta.get("gpu", "gpu")).lower().replace("nvidia", "").strip())
+    slug = slug.strip("-") or "gpu"
     cap = str(meta.get("capability", "")).replace(".", "")
-    return f"{gpu_slug(meta.get('gpu', 'gpu'))}_sm{cap}" if cap and cap != "-" else gpu_slug(meta.get("gpu", "gpu"))
+    return f"{slug}_sm{cap}" if cap and cap != "-" else slug
 
 
 def gpu_label(meta: dict) -> str:
@@ -47,10 +44,7 @@ def load_folder(folder, include_samples: bool = False, warn=None) -> list[tuple[
     """Every valid results file in `folder`, oldest first. Files marked sample are left out unless
     asked for; invalid files are reported through `warn` and left out."""
     out = []
-    folder = Path(folder)
-    if not folder.is_dir():
-        return out
-    for path in sorted(folder.glob("*.json")):
+    for path in sorted(Path(folder).glob("*.json")):
         try:
             data = json.loads(path.read_text())
             if not (isinstance(data, dict) and str(data.get("schema", "")).startswith("pagedattn-bench/")):
@@ -60,21 +54,15 @@ def load_folder(folder, include_samples: bool = False, warn=None) -> list[tuple[
             if warn:
                 warn(f"skipping {path}: {str(exc).splitlines()[0]}")
             continue
-        if data["metadata"].get("sample") and not include_samples:
-            continue
-        out.append((path, data))
-    out.sort(key=lambda pr: (str(pr[1]["metadata"].get("date", "")), pr[0].name))
-    return out
+        if include_samples or not data["metadata"].get("sample"):
+            out.append((path, data))
+    return sorted(out, key=lambda pr: (str(pr[1]["metadata"].get("date", "")), pr[0].name))
 
 
 def latest_per_gpu(files: list[tuple[Path, dict]], suite: str | None = None) -> dict[str, tuple[Path, dict]]:
-    """gpu key -> the newest file (that has cases in `suite`, when given)."""
-    out: dict[str, tuple[Path, dict]] = {}
-    for path, data in files:  # oldest first: later ones win
-        if suite is not None and not data["suites"].get(suite, {}).get("cases"):
-            continue
-        out[gpu_key(data["metadata"])] = (path, data)
-    return out
+    """gpu key -> the newest file (that has cases in `suite`, when given); `files` oldest first."""
+    return {gpu_key(data["metadata"]): (path, data) for path, data in files
+            if suite is None or data["suites"].get(suite, {}).get("cases")}
 
 
 # -- formatting ------------------------------------------------------------------------------------
@@ -85,11 +73,7 @@ def fmt_us(us) -> str:
         return f"{us / 1e6:.2f} s"
     if us >= 1e4:
         return f"{us / 1e3:.2f} ms"
-    if us >= 100:
-        return f"{us:.0f} µs"
-    if us >= 10:
-        return f"{us:.1f} µs"
-    return f"{us:.2f} µs"
+    return f"{us:.0f} µs" if us >= 100 else f"{us:.1f} µs" if us >= 10 else f"{us:.2f} µs"
 
 
 VALUE_FORMATS = {"GB/s": "{:,.0f} GB/s", "TFLOP/s": "{:.1f} TFLOP/s", "s": "{:.2f} s", "ms": "{:.1f} ms",
@@ -114,42 +98,19 @@ def fmt_target(t) -> str:
     if not t:
         return ""
     unit, v = t.get("unit"), t.get("value")
-    shown = {"us": "µs"}.get(unit, unit)
     if unit == "fraction":
         goal = f"≥ {100 * v:.0f}%"
-    elif unit in ("us", "s", "ms"):
-        goal = f"≤ {v:g} {shown}"
     else:
-        goal = f"≥ {v:g} {shown}"
-    mark = {True: " ✓", False: " ✗"}.get(t.get("met"), " ?")
-    return goal + mark
-
-
-def fmt_goal(g) -> str:
-    """A relative goal: "≥ 1× sdpa cudnn ✓" (ours at least that many times the peer's speed)."""
-    mark = {True: " ✓", False: " ✗"}.get(g.get("met"), " ?")
-    return f"≥ {g.get('value', 0):.2g}× {g.get('peer')}{mark}"
+        goal = f"{'≤' if unit in ('us', 's', 'ms') else '≥'} {v:g} {'µs' if unit == 'us' else unit}"
+    return goal + MARK.get(t.get("met"), " ?")
 
 
 def goals_cell(case: dict) -> str:
-    parts = [fmt_target(case.get("target"))] + [fmt_goal(g) for g in case.get("goals") or []
-                                                 if isinstance(g, dict)]
+    """The target and the relative goals: "≥ 1× sdpa cudnn ✓" = ours at least that fast as the peer."""
+    parts = [fmt_target(case.get("target"))] + [
+        f"≥ {g.get('value', 0):.2g}× {g.get('peer')}{MARK.get(g.get('met'), ' ?')}"
+        for g in case.get("goals") or [] if isinstance(g, dict)]
     return "; ".join(p for p in parts if p)
-
-
-def has_methods(cases: list[dict]) -> bool:
-    return any((impl or {}).get("methods") for c in cases
-               for impl in [c.get("ours")] + list((c.get("peers") or {}).values()))
-
-
-def fmt_methods(impl: dict | None) -> str:
-    """'50.1 / 52.3 µs': the medians under each method (rot / flush), one unit when they share it."""
-    parts = [fmt_us(method_us(impl, m)) for m in schema.METHODS]
-    units = {p.rsplit(" ", 1)[-1] for p in parts if " " in p}
-    if len(units) == 1 and all(" " in p for p in parts):
-        unit = units.pop()
-        return " / ".join(p.rsplit(" ", 1)[0] for p in parts) + f" {unit}"
-    return " / ".join(parts)
 
 
 def method_us(impl: dict | None, method: str):
@@ -162,34 +123,36 @@ def method_us(impl: dict | None, method: str):
     return impl.get("us") if method == impl.get("method", "rot") else None
 
 
+def fmt_methods(impl: dict | None) -> str:
+    """'50.1 / 52.3 µs': the medians under each method (rot / flush), one unit when they share it."""
+    parts = [fmt_us(method_us(impl, m)) for m in schema.METHODS]
+    units = {p.rsplit(" ", 1)[-1] for p in parts if " " in p}
+    if len(units) == 1 and all(" " in p for p in parts):
+        return " / ".join(p.rsplit(" ", 1)[0] for p in parts) + f" {units.pop()}"
+    return " / ".join(parts)
+
+
 def fmt_check(c) -> str:
     if not c:
         return "-"
     if c.get("ok"):
-        r = c.get("rel_l2")
-        return f"ok ({r:.1e})" if isinstance(r, float) else "ok"
+        return f"ok ({c['rel_l2']:.1e})" if isinstance(c.get("rel_l2"), float) else "ok"
     return "FAIL: " + (c.get("detail") or "")[:120]
 
 
 def case_label(case: dict) -> str:
     """The case id without its suite prefix."""
-    cid = case["id"]
-    return cid.split("/", 1)[1] if "/" in cid else cid
+    return case["id"].split("/", 1)[-1]
 
 
 def time_cell(impl: dict, unit: str | None) -> str:
-    """An Impl's number as the tables show it: the value for the jit suite's units (s, ms, µs), else
-    the median time."""
-    if unit in ("s", "ms", "us"):
-        return fmt_value(impl.get("value"), unit)
-    return fmt_us(impl.get("us"))
+    """The value for the jit suite's units (s, ms, µs), else the median time."""
+    return fmt_value(impl.get("value"), unit) if unit in ("s", "ms", "us") else fmt_us(impl.get("us"))
 
 
 def ours_cell(case: dict) -> str:
     ours = case.get("ours")
-    if not ours or ours.get("error"):
-        return "-"
-    return time_cell(ours, case.get("unit"))
+    return "-" if not ours or ours.get("error") else time_cell(ours, case.get("unit"))
 
 
 def peer_cell(case: dict, name: str) -> str:
@@ -198,72 +161,55 @@ def peer_cell(case: dict, name: str) -> str:
         return ""
     if peer.get("error"):
         return "n/a"
-    t = fmt_methods(peer) if peer.get("methods") else time_cell(peer, case.get("unit"))  # "rot / flush"
+    t = fmt_methods(peer) if peer.get("methods") else time_cell(peer, case.get("unit"))
     r = case.get("ratios", {}).get(name)
     return f"{t} (ours {fmt_ratio(r)})" if r is not None else t
 
 
 def status_cell(case: dict) -> str:
-    st = case.get("status")
-    if st == "ok":
-        return ""
-    msg = case.get("error") or ""
-    return f"{st.upper()}: {msg[:160]}" if msg else st.upper()
+    st, msg = case.get("status"), case.get("error") or ""
+    return "" if st == "ok" else f"{st.upper()}: {msg[:160]}" if msg else st.upper()
 
 
 def peer_names(cases: list[dict]) -> list[str]:
-    names: list[str] = []
-    for c in cases:
-        for n in c.get("peers", {}):
-            if n not in names:
-                names.append(n)
-    return names
+    return list(dict.fromkeys(n for c in cases for n in c.get("peers", {})))
 
 
 def suite_table(data: dict, suite: str) -> tuple[list[str], list[list[str]]]:
-    """(header, rows) of one suite of one results file, the same for markdown and the console."""
+    """(header, rows) of one suite of one results file, the same for markdown and the console. Cases
+    timed under both methods get a time column per method (throughput, ratios and goals from the worse),
+    the fraction of the ceiling per method and the floor (the work at the ceiling)."""
     cases = data["suites"].get(suite, {}).get("cases", [])
     peers = peer_names(cases)
     if suite == "jit":
-        header = ["case", "ours", "goal (H200)", "peer", "detail", "status"]
-        rows = []
-        for c in cases:
-            peer = "; ".join(f"{n}: {peer_cell(c, n)}" for n in c.get("peers", {}))
-            rows.append([case_label(c), ours_cell(c), fmt_target(c.get("target")), peer,
-                         _jit_detail(c), status_cell(c)])
-        return header, rows
-    value_unit = next((c.get("unit") for c in cases if c.get("unit")), "")
+        return (["case", "ours", "goal (H200)", "peer", "detail", "status"],
+                [[case_label(c), ours_cell(c), fmt_target(c.get("target")),
+                  "; ".join(f"{n}: {peer_cell(c, n)}" for n in c.get("peers", {})), _jit_detail(c), status_cell(c)]
+                 for c in cases])
+    unit = next((c.get("unit") for c in cases if c.get("unit")), "") or "value"
     ceiling = next((c.get("ceiling") for c in cases if c.get("ceiling")), None)
     of = f"of {ceiling}" if ceiling else "of ceiling"
-    if has_methods(cases):
-        return _methods_table(cases, peers, value_unit, of)
-    header = ["case", "ours", value_unit or "value", of, "goal (H200)", "check"] + peers + ["status"]
+    methods = any((impl or {}).get("methods") for c in cases
+                  for impl in [c.get("ours")] + list((c.get("peers") or {}).values()))
+    if methods:
+        header = (["case"] + [f"us_{m}" for m in schema.METHODS]
+                  + [f"{unit} (worse)", f"{of} ({' / '.join(schema.METHODS)})", "floor"])
+    else:
+        header = ["case", "ours", unit, of]
     rows = []
     for c in cases:
         ours = c.get("ours") or {}
-        rows.append([case_label(c), ours_cell(c), fmt_value(ours.get("value"), c.get("unit")),
-                     fmt_frac(ours.get("fraction")), goals_cell(c), fmt_check(c.get("check"))]
-                    + [peer_cell(c, n) for n in peers] + [status_cell(c)])
-    return header, rows
-
-
-def _methods_table(cases, peers, value_unit, of) -> tuple[list[str], list[list[str]]]:
-    """Cases timed under both methods: a time column per method; throughput, ratios and goals from
-    the worse; the fraction of the ceiling per method; the floor (work at the ceiling)."""
-    cols = [f"us_{m}" for m in schema.METHODS]
-    header = (["case"] + cols + [f"{value_unit or 'value'} (worse)", f"{of} ({' / '.join(schema.METHODS)})",
-                                 "floor", "goal (H200)", "check"]
-              + peers + ["status"])
-    rows = []
-    for c in cases:
-        ours = c.get("ours") or {}
-        per = [(ours.get("methods") or {}).get(m) or {} for m in schema.METHODS]
-        fracs = " / ".join(fmt_frac(e.get("fraction")) for e in per) if any(per) else "-"
-        rows.append([case_label(c)] + [fmt_us(method_us(ours, m)) for m in schema.METHODS]
-                    + [fmt_value(ours.get("value"), c.get("unit")), fracs,
-                       fmt_us(c.get("floor_us")), goals_cell(c), fmt_check(c.get("check"))]
-                    + [peer_cell(c, n) for n in peers] + [status_cell(c)])
-    return header, rows
+        if methods:
+            per = [(ours.get("methods") or {}).get(m) or {} for m in schema.METHODS]
+            fracs = " / ".join(fmt_frac(e.get("fraction")) for e in per) if any(per) else "-"
+            row = ([case_label(c)] + [fmt_us(method_us(ours, m)) for m in schema.METHODS]
+                   + [fmt_value(ours.get("value"), c.get("unit")), fracs, fmt_us(c.get("floor_us"))])
+        else:
+            row = [case_label(c), ours_cell(c), fmt_value(ours.get("value"), c.get("unit")),
+                   fmt_frac(ours.get("fraction"))]
+        rows.append(row + [goals_cell(c), fmt_check(c.get("check"))] + [peer_cell(c, n) for n in peers]
+                    + [status_cell(c)])
+    return header + ["goal (H200)", "check"] + peers + ["status"], rows
 
 
 def _jit_detail(c: dict) -> str:
@@ -272,7 +218,7 @@ def _jit_detail(c: dict) -> str:
     if ex.get("variants"):
         parts.append(", ".join(f"{k} {v:.1f} s" if isinstance(v, (int, float)) else k
                                for k, v in ex["variants"].items()))
-    if "compiles" in ex and ex["compiles"] is not None and not ex.get("variants"):
+    elif ex.get("compiles") is not None:
         parts.append(f"{ex['compiles']} compiles")
     if ex.get("launches_per_call"):
         n = ex["launches_per_call"]
@@ -283,7 +229,7 @@ def _jit_detail(c: dict) -> str:
 
 
 def _kept_columns(header: list[str], rows: list[list[str]]) -> list[int]:
-    """The columns to show: the first, and those not empty in every row (e.g. "status" when all ok)."""
+    """The first column, and those not empty in every row (e.g. "status" when all are ok)."""
     return [i for i in range(len(header)) if i == 0 or any(r[i] for r in rows)]
 
 
@@ -303,23 +249,23 @@ def console_table(title: str, header: list[str], rows: list[list[str]]):
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     keep = _kept_columns(header, rows)
-    esc = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-    lines = ["| " + " | ".join(esc(header[i]) for i in keep) + " |",
-             "|" + "|".join(" --- " for _ in keep) + "|"]
-    lines += ["| " + " | ".join(esc(r[i]) for i in keep) + " |" for r in rows]
-    return "\n".join(lines)
+    line = lambda cells: "| " + " | ".join(str(cells[i]).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+                                           for i in keep) + " |"
+    return "\n".join([line(header), "|" + "|".join(" --- " for _ in keep) + "|"] + [line(r) for r in rows])
 
 
 # -- RESULTS.md ------------------------------------------------------------------------------------
+def _ceiling(data: dict, which: str):
+    return (data.get("ceilings", {}).get(which) or {}).get("value")
+
+
 def _meta_line(path: Path, data: dict) -> str:
     m = data["metadata"]
-    c = data.get("ceilings", {})
-    copy = (c.get("copy") or {}).get("value")
-    mm = (c.get("matmul") or {}).get("value")
     commit = (m.get("git_commit") or "-")[:10] + ("+dirty" if m.get("git_dirty") else "")
     return (f"| `{path.name}` | {gpu_label(m)} | {m.get('sm_count')} | {m.get('date', '-')[:19]} | {commit} | "
-            f"{'quick' if m.get('quick') else 'full'} | {fmt_value(copy, 'GB/s')} | "
-            f"{fmt_value(mm, 'TFLOP/s')} | torch {m.get('torch')}, CUDA {m.get('cuda')}, driver {m.get('driver')} |")
+            f"{'quick' if m.get('quick') else 'full'} | {fmt_value(_ceiling(data, 'copy'), 'GB/s')} | "
+            f"{fmt_value(_ceiling(data, 'matmul'), 'TFLOP/s')} | torch {m.get('torch')}, CUDA {m.get('cuda')}, "
+            f"driver {m.get('driver')} |")
 
 
 def with_history(files, history) -> dict[str, dict[str, tuple[Path, dict]]]:
@@ -328,43 +274,38 @@ def with_history(files, history) -> dict[str, dict[str, tuple[Path, dict]]]:
     out = {}
     for suite in schema.SUITES:
         latest = latest_per_gpu(files, suite)
-        older = {k: v for k, v in latest_per_gpu(history, suite).items() if k not in latest}
-        out[suite] = {**latest, **older}
+        out[suite] = {**latest, **{k: v for k, v in latest_per_gpu(history, suite).items() if k not in latest}}
     return out
+
+
+INTRO = ("Generated by `pagedattn bench` from every results file in `perf/results/` (files marked "
+         "`\"sample\": true` are ignored); do not edit by hand. How to run and read: [README.md](README.md).")
+LEGEND = ("Times are medians of CUDA-event timings (µs); `ours N×` = the peer's time over ours (above 1: ours "
+          "is faster); `of copy` / `of matmul` = fraction of the ceiling measured in the same run. `n/a`: the "
+          "peer could not run (reason in the JSON). Where a suite shows `us_rot` / `us_flush`, each case is "
+          "timed back to back with rotated inputs and with the L2 flushed before every call (as "
+          "`triton.testing.do_bench`); throughput, `N×` and goals use the worse of the two, and `floor` is "
+          "the case's bytes (or flops) at the ceiling.")
 
 
 def render_markdown(files: list[tuple[Path, dict]], plots_rel: str | None = "plots",
                     history: list[tuple[Path, dict]] = ()) -> str:
-    out = ["# pagedattn performance results", "",
-           "Generated by `pagedattn bench` from every results file in `perf/results/` (files marked "
-           "`\"sample\": true` are ignored); do not edit by hand. How to run and read: "
-           "[README.md](README.md).", ""]
+    out = ["# pagedattn performance results", "", INTRO, ""]
     if not files:
-        out += ["No results yet: run `pagedattn bench --suite all` on a GPU.", ""]
-        return "\n".join(out)
+        return "\n".join(out + ["No results yet: run `pagedattn bench --suite all` on a GPU.", ""])
     out += ["## Runs", "",
             "| file | GPU | SMs | date (UTC) | commit | mode | copy ceiling | bf16 matmul ceiling | software |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    out += [_meta_line(p, d) for p, d in files]
-    out += ["", "Times are medians of CUDA-event timings (µs); `ours N×` = the peer's time over ours "
-            "(above 1: ours is faster); `of copy` / `of matmul` = fraction of the ceiling measured in "
-            "the same run. `n/a`: the peer could not run (reason in the JSON). Where a suite shows "
-            "`us_rot` / `us_flush`, each case is timed back to back with rotated inputs and with the L2 "
-            "flushed before every call (as `triton.testing.do_bench`); throughput, `N×` and goals use the "
-            "worse of the two, and `floor` is the case's bytes (or flops) at the ceiling.", ""]
+    out += [_meta_line(p, d) for p, d in files] + ["", LEGEND, ""]
     current = {p for p, _ in files}
     for suite, latest in with_history(files, history).items():
-        if not latest:
-            continue
-        out += [f"## {SUITE_TITLES.get(suite, suite)}", ""]
+        if latest:
+            out += [f"## {SUITE_TITLES.get(suite, suite)}", ""]
         for key, (path, data) in latest.items():
-            header, rows = suite_table(data, suite)
-            old = path not in current
-            m = data["metadata"]
-            where = (f"`history/{path.name}` ({m.get('date', '-')[:10]}, commit "
-                     f"{(m.get('git_commit') or '-')[:10]}: the newest run with this suite, older "
-                     "than the runs above)" if old else f"`{path.name}`")
-            out += [f"### {gpu_label(data['metadata'])} — {where}", "", markdown_table(header, rows), ""]
+            m, old = data["metadata"], path not in current
+            where = (f"`history/{path.name}` ({m.get('date', '-')[:10]}, commit {(m.get('git_commit') or '-')[:10]}:"
+                     " the newest run with this suite, older than the runs above)" if old else f"`{path.name}`")
+            out += [f"### {gpu_label(m)} — {where}", "", markdown_table(*suite_table(data, suite)), ""]
             if plots_rel and not old and suite in MEASURED_SUITES + ("jit",):
                 out += [f"![{suite} on {key}]({plots_rel}/{key}_{suite}.png)", ""]
     across = across_table(files)
@@ -379,25 +320,14 @@ def across_table(files: list[tuple[Path, dict]]) -> str:
     latest = latest_per_gpu(files)
     if not latest:
         return ""
-    keys = list(latest)
-    header = ["case"] + [gpu_label(latest[k][1]["metadata"]) for k in keys]
-    rows = [["copy ceiling"] + [fmt_value((latest[k][1]["ceilings"].get("copy") or {}).get("value"), "GB/s")
-                                for k in keys],
-            ["bf16 matmul ceiling"] + [fmt_value((latest[k][1]["ceilings"].get("matmul") or {}).get("value"),
-                                                 "TFLOP/s") for k in keys]]
-    ids: list[str] = []
-    by_key = {}
     newest = {s: latest_per_gpu(files, s) for s in MEASURED_SUITES}  # a suite may come from its own run
-    for k in keys:
-        cases = {c["id"]: c for s in MEASURED_SUITES if k in newest[s]
-                 for c in newest[s][k][1]["suites"][s]["cases"]}
-        by_key[k] = cases
-        for cid in cases:
-            if cid not in ids:
-                ids.append(cid)
-    for cid in ids:
+    by_key = {k: {c["id"]: c for s in MEASURED_SUITES if k in newest[s] for c in newest[s][k][1]["suites"][s]["cases"]}
+              for k in latest}
+    rows = [["copy ceiling"] + [fmt_value(_ceiling(d, "copy"), "GB/s") for _, d in latest.values()],
+            ["bf16 matmul ceiling"] + [fmt_value(_ceiling(d, "matmul"), "TFLOP/s") for _, d in latest.values()]]
+    for cid in dict.fromkeys(cid for cases in by_key.values() for cid in cases):
         row = [cid]
-        for k in keys:
+        for k in latest:
             c = by_key[k].get(cid)
             ours = (c or {}).get("ours") or {}
             if not c or ours.get("error") or ours.get("us") is None:
@@ -405,7 +335,7 @@ def across_table(files: list[tuple[Path, dict]]) -> str:
             else:
                 row.append(f"{fmt_us(ours['us'])} ({fmt_frac(ours.get('fraction'))})")
         rows.append(row)
-    return markdown_table(header, rows)
+    return markdown_table(["case"] + [gpu_label(d["metadata"]) for _, d in latest.values()], rows)
 
 
 def write_results_md(results_dir, md_path, plots_dir=None, include_samples: bool = False,
@@ -413,9 +343,7 @@ def write_results_md(results_dir, md_path, plots_dir=None, include_samples: bool
     """Regenerate RESULTS.md (and the plots, when matplotlib is there) from every results file."""
     files = load_folder(results_dir, include_samples=include_samples, warn=warn)
     history = load_folder(Path(results_dir) / "history", include_samples=include_samples, warn=warn)
-    md_path = Path(md_path)
-    plots: list[Path] = []
-    plots_rel = None
+    md_path, plots, plots_rel = Path(md_path), [], None
     if plots_dir is not None:
         try:
             from . import plots as plotting
@@ -436,59 +364,50 @@ def write_results_md(results_dir, md_path, plots_dir=None, include_samples: bool
 # -- compare ---------------------------------------------------------------------------------------
 def compare(a: dict, b: dict, peers: bool = False) -> tuple[list[str], list[list[str]], list[str]]:
     """Case-by-case: (header, rows, summary lines). speed = A's time / B's time (above 1: B faster)."""
-    la, lb = gpu_label(a["metadata"]), gpu_label(b["metadata"])
     header = ["suite", "case", "impl", "A", "B", "B speed vs A", "A of ceiling", "B of ceiling"]
     rows: list[list[str]] = []
     for name in schema.CEILINGS:
-        ca, cb = a["ceilings"].get(name) or {}, b["ceilings"].get(name) or {}
-        va, vb = ca.get("value"), cb.get("value")
+        va, vb = _ceiling(a, name), _ceiling(b, name)
         unit = schema.CEILING_UNIT[name]
         rows.append(["ceiling", name, "torch", fmt_value(va, unit), fmt_value(vb, unit),
                      fmt_ratio(vb / va) if va and vb else "-", "", ""])
     per_suite: dict[str, list[float]] = {}
-    only_a, only_b = [], []
     cases_b = {c["id"]: c for c in schema.all_cases(b)}
-    seen = set()
+    ids_a = {c["id"]: c for c in schema.all_cases(a)}
     for ca in schema.all_cases(a):
         cb = cases_b.get(ca["id"])
         if cb is None:
-            only_a.append(ca["id"])
             continue
-        seen.add(ca["id"])
         impls = [("ours", ca.get("ours"), cb.get("ours"))]
-        if peers:
-            for n in peer_names([ca, cb]):
-                impls.append((n, ca["peers"].get(n), cb["peers"].get(n)))
+        impls += [(n, ca["peers"].get(n), cb["peers"].get(n)) for n in (peer_names([ca, cb]) if peers else [])]
         for label, ia, ib in impls:
             ia, ib = ia or {}, ib or {}
-            ua = None if ia.get("error") else ia.get("us")
-            ub = None if ib.get("error") else ib.get("us")
+            ua, ub = (None if i.get("error") else i.get("us") for i in (ia, ib))
             speed = ua / ub if ua and ub else None
             if speed and label == "ours":
                 per_suite.setdefault(ca["suite"], []).append(speed)
+            missing = lambda c: c.get("status") if label == "ours" else "n/a"  # noqa: E731
             rows.append([ca["suite"], case_label(ca), ia.get("name", label) if label == "ours" else label,
-                         time_cell(ia, ca.get("unit")) if ua else (ca.get("status") if label == "ours" else "n/a"),
-                         time_cell(ib, cb.get("unit")) if ub else (cb.get("status") if label == "ours" else "n/a"),
+                         time_cell(ia, ca.get("unit")) if ua else missing(ca),
+                         time_cell(ib, cb.get("unit")) if ub else missing(cb),
                          fmt_ratio(speed), fmt_frac(ia.get("fraction")), fmt_frac(ib.get("fraction"))])
-    only_b = [cid for cid in cases_b if cid not in seen]
-    summary = [f"A = {la}, {a['metadata'].get('date', '')[:10]}; B = {lb}, {b['metadata'].get('date', '')[:10]}",
+    summary = [f"A = {gpu_label(a['metadata'])}, {a['metadata'].get('date', '')[:10]}; "
+               f"B = {gpu_label(b['metadata'])}, {b['metadata'].get('date', '')[:10]}",
                "B speed vs A = A's time / B's time: above 1, B is faster."]
     for suite, speeds in per_suite.items():
         gm = math.exp(sum(math.log(s) for s in speeds) / len(speeds))
-        cases = f"{len(speeds)} case{'s' if len(speeds) != 1 else ''}"
-        summary.append(f"{suite}: geometric mean B speed vs A = {gm:.2f}× over {cases}")
-    if only_a:
-        summary.append(f"only in A ({len(only_a)}): {', '.join(only_a[:8])}{' ...' if len(only_a) > 8 else ''}")
-    if only_b:
-        summary.append(f"only in B ({len(only_b)}): {', '.join(only_b[:8])}{' ...' if len(only_b) > 8 else ''}")
+        summary.append(f"{suite}: geometric mean B speed vs A = {gm:.2f}× over {len(speeds)} "
+                       f"case{'s' if len(speeds) != 1 else ''}")
+    for side, only in (("A", [i for i in ids_a if i not in cases_b]), ("B", [i for i in cases_b if i not in ids_a])):
+        if only:
+            summary.append(f"only in {side} ({len(only)}): {', '.join(only[:8])}{' ...' if len(only) > 8 else ''}")
     return header, rows, summary
 
 
 # -- progress --------------------------------------------------------------------------------------
 def describe(case: dict) -> str:
     """One line for the progress output."""
-    ours = case.get("ours") or {}
-    unit = case.get("unit")
+    ours, unit = case.get("ours") or {}, case.get("unit")
     parts = [f"{case['id']}:"]
     measured = case.get("status") in ("ok", "check_failed")
     if not measured:
@@ -501,8 +420,7 @@ def describe(case: dict) -> str:
         parts.append(ours_cell(case))
     if measured and ours.get("value") is not None and unit in ("GB/s", "TFLOP/s"):
         of = f", {fmt_frac(ours['fraction'])} of {case.get('ceiling')}" if ours.get("fraction") is not None else ""
-        worse = "worse: " if ours.get("methods") else ""
-        parts.append(f"({worse}{fmt_value(ours['value'], unit)}{of})")
+        parts.append(f"({'worse: ' if ours.get('methods') else ''}{fmt_value(ours['value'], unit)}{of})")
     if case.get("target") or case.get("goals"):
         parts.append(f"goal {goals_cell(case)}")
     parts += [f"| {name} {peer_cell(case, name)}" for name in case.get("peers", {})]

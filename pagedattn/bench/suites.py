@@ -1,11 +1,13 @@
 """Suite name -> (available(ctx) -> (bool, reason), cases(ctx) -> [Case]), the suites' modules loaded
-lazily; and the machine's two ceilings, measured first in every run: a device-to-device copy of 2 GiB
+lazily; the machine's two ceilings, measured first in every run: a device-to-device copy of 2 GiB
 (1 GiB with --quick; bytes read + written) and a bf16 8192^3 matmul on random data (never zeros: they run
-faster; flops = 2 n^3).
+faster; flops = 2 n^3); and `_selftest`, the harness's own test on the CPU (hidden from --help).
 """
 from __future__ import annotations
 
 import importlib
+import os
+import time
 
 import torch
 
@@ -20,16 +22,14 @@ _TABLE = {  # name -> (module, its cases function); a module without `available`
     "features": ("features", "cases"),
     "legacy": ("legacy", "cases"),
     "jit": ("jit", "cases"),
-    "_selftest": ("_selftest", "cases"),  # the harness's own test (CPU), hidden
+    "_selftest": ("suites", "selftest_cases"),
 }
 
 
 def get(name: str):
-    if name not in _TABLE:
-        raise KeyError(f"unknown suite {name!r}; known: {', '.join(ORDER)}")
     module, cases = _TABLE[name]
     mod = importlib.import_module(f"pagedattn.bench.{module}")
-    return getattr(mod, "available", always), getattr(mod, cases)
+    return getattr(mod, "available", lambda ctx: (True, None)), getattr(mod, cases)
 
 
 def parse(spec: str) -> list[str]:
@@ -43,15 +43,8 @@ def parse(spec: str) -> list[str]:
     return [n for n in ORDER if n in names] + [n for n in names if n not in ORDER]
 
 
-def always(ctx: Ctx):
-    return True, None
-
-
 def _copy(ctx: Ctx, rec: Recorder) -> None:
-    if ctx.tiny or not ctx.is_cuda:
-        nbytes = 16 * 2**20
-    else:
-        nbytes = (1 if ctx.quick else 2) * 2**30
+    nbytes = 16 * 2**20 if ctx.tiny or not ctx.is_cuda else (1 if ctx.quick else 2) * 2**30
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=ctx.device).uniform_(-1, 1)
     dst = torch.empty_like(src)
     rec.work("GB/s", 2 * nbytes, None)
@@ -62,9 +55,7 @@ def _copy(ctx: Ctx, rec: Recorder) -> None:
 def _matmul(ctx: Ctx, rec: Recorder) -> None:
     n = 256 if (ctx.tiny or not ctx.is_cuda) else 8192
     dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
-    a = torch.randn(n, n, dtype=dtype, device=ctx.device)
-    b = torch.randn(n, n, dtype=dtype, device=ctx.device)
-    c = torch.empty(n, n, dtype=dtype, device=ctx.device)
+    a, b, c = (torch.randn(n, n, dtype=dtype, device=ctx.device) for _ in range(3))
     rec.work("TFLOP/s", 2 * n ** 3, None)
     rec.extra(n=n, dtype=str(dtype).replace("torch.", ""))
     rec.ours("torch.mm", lambda k: torch.mm(a, b, out=c))
@@ -73,3 +64,36 @@ def _matmul(ctx: Ctx, rec: Recorder) -> None:
 def ceiling_cases(ctx: Ctx) -> list[Case]:
     return [Case("ceilings/copy", "ceilings", {"what": "device-to-device copy, read+write"}, _copy),
             Case("ceilings/matmul", "ceilings", {"what": "bf16 matmul 8192^3, random data"}, _matmul)]
+
+
+# -- the harness's self-test: a normal case, a failing case, a failing peer, a process crash and a hang;
+# the crash and the hang only with PAGEDATTN_BENCH_SELFTEST=crash / =hang, to test the restart logic
+def _ok(ctx: Ctx, rec: Recorder) -> None:
+    a = torch.randn(64, 64, device=ctx.device)
+    b = torch.empty_like(a)
+    rec.work("GB/s", 2 * a.numel() * 4, "copy")
+    rec.check(True, "trivial", "copy")
+    rec.ours("copy_", lambda k: b.copy_(a))
+    rec.peer("clone", lambda: (lambda k: a.clone()))
+    rec.peer("broken peer", lambda: (_ for _ in ()).throw(RuntimeError("this peer cannot run")))
+
+
+def _raises(ctx: Ctx, rec: Recorder) -> None:
+    rec.work("GB/s", 1024, "copy")
+    raise ValueError("planned failure")
+
+
+def _crash(ctx: Ctx, rec: Recorder) -> None:
+    a = torch.randn(16, device=ctx.device)
+    rec.work("GB/s", 64, "copy")
+    rec.ours("noop", lambda k: a.add(1))
+    mode = os.environ.get("PAGEDATTN_BENCH_SELFTEST", "")
+    if mode == "crash":
+        os._exit(9)
+    if mode == "hang":
+        time.sleep(3600)
+
+
+def selftest_cases(ctx: Ctx) -> list[Case]:
+    return [Case("_selftest/ok", "_selftest", {"n": 64}, _ok), Case("_selftest/raises", "_selftest", {}, _raises),
+            Case("_selftest/crash", "_selftest", {}, _crash), Case("_selftest/after", "_selftest", {"n": 64}, _ok)]

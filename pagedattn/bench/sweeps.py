@@ -1,7 +1,8 @@
 """`pagedattn bench sweep KIND [CONFIG ...]`: configuration sweeps on the bench's data, timer and oracle
 (perf/README.md, "Quick scripts", lists the kinds and their options). Each writes
 <out>/<kind>_<gpu>_<date>.json. A kernel's tiles are fixed once it is built, so decode and prefill run
-each CONFIG in a child process that overrides the tiles of its modes (`override_tiles`).
+each CONFIG in a child process that overrides the tiles of its modes (`override_tiles`); the write sweep
+changes launch fields per call (`overrides=` of reshape_and_cache_flash) and runs in this process.
 """
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-KINDS = ("decode", "prefill", "modes", "quick")
+KINDS = ("decode", "prefill", "modes", "quick", "write")
 DEFAULTS = {"decode": ["4,2,3,cp", "4,3,2,tma", "4,4,1,tma", "4,6,1,tma", "2,4,3,tma", "2,6,2,tma", "8,3,1,tma"],
             "prefill": ["default", "256,64,16,3", "192,128,12,2", "128,128,8,2"],
-            "modes": ["long", "short"], "quick": []}
+            "modes": ["long", "short"], "quick": [], "write": []}
 CONFIG_FORMAT = {"decode": "kWarpsN,kStages,kMinBlocks,loader,kBlockN",
                  "prefill": "kBlockM,kBlockN,kWarpsM,kStages (mode prefill_wgmma)"}
-FILE_KIND = {"decode": "decode_sweep", "prefill": "prefill_sweep", "modes": "prefill_modes", "quick": "attn_quick"}
+FILE_KIND = {"decode": "decode_sweep", "prefill": "prefill_sweep", "modes": "prefill_modes", "quick": "attn_quick",
+             "write": "write_sweep"}
 SHAPE = "Hq=32 Hkv=8 block 16 NHD, bf16 query, shuffled table (bench/attention.build); D=128 unless named"
 HQ, HKV, D, BS = 32, 8, 128, 16
 # (name, B, ctx, kv cache dtype, num_splits); 0 = the heuristic
@@ -59,7 +61,7 @@ def aot_dir(root: str, config: str) -> Path:
 
 # -- data and measurements -------------------------------------------------------------------------
 def paged(B: int, ctx: int, kv: str = "auto", q_len: int = 1, d: int = D, layout: str = "NHD",
-          table_order: str = "random"):
+          table_order: str = "random", device: str = "cuda"):
     """The bench's paged inputs (attention.build, one input set) at the sweeps' heads and block size."""
     import torch
 
@@ -67,9 +69,9 @@ def paged(B: int, ctx: int, kv: str = "auto", q_len: int = 1, d: int = D, layout
     from .common import Ctx
 
     p = dict(B=B, q_len=q_len, ctx=ctx, hq=HQ, hkv=HKV, d=d, bs=BS, kv_cache_dtype=kv, layout=layout)
-    data = build(Ctx(torch.device("cuda")), p, sets=1)
+    data = build(Ctx(torch.device(device)), p, sets=1)
     if table_order == "seq":  # request b owns consecutive pages, in order
-        data.tables[0] = torch.arange(data.tables[0].numel(), dtype=torch.int32, device="cuda").view(B, -1)
+        data.tables[0] = torch.arange(data.tables[0].numel(), dtype=torch.int32, device=device).view(B, -1)
     return data
 
 
@@ -249,6 +251,171 @@ def describe(r: dict) -> str:
     return text + (f" {r['tflops']:6.1f} TFLOP/s err {r['rel_l2_err']:.1e}" if "rel_l2_err" in r else "")
 
 
+def modes_todo(configs: list[str]) -> list:
+    """(name, measure) of `sweep modes`: each prefill forced in turn per head dim (long) and per short
+    query length (short, also with multi-token decode forced), prefill_wgmma against prefill_ws (ws),
+    prefill_ws with and without the consumers' ping-pong (wsab)."""
+    long = [dict(d=d) for d in (64, 128, 192, 256)] if "long" in configs else []
+    short = [dict(d=D, batch=32, q_len=n, ctx=4096) for n in (5, 8, 16, 32, 64)] if "short" in configs else []
+    ws_points = [dict(d=D), dict(d=D, batch=1, q_len=16384, ctx=16384), dict(d=64), dict(d=256)]
+    ws = ws_points if "ws" in configs else []
+    forced = [(pt, m) for pt in long + short for m in PREFILL_MODES] + \
+             [(pt, m) for pt in ws for m in ("prefill_wgmma", "prefill_ws")]
+    name = lambda pt: f"d{pt['d']} B={pt.get('batch', 4)} q_len={pt.get('q_len', 4096)}"  # noqa: E731
+    todo = [(f"{name(pt)} {m}", lambda pt=pt, m=m: prefill_row(prefill=m, **pt)) for pt, m in forced]
+    todo += [(f"{name(pt)} prefill_ws pingpong={pp}",
+              lambda pt=pt, pp=pp: dict(prefill_row(prefill="prefill_ws", tiles={"kPingPong": pp}, **pt), ping_pong=pp))
+             for i, pt in enumerate(ws_points if "wsab" in configs else []) for pp in (False, True) if pp or i < 2]
+    return todo + [(f"d{pt['d']} q_len={pt['q_len']} multi", lambda pt=pt: prefill_row(multi=True, **pt))
+                   for pt in short]
+
+
+# -- the write sweep (issue 3; perf/README.md, "Write path", has the points and the WRITE_SWEEP_* knobs) --
+WRITE_H, WRITE_D = 8, 128
+WRITE_TOKENS = (65536, 256)
+WRITE_CONFIGS = [(layout, kv, scale) for layout in ("NHD", "HND")  # (layout, kv_cache_dtype, scale)
+                 for kv, scale in (("auto", "tensor"), ("fp8_e4m3", "tensor"), ("fp8_e4m3", "head"))]
+ONE_SHOT = dict(stream_items=0, max_items=4, max_threads=512, min_blocks=0)  # the flat copy variants' build
+
+
+def _env_list(name: str, conv=int) -> list:
+    return [conv(x) for x in os.environ.get(name, "").split(",") if x]
+
+
+def write_point(path: str, items=None, threads=None, stream=None, span=None, max_items: int = 0) -> dict | None:
+    """The overrides that make a write take `path` ("old": span/head; "flat") with this CTA shape;
+    None for "default" (whatever the library chooses). A flat point without `stream` runs the
+    one-shot schedule on a variant without a streaming body, as the copy variants are built."""
+    from pagedattn.ops import kv_write
+
+    if path == "default":
+        return None
+    if path == "old":
+        return {"flat": False, **({"span_packs": span} if span else {})}
+    ov = {"flat": True, **ONE_SHOT, "stream_waves": 0}
+    if items is not None:
+        ov.update(items=items, max_items=max(max_items, 4) if items > 4 else 4)
+    if threads is not None:
+        ov["threads"] = threads
+    if stream:
+        build = kv_write.FLAT_BUILD["fp8"]
+        ov.update(stream_waves=stream[0], stream_items=stream[1], max_items=build["max_items"],
+                  max_threads=build["max_threads"], min_blocks=stream[2] if len(stream) > 2 else build["min_blocks"])
+    return ov
+
+
+def _write_shape(path: str, items, threads, stream, span) -> str:
+    if path == "default":
+        return "library default"
+    if path == "old":
+        return f"old path, span packs/thread {span}" if span else "old path, defaults"
+    text = f"items={items} threads={threads:3d}"
+    if stream:
+        text += f" stream={stream[0]:g}x{stream[1]}" + (f" minblocks={stream[2]}" if len(stream) > 2 else "")
+    return text
+
+
+def write_rows(copy_gbs: float):
+    """Every point of the write sweep, measured (a generator: each row as it is measured)."""
+    import torch
+
+    from pagedattn import CacheSpec
+    from pagedattn.ops import kv_write
+
+    from .timing import Timer, rotation_sets
+    from .write import page_slots
+
+    quick = bool(os.environ.get("WRITE_SWEEP_QUICK"))  # the default, the old path and the default flat shape
+    streams = [tuple(float(v) if i == 0 else int(v) for i, v in enumerate(x.split("x")))  # waves x packs[ x threads]
+               for x in os.environ.get("WRITE_SWEEP_STREAM", "").split(",") if x]
+    max_items = int(os.environ.get("WRITE_SWEEP_MAX_ITEMS", "0"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    timer, H, D, BLOCK = Timer(budget_s=0.1), WRITE_H, WRITE_D, BS
+    try:
+        for layout, kv, scale in WRITE_CONFIGS:
+            fp8 = kv != "auto"
+            for T in WRITE_TOKENS:
+                # a cache of at least 256 MiB, as the bench suite sizes it (T=256 not L2-resident)
+                num_blocks = -(-max(4 * T, 256 * 2**20 // (H * D * (1 if fp8 else 2))) // BLOCK)
+                spec = CacheSpec(num_blocks, BLOCK, H, D, torch.uint8 if fp8 else torch.bfloat16, kv, layout, scale)
+                kc, vc = spec.allocate("cuda", fill=0.0)
+                nbytes = 2 * T * H * D * 2 + 2 * T * H * D * (1 if fp8 else 2) + T * 8
+                sets = rotation_sets(nbytes, 60 * 2**20)  # H200's L2 (rotation at T=256 only)
+                keys = [torch.randn(T, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(sets)]
+                vals = [torch.randn_like(keys[0]) for _ in range(sets)]
+                s = torch.rand(1 if scale == "tensor" else H, device="cuda") + 0.05 if fp8 else None
+                slot_sets = {"random": [torch.randperm(spec.num_slots, device="cuda")[:T] for _ in range(sets)]}
+                if T >= 4096 and not quick:
+                    slot_sets["pages"] = [page_slots(spec.num_blocks, T, "cuda") for _ in range(sets)]
+                dflt = kv_write.write_config(spec, T, sms)
+                flat = [(dflt.items, dflt.threads)] if quick else [(i, t) for i in (1, 2, 4) for t in (64, 128, 256, 512)]
+                points = [("default",), ("old",)] + [("flat", i, t) for i, t in flat]
+                if fp8 and T >= kv_write.MANY_TOKENS:
+                    points += [("flat", dflt.items, st[2] if len(st) > 2 else dflt.threads, st[:2]) for st in streams]
+                    points += [("flat", dflt.items, dflt.threads,
+                                (dflt.stream_waves, kv_write.FLAT_BUILD["fp8"]["stream_items"], mb))
+                               for mb in _env_list("WRITE_SWEEP_MINB")]
+                    points += [("flat", max_items, t) for t in (128, 256)] if max_items > 4 else []
+                    if layout == "NHD" and scale == "tensor":
+                        points += [("old", None, None, None, sp) for sp in _env_list("WRITE_SWEEP_SPAN")]
+                for pattern, slots in slot_sets.items():
+                    for pt in points:
+                        path, items, threads, stream, span = pt + (None,) * (5 - len(pt))
+                        if pattern == "pages" and path == "flat" and items != dflt.items:
+                            continue  # pages: old vs flat at the default packs per thread only
+                        ov = write_point(path, items, threads, stream, span, max_items)
+
+                        def call(k, slots=slots, ov=ov):
+                            kv_write.reshape_and_cache_flash(keys[k], vals[k], kc, vc, slots[k], kv, s, s, overrides=ov)
+                        kv_write._PLANS.clear()
+                        call(0)
+                        (plan,) = kv_write._PLANS.values()  # the path the write really took
+                        took = "flat" if plan.base is None else plan.base_spec.path
+                        assert path == "default" or (took == "flat") == (path == "flat"), f"forced {path}, ran {took}"
+                        us = timer(call, sets).us
+                        gbs = nbytes / us / 1e3
+                        shape = _write_shape(path, items, threads, stream, span)
+                        print(f"T={T:5d} {layout} {kv:9s} {scale:6s} {pattern:6s} {took:4s} {shape:19s}: {us:8.2f} us "
+                              f"{gbs:6.0f} GB/s {gbs / copy_gbs:4.0%}", flush=True)
+                        yield dict(layout=layout, kv=kv, scale=scale, T=T, slots=pattern, path=took,
+                                   default=path == "default", overrides=ov, items=items, threads=threads,
+                                   stream=stream, span_packs=span, us=us, gbs=gbs, frac_copy=gbs / copy_gbs, sets=sets)
+                kc = vc = keys = vals = None  # free before the next config
+                torch.cuda.empty_cache()
+    finally:
+        kv_write._PLANS.clear()
+
+
+def write_meta() -> dict:
+    """The write defaults the sweep compares against, for the results file."""
+    import dataclasses
+
+    import torch
+
+    from pagedattn import CacheSpec
+    from pagedattn.ops import kv_write
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fp8_spec = CacheSpec(1, BS, WRITE_H, WRITE_D, torch.uint8, "fp8_e4m3")
+    launch = {str(T): dataclasses.asdict(kv_write.write_config(fp8_spec, T, sms)) for T in WRITE_TOKENS}
+    return dict(H=WRITE_H, D=WRITE_D, block_size=BS, tokens=list(WRITE_TOKENS),
+                defaults=dict(flat_for=sorted(kv_write.FLAT_FOR), build=kv_write.FLAT_BUILD, launch=launch))
+
+
+def write_summary(rows: list[dict]) -> None:
+    """Per config and T (random slots): the old path, the best flat point, and what the defaults run."""
+    print("\nsummary (random slots): old path | best flat | library default")
+    for k in sorted({(r["layout"], r["kv"], r["scale"], r["T"]) for r in rows}, key=lambda k: (-k[3], k)):
+        pts = [r for r in rows if (r["layout"], r["kv"], r["scale"], r["T"]) == k and r["slots"] == "random"]
+        old = next(r for r in pts if not r["default"] and r["path"] != "flat")
+        best = min((r for r in pts if not r["default"] and r["path"] == "flat"), key=lambda r: r["us"])
+        dflt = next(r for r in pts if r["default"])
+        stream = " stream=%gx%d" % tuple(best["stream"][:2]) if best.get("stream") else ""
+        print(f"T={k[3]:5d} {k[0]} {k[1]:9s} {k[2]:6s} {old['path']:4s} {old['us']:8.2f} us {old['frac_copy']:4.0%}"
+              f" | flat items={best['items']} threads={best['threads']:3d}{stream} {best['us']:8.2f} us "
+              f"{best['frac_copy']:4.0%} | {dflt['path']:4s} {dflt['us']:8.2f} us {dflt['frac_copy']:4.0%}", flush=True)
+
+
 def run(args) -> int:
     """`pagedattn bench sweep` (bench/__init__.py parses the arguments)."""
     opts = dict(splits=args.splits, variants=args.variants, cases=args.cases, tma_promotion=args.tma_promotion,
@@ -263,45 +430,33 @@ def run(args) -> int:
     from .timing import Timer, copy_ceiling_gbs
 
     how = "median_us (synchronised)" if args.kind == "quick" else "Timer (back-to-back device time)"
-    timing = f"{Timer.__module__}.{how}"
     ceiling = copy_ceiling_gbs()
-    meta = dict(copy_ceiling_gbs=ceiling, timing=timing, shape=SHAPE)
+    meta = dict(copy_ceiling_gbs=ceiling, timing=f"{Timer.__module__}.{how}", shape=SHAPE)
+    save = lambda rows: meta_mod.write_quick(args.out, FILE_KIND[args.kind], rows, **meta)  # noqa: E731
+    rows = []
     if args.kind in CONFIG_FORMAT:
         rows = run_children(args.kind, configs, opts)
         meta["config_format"] = CONFIG_FORMAT[args.kind]
+    elif args.kind == "write":
+        meta.update(write_meta(), shape=f"H={WRITE_H} D={WRITE_D} block {BS}, bf16 input", copy_gbs=ceiling)
+        for row in write_rows(ceiling):
+            rows.append(row)
+            save(rows)  # a killed run keeps what it had
+        write_summary(rows)
     else:
-        rows = []
-        if args.kind == "modes":
-            points = [dict(d=d) for d in (64, 128, 192, 256)] if "long" in configs else []
-            short = [dict(d=D, batch=32, q_len=n, ctx=4096) for n in (5, 8, 16, 32, 64)] if "short" in configs else []
-            ws_points = [dict(d=D), dict(d=D, batch=1, q_len=16384, ctx=16384), dict(d=64), dict(d=256)]
-            ws = ws_points if "ws" in configs else []
-            forced = [(pt, m) for pt in points + short for m in PREFILL_MODES] + \
-                     [(pt, m) for pt in ws for m in ("prefill_wgmma", "prefill_ws")]
-            todo = [(f"d{pt['d']} B={pt.get('batch', 4)} q_len={pt.get('q_len', 4096)} {m}",
-                     lambda pt=pt, m=m: prefill_row(prefill=m, **pt)) for pt, m in forced]
-            # wsab: prefill_ws with and without the consumers' ping-pong
-            todo += [(f"d{pt['d']} B={pt.get('batch', 4)} q_len={pt.get('q_len', 4096)} prefill_ws pingpong={pp}",
-                      lambda pt=pt, pp=pp: dict(prefill_row(prefill="prefill_ws", tiles={"kPingPong": pp}, **pt),
-                                                ping_pong=pp))
-                     for i, pt in enumerate(ws_points if "wsab" in configs else []) for pp in (False, True)
-                     if pp or i < 2]
-            todo += [(f"d{pt['d']} q_len={pt['q_len']} multi", lambda pt=pt: prefill_row(multi=True, **pt))
-                     for pt in short]
-        else:
-            todo = [(c[0], lambda c=c: quick_row(*c, ceiling)) for c in QUICK_CASES]
+        todo = modes_todo(configs) if args.kind == "modes" else [(c[0], lambda c=c: quick_row(*c, ceiling))
+                                                                 for c in QUICK_CASES]
         for name, measure in todo:
             try:
                 rows.append(measure())
             except Exception as exc:  # noqa: BLE001 - one failing point must not hide the others
                 rows.append(dict(case=name, error=str(exc)[:300]))
             print(f"{name:34s} {describe(rows[-1])}", flush=True)
-            meta_mod.write_quick(args.out, FILE_KIND[args.kind], rows, **meta)  # a killed run keeps what it had
+            save(rows)
     for r in rows:
         if "kv_gbs" in r:
             r["frac_copy"] = r["kv_gbs"] / ceiling
-    path = meta_mod.write_quick(args.out, FILE_KIND[args.kind], rows, **meta)
-    print(f"copy ceiling {ceiling:.0f} GB/s; wrote {path}")
+    print(f"copy ceiling {ceiling:.0f} GB/s; wrote {save(rows)}")
     return 0
 
 

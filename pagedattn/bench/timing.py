@@ -30,12 +30,8 @@ class Timing:
     @classmethod
     def from_samples(cls, samples_us: list[float], sets: int, method: str = "rot") -> "Timing":
         s = sorted(samples_us)
-        n = len(s)
-
-        def q(f):
-            return s[min(n - 1, max(0, int(round(f * (n - 1)))))]
-        return cls(us=statistics.median(s), p10=q(0.1), p90=q(0.9), min=s[0], reps=n, sets=sets,
-                   method=method)
+        q = lambda f: s[min(len(s) - 1, max(0, int(round(f * (len(s) - 1)))))]  # noqa: E731
+        return cls(statistics.median(s), q(0.1), q(0.9), s[0], len(s), sets, method)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -47,8 +43,7 @@ def rotation_sets(working_set_bytes: float, l2_bytes: int, *, factor: float = 4.
     if working_set_bytes <= 0:
         return cap
     want = math.ceil(factor * l2_bytes / working_set_bytes)
-    by_memory = max(1, int(max_total_bytes // working_set_bytes))
-    return max(1, min(want, cap, by_memory))
+    return max(1, min(want, cap, int(max_total_bytes // working_set_bytes)))
 
 
 def flush_bytes(l2_bytes: int | None) -> int:
@@ -67,18 +62,19 @@ class L2Flush:
         self.buf.zero_()
 
 
+def _event():
+    return torch.cuda.Event(enable_timing=True)
+
+
 class Timer:
-    """CUDA-event timer; see the module docstring."""
+    """CUDA-event timer: warm-up, a probe of host and device time per call, then batches of timed calls
+    queued behind a sleep kernel (the head start keeps the GPU ahead of the host)."""
 
     def __init__(self, *, budget_s: float = 0.3, min_reps: int = 20, max_reps: int = 2000,
                  warmup_s: float = 0.05, warmup_calls: int = 3, batch: int = 100,
                  l2_bytes: int | None = None, flush_nbytes: int | None = None, device="cuda"):
-        self.budget_s = budget_s
-        self.min_reps = min_reps
-        self.max_reps = max_reps
-        self.warmup_s = warmup_s
-        self.warmup_calls = warmup_calls
-        self.batch = batch
+        self.budget_s, self.min_reps, self.max_reps = budget_s, min_reps, max_reps
+        self.warmup_s, self.warmup_calls, self.batch = warmup_s, warmup_calls, batch
         self.flush_nbytes = flush_nbytes or flush_bytes(l2_bytes)
         self.device = device
         self.flusher = None  # an L2Flush, made on first use (tests put a stand-in here)
@@ -94,19 +90,22 @@ class Timer:
         unknown = [m for m in methods if m not in METHODS]
         if unknown:
             raise ValueError(f"unknown timing method(s) {unknown}; known: {METHODS}")
-        return {m: self._measure(fn, sets, self.flush if m == "flush" else None, m) for m in methods}
+        return {m: self._measure(fn, max(1, int(sets)), self.flush if m == "flush" else (lambda: None), m)
+                for m in methods}
 
     def __call__(self, fn, sets: int = 1) -> Timing:
         """The "rot" method alone."""
-        return self._measure(fn, sets, None, "rot")
+        return self.measure(fn, sets, ("rot",))["rot"]
 
-    # -- keeping the GPU ahead of the host --------------------------------------------------------
-    def _calibrate_sleep(self) -> float:
+    def _reps(self, per_call_s: float) -> int:
+        return int(min(self.max_reps, max(self.min_reps, self.budget_s / max(per_call_s, 1e-7))))
+
+    def _sleep(self, seconds: float) -> None:
         if self._cycles_per_s is None:
             try:
                 cycles = 2_000_000
                 torch.cuda._sleep(cycles)  # first call loads the kernel
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a, b = _event(), _event()
                 a.record()
                 torch.cuda._sleep(cycles)
                 b.record()
@@ -114,20 +113,11 @@ class Timer:
                 self._cycles_per_s = cycles / max(a.elapsed_time(b) * 1e-3, 1e-6)
             except Exception:  # no _sleep in this torch: time without the head start
                 self._cycles_per_s = 0.0
-        return self._cycles_per_s
+        if self._cycles_per_s > 0 and seconds > 0:
+            torch.cuda._sleep(int(min(seconds, 0.2) * self._cycles_per_s))
 
-    def _sleep(self, seconds: float) -> None:
-        rate = self._calibrate_sleep()
-        if rate > 0 and seconds > 0:
-            torch.cuda._sleep(int(min(seconds, 0.2) * rate))
-
-    # -- the measurement ----------------------------------------------------------------------------
     def _measure(self, fn, sets: int, before, method: str) -> Timing:
-        sets = max(1, int(sets))
-        before = before or (lambda: None)
-        k = 0
-        # 1. warm-up
-        t0 = time.perf_counter()
+        k, t0 = 0, time.perf_counter()
         while k < max(self.warmup_calls, sets) or time.perf_counter() - t0 < self.warmup_s:
             before()
             fn(k % sets)
@@ -137,9 +127,8 @@ class Timer:
             if k > 10_000:
                 break
         torch.cuda.synchronize()
-        # 2. probe host and device time per call
         n_probe = max(3, min(sets, 8))
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0, e1 = _event(), _event()
         h0 = time.perf_counter()
         e0.record()
         for _ in range(n_probe):
@@ -149,15 +138,11 @@ class Timer:
         e1.record()
         host = (time.perf_counter() - h0) / n_probe
         e1.synchronize()
-        device = e0.elapsed_time(e1) * 1e-3 / n_probe
-        per_call = max(host, device, 1e-7)
-        reps = int(min(self.max_reps, max(self.min_reps, self.budget_s / per_call)))
-        # 3. batches with a head start
+        reps = self._reps(max(host, e0.elapsed_time(e1) * 1e-3 / n_probe))
         samples: list[float] = []
         while len(samples) < reps:
             nb = min(self.batch, reps - len(samples))
-            starts = [torch.cuda.Event(enable_timing=True) for _ in range(nb)]
-            ends = [torch.cuda.Event(enable_timing=True) for _ in range(nb)]
+            starts, ends = [_event() for _ in range(nb)], [_event() for _ in range(nb)]
             self._sleep(host * nb * 1.3 + nb * 10e-6 + 50e-6)  # + the event records
             for j in range(nb):
                 before()
@@ -174,17 +159,13 @@ class CpuTimer(Timer):
     """Same interface on the host clock (tests and `--device cpu` dry runs)."""
 
     def _measure(self, fn, sets: int, before, method: str) -> Timing:
-        sets = max(1, int(sets))
-        before = before or (lambda: None)
         for k in range(max(self.warmup_calls, sets)):
             before()
             fn(k % sets)
         t0 = time.perf_counter()
         fn(0)
-        per_call = max(time.perf_counter() - t0, 1e-7)
-        reps = int(min(self.max_reps, max(self.min_reps, self.budget_s / per_call)))
         samples = []
-        for k in range(reps):
+        for k in range(self._reps(time.perf_counter() - t0)):
             before()
             t0 = time.perf_counter()
             fn(k % sets)
@@ -207,7 +188,7 @@ def median_us(fn, reps: int = 30, warmup: int = 5, flush: bool = False, before=N
     for _ in range(reps):
         if before is not None:
             before()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a, b = _event(), _event()
         a.record()
         fn()
         b.record()
@@ -249,11 +230,10 @@ def copy_ceiling_gbs(nbytes: int = 2 * 2**30) -> float:
 def probe_us(fn, sets: int = 1, calls: int = 10, warmup: int = 3) -> float:
     """Mean µs per call of `calls` back-to-back calls fn(k) after `warmup`: a quick comparison of
     configurations (peers.fastest), not a measurement."""
-    sets = max(1, int(sets))
     for k in range(warmup):
         fn(k % sets)
     torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a, b = _event(), _event()
     a.record()
     for k in range(calls):
         fn(k % sets)

@@ -23,9 +23,8 @@ GOALS = {"T65536_NHD_bf16": 0.90, "T65536_other": 0.80, "T256_us": 6.0}
 
 
 def available(ctx: Ctx):
-    if not hasattr(pagedattn, "reshape_and_cache_flash"):
-        return False, "pagedattn.reshape_and_cache_flash is not available"
-    return True, None
+    ok = hasattr(pagedattn, "reshape_and_cache_flash")
+    return (True, None) if ok else (False, "pagedattn.reshape_and_cache_flash is not available")
 
 
 def cases(ctx: Ctx) -> list[Case]:
@@ -36,12 +35,10 @@ def cases(ctx: Ctx) -> list[Case]:
                 cache = "bf16" if kv == "auto" else kv
                 params = {"layout": layout, "kv_cache_dtype": kv, "cache": cache, "T": t, "H": H,
                           "D": D, "block_size": BLOCK, "input": "bf16", "scale": "tensor"}
-                out.append(Case(f"write/{layout}/{cache}/T{t}", NAME, params,
-                                lambda ctx, rec, p=params: run_case(ctx, rec, p)))
-                if t in PAGED_TOKENS:  # the same write as a prefill does it: whole pages, shuffled
-                    paged = {**params, "slots": "pages"}
-                    out.append(Case(f"write/{layout}/{cache}/T{t}/pages", NAME, paged,
-                                    lambda ctx, rec, p=paged: run_case(ctx, rec, p)))
+                ids = {f"write/{layout}/{cache}/T{t}": params}
+                if t in PAGED_TOKENS:  # also the write as a prefill does it: whole pages, shuffled
+                    ids[f"write/{layout}/{cache}/T{t}/pages"] = {**params, "slots": "pages"}
+                out += [Case(cid, NAME, p, lambda ctx, rec, p=p: run_case(ctx, rec, p)) for cid, p in ids.items()]
     return out
 
 
@@ -53,55 +50,41 @@ def page_slots(num_blocks: int, t: int, device) -> torch.Tensor:
 
 
 def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape:
-        return False
-    ia = a.contiguous().view(torch.uint8)
-    ib = b.contiguous().view(torch.uint8)
-    return bool(torch.equal(ia, ib))
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def _written_view(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    bs = cache.shape[1]
-    return cache[slots // bs, slots % bs]  # [T, H, D]
+    return cache[slots // cache.shape[1], slots % cache.shape[1]]  # [T, H, D]
 
 
 def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
     dev, t, layout, kv = ctx.device, p["T"], p["layout"], p["kv_cache_dtype"]
     fp8 = kv != "auto"
-    in_dtype = torch.bfloat16
-    cache_dtype = torch.uint8 if fp8 else torch.bfloat16
-    elem_in, elem_c = 2, (1 if fp8 else 2)
-    nbytes = 2 * t * H * D * elem_in + 2 * t * H * D * elem_c + 8 * t
+    elem_c = 1 if fp8 else 2
+    nbytes = 2 * t * H * D * 2 + 2 * t * H * D * elem_c + 8 * t  # bf16 K/V read, the cache written, slots
     rec.work("GB/s", nbytes, "copy")
-
-    min_cache_bytes = (2 * 2**20) if ctx.tiny else 256 * 2**20
-    num_slots = max(4 * t, min_cache_bytes // (H * D * elem_c))
-    num_blocks = ceil_div(num_slots, BLOCK)
+    num_blocks = ceil_div(max(4 * t, ((2 if ctx.tiny else 256) * 2**20) // (H * D * elem_c)), BLOCK)
     num_slots = num_blocks * BLOCK
-    spec = pagedattn.CacheSpec(num_blocks, BLOCK, H, D, cache_dtype, kv_cache_dtype=kv, layout=layout,
-                               scale="tensor")
+    spec = pagedattn.CacheSpec(num_blocks, BLOCK, H, D, torch.uint8 if fp8 else torch.bfloat16, kv_cache_dtype=kv,
+                               layout=layout, scale="tensor")
     kc, vc = spec.allocate(dev)
-    sets = ctx.sets_for(nbytes)
-    if sets * t > num_slots:
-        sets = max(1, num_slots // t)
-    keys = [torch.randn(t, H, D, dtype=in_dtype, device=dev) for _ in range(sets)]
-    values = [torch.randn(t, H, D, dtype=in_dtype, device=dev) for _ in range(sets)]
+    sets = min(ctx.sets_for(nbytes), max(1, num_slots // t))
+    keys = [torch.randn(t, H, D, dtype=torch.bfloat16, device=dev) for _ in range(sets)]
+    values = [torch.randn(t, H, D, dtype=torch.bfloat16, device=dev) for _ in range(sets)]
     if p.get("slots") == "pages":
         slots = [page_slots(num_blocks, t, dev) for _ in range(sets)]
     else:
         slots = [torch.randperm(num_slots, device=dev)[:t].contiguous() for _ in range(sets)]
+    k_scale = v_scale = None
     if fp8:
-        amax = max(float(x.abs().amax()) for x in keys + values)
-        k_scale = torch.tensor([amax / 448.0], dtype=torch.float32, device=dev)
+        k_scale = torch.tensor([max(float(x.abs().amax()) for x in keys + values) / 448.0], device=dev)
         v_scale = k_scale.clone()
-    else:
-        k_scale = v_scale = None
     rec.extra(sets=sets, num_blocks=num_blocks, cache_bytes=2 * num_slots * H * D * elem_c)
 
     def ours(k):
         pagedattn.reshape_and_cache_flash(keys[k], values[k], kc, vc, slots[k], kv, k_scale, v_scale)
 
-    # -- correctness once, then timing (a failure here is the case's error; the peer still runs) --
+    # correctness once, then timing (a failure here is the case's error; the peer still runs)
     def check_and_time():
         _check(ctx, rec, p, spec, ours, keys[0], values[0], slots[0], kc, vc, k_scale, v_scale)
         rec.ours("pagedattn", ours, sets)
@@ -138,8 +121,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
     if layout == "HND":
         rec.note("peer computes the HND row ids from the slots")
 
-    # -- goals (issue 3) --------------------------------------------------------------------------
-    if t == 65536:
+    if t == 65536:  # the goals of issue 3
         rec.target(GOALS["T65536_NHD_bf16"] if (layout == "NHD" and not fp8) else GOALS["T65536_other"],
                    "fraction")
     elif t == 256:
