@@ -110,7 +110,7 @@ class KvWriteSpec(KernelSpec):
 # -- launch-time choices: one WriteConfig per (cache, token count), from write_config ----------------
 @dataclass(frozen=True)
 class WriteConfig:
-    """How one write is launched. write_config picks it; tests and perf/write_sweep.py change fields
+    """How one write is launched. write_config picks it; tests and `pagedattn bench sweep write` change fields
     through `reshape_and_cache_flash(..., overrides={...})`."""
     flat: bool            # take the flat path where rows allow it (flat_tokens, 16-byte aligned bases)
     items: int            # flat: packs per thread (capped at the variant's max_items unless it streams)
@@ -464,7 +464,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     shape [1] or 0-d (per tensor) or [H] (per head): stored = saturate_to_finite(x / scale).
     validate=True (or PAGEDATTN_DEBUG=1) also checks every slot < num_blocks*block_size and the
     scales finite and > 0 (syncs).
-    overrides (tuning: tests, perf/write_sweep.py): a mapping that replaces fields of the launch
+    overrides (tuning: tests, `pagedattn bench sweep write`): a mapping that replaces fields of the launch
     choice (WriteConfig: flat, items, threads, stream_waves, sm_count, span_packs, head_warps) and of
     the flat variant (KvWriteSpec: max_items, stream_items, max_threads, min_blocks), e.g.
     {"flat": False} or {"items": 2, "threads": 128}. The results are the same, only the speed differs.
