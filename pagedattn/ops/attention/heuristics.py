@@ -107,8 +107,9 @@ def splits_for(num_splits: int, ctas: int, max_seqlen_k: int, stage_keys: int, c
     keys); 0 asks for the count with the least whole-wave cost (split_cost), so that a batch neither
     underfills the GPU nor leaves a mostly empty last wave (measured on H200: 512 decode CTAs over
     396 slots ran 1.29 waves, i.e. two). A persistent grid (prefill_ws) has no waves: it splits only
-    a batch of fewer work items than resident CTAs (measured on H200, B=1 S=16384 causal: 2 splits
-    chosen by the wave model ran 6346 us against 1 split's ..., perf/results/ws_tiles_*.json)."""
+    a batch of fewer work items than resident CTAs (measured on H200, B=1 S=16384 causal d128: the wave
+    model's 2 splits ran 6346 us at f4cd955, one split in the persistent kernel 4718 us at 328a07c;
+    perf/results/ws_tiles_*.json)."""
     max_steps = max(1, -(-max_seqlen_k // stage_keys))
     if num_splits > 0:
         return max(1, min(num_splits, max_steps, MAX_SPLITS))
