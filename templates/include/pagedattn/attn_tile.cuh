@@ -49,7 +49,7 @@ struct TileCtx {
 };
 
 // Barrier over the threads that compute the tile (Traits::kThreads): the whole CTA, or the consumer
-// warpgroups of the warp-specialised prefill (named barrier 1: its producer warpgroup has left).
+// warpgroups of the warp-specialised prefill (named barrier 1: its producer warpgroup runs ahead).
 template <class Traits>
 __device__ __forceinline__ void tile_sync() {
   if constexpr (Traits::kWs) {

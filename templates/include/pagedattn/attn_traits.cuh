@@ -21,10 +21,10 @@
 // S = Q K^T (the same numbers in every group) and its own kHeadDimO-column slice of O += P V. The
 // softmax state is identical across the groups, so the epilogue has nothing to merge.
 //
-// kWs = kTma && kWgmma (sm_90a prefill of paged 16-bit caches, mainloop_ws.cuh): kWarpsM / 4 consumer
-// warpgroups multiply as kWgmma does, fed by a producer warpgroup after them (kCtaThreads) whose one
-// warp fills separate K and V rings by TMA; kPingPong makes the consumers take turns on the tensor
-// cores.
+// kWs = kTma && kWgmma (sm_90a prefill of paged 16-bit caches, mainloop_ws.cuh; persistent CTAs):
+// kWarpsM / 4 consumer warpgroups multiply as kWgmma does, fed by a producer warpgroup after them
+// (kCtaThreads) whose warps fill separate K and V rings by TMA; kPingPong makes the consumers take
+// turns on the tensor cores.
 //
 // kWgmma (sm_90a prefill): the same cp.async stages and swizzled tiles (they are the 128-byte-swizzled
 // K-major layout warpgroup MMAs read), but each warpgroup of four warps multiplies its 64 rows with
