@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
-# (info precompile packbundle bundle tests alltests sanitize racecheck fuzz fuzzsanitize overhead overheadab attnquick decodesweep prefillsweep prefillmodes writesweep writequick aotcheck ncu benchdw
+# (info precompile packbundle bundle tests alltests sanitize racecheck fuzz fuzzsanitize overhead overheadab attnquick decodesweep prefillsweep prefillmodes writesweep writequick aotcheck ncu ncusrc benchdw
 # benchp benchs benchq bench-full demo multigpu hfcb).
 # Logs and results go under $OUT; RESULTS.md and plots are regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
@@ -70,6 +70,13 @@ for stage in "$@"; do
                      python3 "$ROOT/perf/profile_case.py" $k > "$OUT/ncu_$k.txt" 2>&1
                  grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued" "$OUT/ncu_$k.txt" | head -20
                done ;;
+    # ncu's warp-stall samples per SASS instruction of one profile_case.py kind (NCU_CASE, default prefill)
+    ncusrc)    k=${NCU_CASE:-prefill}
+               ncu --clock-control none --kernel-name regex:"${NCU_KERNELS:-attn_fwd_kernel}" --launch-skip 2 --launch-count 1 \
+                   --section SourceCounters --section WarpStateStats -o /tmp/ncusrc_$k -f python3 "$ROOT/perf/profile_case.py" $k > "$OUT/ncusrc_$k.txt" 2>&1
+               ncu -i /tmp/ncusrc_$k.ncu-rep --page source --csv --print-source sass > /tmp/ncusrc_$k.csv \
+                 && python3 "$ROOT/perf/ncu_stalls.py" /tmp/ncusrc_$k.csv | tee -a "$OUT/ncusrc_$k.txt" | head -n 30
+               xz -T8 -c /tmp/ncusrc_$k.csv > "$OUT/ncusrc_$k.csv.xz" ;;
     benchq)    python3 -m pagedattn.cli bench --suite all --quick --no-flex --no-report --out "$OUT/results" ;;
     benchdw)   python3 -m pagedattn.cli bench --suite decode,write --quick --no-flex --no-report --out "$OUT/results" ;;
     benchp)    python3 -m pagedattn.cli bench --suite prefill --quick --no-flex --no-report --out "$OUT/results" ;;
