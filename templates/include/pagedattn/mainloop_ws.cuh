@@ -447,7 +447,7 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
       ring.ring += uint32_t(w.step_end - w.step_begin);
     }
     // stay until the consumers are done (named barrier 4): the CTA's warps leave together, so that
-    // compute-sanitizer sees the consumers' named-barrier epilogue with every warp still resident
+    // compute-sanitizer sees the consumers' named barriers (tile_sync, ping-pong) with every warp resident
     asm volatile("bar.sync 4, %0;\n" ::"n"(Traits::kCtaThreads) : "memory");
     return;
   }
