@@ -133,8 +133,12 @@ def smem_bytes(cfg: dict, head_dim: int, fp8: bool) -> int:
     epilogue = cfg["kWarpsN"] * cfg["kBlockM"] * (head_dim + 2) * 4
     main = max(q + kv, epilogue)
     # TMA: an mbarrier per (warp, ring slot); prefill_ws: a full and an empty one per slot of K and of V,
-    # then the split-KV flag (8 bytes) and four 56-byte work items
-    ws = cfg["kTma"] and cfg["kWgmma"]
-    barriers = 8 * (4 if ws else cfg["kWarpsN"]) * cfg["kStages"] + (8 + 4 * 56 if ws else 0) if cfg["kTma"] else 0
+    # then the split-KV flag (8 bytes) and four 56-byte work items (AttnTraits::kSmemWsTail)
+    if not cfg["kTma"]:
+        barriers = 0
+    elif cfg["kWgmma"]:  # prefill_ws
+        barriers = 8 * 4 * cfg["kStages"] + 8 + 4 * 56
+    else:
+        barriers = 8 * cfg["kWarpsN"] * cfg["kStages"]
     return -(-main // 8) * 8 + barriers
 

@@ -78,7 +78,7 @@ __device__ __forceinline__ void attn_fwd(AttnParams const& p, char* smem) {
 #endif
   } else {
     AttnWork w;
-    bool const has_tile = schedule<Traits, Features>(p, grid_slot<Traits>(), w);
+    bool const has_tile = schedule<Traits, Features>(p, grid_slot(), w);
     if (w.q_len * p.group > int(gridDim.y) * Traits::kBlockM) {  // rare
       attn_rows_past_grid<Traits, Features>(p, w, int(gridDim.y), int(threadIdx.x / 32), int(blockDim.x / 32));
     }

@@ -23,25 +23,30 @@
 namespace pagedattn {
 
 
-// Packed rows of the tile -> (token, head) rows of q, into the swizzled Q tile (one cp.async group
-// with the first K/V stage).
+// Packed rows [row_begin, row_begin + rows) of item w's tile -> (token, head) rows of q, into the
+// swizzled Q tile at `q_smem`, by cp.async: thread `tid` of `threads` (not committed).
 template <class Traits>
-__device__ __forceinline__ void load_q_tile(TileCtx<Traits> const& c) {
+__device__ __forceinline__ void load_q_rows(AttnParams const& p, AttnWork const& w, typename Traits::Element* q_smem,
+                                            int row_begin, int rows, int tid, int threads) {
   using namespace cute;
   using Element = typename Traits::Element;
   constexpr int kChunks = Traits::kHeadDim / 8;
-  AttnParams const& p = c.p;
-  AttnWork const& w = c.w;
-  Tensor sQ = make_tensor(make_smem_ptr(c.smem.q()), typename Traits::SmemLayoutQ{});
+  Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename Traits::SmemLayoutQ{});
   Element const* q = static_cast<Element const*>(p.q);
-  for (int i = c.tidx; i < Traits::kBlockM * kChunks; i += Traits::kThreads) {
-    int const r = i / kChunks, col = (i % kChunks) * 8;
+  for (int i = tid; i < rows * kChunks; i += threads) {
+    int const r = row_begin + i / kChunks, col = (i % kChunks) * 8;
     int const R = w.row0 + r, t = R / p.group, g = R - t * p.group;
     bool const ok = t < w.q_len && col < p.head_size;
     Element const* src = q + (int64_t(w.q_start + t) * p.q_row_stride +
                               int64_t(w.kv_head * p.group + g) * p.q_head_stride + col);
     cp_async_16(&sQ(r, col), ok ? src : q, ok);
   }
+}
+
+// The whole Q tile, by every thread of the tile (one cp.async group with the first K/V stage).
+template <class Traits>
+__device__ __forceinline__ void load_q_tile(TileCtx<Traits> const& c) {
+  load_q_rows<Traits>(c.p, c.w, c.smem.q(), 0, Traits::kBlockM, c.tidx, Traits::kThreads);
 }
 
 // cp.async K/V loader: the whole CTA copies stage `step` (every warp group's sub-tile) into stage

@@ -24,6 +24,7 @@
 #include "pagedattn/async_copy.cuh"
 #include "pagedattn/attn_tile.cuh"
 #include "pagedattn/attn_wgmma.cuh"
+#include "pagedattn/mainloop_sm80.cuh"
 #include "pagedattn/mask.cuh"
 #include "pagedattn/rows_past_grid.cuh"
 #include "pagedattn/softmax.cuh"
@@ -179,19 +180,7 @@ __device__ __forceinline__ void ws_group_sync(int wg) {
 // Warpgroup wg's 64 rows of item w's Q tile, by cp.async (committed; ws_q_ready waits for them).
 template <class Traits>
 __device__ __forceinline__ void ws_load_q(AttnParams const& p, AttnWork const& w, char* smem, int wg) {
-  using namespace cute;
-  using Element = typename Traits::Element;
-  constexpr int kChunks = Traits::kHeadDim / 8;
-  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
-  Element const* q = static_cast<Element const*>(p.q);
-  for (int i = int(threadIdx.x) % 128; i < 64 * kChunks; i += 128) {
-    int const r = 64 * wg + i / kChunks, col = (i % kChunks) * 8;
-    int const R = w.row0 + r, t = R / p.group, g = R - t * p.group;
-    bool const ok = t < w.q_len && col < p.head_size;
-    Element const* src = q + (int64_t(w.q_start + t) * p.q_row_stride +
-                              int64_t(w.kv_head * p.group + g) * p.q_head_stride + col);
-    cp_async_16(&sQ(r, col), ok ? src : q, ok);
-  }
+  load_q_rows<Traits>(p, w, AttnSmem<Traits>{smem}.q(), 64 * wg, 64, int(threadIdx.x) % 128, 128);
   cp_async_commit();
 }
 

@@ -117,9 +117,9 @@ namespace pagedattn {
 // Split-KV: after a tile's split has written its partials (epilogue.cuh), the last CTA of the tile
 // to arrive merges every split's partials into O and LSE. The flag lives in dynamic shared memory
 // (AttnSmem::last_split_flag): static shared memory would push a variant whose dynamic size is
-// exactly the 48 KiB default over the launch limit. Release/acquire through thread 0 (bar.sync orders every thread's
-// partials before its fence, and its fence after the counter before every thread's reads): one
-// gpu-scope fence on each side, not a sequentially consistent fence per thread.
+// exactly the 48 KiB default over the launch limit. Release/acquire through thread 0 (bar.sync
+// orders every thread's partials before its fence, and its fence after the counter before every
+// thread's reads): one gpu-scope fence on each side, not a sequentially consistent fence per thread.
 template <class Traits, class Features>
 __device__ __forceinline__ void merge_splits_if_last(TileCtx<Traits> const& c) {
   using Element = typename Traits::Element;

@@ -79,7 +79,6 @@ struct GridSlot {
   int tile_slot;   // its (column, row tile) pair, shared by its splits: column * tiles + column_cta
 };
 
-template <class Traits>
 __device__ __forceinline__ GridSlot grid_slot() {
   int const tiles = int(gridDim.y), t = int(blockIdx.y);
   return {int(blockIdx.x), tiles - 1 - t, int(blockIdx.z), t, int(blockIdx.x) * tiles + t};
