@@ -74,8 +74,8 @@ def main(out_dir="perf/results"):
     cases, (key, kc, vc, slots) = api_cases("cuda")
     pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots)
     launcher = pagedattn.get_kernel(KvWriteSpec("bf16", "auto", "span")).launcher(0)
-    values = (key.data_ptr(), key.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), 0, 0,
-              1024, 1024, *kc.stride()[:3], kc.shape[0] * 16, 16, 16, 8, 128, 0, 1, 1)
+    values = (key.data_ptr(), key.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), 0, 0, 0, 0, 0,
+              1024, 1024, *kc.stride()[:3], kc.shape[0] * 16, 16, 16, 8, 128, 0, 1, 1, 0, 0, 0, 0)
     cases = {"raw_launcher": (lambda: launcher((1, 1, 1), (256, 1, 1), values), 20000), **cases}
     # the middle (upper middle of an even count) of the loops' host µs per call
     middle = lambda loops: sorted(host for host, _ in loops)[len(loops) // 2]  # noqa: E731

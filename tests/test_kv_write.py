@@ -229,7 +229,7 @@ class _FakeKernel:
         return 2048 // threads
 
     def __call__(self, grid, block, params):
-        self.launches.append((self.spec, grid, block, params[-1]))
+        self.launches.append((self.spec, grid, block, params[-5]))  # num_tokens: the 4 append fields follow it
 
 
 @pytest.fixture

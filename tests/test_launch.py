@@ -93,8 +93,9 @@ def _dims(fake) -> tuple:
 
 
 def _values(key_ptr: int) -> tuple:
-    # KvWriteParams flattened: 7 pointers, 2 strides, CacheGeometry (4 i64 + 4 i32), 3 i32
-    return (key_ptr, 2, 3, 4, 5, 0, 0, 1024, 1024, 16384, 1024, 128, 4096, 256, 16, 8, 128, 0, 1, 7)
+    # KvWriteParams flattened: 10 pointers, 2 strides, CacheGeometry (4 i64 + 4 i32), 7 i32
+    return (key_ptr, 2, 3, 4, 5, 0, 0, 0, 0, 0, 1024, 1024, 16384, 1024, 128, 4096, 256, 16, 8, 128, 0, 1, 7,
+            0, 0, 0, 0)
 
 
 def test_launch_packs_params_like_the_compiler(fake_driver):
@@ -164,8 +165,8 @@ def test_threads_never_mix_their_prepared_params(fake_driver):
     """A Prepared launch's buffer is per thread too: every thread's addresses reach the driver intact."""
     fake_driver.fake_set_current(ctypes.c_void_p(0x1234))
     launcher = launch.Launcher(0xF00D, KvWriteParams, 0)
-    prepared = launcher.prepare((1, 1, 1), (32, 1, 1), 7, _values(0)[7:])
-    _launch_from_threads(fake_driver, lambda key: prepared.launch(key, 2, 3, 4, 5, 0, 0))
+    prepared = launcher.prepare((1, 1, 1), (32, 1, 1), 10, _values(0)[10:])
+    _launch_from_threads(fake_driver, lambda key: prepared.launch(key, 2, 3, 4, 5, 0, 0, 0, 0, 0))
 
 
 def test_a_prepared_launch_packs_what_a_full_one_does(fake_driver):
@@ -179,7 +180,7 @@ def test_a_prepared_launch_packs_what_a_full_one_does(fake_driver):
         fake_driver.fake_last(raw, size)
         return bytes(raw)
 
-    for n_head in (7, 9, 0, len(_values(0))):
+    for n_head in (10, 12, 0, len(_values(0))):
         launcher((3, 2, 1), (64, 1, 1), _values(0xABC))
         want = last(), _dims(fake_driver)
         prepared = launcher.prepare((3, 2, 1), (64, 1, 1), n_head, _values(0xABC)[n_head:])

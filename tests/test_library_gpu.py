@@ -240,6 +240,102 @@ def test_kvcache_against_reference(sq, snew, causal, lens, paged):
     assert torch.equal(again, out)  # appending then attending == attending over the appended cache
 
 
+def _appended(kc, vc, k, v, lens, table, num_blocks):
+    """_expected_append where every position has a valid slot; positions past the row and corrupt
+    block ids are skipped (what the write kernel's append mode does)."""
+    kc, vc = kc.clone(), vc.clone()
+    bs, width = kc.shape[1], table.shape[1]
+    for b in range(k.shape[0]):
+        for i in range(k.shape[1]):
+            pos = int(lens[b]) + i
+            if pos >= width * bs:
+                continue
+            block = int(table[b, pos // bs])
+            if 0 <= block < num_blocks:
+                kc[block, pos % bs] = k[b, i]
+                vc[block, pos % bs] = v[b, i]
+    return kc, vc
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("snew, sq", [(1, 1), (3, 3), (2, 4)])
+def test_kvcache_steady_path_matches_a_validated_call(layout, snew, sq, monkeypatch):
+    """After one validated call, calls with the same metadata take the steady path (two launches,
+    no torch ops): each step's new lengths, tables, q and k/v give bit for bit what a validate=True call
+    gives, and the caches what a plain loop writes (positions past a row's capacity dropped)."""
+    from pagedattn import CacheSpec
+    from pagedattn.ops import kvcache
+    gen = torch.Generator().manual_seed(11 + snew + sq)
+    width = 8
+    num_blocks = B * width + 3
+    kc, vc = CacheSpec(num_blocks, BS, HKV, D, torch.bfloat16, layout=layout).allocate("cuda", fill=float("nan"))
+    kc.copy_(torch.randn(kc.shape, generator=gen))
+    vc.copy_(torch.randn(vc.shape, generator=gen))
+    lens = torch.zeros(B, dtype=torch.int32).cuda()
+    table = shuffled_table(width, num_blocks, gen)
+    q = torch.empty(B, sq, HQ, D, dtype=torch.bfloat16).cuda()
+    k, v = (torch.empty(B, snew, HKV, D, dtype=torch.bfloat16).cuda() for _ in range(2))
+    kvcache._STEADY.clear()
+    capacity = width * BS
+    steps = [[0, 17, 100], [capacity - snew, 1, 64], [capacity - 1, 0, 5], [33, capacity - snew, 126 - snew]]
+    for step, step_lens in enumerate(steps):
+        lens.copy_(torch.tensor(step_lens, dtype=torch.int32))
+        table.copy_(shuffled_table(width, num_blocks, gen))
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, generator=gen))
+        want_kc, want_vc = _appended(kc, vc, k, v, step_lens, table, num_blocks)
+        kc0, vc0 = kc.clone(), vc.clone()
+        ref_out, ref_lse = pagedattn.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, block_table=table,
+                                                             causal=True, return_softmax_lse=True, validate=True)
+        assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+        kc.copy_(kc0)
+        vc.copy_(vc0)
+        with monkeypatch.context() as m:
+            if step:  # the first plain call registered the steady path: later ones run no checks
+                assert kvcache._STEADY.forms[1]
+                m.setattr(kvcache, "run", lambda *a, **kw: pytest.fail("the steady path ran the checks"))
+            out, lse = pagedattn.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, block_table=table,
+                                                         causal=True, return_softmax_lse=True)
+            torch.cuda.synchronize()
+        assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc), step
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse), step
+        ends = (lens + snew).clamp(max=capacity)
+        cu = torch.arange(B + 1, dtype=torch.int32).cuda() * sq
+        ref = reference.paged_attention(q.flatten(0, 1), kc, vc, cu, ends, table, causal=True,
+                                        compute_dtype=torch.float64)
+        assert rel_l2(out.flatten(0, 1), ref) < 1e-2
+    assert lens.tolist() == steps[-1][:B]  # cache_seqlens is read, never written
+
+
+def test_kvcache_append_never_writes_outside_the_cache():
+    """Corrupt block ids where the new tokens go (negative, past the cache, INT32_MAX): those tokens
+    are dropped, the others land, and the guard pages around the cache stay as they were."""
+    gen = torch.Generator().manual_seed(12)
+    width, num_blocks = 4, B * 4 + 2
+    big_k = torch.randn(num_blocks + 2, BS, HKV, D, generator=gen).bfloat16().cuda()
+    big_v = torch.randn(num_blocks + 2, BS, HKV, D, generator=gen).bfloat16().cuda()
+    kc, vc = big_k[1:-1], big_v[1:-1]
+    before_k, before_v = big_k.clone(), big_v.clone()
+    table = shuffled_table(width, num_blocks, gen)
+    lens = [3, 20, 40]  # blocks 0, 1, 2 of each row
+    table[0, 0], table[1, 1], table[2, 2] = -1, num_blocks + 1, 2**31 - 1
+    q = torch.randn(B, 1, HQ, D, generator=gen).bfloat16().cuda()
+    k = torch.randn(B, 1, HKV, D, generator=gen).bfloat16().cuda()
+    v = torch.randn(B, 1, HKV, D, generator=gen).bfloat16().cuda()
+    want_k, want_v = _appended(kc, vc, k, v, lens, table, num_blocks)
+    for _ in range(2):  # the validated call, then the steady path
+        out = pagedattn.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=torch.tensor(lens).int().cuda(),
+                                                block_table=table, causal=True)
+        torch.cuda.synchronize()
+        assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+        assert torch.equal(big_k[0], before_k[0]) and torch.equal(big_k[-1], before_k[-1])
+        assert torch.equal(big_v[0], before_v[0]) and torch.equal(big_v[-1], before_v[-1])
+        assert torch.isfinite(out).all()
+    with pytest.raises(pagedattn.ContractError):  # validate=True names the corrupt ids
+        pagedattn.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=torch.tensor(lens).int().cuda(),
+                                          block_table=table, causal=True, validate=True)
+
+
 def test_kvcache_int_seqlens_window_and_softcap():
     """An int cache_seqlens, and window / softcap passed through to the kernel."""
     gen = torch.Generator().manual_seed(6)

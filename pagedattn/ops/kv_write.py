@@ -10,6 +10,7 @@ import torch
 
 from .. import envs
 from . import steady
+from .plans import PlanCache
 from ..contract import CacheSpec, ContractError, check_scale_values, describe, traced
 from ..dtypes import CUDA_TYPE, FP8_FORMAT, short
 from ..registry import KernelSpec, UnsupportedError, get_kernel, register, sm_count
@@ -255,7 +256,8 @@ def _check_scale(name, scale, spec: CacheSpec, device) -> int:
 
 def check_new_tokens(spec: CacheSpec, key, value, key_cache, slot_mapping,
                      input_dtypes=(torch.float16, torch.bfloat16, torch.float32), who="the writer") -> int:
-    """The checks every cache writer shares: new K/V tokens and their slot_mapping against the cache.
+    """The checks every cache writer shares: new K/V tokens and their slot_mapping against the cache
+    (slot_mapping None: an append, whose slots come from a block table; every token is written).
     Returns the number of tokens to write."""
     h, d = spec.num_kv_heads, spec.head_size
     for name, t in (("key", key), ("value", value)):
@@ -279,6 +281,8 @@ def check_new_tokens(spec: CacheSpec, key, value, key_cache, slot_mapping,
     if not spec.is_fp8 and key.dtype != spec.dtype:
         raise ContractError(f"kv_cache_dtype='auto' needs the cache dtype ({spec.dtype}) to equal the "
                             f"input dtype ({key.dtype})")
+    if slot_mapping is None:
+        return key.shape[0]
     if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in (torch.int64, torch.int32):
         raise ContractError(f"slot_mapping must be an int64 (or int32) tensor, got "
                             f"{getattr(slot_mapping, 'dtype', type(slot_mapping).__name__)}")
@@ -332,16 +336,19 @@ class _Shape:
         self.runs = [None, None]
 
 
-_ADDRESSES = 7  # KvWriteParams' leading pointers (key ... v_scale): what a Prepared launch fills in per call
+_ADDRESSES = 10  # KvWriteParams' leading pointers (key ... seqused_out): what a Prepared launch fills in per call
+_NO_APPEND = (0, 0, 0, 0)
 
 
 class _Plan:
     """Everything about a call that depends only on tensor metadata (and the overrides): validated
     once, reused. Kernels load on first use (a flat-only workload never compiles span/head)."""
     __slots__ = ("spec", "device", "elem", "base_spec", "base", "flat_spec", "flat", "flat_tokens",
-                 "token_packs", "launch_overrides", "strides", "tail", "is_fp8", "num_slots", "slot64", "shapes")
+                 "token_packs", "launch_overrides", "strides", "tail", "is_fp8", "num_slots", "slot64", "append",
+                 "shapes")
 
-    def __init__(self, spec: CacheSpec, key, value, key_cache, slot_mapping, scale_stride, overrides=None):
+    def __init__(self, spec: CacheSpec, key, value, key_cache, slot_mapping, scale_stride, overrides=None,
+                 append=_NO_APPEND):
         build, self.launch_overrides = split_overrides(overrides)
         self.elem = elem = key.element_size()
         dtype = short(key.dtype)
@@ -360,12 +367,14 @@ class _Plan:
         self.token_packs = 2 * spec.num_kv_heads * spec.head_size * elem // 16
         self.strides = (key.stride(0), value.stride(0))  # the signature's (a plan serves one)
         bs, ps, hs, _ = key_cache.stride()
-        # Params after the 7 pointers: strides, CacheGeometry, scale_stride (slot_is_int64, num_tokens per call)
+        # Params after the pointers: strides, CacheGeometry, scale_stride (then slot_is_int64, num_tokens
+        # and the append fields)
         self.tail = (bs, ps, hs, spec.num_slots, spec.num_blocks, spec.block_size, spec.num_kv_heads,
                      spec.head_size, scale_stride)
         self.is_fp8 = spec.is_fp8
         self.num_slots = spec.num_slots
-        self.slot64 = int(slot_mapping.dtype == torch.int64)
+        self.slot64 = int(slot_mapping is not None and slot_mapping.dtype == torch.int64)
+        self.append = append  # append_tokens, table_width, table_stride, batch (Appender); zeros otherwise
         self.shapes: dict[int, _Shape] = {}  # num_tokens -> its launch (engines repeat a few counts)
 
     def shape(self, num_tokens: int) -> _Shape:
@@ -391,7 +400,7 @@ class _Plan:
         run = shape.runs[not flat]
         if run is None:
             n = shape.num_tokens
-            tail = (*self.strides, *self.tail, self.slot64, n)
+            tail = (*self.strides, *self.tail, self.slot64, n, *self.append)
             if flat:
                 run = self.flat_launcher().prepare(*shape.flat, _ADDRESSES, tail)
             else:
@@ -432,8 +441,8 @@ def _launch(plan, key, value, key_cache, value_cache, slot_mapping, k_scale, v_s
         return
     kp, vp = key.data_ptr(), value.data_ptr()
     params = (kp, vp, key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
-              k_scale.data_ptr() if plan.is_fp8 else 0, v_scale.data_ptr() if plan.is_fp8 else 0,
-              key.stride(0), value.stride(0)) + plan.tail + (plan.slot64, num_tokens)
+              k_scale.data_ptr() if plan.is_fp8 else 0, v_scale.data_ptr() if plan.is_fp8 else 0, 0, 0, 0,
+              key.stride(0), value.stride(0)) + plan.tail + (plan.slot64, num_tokens) + _NO_APPEND
     shape = plan.shape(num_tokens)
     if shape.flat is not None and not (kp | vp) & 15:  # write_path == "flat"
         plan.flat_launcher()(*shape.flat, params)
@@ -502,7 +511,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
                 flat = shape.flat is not None and not (kp | vp) & 15  # write_path == "flat"
                 run = shape.runs[not flat] or plan.prepared(shape, flat)
                 ks, vs = (k_scale.data_ptr(), v_scale.data_ptr()) if plan.is_fp8 else (0, 0)
-                run.launch(kp, vp, kcp, vcp, slot_mapping.data_ptr(), ks, vs)  # a Prepared launch
+                run.launch(kp, vp, kcp, vcp, slot_mapping.data_ptr(), ks, vs, 0, 0, 0)  # a Prepared launch
                 return
             break
     if torch.compiler.is_compiling() or traced(key_cache):
@@ -549,7 +558,8 @@ def check_metadata(key, value, key_cache, value_cache, slot_mapping, kv_cache_dt
                    pointers: bool = True):
     """Every metadata check of a write, no syncs: (CacheSpec, num_tokens, scale_stride). The eager
     call and the fake implementation of torch.ops.pagedattn.reshape_and_cache_flash (pointers=False:
-    no base-pointer checks on tensors without data) both run it."""
+    no base-pointer checks on tensors without data) both run it; slot_mapping None: an append
+    (Appender)."""
     scale = "tensor"
     if isinstance(k_scale, torch.Tensor) and k_scale.numel() > 1:
         scale = "head"
@@ -557,3 +567,64 @@ def check_metadata(key, value, key_cache, value_cache, slot_mapping, kv_cache_dt
                                   pointers=pointers)
     num_tokens, scale_stride = validate_inputs(spec, key, value, key_cache, slot_mapping, k_scale, v_scale)
     return spec, num_tokens, scale_stride
+
+
+class Appender:
+    """flash_attn_with_kvcache's write: B * s_new new tokens, token b * s_new + i at position
+    cache_seqlens[b] + i of request b through its block_table row (the kernel's append mode: no
+    slot_mapping; positions past the row are skipped), and seqused_out[b] = cache_seqlens[b] + s_new
+    written for the attention that follows. Built once per tensor metadata (every check here);
+    launch() then only reads addresses."""
+    __slots__ = ("plan", "shape")
+
+    def __init__(self, key, value, key_cache, value_cache, cache_seqlens, block_table, kv_cache_dtype, k_scale,
+                 v_scale, pointers: bool = True):
+        """key, value [B * s_new, H, D]; cache_seqlens int32 [B]; block_table int32 [B, width] (checked
+        by the caller, as for the attention)."""
+        spec, num_tokens, scale_stride = check_metadata(key, value, key_cache, value_cache, None, kv_cache_dtype,
+                                                        k_scale, v_scale, pointers)
+        batch, width = block_table.shape
+        if batch and num_tokens % batch:
+            raise ContractError(f"{num_tokens} new tokens do not divide among {batch} requests")
+        if block_table.stride(0) >= 2**31:
+            raise ContractError(f"block_table's row stride {block_table.stride(0)} does not fit in 32 bits")
+        self.plan = None
+        if not pointers:  # the fake implementation: the checks only
+            return
+        _require_cuda(key_cache)
+        s_new = num_tokens // batch if batch else 0
+        self.plan = plan = _Plan(spec, key, value, key_cache, None, scale_stride,
+                                 append=(s_new, width, block_table.stride(0) if batch > 1 else width, batch))
+        self.shape = plan.shape(num_tokens) if num_tokens else None
+
+    def launch(self, key, value, key_cache, value_cache, k_scale, v_scale, cache_seqlens, block_table,
+               seqused_out) -> None:
+        """Write the tokens and seqused_out (tensors with the metadata this Appender was built for)."""
+        shape = self.shape
+        if shape is None:
+            return
+        kp, vp = key.data_ptr(), value.data_ptr()
+        flat = shape.flat is not None and not (kp | vp) & 15  # write_path == "flat"
+        run = shape.runs[not flat] or self.plan.prepared(shape, flat)
+        ks, vs = (k_scale.data_ptr(), v_scale.data_ptr()) if self.plan.is_fp8 else (0, 0)
+        run.launch(kp, vp, key_cache.data_ptr(), value_cache.data_ptr(), 0, ks, vs, cache_seqlens.data_ptr(),
+                   block_table.data_ptr(), seqused_out.data_ptr())
+
+
+_APPENDERS = PlanCache()
+
+
+def appender(key, value, key_cache, value_cache, cache_seqlens, block_table, kv_cache_dtype, k_scale, v_scale,
+             pointers: bool = True) -> Appender:
+    """The Appender of these tensors' metadata, kept per signature (pointers=False: the checks only,
+    for tensors without data)."""
+    if not pointers:
+        return Appender(key, value, key_cache, value_cache, cache_seqlens, block_table, kv_cache_dtype, k_scale,
+                        v_scale, pointers=False)
+    sig = (*(_scale_sig(t) for t in (key, value, key_cache, value_cache, cache_seqlens, block_table, k_scale,
+                                     v_scale)), kv_cache_dtype)
+    hit = _APPENDERS.get(sig)
+    if hit is None or (key_cache.data_ptr() | value_cache.data_ptr()) & 15:  # the checks name it
+        hit = _APPENDERS.remember(sig, Appender(key, value, key_cache, value_cache, cache_seqlens, block_table,
+                                                kv_cache_dtype, k_scale, v_scale))
+    return hit

@@ -1,14 +1,18 @@
-"""flash_attn_with_kvcache (FlashAttention's decode API) on the paged kernels: new K/V appended by
-reshape_and_cache_flash, attention by flash_attn_varlen_func's implementation. Everything the two
-need (slot_mapping, seqused_k, cu_seqlens_q) is built on the GPU from cache_seqlens and block_table,
-without a host sync."""
+"""flash_attn_with_kvcache (FlashAttention's decode API) on the paged kernels: two launches, no host
+sync. The write kernel's append mode (kv_write.Appender) puts the new K/V at positions cache_seqlens[b]
+... through block_table and writes seqused_k = cache_seqlens + Snew; flash_attn_varlen_func's
+implementation then attends over it (cu_seqlens_q a kept arange).
+
+A call whose tensor metadata and scalars repeat a validated call's (one guard check, steady.py) takes
+the steady path: allocate seqused_k and out, launch both kernels with the new addresses."""
 from __future__ import annotations
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .. import envs
 from ..contract import ContractError, describe, traced
-from . import attention, kv_write
+from . import attention, kv_write, steady
 from .attention import _int32_vector
 from .plans import PlanCache
 
@@ -19,6 +23,11 @@ _NOT_YET = {
     "cache_leftpad": "cache_leftpad",
 }
 _RANGES = PlanCache()   # _range's tensors
+_STEADY = steady.Guards()  # form 0: no new k/v, form 1: with them; each entry's plan is a _Steady
+_FULL_WINDOW = (-1, -1)
+_V_CACHE_IS_K, _V_IS_K = steady.ABSENT[:2]  # stand-ins in a guard's tensors: v_cache is k_cache, v is k
+_is_compiling = steady.is_dynamo_compiling
+_debug, _ENVIRON, _DEBUG_KEY = envs.debug, envs.ENVIRON, envs.DEBUG_KEY
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -42,6 +51,29 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     keys and fixes the split plan. Rotary embedding, cache_batch_idx and cache_leftpad raise
     NotImplementedError. Under torch.compile: torch.ops.pagedattn.flash_attn_with_kvcache.
     """
+    # The steady state, in eager, 16-bit caches, no features: one guard says the tensors have a
+    # validated call's metadata, the scalars are that call's; then two launches with new addresses.
+    form = None
+    if rotary_cos is None and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None \
+            and alibi_slopes is None and s_aux is None and sinks is None and k_descale is None \
+            and v_descale is None and kv_cache_dtype is None and not unsupported and not validate \
+            and (window_size is _FULL_WINDOW or window_size.__class__ is tuple and window_size == _FULL_WINDOW) \
+            and softcap.__class__ is float and softcap == 0.0 and block_table is not None \
+            and isinstance(cache_seqlens, torch.Tensor) and not _is_compiling() \
+            and (_DEBUG_KEY not in _ENVIRON or not _debug()):
+        form = k is not None
+        v_meta = _V_CACHE_IS_K if v_cache is k_cache else v_cache  # a guard takes each tensor once
+        meta = (q, k_cache, v_meta, k, _V_IS_K if v is k else v, cache_seqlens, block_table) if form else \
+            (q, k_cache, v_meta, cache_seqlens, block_table)
+        scalars = (softmax_scale, causal, num_splits, return_softmax_lse, max_seqlen_k)
+        for check, _, entry in _STEADY.forms[form]:
+            if check.check(*meta):
+                form = None  # known: nothing to remember
+                if entry.scalars == scalars and _plain_scalars(scalars):
+                    done = entry.call(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+                    if done is not None:
+                        return done if return_softmax_lse else done[0]
+                break
     for name, given in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                         ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if given is not None:
@@ -58,10 +90,48 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             list(window_size) if window_size is not None else [-1, -1], float(softcap), alibi_slopes,
             num_splits, k_descale, v_descale, kv_cache_dtype, sinks, max_seqlen_k)
     else:
+        kept = {} if form is not None else None
         out, lse = run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
                        window_size, softcap, alibi_slopes, num_splits, k_descale, v_descale, kv_cache_dtype,
-                       sinks, max_seqlen_k, return_softmax_lse, validate)
+                       sinks, max_seqlen_k, return_softmax_lse, validate, keep=kept)
+        if kept:  # a steady-state call whose metadata no guard knew: one does now
+            _STEADY.add(form, steady.guard(meta), None, _Steady(scalars, q, k, **kept))
     return (out, lse) if return_softmax_lse else out
+
+
+def _plain_scalars(scalars) -> bool:
+    """The scalars of a steady call are of the types the validated call's were (an equal 1.0 and
+    True, or a numpy int, must take the checks)."""
+    softmax_scale, causal, num_splits, lse, max_seqlen_k = scalars
+    return (softmax_scale is None or type(softmax_scale) is float) and causal.__class__ is bool and \
+        type(num_splits) is int and lse.__class__ is bool and (max_seqlen_k is None or type(max_seqlen_k) is int)
+
+
+class _Steady:
+    """A validated call's launches (Appender, attention _Launch) and the tensors it keeps (cu_seqlens_q)."""
+    __slots__ = ("scalars", "writer", "plan", "run", "cu_q", "shape", "lse_shape")
+
+    def __init__(self, scalars, q, k, writer, checked, run, cu_q):
+        self.scalars, self.writer, self.plan, self.run, self.cu_q = scalars, writer, checked[0], run, cu_q
+        self.shape = tuple(q.shape)
+        B, Sq, Hq, _ = self.shape
+        self.lse_shape = (Hq, B, Sq)
+
+    def call(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+        """(out, lse or None); None (nothing launched) where only the full validation can say why."""
+        if (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) & 15:
+            return None
+        plan = self.plan
+        seqused = cache_seqlens
+        if self.writer is not None:
+            shape = (cache_seqlens.shape[0],)
+            seqused = plan.here(shape, (1,), torch.int32) if plan.current() == plan.device else \
+                plan.empty(shape, (1,), torch.int32)
+            self.writer.launch(k, v, k_cache, v_cache, None, None, cache_seqlens, block_table, seqused)
+        # q's 4-D address: the plan's strides are those of its [B * Sq, Hq, D] view
+        out, lse = self.run.run(plan, q, k_cache, v_cache, self.cu_q, None, seqused, block_table, None, None, None)
+        out = out.view(self.shape)
+        return out, None if lse is None else lse.view(self.lse_shape).permute(1, 0, 2)
 
 
 def prepare(q, k_cache, k, v, cache_seqlens, block_table, max_seqlen_k):
@@ -119,9 +189,11 @@ def _range(device, count: int, step: int, dtype=torch.int32) -> torch.Tensor:
 
 def run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
         alibi_slopes, num_splits, k_descale, v_descale, kv_cache_dtype, sinks, max_seqlen_k,
-        return_softmax_lse, validate=False, fake=False):
+        return_softmax_lse, validate=False, fake=False, keep=None):
     """The implementation, for the eager call, the custom op and (fake=True: checks and output
-    metadata only) its fake implementation. Returns (out [B, Sq, Hq, D], lse [B, Hq, Sq] or None)."""
+    metadata only) its fake implementation. Returns (out [B, Sq, Hq, D], lse [B, Hq, Sq] or None).
+    keep (a dict): filled with what a _Steady needs, when q and the new k/v are views of their
+    flattened forms (the steady path passes their own addresses)."""
     B, Sq, Hq, D = q.shape
     _int32_vector("cache_seqlens", cache_seqlens, q, "[B]")
     if cache_seqlens.shape[0] != B:
@@ -134,7 +206,8 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, ca
                 raise ContractError(f"{name} (the new tokens) must be [B, Snew, Hkv, D] = {list(shape)} like the "
                                     f"cache, got {describe(t)}")
         s_new = shape[1]
-    seqused = cache_seqlens + s_new if s_new else cache_seqlens
+    # with new tokens the write kernel writes seqused_k (cache_seqlens + Snew) for the attention
+    seqused = torch.empty(B, dtype=torch.int32, device=q.device) if s_new else cache_seqlens
     q_rows = q.reshape(B * Sq, Hq, D)
     # the fake implementation needs only metadata: empty tensors of the same shapes and dtypes
     cu_q = torch.empty(B + 1, dtype=torch.int32, device=q.device) if fake else _range(q.device, B + 1, Sq)
@@ -148,25 +221,32 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, ca
     else:
         checked = attention.check_call(*attn, *flags, validate)
     if validate and not fake:
-        over = (seqused > block_table.shape[1] * k_cache.shape[1]).nonzero()
+        ends = cache_seqlens + s_new
+        over = (ends > block_table.shape[1] * k_cache.shape[1]).nonzero()
         if over.numel():
             b = int(over[0, 0])
-            raise ContractError(f"request {b}: cache_seqlens[{b}] + Snew = {int(seqused[b])} exceeds its "
+            raise ContractError(f"request {b}: cache_seqlens[{b}] + Snew = {int(ends[b])} exceeds its "
                                 f"block_table capacity ({block_table.shape[1]} blocks x {k_cache.shape[1]})")
+    writer = None
     if s_new:
         key, value = k.reshape(B * s_new, *shape[2:]), v.reshape(B * s_new, *shape[2:])
-        slots = torch.empty(B * s_new, dtype=torch.int64, device=q.device) if fake else \
-            _slots(cache_seqlens, block_table, k_cache.shape[1], s_new, k_cache.shape[0] * k_cache.shape[1])
         try:
-            if fake:
-                kv_write.check_metadata(key, value, k_cache, v_cache, slots, kv_cache_dtype or "auto", k_descale,
-                                        v_descale, pointers=False)
-            else:
-                kv_write.reshape_and_cache_flash(key, value, k_cache, v_cache, slots, kv_cache_dtype or "auto",
-                                                 k_descale, v_descale, validate=validate)
+            writer = kv_write.appender(key, value, k_cache, v_cache, cache_seqlens, block_table,
+                                       kv_cache_dtype or "auto", k_descale, v_descale, pointers=not fake)
+            if validate and not fake:  # the slots the kernel computes, checked against the cache
+                kv_write.check_slots(_slots(cache_seqlens, block_table, k_cache.shape[1], s_new,
+                                            k_cache.shape[0] * k_cache.shape[1]), k_cache.shape[0] * k_cache.shape[1])
         except ContractError as e:
             raise ContractError(f"appending k/v to the cache: {e}") from None
+        if not fake:
+            writer.launch(key, value, k_cache, v_cache, k_descale, v_descale, cache_seqlens, block_table, seqused)
+        if keep is not None and (key.data_ptr() != k.data_ptr() or value.data_ptr() != v.data_ptr()):
+            keep = None  # copies: the steady path could not pass k and v themselves
     if not fake:
+        if keep is not None and q_rows.data_ptr() == q.data_ptr():
+            keep.update(writer=writer, checked=checked, cu_q=cu_q,
+                        run=attention.launch_of(checked, q_rows, k_cache, v_cache, None, Sq, max_seqlen_k,
+                                                num_splits, causal, return_softmax_lse))
         out, lse = attention.launch(checked, *attn, causal, block_table, return_softmax_lse, None, num_splits,
                                     k_descale, v_descale)
     out = out.view(B, Sq, Hq, D)
@@ -176,10 +256,10 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, ca
 
 
 def _slots(cache_seqlens, block_table, block_size: int, s_new: int, num_slots: int = 0) -> torch.Tensor:
-    """[B * s_new] cache slots of the new tokens (int32; int64 for a cache of num_slots >= 2^31):
+    """[B * s_new] cache slots of the new tokens (int32; int64 for a cache of num_slots >= 2^31), as
+    the write kernel's append mode computes them (validate=True checks them; the tests' reference):
     position cache_seqlens[b] + i goes to slot block_table[b, pos // block_size] * block_size +
-    pos % block_size; -1 (skipped) past the row. Eight tensor ops for one token per request (each
-    costs a launch on the GPU): the slot is written as (entry - block) * block_size + pos."""
+    pos % block_size; -1 (skipped) past the row. The slot is written as (entry - block) * block_size + pos."""
     width = block_table.shape[1]
     if width == 0:
         raise ContractError("block_table has no columns: there is nowhere to append k/v")

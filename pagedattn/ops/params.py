@@ -25,8 +25,9 @@ CacheGeometry = _struct(
 KvWriteParams = _struct(
     "KvWriteParams",
     "key:p, value:p, key_cache:p, value_cache:p, slot_mapping:p, k_scale:p, v_scale:p,"
+    "cache_seqlens:p, block_table:p, seqused_out:p,"
     "key_stride:i64, value_stride:i64, cache:CacheGeometry, scale_stride:i32, slot_is_int64:i32,"
-    "num_tokens:i32",
+    "num_tokens:i32, append_tokens:i32, table_width:i32, table_stride:i32, batch:i32",
     CacheGeometry=CacheGeometry)
 
 AttnParams = _struct(

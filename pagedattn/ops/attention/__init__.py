@@ -574,8 +574,17 @@ def launch(checked, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlen
            block_table, return_softmax_lse, out, num_splits, k_descale, v_descale):
     """Allocate the outputs, choose variant and splits, launch: a call check_call accepted. The
     choice is kept per batch shape (plan.launches)."""
+    features = checked[2]
+    run = launch_of(checked, q, k, v, out, max_seqlen_q, max_seqlen_k, num_splits, causal, return_softmax_lse)
+    return run.run(checked[0], q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k_descale,
+                   v_descale, features[4], features[6])
+
+
+def launch_of(checked, q, k, v, out, max_seqlen_q, max_seqlen_k, num_splits, causal, return_softmax_lse):
+    """The _Launch of a call check_call accepted (kept per batch shape in plan.launches): its run()
+    launches with the call's addresses (flash_attn_with_kvcache's steady path keeps it)."""
     plan, softmax_scale, features = checked
-    flags, w_left, w_right, cap, alibi_slopes, alibi_stride, sinks = features
+    flags, w_left, w_right, cap, _, alibi_stride, _ = features
     lse = bool(return_softmax_lse)
     # q.numel() stands for total_q (a plan fixes Hq and D, both > 0) and costs less than q.shape[0]
     key = (q.numel(), max_seqlen_q, max_seqlen_k, num_splits, bool(causal), softmax_scale, lse,
@@ -584,5 +593,4 @@ def launch(checked, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlen
     if run is None:
         run = plan.launches.remember(key, _Launch(plan, q, k, v, out, max_seqlen_q, max_seqlen_k, num_splits,
                                                   causal, softmax_scale, features, lse))
-    return run.run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, k_descale, v_descale,
-                   alibi_slopes, sinks)
+    return run

@@ -29,6 +29,10 @@
 // pack, so all paths store bit-identical values. span/head take scalar steps up to the first aligned
 // pack when a base is unaligned, and the tail is scalar too.
 // slot < 0 (padding) skips a token; slot >= num_slots (corrupt) is never written.
+// Append mode (flash_attn_with_kvcache; cache_seqlens != nullptr): no slot_mapping. Token
+// b * append_tokens + i is position cache_seqlens[b] + i of request b, whose slot comes from its
+// block_table row (append_slot); CTA 0 also writes seqused_out[b] = cache_seqlens[b] + append_tokens,
+// the key counts the attention launched next reads.
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
@@ -45,15 +49,47 @@ struct KvWriteParams {
   void const* slot_mapping;   // [num_tokens] int64 or int32; < 0 skips the token
   float const* k_scale;       // fp8 only: [1] or [H]
   float const* v_scale;
+  int32_t const* cache_seqlens;  // append mode only (else nullptr): [batch] keys already cached
+  int32_t const* block_table;    // append mode: [batch, table_width], row stride table_stride
+  int32_t* seqused_out;          // append mode: [batch] cache_seqlens + append_tokens (written)
   int64_t key_stride;         // elements between tokens of key
   int64_t value_stride;
   CacheGeometry cache;
   int32_t scale_stride;       // 0: one scale, 1: per head
   int32_t slot_is_int64;      // slot_mapping is int64 (else int32)
   int32_t num_tokens;         // tokens to write (the flat path's extent; span/head launch one CTA per token)
+  int32_t append_tokens;      // append mode: new tokens per request (num_tokens = batch * append_tokens)
+  int32_t table_width;
+  int32_t table_stride;
+  int32_t batch;
 };
 
+// q = n / d for n < 2^63, d < 2^31: 32-bit when n fits (the common case; a 64-bit division is a long
+// subroutine, on the critical path of a short write).
+__device__ __forceinline__ int64_t div_small(int64_t n, int d) {
+  return (n >> 32) == 0 ? int64_t(uint32_t(n) / uint32_t(d)) : n / d;
+}
+
+// Append mode's slot of `token`: -1 (skipped) for a position outside its request's block_table row.
+// Whatever the table holds, the result is a slot the callers check against num_slots.
+__device__ __forceinline__ int64_t append_slot(KvWriteParams const& p, int64_t token) {
+  int64_t const b = div_small(token, p.append_tokens);
+  int64_t const pos = int64_t(__ldg(p.cache_seqlens + b)) + (token - b * p.append_tokens);
+  int const bs = p.cache.block_size;
+  if (pos < 0 || pos >= int64_t(p.table_width) * bs) return -1;
+  int64_t const blk = div_small(pos, bs);
+  int64_t const entry = __ldg(p.block_table + b * p.table_stride + blk);
+  return entry < 0 ? -1 : entry * bs + (pos - blk * bs);
+}
+
+// Append mode: the key counts of the attention that follows, by CTA 0.
+__device__ __forceinline__ void write_seqused(KvWriteParams const& p) {
+  if (p.seqused_out == nullptr || blockIdx.x != 0) return;
+  for (int b = threadIdx.x; b < p.batch; b += blockDim.x) p.seqused_out[b] = __ldg(p.cache_seqlens + b) + p.append_tokens;
+}
+
 __device__ __forceinline__ int64_t load_slot(KvWriteParams const& p, int64_t token) {
+  if (p.cache_seqlens != nullptr) return append_slot(p, token);
   return p.slot_is_int64 ? __ldg(static_cast<int64_t const*>(p.slot_mapping) + token)
                                : int64_t(__ldg(static_cast<int32_t const*>(p.slot_mapping) + token));
 }
@@ -114,12 +150,6 @@ __device__ __forceinline__ void kv_write(KvWriteParams const& p) {
                      scale, lane & 15, 16);
     }
   }
-}
-
-// q = n / d for n < 2^63, d < 2^31: 32-bit when n fits (the common case; a 64-bit division is a long
-// subroutine, on the critical path of a short write).
-__device__ __forceinline__ int64_t div_small(int64_t n, int d) {
-  return (n >> 32) == 0 ? int64_t(uint32_t(n) / uint32_t(d)) : n / d;
 }
 
 // A position in the flat space as mixed-radix digits (token, row = K/V * H + head, unit in row; a unit
