@@ -83,7 +83,15 @@ __device__ __noinline__ void attn_rows_past_grid(AttnParams const& p, AttnWork c
         acc[e] = acc[e] * r + (ok && d < D ? e_s * cache_value(v_row, d) : 0.f);
       }
     }
-    if constexpr (Features::kSinks) st = softmax_combine(st, {p.sinks[head] * kLog2e, 1.f});
+    if constexpr (Features::kSinks) {
+      // the sink joins the denominator; where it is the new maximum the sums re-express against it,
+      // acc as well as l (acc holds sums against st.m)
+      SoftmaxPartial const with_sink = softmax_combine(st, {p.sinks[head] * kLog2e, 1.f});
+      float const r = softmax_rescale(st.m, with_sink.m);
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) acc[e] *= r;
+      st = with_sink;
+    }
     float const norm = st.l > 0.f ? v_scale / st.l : 0.f;
     Element* o = static_cast<Element*>(p.out) + token * p.o_row_stride + int64_t(head) * p.o_head_stride;
 #pragma unroll
