@@ -356,3 +356,45 @@ def test_a_one_slot_mapping_with_another_stride_is_known_at_that_size_only():
     warm = _write_outcome(three)
     kv_write._PLANS.clear()
     assert warm == _write_outcome(three) and warm[0] is pagedattn.ContractError
+
+
+# ------------------------------------------------------------------ flash_attn_with_kvcache
+def _kvcache_outcome(kw):
+    """A with_kvcache call's two launches: the append-mode write's Params (seqused_out left out: the
+    call allocates it) and the attention's (out, lse and seqused_k, the write's output, left out), with
+    the check that the attention reads the seqused_k the write wrote."""
+    from pagedattn.ops.params import KvWriteParams
+    LAUNCHES.clear()
+    out = pagedattn.flash_attn_with_kvcache(**kw)
+    (wdims, wraw), (adims, araw) = LAUNCHES
+    w, a = KvWriteParams.from_buffer_copy(wraw), AttnParams.from_buffer_copy(araw)
+    assert w.seqused_out and a.seqused_k == w.seqused_out and a.out == out.data_ptr()
+    assert not w.slot_mapping and w.cache_seqlens == kw["cache_seqlens"].data_ptr()
+    write = {n: getattr(w, n) for n, _ in KvWriteParams._fields_ if n not in ("seqused_out", "cache")}
+    write["cache"] = bytes(w.cache)
+    attend = {n: getattr(a, n) for n, _ in AttnParams._fields_ if n not in ("out", "lse", "seqused_k")}
+    return tuple(out.shape), (wdims, write), (adims, attend)
+
+
+@pytest.mark.parametrize("snew", [1, 3])
+def test_a_warm_kvcache_call_launches_what_a_cold_one_does(snew, monkeypatch):
+    """The steady path of flash_attn_with_kvcache (one guard, then the kept Appender and _Launch)
+    packs the Params a validated call packs, reads this call's addresses, and runs no checks."""
+    from pagedattn.ops import kvcache
+    gen = torch.Generator().manual_seed(snew)
+    kc, vc = CacheSpec(40, 16, 2, 128, torch.bfloat16).allocate("cpu", fill=0.0)
+    kw = dict(q=torch.randn(3, snew, 8, 128, generator=gen).bfloat16(), k_cache=kc, v_cache=vc,
+              k=torch.randn(3, snew, 2, 128, generator=gen).bfloat16(),
+              v=torch.randn(3, snew, 2, 128, generator=gen).bfloat16(),
+              cache_seqlens=torch.tensor([0, 17, 60], dtype=torch.int32),
+              block_table=torch.randperm(40, generator=gen)[:12].view(3, 4).int(), causal=True)
+    kvcache._STEADY.clear()
+    kv_write._APPENDERS.clear()
+    cold = _kvcache_outcome(kw)
+    assert cold[1][1]["append_tokens"] == snew and cold[1][1]["batch"] == 3 and cold[1][1]["table_width"] == 4
+    monkeypatch.setattr(kvcache, "run", lambda *a, **k: pytest.fail("the steady path ran the checks"))
+    assert _kvcache_outcome(kw) == cold
+    moved = dict(kw, q=kw["q"].clone(), k=kw["k"].clone(), block_table=kw["block_table"].clone())
+    warm = _kvcache_outcome(moved)
+    assert warm[1][1]["key"] == moved["k"].data_ptr() and warm[2][1]["q"] == moved["q"].data_ptr()
+    assert warm[1][1]["block_table"] == warm[2][1]["block_table"] == moved["block_table"].data_ptr()
