@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
-# (info precompile packbundle bundle tests alltests sanitize racecheck fuzz fuzzsanitize overhead overheadab attnquick decodesweep prefillsweep prefillmodes writesweep writequick aotcheck ncu ncusrc benchdw
+# (info precompile packbundle bundle tests alltests sanitize racecheck fuzz fuzzsanitize overhead overheadab attnquick decodesweep prefillsweep prefillmodes wstiles writesweep writequick aotcheck ncu ncusrc benchdw
 # benchp benchs benchq bench-full demo multigpu hfcb).
 # Logs and results go under $OUT; RESULTS.md and plots are regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
@@ -57,6 +57,8 @@ for stage in "$@"; do
     decodesweep) eval python3 -m pagedattn.cli bench sweep decode ${DECODE_CONFIGS:-} --out "$OUT/results" ${SWEEP_ARGS:-} ;;
     prefillsweep) eval python3 -m pagedattn.cli bench sweep prefill ${PREFILL_CONFIGS:-} --out "$OUT/results" ${SWEEP_ARGS:-} ;;
     prefillmodes) python3 -m pagedattn.cli bench sweep modes ${PREFILL_MODES:-} --out "$OUT/results" ;;
+    # prefill_ws tile variants at the goal shapes (perf/ws_tiles.py; WS_VARIANTS e.g. 'default:;stages3:kStages=3')
+    wstiles)   python3 "$ROOT/perf/ws_tiles.py" "$OUT/results" ${WS_VARIANTS:+--variants "$WS_VARIANTS"} ;;
     bundle)    [ -f /tmp/bundle/manifest.json ] || { mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1; }
                export PAGEDATTN_AOT_DIR=/tmp/bundle
                python3 -c "import sys, pathlib; from pagedattn.codegen import bundle; sys.exit(0 if bundle.read_manifest(pathlib.Path('/tmp/bundle')) else 1)" \
