@@ -307,6 +307,47 @@ def test_kvcache_steady_path_matches_a_validated_call(layout, snew, sq, monkeypa
     assert lens.tolist() == steps[-1][:B]  # cache_seqlens is read, never written
 
 
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_kvcache_fp8_steady_path_matches_the_validated_one(kv, monkeypatch):
+    """fp8 caches on the steady path (descales also the write's scales): caches and outputs bit for bit
+    those of the validated path, step after step, and the cache what the reference writer stores."""
+    from pagedattn import CacheSpec
+    from pagedattn.ops import kvcache
+    gen = torch.Generator().manual_seed(13)
+    width, num_blocks = 8, B * 8 + 3
+    kc, vc = CacheSpec(num_blocks, BS, HKV, D, torch.uint8, kv).allocate("cuda")
+    for c in (kc, vc):  # finite codes of either format (magnitude below 0x70), random signs
+        c.copy_(torch.randint(0, 0x70, c.shape, generator=gen) | torch.randint(0, 2, c.shape, generator=gen) << 7)
+    table = shuffled_table(width, num_blocks, gen)
+    lens = torch.zeros(B, dtype=torch.int32).cuda()
+    q = torch.empty(B, 2, HQ, D, dtype=torch.bfloat16).cuda()
+    k, v = (torch.empty(B, 2, HKV, D, dtype=torch.bfloat16).cuda() for _ in range(2))
+    kd, vd = torch.tensor([0.02]).cuda(), torch.tensor([0.03]).cuda()
+    args = dict(cache_seqlens=lens, block_table=table, causal=True, return_softmax_lse=True, k_descale=kd,
+                v_descale=vd, kv_cache_dtype=kv)
+    for step_lens in ([0, 30, 100], [7, 126, 64], [64, 1, 127]):
+        lens.copy_(torch.tensor(step_lens, dtype=torch.int32))
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, generator=gen))
+        want_kc, want_vc = kc.cpu(), vc.cpu()
+        reference.reshape_and_cache_flash(k.flatten(0, 1).cpu(), v.flatten(0, 1).cpu(), want_kc, want_vc,
+                                          kvcache._slots(lens, table, BS, 2).cpu(), kv, kd.cpu(), vd.cpu())
+        kc0, vc0 = kc.clone(), vc.clone()
+        kvcache._STEADY.clear()
+        ref_out, ref_lse = pagedattn.flash_attn_with_kvcache(q, kc, vc, k, v, **args)
+        ref_kc, ref_vc = kc.clone(), vc.clone()
+        kc.copy_(kc0)
+        vc.copy_(vc0)
+        with monkeypatch.context() as m:
+            m.setattr(kvcache, "run", lambda *a, **kw: pytest.fail("the steady path ran the checks"))
+            out, lse = pagedattn.flash_attn_with_kvcache(q, kc, vc, k, v, **args)
+            torch.cuda.synchronize()
+        assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
+        assert torch.equal(kc.cpu(), want_kc) and torch.equal(vc.cpu(), want_vc)
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+        assert torch.isfinite(out).all()
+
+
 def test_kvcache_append_never_writes_outside_the_cache():
     """Corrupt block ids where the new tokens go (negative, past the cache, INT32_MAX): those tokens
     are dropped, the others land, and the guard pages around the cache stay as they were."""

@@ -376,25 +376,37 @@ def _kvcache_outcome(kw):
     return tuple(out.shape), (wdims, write), (adims, attend)
 
 
-@pytest.mark.parametrize("snew", [1, 3])
-def test_a_warm_kvcache_call_launches_what_a_cold_one_does(snew, monkeypatch):
+@pytest.mark.parametrize("snew, kv", [(1, "auto"), (3, "auto"), (1, "fp8_e4m3")])
+def test_a_warm_kvcache_call_launches_what_a_cold_one_does(snew, kv, monkeypatch):
     """The steady path of flash_attn_with_kvcache (one guard, then the kept Appender and _Launch)
-    packs the Params a validated call packs, reads this call's addresses, and runs no checks."""
+    packs the Params a validated call packs, reads this call's addresses, and runs no checks; fp8
+    caches pass their descales (the write's scales too)."""
     from pagedattn.ops import kvcache
     gen = torch.Generator().manual_seed(snew)
-    kc, vc = CacheSpec(40, 16, 2, 128, torch.bfloat16).allocate("cpu", fill=0.0)
+    fp8 = kv != "auto"
+    kc, vc = CacheSpec(40, 16, 2, 128, torch.uint8 if fp8 else torch.bfloat16, kv).allocate("cpu", fill=0.0)
     kw = dict(q=torch.randn(3, snew, 8, 128, generator=gen).bfloat16(), k_cache=kc, v_cache=vc,
               k=torch.randn(3, snew, 2, 128, generator=gen).bfloat16(),
               v=torch.randn(3, snew, 2, 128, generator=gen).bfloat16(),
               cache_seqlens=torch.tensor([0, 17, 60], dtype=torch.int32),
               block_table=torch.randperm(40, generator=gen)[:12].view(3, 4).int(), causal=True)
+    if fp8:
+        kw.update(kv_cache_dtype=kv, k_descale=torch.tensor([0.5]), v_descale=torch.tensor([0.25]))
     kvcache._STEADY.clear()
     kv_write._APPENDERS.clear()
     cold = _kvcache_outcome(kw)
     assert cold[1][1]["append_tokens"] == snew and cold[1][1]["batch"] == 3 and cold[1][1]["table_width"] == 4
+    checks = kvcache.run
     monkeypatch.setattr(kvcache, "run", lambda *a, **k: pytest.fail("the steady path ran the checks"))
     assert _kvcache_outcome(kw) == cold
     moved = dict(kw, q=kw["q"].clone(), k=kw["k"].clone(), block_table=kw["block_table"].clone())
     warm = _kvcache_outcome(moved)
     assert warm[1][1]["key"] == moved["k"].data_ptr() and warm[2][1]["q"] == moved["q"].data_ptr()
     assert warm[1][1]["block_table"] == warm[2][1]["block_table"] == moved["block_table"].data_ptr()
+    if fp8:
+        assert warm[1][1]["k_scale"] == warm[2][1]["k_descale"] == kw["k_descale"].data_ptr()
+        assert warm[1][1]["v_scale"] == warm[2][1]["v_descale"] == kw["v_descale"].data_ptr()
+        ran = []  # another kv_cache_dtype (uint8 storage holds either format): the checks run again
+        monkeypatch.setattr(kvcache, "run", lambda *a, **k: ran.append(1) or checks(*a, **k))
+        pagedattn.flash_attn_with_kvcache(**dict(kw, kv_cache_dtype="fp8_e5m2"))
+        assert ran == [1]

@@ -457,7 +457,7 @@ def _scale_sig(t):
 
 _PLANS = steady.Plans()
 _GUARD_FORMS = _PLANS.steady.forms  # the two lists, cleared in place
-_VALUE_IS_KEY, _NO_K_SCALE, _NO_V_SCALE, _V_SCALE_IS_K = steady.ABSENT
+_VALUE_IS_KEY, _NO_K_SCALE, _NO_V_SCALE, _V_SCALE_IS_K = steady.ABSENT[:4]
 _is_compiling = steady.is_dynamo_compiling
 _debug, _ENVIRON, _DEBUG_KEY = envs.debug, envs.ENVIRON, envs.DEBUG_KEY
 

@@ -25,7 +25,8 @@ _NOT_YET = {
 _RANGES = PlanCache()   # _range's tensors
 _STEADY = steady.Guards()  # form 0: no new k/v, form 1: with them; each entry's plan is a _Steady
 _FULL_WINDOW = (-1, -1)
-_V_CACHE_IS_K, _V_IS_K = steady.ABSENT[:2]  # stand-ins in a guard's tensors: v_cache is k_cache, v is k
+# stand-ins in a guard's tensors: v_cache is k_cache, v is k, no k_descale, no v_descale, v_descale is k_descale
+_V_CACHE_IS_K, _V_IS_K, _NO_K_DESCALE, _NO_V_DESCALE, _V_DESCALE_IS_K = steady.ABSENT[:5]
 _is_compiling = steady.is_dynamo_compiling
 _debug, _ENVIRON, _DEBUG_KEY = envs.debug, envs.ENVIRON, envs.DEBUG_KEY
 
@@ -51,26 +52,28 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     keys and fixes the split plan. Rotary embedding, cache_batch_idx and cache_leftpad raise
     NotImplementedError. Under torch.compile: torch.ops.pagedattn.flash_attn_with_kvcache.
     """
-    # The steady state, in eager, 16-bit caches, no features: one guard says the tensors have a
-    # validated call's metadata, the scalars are that call's; then two launches with new addresses.
+    # The steady state, in eager, no features: one guard says the tensors have a validated call's
+    # metadata, kv_cache_dtype and the scalars are that call's; then two launches with new addresses.
     form = None
     if rotary_cos is None and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None \
-            and alibi_slopes is None and s_aux is None and sinks is None and k_descale is None \
-            and v_descale is None and kv_cache_dtype is None and not unsupported and not validate \
+            and alibi_slopes is None and s_aux is None and sinks is None and not unsupported and not validate \
             and (window_size is _FULL_WINDOW or window_size.__class__ is tuple and window_size == _FULL_WINDOW) \
             and softcap.__class__ is float and softcap == 0.0 and block_table is not None \
             and isinstance(cache_seqlens, torch.Tensor) and not _is_compiling() \
             and (_DEBUG_KEY not in _ENVIRON or not _debug()):
         form = k is not None
         v_meta = _V_CACHE_IS_K if v_cache is k_cache else v_cache  # a guard takes each tensor once
-        meta = (q, k_cache, v_meta, k, _V_IS_K if v is k else v, cache_seqlens, block_table) if form else \
-            (q, k_cache, v_meta, cache_seqlens, block_table)
+        descales = (_NO_K_DESCALE if k_descale is None else k_descale,
+                    _NO_V_DESCALE if v_descale is None else _V_DESCALE_IS_K if v_descale is k_descale else v_descale)
+        meta = (q, k_cache, v_meta, k, _V_IS_K if v is k else v, cache_seqlens, block_table, *descales) if form \
+            else (q, k_cache, v_meta, cache_seqlens, block_table, *descales)
         scalars = (softmax_scale, causal, num_splits, return_softmax_lse, max_seqlen_k)
-        for check, _, entry in _STEADY.forms[form]:
-            if check.check(*meta):
+        for check, kv_name, entry in _STEADY.forms[form]:
+            if check.check(*meta) and (kv_name is kv_cache_dtype or kv_cache_dtype.__class__ is str and
+                                       kv_name == kv_cache_dtype):
                 form = None  # known: nothing to remember
                 if entry.scalars == scalars and _plain_scalars(scalars):
-                    done = entry.call(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+                    done = entry.call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
                     if done is not None:
                         return done if return_softmax_lse else done[0]
                 break
@@ -95,7 +98,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                        window_size, softcap, alibi_slopes, num_splits, k_descale, v_descale, kv_cache_dtype,
                        sinks, max_seqlen_k, return_softmax_lse, validate, keep=kept)
         if kept:  # a steady-state call whose metadata no guard knew: one does now
-            _STEADY.add(form, steady.guard(meta), None, _Steady(scalars, q, k, **kept))
+            _STEADY.add(form, steady.guard(meta), kv_cache_dtype, _Steady(scalars, q, k, **kept))
     return (out, lse) if return_softmax_lse else out
 
 
@@ -117,7 +120,7 @@ class _Steady:
         B, Sq, Hq, _ = self.shape
         self.lse_shape = (Hq, B, Sq)
 
-    def call(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+    def call(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale):
         """(out, lse or None); None (nothing launched) where only the full validation can say why."""
         if (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) & 15:
             return None
@@ -127,9 +130,10 @@ class _Steady:
             shape = (cache_seqlens.shape[0],)
             seqused = plan.here(shape, (1,), torch.int32) if plan.current() == plan.device else \
                 plan.empty(shape, (1,), torch.int32)
-            self.writer.launch(k, v, k_cache, v_cache, None, None, cache_seqlens, block_table, seqused)
+            self.writer.launch(k, v, k_cache, v_cache, k_descale, v_descale, cache_seqlens, block_table, seqused)
         # q's 4-D address: the plan's strides are those of its [B * Sq, Hq, D] view
-        out, lse = self.run.run(plan, q, k_cache, v_cache, self.cu_q, None, seqused, block_table, None, None, None)
+        out, lse = self.run.run(plan, q, k_cache, v_cache, self.cu_q, None, seqused, block_table, None, k_descale,
+                                v_descale)
         out = out.view(self.shape)
         return out, None if lse is None else lse.view(self.lse_shape).permute(1, 0, 2)
 

@@ -422,7 +422,7 @@ MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 _PLANS = steady.Plans()
 _GUARD_FORMS = _PLANS.steady.forms  # the two lists, cleared in place
 _FULL_WINDOW = (-1, -1)
-_ABSENT_OUT, _ABSENT_K_DESCALE, _ABSENT_V_DESCALE, _V_DESCALE_IS_K = steady.ABSENT
+_ABSENT_OUT, _ABSENT_K_DESCALE, _ABSENT_V_DESCALE, _V_DESCALE_IS_K = steady.ABSENT[:4]
 
 
 def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None,
