@@ -83,6 +83,10 @@ def test_every_path_is_a_variant():
     assert f"__launch_bounds__({copy['max_threads']})" in src
     assert "kv_write<__half, __half, pagedattn::Fp8Format::kNone, true>" in Kernel(
         KvWriteSpec("fp16", "auto", "span")).source
+    append = Kernel(KvWriteSpec("bf16", "fp8_e4m3", "flat", True))
+    assert append.name == "kv_write_bf16_fp8e4m3_flat_append" and "write_seqused(params)" in append.source
+    assert (f"kv_write_flat<__nv_bfloat16, uint8_t, pagedattn::Fp8Format::kE4M3, {fp8['max_items']}, "
+            f"{fp8['stream_items']}, true>") in append.source and "write_seqused" not in flat
 
 
 def test_build_fields_name_and_render_the_variant():
@@ -105,14 +109,18 @@ def test_build_fields_name_and_render_the_variant():
             KvWriteSpec("bf16", "auto", "flat", **bad)
 
 
-# make test: every variant for sm_90a, one per path for sm_80 (the same source; the sm_80 rest in test-all)
+# make test: every variant for sm_90a, one per path for sm_80 (the same source; the sm_80 rest in test-all);
+# of the append variants (flash_attn_with_kvcache's write: the same bodies, slots computed) one per path
 SM80_WRITE = (KvWriteSpec("bf16", "auto", "span"), KvWriteSpec("fp16", "fp8_e5m2", "head"),
-              KvWriteSpec("bf16", "fp8_e4m3", "flat"))
+              KvWriteSpec("bf16", "fp8_e4m3", "flat"), KvWriteSpec("bf16", "auto", "span", True))
+SM90_APPEND = (KvWriteSpec("bf16", "fp8_e4m3", "flat", True), KvWriteSpec("fp16", "auto", "head", True))
 
 
 @pytest.mark.compiles
-@pytest.mark.parametrize("spec,arch", grid(KvWriteSpec.all_variants(),
-                                           lambda spec, arch: arch == "sm_90a" or spec in SM80_WRITE))
+@pytest.mark.parametrize("spec,arch", grid([*KvWriteSpec.all_variants(), *(KvWriteSpec(s.dtype, s.kv_cache_dtype, s.path, True)
+                                                                           for s in KvWriteSpec.all_variants())],
+                                           lambda spec, arch: spec in SM80_WRITE or (
+                                               arch == "sm_90a" and (not spec.append or spec in SM90_APPEND))))
 def test_every_write_variant_compiles(spec, arch):
     k = Kernel(spec)
     res = compile_source(k.source, variant=k.name, arch=arch, options=nvrtc_options(arch, toolchain()))

@@ -123,8 +123,10 @@ def read_model_config(path) -> ModelConfig:
 
 
 def spec_fields(spec) -> dict:
-    """A spec's fields by name, without those left at None (a family's default)."""
-    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if getattr(spec, f.name) is not None}
+    """A spec's fields by name, without those left at None (a family's default) and those outside the
+    family's SUPPORTED matrix left at their default (e.g. kv_write's append=False)."""
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if getattr(spec, f.name) is not None
+            and (f.name in spec.SUPPORTED or getattr(spec, f.name) != f.default)}
 
 
 def format_variant(spec) -> str:

@@ -58,6 +58,10 @@ class KvWriteSpec(KernelSpec):
     dtype: str
     kv_cache_dtype: str
     path: str   # span: NHD + one scale; head: HND or per-head scales; flat: any, rows 16-byte aligned
+    # flash_attn_with_kvcache's write (Appender): slots from cache_seqlens + block_table, seqused_k written.
+    # Like the tuning fields below it is not part of the AOT matrix (its kernels compile on first use, or
+    # by `pagedattn precompile --variant 'kv_write:...,append=True'`).
+    append: bool = False
     # The flat variants' compile-time shape (FLAT_BUILD: kItems, kStreamItems, __launch_bounds__).
     # None is the default of the cache dtype; a value equal to it is stored as None, so only the others
     # appear in the name (kv_write_bf16_fp8e4m3_flat_stream2). span/head have none of them.
@@ -101,6 +105,7 @@ class KvWriteSpec(KernelSpec):
             "CacheElement": CUDA_TYPE[cache],
             "kFp8": FP8_FORMAT[self.kv_cache_dtype],
             "path": self.path,
+            "append": self.append,
             "kSpan": "true" if self.path == "span" else "false",
             "kItems": b.get("max_items", FLAT_BUILD["copy"]["max_items"]),
             "kStreamItems": b.get("stream_items", 0),
@@ -349,14 +354,17 @@ class _Plan:
 
     def __init__(self, spec: CacheSpec, key, value, key_cache, slot_mapping, scale_stride, overrides=None,
                  append=_NO_APPEND):
+        """append: (append_tokens, table_width, table_stride, batch) for an Appender's plan (the append
+        variants), else zeros."""
         build, self.launch_overrides = split_overrides(overrides)
         self.elem = elem = key.element_size()
         dtype = short(key.dtype)
         self.spec = spec
         self.device = key_cache.device.index
         try:
-            self.base_spec = KvWriteSpec(dtype, spec.kv_cache_dtype, base_path(spec))
-            self.flat_spec = KvWriteSpec(dtype, spec.kv_cache_dtype, "flat", **build)
+            mode = append is not _NO_APPEND
+            self.base_spec = KvWriteSpec(dtype, spec.kv_cache_dtype, base_path(spec), mode)
+            self.flat_spec = KvWriteSpec(dtype, spec.kv_cache_dtype, "flat", mode, **build)
         except UnsupportedError as exc:
             raise ContractError(f"overrides: {exc}") from None
         self.base = self.flat = None

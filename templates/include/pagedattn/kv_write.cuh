@@ -29,7 +29,7 @@
 // pack, so all paths store bit-identical values. span/head take scalar steps up to the first aligned
 // pack when a base is unaligned, and the tail is scalar too.
 // slot < 0 (padding) skips a token; slot >= num_slots (corrupt) is never written.
-// Append mode (flash_attn_with_kvcache; cache_seqlens != nullptr): no slot_mapping. Token
+// Append mode (kAppend variants, flash_attn_with_kvcache's write): no slot_mapping. Token
 // b * append_tokens + i is position cache_seqlens[b] + i of request b, whose slot comes from its
 // block_table row (append_slot); CTA 0 also writes seqused_out[b] = cache_seqlens[b] + append_tokens,
 // the key counts the attention launched next reads.
@@ -49,7 +49,7 @@ struct KvWriteParams {
   void const* slot_mapping;   // [num_tokens] int64 or int32; < 0 skips the token
   float const* k_scale;       // fp8 only: [1] or [H]
   float const* v_scale;
-  int32_t const* cache_seqlens;  // append mode only (else nullptr): [batch] keys already cached
+  int32_t const* cache_seqlens;  // append mode only: [batch] keys already cached
   int32_t const* block_table;    // append mode: [batch, table_width], row stride table_stride
   int32_t* seqused_out;          // append mode: [batch] cache_seqlens + append_tokens (written)
   int64_t key_stride;         // elements between tokens of key
@@ -84,12 +84,13 @@ __device__ __forceinline__ int64_t append_slot(KvWriteParams const& p, int64_t t
 
 // Append mode: the key counts of the attention that follows, by CTA 0.
 __device__ __forceinline__ void write_seqused(KvWriteParams const& p) {
-  if (p.seqused_out == nullptr || blockIdx.x != 0) return;
+  if (blockIdx.x != 0) return;
   for (int b = threadIdx.x; b < p.batch; b += blockDim.x) p.seqused_out[b] = __ldg(p.cache_seqlens + b) + p.append_tokens;
 }
 
+template <bool kAppend>
 __device__ __forceinline__ int64_t load_slot(KvWriteParams const& p, int64_t token) {
-  if (p.cache_seqlens != nullptr) return append_slot(p, token);
+  if constexpr (kAppend) return append_slot(p, token);
   return p.slot_is_int64 ? __ldg(static_cast<int64_t const*>(p.slot_mapping) + token)
                                : int64_t(__ldg(static_cast<int32_t const*>(p.slot_mapping) + token));
 }
@@ -117,13 +118,13 @@ __device__ __forceinline__ void copy_span(Element const* __restrict__ src,
   for (int i = prefix + packs * kPack + tid; i < n; i += nthreads) dst[i] = Cvt::one(src[i], scale);
 }
 
-template <class Element, class CacheElement, Fp8Format kFp8, bool kSpan>
+template <class Element, class CacheElement, Fp8Format kFp8, bool kSpan, bool kAppend = false>
 __device__ __forceinline__ void kv_write(KvWriteParams const& p) {
   using Cvt = PackConvert<Element, CacheElement, kFp8>;
   constexpr bool kQuant = kFp8 != Fp8Format::kNone;
 
   int64_t const token = blockIdx.x;
-  int64_t const slot = load_slot(p, token);
+  int64_t const slot = load_slot<kAppend>(p, token);
   PagedCache<CacheElement> const k_cache{p.cache, static_cast<CacheElement*>(p.key_cache)};
   PagedCache<CacheElement> const v_cache{p.cache, static_cast<CacheElement*>(p.value_cache)};
   // slot < 0: padding, no destination. slot >= num_slots: corrupt, never written.
@@ -199,7 +200,7 @@ struct FlatItem {
 };
 
 // Issue the loads of the item at `cur` (slot id, per-head scale, input packs): nothing waits on them here.
-template <class Cvt, bool kQuant, class Element, int kVec>
+template <class Cvt, bool kQuant, class Element, int kVec, bool kAppend>
 __device__ __forceinline__ void flat_load(KvWriteParams const& p, FlatCursor const& cur, int64_t num_tokens,
                                           FlatItem<Cvt, kVec>& it) {
   int const H = p.cache.num_heads;
@@ -212,7 +213,7 @@ __device__ __forceinline__ void flat_load(KvWriteParams const& p, FlatCursor con
   if (cur.token < num_tokens) {
     bool const is_v = cur.row >= H;
     int const head = is_v ? cur.row - H : cur.row;
-    it.slot = load_slot(p, cur.token);
+    it.slot = load_slot<kAppend>(p, cur.token);
     if constexpr (kQuant) {
       if (p.scale_stride != 0) it.scale = __ldg((is_v ? p.v_scale : p.k_scale) + head);
     }
@@ -270,7 +271,7 @@ __device__ __forceinline__ void flat_store(KvWriteParams const& p, int block_shi
 //       loads of batch i + 1 before it converts and stores batch i (two register buffers, ping-pong).
 //       Loads stay in flight while the fp8 conversion runs, where the one-shot schedule alternates
 //       "all waiting" and "all converting".
-template <class Element, class CacheElement, Fp8Format kFp8, int kItems, bool kStream, int kVec = 1>
+template <class Element, class CacheElement, Fp8Format kFp8, int kItems, bool kStream, bool kAppend, int kVec = 1>
 __device__ __forceinline__ void kv_write_flat_items(KvWriteParams const& p, int64_t num_tokens) {
   using Cvt = PackConvert<Element, CacheElement, kFp8>;
   using Item = FlatItem<Cvt, kVec>;
@@ -304,7 +305,7 @@ __device__ __forceinline__ void kv_write_flat_items(KvWriteParams const& p, int6
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
       if (i > 0) cur.advance();
-      flat_load<Cvt, kQuant, Element, kVec>(p, cur, num_tokens, it[i]);
+      flat_load<Cvt, kQuant, Element, kVec, kAppend>(p, cur, num_tokens, it[i]);
     }
     invert();
 #pragma unroll
@@ -315,7 +316,7 @@ __device__ __forceinline__ void kv_write_flat_items(KvWriteParams const& p, int6
     auto load = [&](Item (&batch)[kItems]) {
 #pragma unroll
       for (int i = 0; i < kItems; ++i) {
-        flat_load<Cvt, kQuant, Element, kVec>(p, cur, num_tokens, batch[i]);
+        flat_load<Cvt, kQuant, Element, kVec, kAppend>(p, cur, num_tokens, batch[i]);
         cur.advance();
       }
     };
@@ -345,7 +346,7 @@ __device__ __forceinline__ void kv_write_flat_items(KvWriteParams const& p, int6
 // takes the streaming schedule (compiled when kStreamItems > 0: its batch size; the host caps the grid
 // only for such variants; without it the grid must cover the packs). So the host picks the schedule at launch through the grid size: fewer
 // packs per thread with few tokens, a capped grid (stream) or one CTA per kMaxItems * blockDim packs.
-template <class Element, class CacheElement, Fp8Format kFp8, int kMaxItems, int kStreamItems>
+template <class Element, class CacheElement, Fp8Format kFp8, int kMaxItems, int kStreamItems, bool kAppend = false>
 __device__ __forceinline__ void kv_write_flat(KvWriteParams const& p) {
   static_assert(kMaxItems >= 2, "kMaxItems: 2 or more");
   static_assert(kStreamItems >= 0, "kStreamItems: 0 (no streaming body) or the packs per batch");
@@ -354,11 +355,11 @@ __device__ __forceinline__ void kv_write_flat(KvWriteParams const& p) {
                                       PackConvert<Element, CacheElement, kFp8>::kPack);
   int64_t const grid_threads = int64_t(gridDim.x) * blockDim.x;  // the same in every thread
   if (packs <= grid_threads) {
-    kv_write_flat_items<Element, CacheElement, kFp8, 1, false>(p, num_tokens);
+    kv_write_flat_items<Element, CacheElement, kFp8, 1, false, kAppend>(p, num_tokens);
   } else if (packs <= 2 * grid_threads) {
-    kv_write_flat_items<Element, CacheElement, kFp8, 2, false>(p, num_tokens);
+    kv_write_flat_items<Element, CacheElement, kFp8, 2, false, kAppend>(p, num_tokens);
   } else if (kStreamItems == 0 || packs <= kMaxItems * grid_threads) {
-    kv_write_flat_items<Element, CacheElement, kFp8, kMaxItems, false>(p, num_tokens);
+    kv_write_flat_items<Element, CacheElement, kFp8, kMaxItems, false, kAppend>(p, num_tokens);
   } else if constexpr (kStreamItems > 0) {
     // items of two packs where head rows have an even number of packs and every cache row starts on a
     // multiple of the item's output (fp8: one 16-byte store each; the host checks the base pointers)
@@ -366,9 +367,9 @@ __device__ __forceinline__ void kv_write_flat(KvWriteParams const& p) {
     int64_t const strides = (p.cache.block_stride | p.cache.page_stride | p.cache.head_stride) *
                             int64_t(sizeof(CacheElement));
     if ((p.cache.head_size / Cvt::kPack) % 2 == 0 && strides % (2 * sizeof(typename Cvt::OutPack)) == 0) {
-      kv_write_flat_items<Element, CacheElement, kFp8, kStreamItems, true, 2>(p, num_tokens);
+      kv_write_flat_items<Element, CacheElement, kFp8, kStreamItems, true, kAppend, 2>(p, num_tokens);
     } else {
-      kv_write_flat_items<Element, CacheElement, kFp8, kStreamItems, true, 1>(p, num_tokens);
+      kv_write_flat_items<Element, CacheElement, kFp8, kStreamItems, true, kAppend, 1>(p, num_tokens);
     }
   }
 }
