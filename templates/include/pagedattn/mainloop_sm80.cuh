@@ -155,6 +155,41 @@ __device__ __forceinline__ void group_sync(int group_idx) {
   }
 }
 
+// The layout of an SM80 MMA accumulator of (kBlockM, kCols) per thread, ((2,2), kMmaM, kCols/8), as
+// partition_fragment_C(TiledMma, (kBlockM, kCols)) builds it (compact, size-1 modes of stride 0), without
+// that function's layout algebra. PAGEDATTN_CHECK_TYPES: assert it is the same type.
+template <class Traits, int kCols>
+using Sm80AccLayout = decltype(cute::make_layout(
+    cute::Shape<cute::Shape<cute::_2, cute::_2>, cute::Int<Traits::kMmaM>, cute::Int<kCols / 8>>{}));
+
+template <class Traits, int kCols>
+__device__ __forceinline__ auto sm80_acc() {
+  auto acc = cute::make_tensor<float>(Sm80AccLayout<Traits, kCols>{});
+#if PAGEDATTN_CHECK_TYPES
+  static_assert(cute::is_same_v<decltype(acc), decltype(cute::partition_fragment_C(
+                                                   typename Traits::TiledMma{},
+                                                   cute::Shape<cute::Int<Traits::kBlockM>, cute::Int<kCols>>{}))>);
+#endif
+  return acc;
+}
+
+// (row, column) in the tile of each entry of this thread's SM80 MMA accumulator ((2,2), kMmaM, kCols/8)
+// (flat index i, or (v, mi, ni)): the numbers thr_mma.partition_C(make_identity_tensor(...)) gives, by
+// plain integer arithmetic (that partition costs the compiler's front end more than the rest of the
+// kernel). Warp w of the kWarpsM holds rows 16w ... 16w + 15 of every 16 * kWarpsM.
+template <class Traits>
+struct Sm80AccCoord {
+  int row0, col0;  // this thread's first entry
+  __device__ __forceinline__ explicit Sm80AccCoord(int gtid)
+      : row0(gtid / 32 % Traits::kWarpsM * 16 + gtid % 32 / 4), col0(gtid % 32 % 4 * 2) {}
+  __device__ __forceinline__ cute::tuple<int, int> operator()(int v, int mi, int ni) const {
+    return {row0 + mi * (16 * Traits::kWarpsM) + v / 2 * 8, col0 + ni * 8 + v % 2};
+  }
+  __device__ __forceinline__ cute::tuple<int, int> operator()(int i) const {
+    return (*this)(i % 4, i / 4 % Traits::kMmaM, i / (4 * Traits::kMmaM));
+  }
+};
+
 template <class Traits, class Features, class Loader>
 __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& loader) {
   using namespace cute;
@@ -177,7 +212,7 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
   Tensor tSrQ = thr_mma.partition_fragment_A(sQ);     // (MMA, kMmaM, kHeadDim/16)
   Tensor tSrK = thr_mma.partition_fragment_B(sK0);    // (MMA, kBlockN/8, kHeadDim/16)
   Tensor tOrVt = thr_mma.partition_fragment_B(sVt0);  // (MMA, kHeadDimO/8, kBlockN/16)
-  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDimO>>{});  // (MMA, kMmaM, kHeadDimO/8)
+  Tensor acc_o = sm80_acc<Traits, kHeadDimO>();  // (MMA, kMmaM, kHeadDimO/8)
   clear(acc_o);
 
   auto s2r_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
@@ -192,7 +227,7 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
   Tensor tOrVt_view = s2r_v_thr.retile_D(tOrVt);
 
   // (row, key) of each accumulator entry, and the keys each of this thread's rows may see
-  Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Sm80AccCoord<Traits> const tScS(gtid);  // = thr_mma.partition_C(make_identity_tensor((kBlockM, kBlockN)))
   AttnMask<Traits::kRows, Features> const mask(c.p, w, tScS);
 
   // kFp8Regs: fp16 MMAs; bf16 queries enter as q * 2^-8 (see attn_fp8_regs.cuh)
@@ -224,7 +259,7 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
       if (key0 >= w.k_len) continue;
       uint8_t const* k_sub = c.smem.raw_k(stage, group_idx * kBlockN);
       uint8_t const* v_sub = c.smem.raw_v(stage, group_idx * kBlockN);
-      Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      Tensor acc_s = sm80_acc<Traits, kBlockN>();
       fp8_regs_qk<kHeadDim, kBlockN, Traits::kFp8>(k_sub, gtid, acc_s, [&](int kk, uint32_t (&a)[4]) {
         if constexpr (kFp8QRegs) {
           CUTE_UNROLL
@@ -264,10 +299,10 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
 
     // S = Q K^T. With few independent MMA chains (narrow sub-tiles), even and odd k-steps go to two
     // accumulators so consecutive MMAs do not wait on each other.
-    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, kMmaM, kBlockN/8)
+    Tensor acc_s = sm80_acc<Traits, kBlockN>();  // (MMA, kMmaM, kBlockN/8)
     clear(acc_s);
     constexpr bool kTwoChains = kBlockN / 8 * Traits::kMmaM < 4;
-    Tensor acc_s_odd = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor acc_s_odd = sm80_acc<Traits, kBlockN>();
     if constexpr (kTwoChains) clear(acc_s_odd);
     CUTE_UNROLL
     for (int k = 0; k < size<2>(tSrQ); ++k) {
