@@ -155,6 +155,76 @@ __device__ __forceinline__ void group_sync(int group_idx) {
   }
 }
 
+// The MMA operand fragments of one warp group, as thr_mma.partition_fragment_A(sQ) / _B(sK) / _B(sVt)
+// build them from the swizzled tiles, without that layout algebra (after the copies', the front end's
+// largest cost). Written out for tiles of whole pairs of 64-column swizzle atoms (kHeadDim and
+// kHeadDimO multiples of 128): the layouts CuTe derives there, every k-step mode split
+// ((2, 2), atoms) with the atoms innermost; other tiles keep CuTe's derivation. Only the register
+// order depends on these types (copies and MMAs index the fragments through them), never a value.
+// PAGEDATTN_CHECK_TYPES: assert they are CuTe's types.
+template <class Traits>
+struct Sm80Frags {
+  using Element = typename Traits::Element;
+  static constexpr int kMmaM = Traits::kMmaM, kN8 = Traits::kBlockN / 8, kK16 = Traits::kBlockN / 16;
+  static constexpr int kAtoms = Traits::kHeadDim / 64, kAtomsO = Traits::kHeadDimO / 64;
+  static constexpr bool kWritten = Traits::kBlockKSmem == 64 && Traits::kHeadDim % 128 == 0 &&
+                                   Traits::kHeadDimO % 128 == 0;
+  template <int kN, int kS>  // the stride of a mode of kN entries: kS, or 0 for a single entry
+  using S = cute::Int<kN == 1 ? 0 : kS>;
+  template <int kN>
+  using I = cute::Int<kN>;
+  using _1 = cute::_1;
+  using _2 = cute::_2;
+  using LayoutQ = cute::Layout<
+      cute::Shape<cute::Shape<_2, _2, _2>, I<kMmaM>, cute::Shape<cute::Shape<_2, _2>, I<kAtoms>>>,
+      cute::Stride<cute::Stride<_1, _2, cute::_4>, S<kMmaM, 8>,
+                   cute::Stride<cute::Stride<I<8 * kMmaM * kAtoms>, I<16 * kMmaM * kAtoms>>, I<8 * kMmaM>>>>;
+  using LayoutK = cute::Layout<
+      cute::Shape<cute::Shape<_2, _2>, I<kN8>, cute::Shape<cute::Shape<_2, _2>, I<kAtoms>>>,
+      cute::Stride<cute::Stride<_1, _2>, S<kN8, 4>,
+                   cute::Stride<cute::Stride<I<4 * kN8 * kAtoms>, I<8 * kN8 * kAtoms>>, I<4 * kN8>>>>;
+  using LayoutVt = cute::Layout<
+      cute::Shape<cute::Shape<_2, _2>, cute::Shape<cute::_8, I<kAtomsO>>, I<kK16>>,
+      cute::Stride<cute::Stride<_1, _2>, cute::Stride<cute::_4, I<32 * kK16>>, S<kK16, 32>>>;
+
+  template <class ThrMma, class TensorQ>
+  __device__ __forceinline__ static auto q(ThrMma const& thr, TensorQ const& sQ) {
+    if constexpr (kWritten) {
+      auto f = cute::make_tensor<Element>(LayoutQ{});
+#if PAGEDATTN_CHECK_TYPES
+      static_assert(cute::is_same_v<decltype(f), decltype(thr.partition_fragment_A(sQ))>, "Q fragment");
+#endif
+      return f;
+    } else {
+      return thr.partition_fragment_A(sQ);
+    }
+  }
+  template <class ThrMma, class TensorK>
+  __device__ __forceinline__ static auto k(ThrMma const& thr, TensorK const& sK) {
+    if constexpr (kWritten) {
+      auto f = cute::make_tensor<Element>(LayoutK{});
+#if PAGEDATTN_CHECK_TYPES
+      static_assert(cute::is_same_v<decltype(f), decltype(thr.partition_fragment_B(sK))>, "K fragment");
+#endif
+      return f;
+    } else {
+      return thr.partition_fragment_B(sK);
+    }
+  }
+  template <class ThrMma, class TensorVt>
+  __device__ __forceinline__ static auto vt(ThrMma const& thr, TensorVt const& sVt) {
+    if constexpr (kWritten) {
+      auto f = cute::make_tensor<Element>(LayoutVt{});
+#if PAGEDATTN_CHECK_TYPES
+      static_assert(cute::is_same_v<decltype(f), decltype(thr.partition_fragment_B(sVt))>, "V fragment");
+#endif
+      return f;
+    } else {
+      return thr.partition_fragment_B(sVt);
+    }
+  }
+};
+
 // The layout of an SM80 MMA accumulator of (kBlockM, kCols) per thread, ((2,2), kMmaM, kCols/8), as
 // partition_fragment_C(TiledMma, (kBlockM, kCols)) builds it (compact, size-1 modes of stride 0), without
 // that function's layout algebra. PAGEDATTN_CHECK_TYPES: assert it is the same type.
@@ -209,9 +279,9 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
   Tensor sQ = make_tensor(make_smem_ptr(c.smem.q()), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
   Tensor sK0 = make_tensor(make_smem_ptr(c.smem.k_tile(0, 0)), typename Traits::SmemLayoutKV{});
   Tensor sVt0 = make_tensor(make_smem_ptr(c.smem.v_tile(0, 0)), typename Traits::SmemLayoutVtO{});
-  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);     // (MMA, kMmaM, kHeadDim/16)
-  Tensor tSrK = thr_mma.partition_fragment_B(sK0);    // (MMA, kBlockN/8, kHeadDim/16)
-  Tensor tOrVt = thr_mma.partition_fragment_B(sVt0);  // (MMA, kHeadDimO/8, kBlockN/16)
+  Tensor tSrQ = Sm80Frags<Traits>::q(thr_mma, sQ);      // (MMA, kMmaM, kHeadDim/16)
+  Tensor tSrK = Sm80Frags<Traits>::k(thr_mma, sK0);     // (MMA, kBlockN/8, kHeadDim/16)
+  Tensor tOrVt = Sm80Frags<Traits>::vt(thr_mma, sVt0);  // (MMA, kHeadDimO/8, kBlockN/16)
   Tensor acc_o = sm80_acc<Traits, kHeadDimO>();  // (MMA, kMmaM, kHeadDimO/8)
   clear(acc_o);
 
