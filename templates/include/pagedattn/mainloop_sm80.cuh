@@ -187,6 +187,36 @@ struct Sm80Frags {
       cute::Shape<cute::Shape<_2, _2>, cute::Shape<cute::_8, I<kAtomsO>>, I<kK16>>,
       cute::Stride<cute::Stride<_1, _2>, cute::Stride<cute::_4, I<32 * kK16>>, S<kK16, 32>>>;
 
+  // The register views the ldmatrix copies write (s2r_*_thr.retile_D(fragment)): written out only for
+  // the shapes whose CuTe types were checked (a wrong view would put values in the wrong registers).
+  static constexpr bool kViews = kWritten && kAtoms == 2 && kAtomsO == 2 &&
+                                 ((kMmaM == 1 && kN8 == 2) || (kMmaM == 2 && kN8 == 8));
+  using ViewQ = cute::Layout<
+      cute::Shape<cute::Shape<cute::_8, _1>, I<kMmaM>, cute::Shape<cute::_4, I<kAtoms>>>,
+      cute::Stride<cute::Stride<_1, cute::_0>, S<kMmaM, 8>, cute::Stride<I<8 * kMmaM * kAtoms>, I<8 * kMmaM>>>>;
+  using ViewK = cute::Layout<
+      cute::Shape<cute::Shape<cute::_8, _1>, I<kN8 / 2>, cute::Shape<cute::_4, I<kAtoms>>>,
+      cute::Stride<cute::Stride<_1, cute::_0>, S<kN8 / 2, 8>, cute::Stride<I<4 * kN8 * kAtoms>, I<4 * kN8>>>>;
+  using ViewVt = cute::conditional_t<
+      kK16 == 1,
+      cute::Layout<cute::Shape<cute::Shape<cute::_8, _1>, I<4 * kAtomsO>, _1>,
+                   cute::Stride<cute::Stride<_1, cute::_0>, cute::_8, cute::_0>>,
+      cute::Layout<cute::Shape<cute::Shape<cute::_8, _1>, cute::Shape<cute::_4, I<kAtomsO>>, I<kK16>>,
+                   cute::Stride<cute::Stride<_1, cute::_0>, cute::Stride<cute::_8, I<32 * kK16>>, I<32>>>>;
+
+  template <class View, class ThrCopy, class Frag>
+  __device__ __forceinline__ static auto view(ThrCopy const& thr, Frag& frag) {
+    if constexpr (kViews) {
+      auto v = cute::make_tensor(frag.data(), View{});
+#if PAGEDATTN_CHECK_TYPES
+      static_assert(cute::is_same_v<decltype(v), decltype(thr.retile_D(frag))>, "register view");
+#endif
+      return v;
+    } else {
+      return thr.retile_D(frag);
+    }
+  }
+
   template <class ThrMma, class TensorQ>
   __device__ __forceinline__ static auto q(ThrMma const& thr, TensorQ const& sQ) {
     if constexpr (kWritten) {
@@ -288,13 +318,13 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
   auto s2r_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
   auto s2r_q_thr = s2r_q.get_thread_slice(gtid);
   Tensor tSsQ = s2r_q_thr.partition_S(sQ);
-  Tensor tSrQ_view = s2r_q_thr.retile_D(tSrQ);
+  Tensor tSrQ_view = Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewQ>(s2r_q_thr, tSrQ);
   auto s2r_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
   auto s2r_k_thr = s2r_k.get_thread_slice(gtid);
-  Tensor tSrK_view = s2r_k_thr.retile_D(tSrK);
+  Tensor tSrK_view = Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewK>(s2r_k_thr, tSrK);
   auto s2r_v = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, tiled_mma);
   auto s2r_v_thr = s2r_v.get_thread_slice(gtid);
-  Tensor tOrVt_view = s2r_v_thr.retile_D(tOrVt);
+  Tensor tOrVt_view = Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewVt>(s2r_v_thr, tOrVt);
 
   // (row, key) of each accumulator entry, and the keys each of this thread's rows may see
   Sm80AccCoord<Traits> const tScS(gtid);  // = thr_mma.partition_C(make_identity_tensor((kBlockM, kBlockN)))
