@@ -155,6 +155,141 @@ __device__ __forceinline__ void group_sync(int group_idx) {
   }
 }
 
+// The MMA operand fragments of one warp group, as thr_mma.partition_fragment_A(sQ) / _B(sK) / _B(sVt)
+// build them from the swizzled tiles, without that layout algebra (after the copies', the front end's
+// largest cost). Written out for tiles of whole pairs of 64-column swizzle atoms (kHeadDim and
+// kHeadDimO multiples of 128): the layouts CuTe derives there, every k-step mode split
+// ((2, 2), atoms) with the atoms innermost; other tiles keep CuTe's derivation. Only the register
+// order depends on these types (copies and MMAs index the fragments through them), never a value.
+// PAGEDATTN_CHECK_TYPES: assert they are CuTe's types.
+template <class Traits>
+struct Sm80Frags {
+  using Element = typename Traits::Element;
+  static constexpr int kMmaM = Traits::kMmaM, kN8 = Traits::kBlockN / 8, kK16 = Traits::kBlockN / 16;
+  static constexpr int kAtoms = Traits::kHeadDim / 64, kAtomsO = Traits::kHeadDimO / 64;
+  static constexpr bool kWritten = Traits::kBlockKSmem == 64 && Traits::kHeadDim % 128 == 0 &&
+                                   Traits::kHeadDimO % 128 == 0;
+  template <int kN, int kS>  // the stride of a mode of kN entries: kS, or 0 for a single entry
+  using S = cute::Int<kN == 1 ? 0 : kS>;
+  template <int kN>
+  using I = cute::Int<kN>;
+  using _1 = cute::_1;
+  using _2 = cute::_2;
+  using LayoutQ = cute::Layout<
+      cute::Shape<cute::Shape<_2, _2, _2>, I<kMmaM>, cute::Shape<cute::Shape<_2, _2>, I<kAtoms>>>,
+      cute::Stride<cute::Stride<_1, _2, cute::_4>, S<kMmaM, 8>,
+                   cute::Stride<cute::Stride<I<8 * kMmaM * kAtoms>, I<16 * kMmaM * kAtoms>>, I<8 * kMmaM>>>>;
+  using LayoutK = cute::Layout<
+      cute::Shape<cute::Shape<_2, _2>, I<kN8>, cute::Shape<cute::Shape<_2, _2>, I<kAtoms>>>,
+      cute::Stride<cute::Stride<_1, _2>, S<kN8, 4>,
+                   cute::Stride<cute::Stride<I<4 * kN8 * kAtoms>, I<8 * kN8 * kAtoms>>, I<4 * kN8>>>>;
+  using LayoutVt = cute::Layout<
+      cute::Shape<cute::Shape<_2, _2>, cute::Shape<cute::_8, I<kAtomsO>>, I<kK16>>,
+      cute::Stride<cute::Stride<_1, _2>, cute::Stride<cute::_4, I<32 * kK16>>, S<kK16, 32>>>;
+
+  // The register views the ldmatrix copies write (s2r_*_thr.retile_D(fragment)): written out only for
+  // the shapes whose CuTe types were checked (a wrong view would put values in the wrong registers).
+  static constexpr bool kViews = kWritten && kAtoms == 2 && kAtomsO == 2 &&
+                                 ((kMmaM == 1 && kN8 == 2) || (kMmaM == 2 && kN8 == 8));
+  using ViewQ = cute::Layout<
+      cute::Shape<cute::Shape<cute::_8, _1>, I<kMmaM>, cute::Shape<cute::_4, I<kAtoms>>>,
+      cute::Stride<cute::Stride<_1, cute::_0>, S<kMmaM, 8>, cute::Stride<I<8 * kMmaM * kAtoms>, I<8 * kMmaM>>>>;
+  using ViewK = cute::Layout<
+      cute::Shape<cute::Shape<cute::_8, _1>, I<kN8 / 2>, cute::Shape<cute::_4, I<kAtoms>>>,
+      cute::Stride<cute::Stride<_1, cute::_0>, S<kN8 / 2, 8>, cute::Stride<I<4 * kN8 * kAtoms>, I<4 * kN8>>>>;
+  using ViewVt = cute::conditional_t<
+      kK16 == 1,
+      cute::Layout<cute::Shape<cute::Shape<cute::_8, _1>, I<4 * kAtomsO>, _1>,
+                   cute::Stride<cute::Stride<_1, cute::_0>, cute::_8, cute::_0>>,
+      cute::Layout<cute::Shape<cute::Shape<cute::_8, _1>, cute::Shape<cute::_4, I<kAtomsO>>, I<kK16>>,
+                   cute::Stride<cute::Stride<_1, cute::_0>, cute::Stride<cute::_8, I<32 * kK16>>, I<32>>>>;
+
+  template <class View, class ThrCopy, class Frag>
+  __device__ __forceinline__ static auto view(ThrCopy const& thr, Frag& frag) {
+    if constexpr (kViews) {
+      auto v = cute::make_tensor(frag.data(), View{});
+#if PAGEDATTN_CHECK_TYPES
+      static_assert(cute::is_same_v<decltype(v), decltype(thr.retile_D(frag))>, "register view");
+#endif
+      return v;
+    } else {
+      return thr.retile_D(frag);
+    }
+  }
+
+  template <class ThrMma, class TensorQ>
+  __device__ __forceinline__ static auto q(ThrMma const& thr, TensorQ const& sQ) {
+    if constexpr (kWritten) {
+      auto f = cute::make_tensor<Element>(LayoutQ{});
+#if PAGEDATTN_CHECK_TYPES
+      static_assert(cute::is_same_v<decltype(f), decltype(thr.partition_fragment_A(sQ))>, "Q fragment");
+#endif
+      return f;
+    } else {
+      return thr.partition_fragment_A(sQ);
+    }
+  }
+  template <class ThrMma, class TensorK>
+  __device__ __forceinline__ static auto k(ThrMma const& thr, TensorK const& sK) {
+    if constexpr (kWritten) {
+      auto f = cute::make_tensor<Element>(LayoutK{});
+#if PAGEDATTN_CHECK_TYPES
+      static_assert(cute::is_same_v<decltype(f), decltype(thr.partition_fragment_B(sK))>, "K fragment");
+#endif
+      return f;
+    } else {
+      return thr.partition_fragment_B(sK);
+    }
+  }
+  template <class ThrMma, class TensorVt>
+  __device__ __forceinline__ static auto vt(ThrMma const& thr, TensorVt const& sVt) {
+    if constexpr (kWritten) {
+      auto f = cute::make_tensor<Element>(LayoutVt{});
+#if PAGEDATTN_CHECK_TYPES
+      static_assert(cute::is_same_v<decltype(f), decltype(thr.partition_fragment_B(sVt))>, "V fragment");
+#endif
+      return f;
+    } else {
+      return thr.partition_fragment_B(sVt);
+    }
+  }
+};
+
+// The layout of an SM80 MMA accumulator of (kBlockM, kCols) per thread, ((2,2), kMmaM, kCols/8), as
+// partition_fragment_C(TiledMma, (kBlockM, kCols)) builds it (compact, size-1 modes of stride 0), without
+// that function's layout algebra. PAGEDATTN_CHECK_TYPES: assert it is the same type.
+template <class Traits, int kCols>
+using Sm80AccLayout = decltype(cute::make_layout(
+    cute::Shape<cute::Shape<cute::_2, cute::_2>, cute::Int<Traits::kMmaM>, cute::Int<kCols / 8>>{}));
+
+template <class Traits, int kCols>
+__device__ __forceinline__ auto sm80_acc() {
+  auto acc = cute::make_tensor<float>(Sm80AccLayout<Traits, kCols>{});
+#if PAGEDATTN_CHECK_TYPES
+  static_assert(cute::is_same_v<decltype(acc), decltype(cute::partition_fragment_C(
+                                                   typename Traits::TiledMma{},
+                                                   cute::Shape<cute::Int<Traits::kBlockM>, cute::Int<kCols>>{}))>);
+#endif
+  return acc;
+}
+
+// (row, column) in the tile of each entry of this thread's SM80 MMA accumulator ((2,2), kMmaM, kCols/8)
+// (flat index i, or (v, mi, ni)): the numbers thr_mma.partition_C(make_identity_tensor(...)) gives, by
+// plain integer arithmetic (that partition costs the compiler's front end more than the rest of the
+// kernel). Warp w of the kWarpsM holds rows 16w ... 16w + 15 of every 16 * kWarpsM.
+template <class Traits>
+struct Sm80AccCoord {
+  int row0, col0;  // this thread's first entry
+  __device__ __forceinline__ explicit Sm80AccCoord(int gtid)
+      : row0(gtid / 32 % Traits::kWarpsM * 16 + gtid % 32 / 4), col0(gtid % 32 % 4 * 2) {}
+  __device__ __forceinline__ cute::tuple<int, int> operator()(int v, int mi, int ni) const {
+    return {row0 + mi * (16 * Traits::kWarpsM) + v / 2 * 8, col0 + ni * 8 + v % 2};
+  }
+  __device__ __forceinline__ cute::tuple<int, int> operator()(int i) const {
+    return (*this)(i % 4, i / 4 % Traits::kMmaM, i / (4 * Traits::kMmaM));
+  }
+};
+
 template <class Traits, class Features, class Loader>
 __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& loader) {
   using namespace cute;
@@ -174,25 +309,25 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
   Tensor sQ = make_tensor(make_smem_ptr(c.smem.q()), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
   Tensor sK0 = make_tensor(make_smem_ptr(c.smem.k_tile(0, 0)), typename Traits::SmemLayoutKV{});
   Tensor sVt0 = make_tensor(make_smem_ptr(c.smem.v_tile(0, 0)), typename Traits::SmemLayoutVtO{});
-  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);     // (MMA, kMmaM, kHeadDim/16)
-  Tensor tSrK = thr_mma.partition_fragment_B(sK0);    // (MMA, kBlockN/8, kHeadDim/16)
-  Tensor tOrVt = thr_mma.partition_fragment_B(sVt0);  // (MMA, kHeadDimO/8, kBlockN/16)
-  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDimO>>{});  // (MMA, kMmaM, kHeadDimO/8)
+  Tensor tSrQ = Sm80Frags<Traits>::q(thr_mma, sQ);      // (MMA, kMmaM, kHeadDim/16)
+  Tensor tSrK = Sm80Frags<Traits>::k(thr_mma, sK0);     // (MMA, kBlockN/8, kHeadDim/16)
+  Tensor tOrVt = Sm80Frags<Traits>::vt(thr_mma, sVt0);  // (MMA, kHeadDimO/8, kBlockN/16)
+  Tensor acc_o = sm80_acc<Traits, kHeadDimO>();  // (MMA, kMmaM, kHeadDimO/8)
   clear(acc_o);
 
   auto s2r_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
   auto s2r_q_thr = s2r_q.get_thread_slice(gtid);
   Tensor tSsQ = s2r_q_thr.partition_S(sQ);
-  Tensor tSrQ_view = s2r_q_thr.retile_D(tSrQ);
+  Tensor tSrQ_view = Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewQ>(s2r_q_thr, tSrQ);
   auto s2r_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
   auto s2r_k_thr = s2r_k.get_thread_slice(gtid);
-  Tensor tSrK_view = s2r_k_thr.retile_D(tSrK);
+  Tensor tSrK_view = Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewK>(s2r_k_thr, tSrK);
   auto s2r_v = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, tiled_mma);
   auto s2r_v_thr = s2r_v.get_thread_slice(gtid);
-  Tensor tOrVt_view = s2r_v_thr.retile_D(tOrVt);
+  Tensor tOrVt_view = Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewVt>(s2r_v_thr, tOrVt);
 
   // (row, key) of each accumulator entry, and the keys each of this thread's rows may see
-  Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Sm80AccCoord<Traits> const tScS(gtid);  // = thr_mma.partition_C(make_identity_tensor((kBlockM, kBlockN)))
   AttnMask<Traits::kRows, Features> const mask(c.p, w, tScS);
 
   // kFp8Regs: fp16 MMAs; bf16 queries enter as q * 2^-8 (see attn_fp8_regs.cuh)
@@ -224,7 +359,7 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
       if (key0 >= w.k_len) continue;
       uint8_t const* k_sub = c.smem.raw_k(stage, group_idx * kBlockN);
       uint8_t const* v_sub = c.smem.raw_v(stage, group_idx * kBlockN);
-      Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      Tensor acc_s = sm80_acc<Traits, kBlockN>();
       fp8_regs_qk<kHeadDim, kBlockN, Traits::kFp8>(k_sub, gtid, acc_s, [&](int kk, uint32_t (&a)[4]) {
         if constexpr (kFp8QRegs) {
           CUTE_UNROLL
@@ -264,10 +399,10 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
 
     // S = Q K^T. With few independent MMA chains (narrow sub-tiles), even and odd k-steps go to two
     // accumulators so consecutive MMAs do not wait on each other.
-    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, kMmaM, kBlockN/8)
+    Tensor acc_s = sm80_acc<Traits, kBlockN>();  // (MMA, kMmaM, kBlockN/8)
     clear(acc_s);
     constexpr bool kTwoChains = kBlockN / 8 * Traits::kMmaM < 4;
-    Tensor acc_s_odd = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor acc_s_odd = sm80_acc<Traits, kBlockN>();
     if constexpr (kTwoChains) clear(acc_s_odd);
     CUTE_UNROLL
     for (int k = 0; k < size<2>(tSrQ); ++k) {
