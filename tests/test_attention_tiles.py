@@ -254,3 +254,18 @@ def test_small_smem_decode_matches_reference(D, kv, splits, monkeypatch):
         assert err <= max(2 * err_low, 2e-3) and err < 2e-2, (err, err_low)
     finally:
         attention._PLANS.clear()
+
+
+# mainloop_sm80.cuh writes some CuTe fragment, accumulator and register-view layouts out (Sm80Frags,
+# Sm80AccLayout) instead of deriving them: cheaper for the compiler's front end, and only right while they
+# equal what CuTe derives. PAGEDATTN_CHECK_TYPES=1 static_asserts each against CuTe's; the front end alone
+# (-fdevice-syntax-only) runs those asserts. One variant per written shape: the decode tile and the
+# prefill tile of the register views (d128), and a d256 tile (fragments written, views derived).
+@pytest.mark.parametrize("arch,dtype,d,mode", [("sm_80", "bf16", 128, "decode"), ("sm_80", "bf16", 128, "prefill"),
+                                               ("sm_80", "fp16", 256, "prefill")])
+def test_written_sm80_layouts_are_cutes(arch, dtype, d, mode):
+    from pagedattn.codegen.compile import compile_source, nvrtc_options
+    from pagedattn.codegen.toolchain import toolchain
+    k = Kernel(AttnFwdSpec.for_arch(arch, dtype, "auto", d, mode))
+    compile_source(k.source, variant=k.name, arch=arch,
+                   options=nvrtc_options(arch, toolchain()) + ["-fdevice-syntax-only", "-DPAGEDATTN_CHECK_TYPES=1"])
