@@ -98,7 +98,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                        window_size, softcap, alibi_slopes, num_splits, k_descale, v_descale, kv_cache_dtype,
                        sinks, max_seqlen_k, return_softmax_lse, validate, keep=kept)
         if kept:  # a steady-state call whose metadata no guard knew: one does now
-            _STEADY.add(form, steady.guard(meta), kv_cache_dtype, _Steady(scalars, q, k, **kept))
+            _STEADY.add(form, steady.guard(meta), kv_cache_dtype, _Steady(scalars, q, **kept))
     return (out, lse) if return_softmax_lse else out
 
 
@@ -114,7 +114,7 @@ class _Steady:
     """A validated call's launches (Appender, attention _Launch) and the tensors it keeps (cu_seqlens_q)."""
     __slots__ = ("scalars", "writer", "plan", "run", "cu_q", "shape", "lse_shape")
 
-    def __init__(self, scalars, q, k, writer, checked, run, cu_q):
+    def __init__(self, scalars, q, writer, checked, run, cu_q):
         self.scalars, self.writer, self.plan, self.run, self.cu_q = scalars, writer, checked[0], run, cu_q
         self.shape = tuple(q.shape)
         B, Sq, Hq, _ = self.shape
