@@ -100,7 +100,8 @@ CI_SPECS = [AttnFwdSpec("bf16", "auto", 128, "decode"), AttnFwdSpec("bf16", "aut
             AttnFwdSpec("fp16", "fp8_e4m3", 80, "decode"), AttnFwdSpec("bf16", "auto", 128, "decode_tma"),
             AttnFwdSpec("fp16", "fp8_e5m2", 80, "decode_tma"), AttnFwdSpec("bf16", "fp8_e4m3", 128, "decode_tma"),
             AttnFwdSpec("bf16", "fp8_e4m3", 128, "prefill_wgmma"), AttnFwdSpec("bf16", "auto", 512, "decode"),
-            AttnFwdSpec("bf16", "auto", 128, "multi_tma"), AttnFwdSpec("bf16", "auto", 128, "prefill_ws")]
+            AttnFwdSpec("bf16", "auto", 128, "multi_tma"), AttnFwdSpec("bf16", "auto", 128, "prefill_ws"),
+            AttnFwdSpec("bf16", "fp8_e4m3", 128, "prefill_ws")]
 
 
 # make test compiles the cp.async/mma.sync variants for one arch (sm_80 and sm_90a compile one source):
@@ -327,7 +328,26 @@ def _check_sm90a_mode(c, decode_loader, mode, required=True):
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", _fp8_wgmma_grid(40), ids=_case_id)
 def test_fp8_wgmma_prefill_matches_reference(c, decode_loader):
-    _check_sm90a_mode(c, decode_loader, "prefill_wgmma")
+    # head dim 128 with pages TMA can read goes to prefill_ws (its producer widens the fp8 chunks)
+    _check_sm90a_mode(c, decode_loader, "prefill_ws" if c["D"] == 128 and c["bs"] % 16 == 0 else "prefill_wgmma")
+
+
+def _fp8_ws_grid(n, seed=19):
+    """fp8 caches through the warp-specialised prefill (head dim 128: raw TMA chunks widened by the
+    producer warps into the 16-bit ring): both formats and layouts, head sizes that run on the 128
+    tile (112: the tensor map zero-fills the last columns), splits, mixed and long batches."""
+    rng = random.Random(seed)
+    axes = dict(dtype=[torch.float16, torch.bfloat16], D=[128, 112], layout=["NHD", "HND"],
+                bs=[16, 32, 64, 256], heads=[(16, 8), (32, 8), (28, 4), (16, 1)], causal=[False, True],
+                batch=["prefill", "mixed", "long"], splits=[0, 1, 3], kv=KV[1:], lse=[False, True],
+                out=[False, True], loader=["auto"])
+    return cover_axes(axes, n, rng, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", _fp8_ws_grid(32), ids=_case_id)
+def test_fp8_ws_prefill_matches_reference(c, decode_loader):
+    _check_sm90a_mode(c, decode_loader, "prefill_ws", required=c["batch"] != "mixed")
 
 
 def _ws_grid(n, seed=17):
@@ -869,11 +889,15 @@ def test_ws_prefill_dispatch_rules():
 
     # the warp-specialised prefill: 16-bit caches TMA can read, on sm_90a
     assert heuristics.prefill_mode(True, True, False) == "prefill_ws"
-    assert heuristics.prefill_mode(True, True, True) == "prefill_wgmma"     # fp8: widened in shared memory
+    assert heuristics.prefill_mode(True, True, True, 128) == "prefill_ws"   # fp8 d128: the producer widens
+    assert heuristics.prefill_mode(True, True, True, 256) == "prefill_wgmma"  # other fp8: widened by the CTA
     assert heuristics.prefill_mode(True, False, False) == "prefill_wgmma"   # block size 1/8, contiguous KV
     assert heuristics.prefill_mode(False, True, False) == "prefill"         # sm_80, head dims not multiples of 64
-    with pytest.raises(UnsupportedError, match="16-bit cache"):
-        AttnFwdSpec("bf16", "fp8_e4m3", 128, "prefill_ws")
+    with pytest.raises(UnsupportedError, match="fp8 caches at head_dim 128"):
+        AttnFwdSpec("bf16", "fp8_e4m3", 256, "prefill_ws")
+    fp8 = AttnFwdSpec("bf16", "fp8_e5m2", 128, "prefill_ws")  # its raw stages and barriers fit beside the ring
+    assert fp8.tiles == tile_config(128, "prefill_ws") and fp8.dynamic_smem() <= 227 * 1024
+    assert fp8.dynamic_smem() == smem_bytes(fp8.tiles, 128, False) + 2 * 2 * 128 * 128 + 8 * 2 * 4 * 2
     with pytest.raises(UnsupportedError, match="multiple of 64"):
         AttnFwdSpec("bf16", "auto", 96, "prefill_ws")
     for d in (64, 128, 192, 256):  # two consumer warpgroups of 64 rows and a producer warpgroup

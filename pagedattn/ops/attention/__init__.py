@@ -29,7 +29,7 @@ from .. import steady, workspace
 from ..params import AttnParams
 # re-exported: `from pagedattn.ops.attention import X` finds every name of the former single module
 from .heuristics import MAX_SPLITS, _best_splits, mode_for, split_cost, splits_for  # noqa: F401
-from .heuristics import multi_mode, prefill_mode, tma_ok, wave_capacity, wgmma_ok  # noqa: F401
+from .heuristics import multi_mode, prefill_mode, tma_ok, WS_FP8_HEAD_DIM, wave_capacity, wgmma_ok  # noqa: F401
 from .tiles import HEAD_DIMS, MODES, SM90_MODES, TMA_MODES, WGMMA_MODES, SMALL_SMEM_ARCH, SMEM_LIMIT, SMEM_PER_CTA, _tiles  # noqa: F401
 from .tiles import fp8_regs, smem_bytes, smem_limit, tile_config  # noqa: F401
 from .tma import TMA_L2_PROMOTION, tma_maps  # noqa: F401
@@ -142,9 +142,9 @@ class AttnFwdSpec(KernelSpec):
             raise UnsupportedError(f"attn_fwd: mode=multi_tma needs a 16-bit cache (fp8 operands in registers "
                                    f"take one 16-row MMA tile per warp), got {self.kv_cache_dtype}; "
                                    f"mode=multi runs fp8 caches")
-        if self.mode == "prefill_ws" and self.kv_cache_dtype != "auto":
-            raise UnsupportedError(f"attn_fwd: mode=prefill_ws needs a 16-bit cache, got {self.kv_cache_dtype}; "
-                                   f"mode=prefill_wgmma runs fp8 caches")
+        if self.mode == "prefill_ws" and self.kv_cache_dtype != "auto" and self.head_dim != WS_FP8_HEAD_DIM:
+            raise UnsupportedError(f"attn_fwd: mode=prefill_ws takes fp8 caches at head_dim {WS_FP8_HEAD_DIM} "
+                                   f"only, got {self.head_dim}; mode=prefill_wgmma runs the others")
         if self.mode in WGMMA_MODES and self.head_dim % 64:
             raise UnsupportedError(f"attn_fwd: mode={self.mode} needs head_dim a multiple of 64 (128-byte "
                                    f"swizzled tiles), got {self.head_dim}")
@@ -251,7 +251,7 @@ class _Plan:
         self.decode_mode = "decode_tma" if tma_ok(call, arch, self.head_dim) else "decode"
         self.multi_mode = multi_mode(call, self.head_dim, self.decode_mode == "decode_tma")
         self.prefill_mode = prefill_mode(wgmma_ok(call, arch, self.head_dim), self.decode_mode == "decode_tma",
-                                         call.kv_name != "auto")
+                                         call.kv_name != "auto", self.head_dim)
         # prefill_wgmma's tiles are larger: it takes over once the rows overflow one SM80 prefill tile.
         # Measured on H200 (perf/results/prefill_modes_nvidia_h200_20261130_short_3eaa587.json, d128,
         # B=32 over 4096 keys): q_len 5-32 (20-128 rows) ran 17 % slower on wgmma, q_len 64 1.7x faster.

@@ -25,6 +25,7 @@ SM90_MODES = (*TMA_MODES, "prefill_wgmma")
 # Shared memory one CTA may use (the opt-in maximum of cudaFuncSetAttribute), per NVRTC target.
 SMEM_PER_CTA = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90a": 227 * 1024}
 SMEM_LIMIT = SMEM_PER_CTA["sm_90a"]  # the budget of the default tiles (every one of them also fits sm_80's)
+WS_RAW_STAGES = 2  # prefill_ws with an fp8 cache: raw stages per K and V (AttnTraits::kRawStages)
 SMALL_SMEM_ARCH = "sm_86"  # the tiles of AttnFwdSpec.small_smem: those of the 99 KiB archs (sm_86, sm_89)
 
 
@@ -120,7 +121,8 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
 
 def fp8_regs(head_dim: int, tma: bool) -> bool:
     """AttnTraits::kFp8Regs for an fp8 cache: TMA decode converts fp8 operands in registers when the
-    rows split into 128-byte swizzled blocks (not in prefill_ws, which takes 16-bit caches only)."""
+    rows split into 128-byte swizzled blocks (not in prefill_ws, whose producer widens fp8 chunks into
+    a 16-bit ring)."""
     return tma and head_dim % 128 == 0
 
 
@@ -128,16 +130,20 @@ def smem_bytes(cfg: dict, head_dim: int, fp8: bool) -> int:
     """Mirror of AttnTraits::kSmemBytes (attn_traits.cuh); the rendered source static_asserts it."""
     stage = cfg["kBlockN"] * cfg["kWarpsN"] * head_dim
     q = cfg["kBlockM"] * head_dim * 2
-    elem_stages = (0 if fp8_regs(head_dim, cfg["kTma"] and not cfg["kWgmma"]) else 1) if fp8 else cfg["kStages"]
-    kv = (2 * cfg["kStages"] * stage if fp8 else 0) + 2 * elem_stages * stage * 2
+    ws = cfg["kTma"] and cfg["kWgmma"]  # prefill_ws: fp8 lands in WS_RAW_STAGES raw stages, widened into the ring
+    elem_stages = (0 if fp8_regs(head_dim, cfg["kTma"] and not cfg["kWgmma"]) else 1) if fp8 and not ws \
+        else cfg["kStages"]
+    raw_stages = WS_RAW_STAGES if ws else cfg["kStages"]
+    kv = (2 * raw_stages * stage if fp8 else 0) + 2 * elem_stages * stage * 2
     epilogue = cfg["kWarpsN"] * cfg["kBlockM"] * (head_dim + 2) * 4
     main = max(q + kv, epilogue)
     # TMA: an mbarrier per (warp, ring slot); prefill_ws: a full and an empty one per slot of K and of V,
-    # then the split-KV flag (8 bytes) and four 56-byte work items (AttnTraits::kSmemWsTail)
+    # then the split-KV flag (8 bytes) and four 56-byte work items (AttnTraits::kSmemWsTail), and for
+    # fp8 an mbarrier per (K or V, producer warp, raw stage)
     if not cfg["kTma"]:
         barriers = 0
-    elif cfg["kWgmma"]:  # prefill_ws
-        barriers = 8 * 4 * cfg["kStages"] + 8 + 4 * 56
+    elif ws:
+        barriers = 8 * 4 * cfg["kStages"] + 8 + 4 * 56 + (8 * 2 * 4 * WS_RAW_STAGES if fp8 else 0)
     else:
         barriers = 8 * cfg["kWarpsN"] * cfg["kStages"]
     return -(-main // 8) * 8 + barriers

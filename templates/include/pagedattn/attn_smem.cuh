@@ -2,13 +2,13 @@
 // lives. Sizes come from AttnTraits (kSmemBytes is the total the host mirrors in smem_bytes(); the
 // rendered source asserts the two agree).
 //
-//   mainloop:  [Q tile][K Element stages][V Element stages][raw K stages][raw V stages]
+//   mainloop:  [Q tile][K Element stages][V Element stages][raw K stages][raw V stages] (kRawStages)
 //   epilogue:  [O of each warp group][m][l], then the split-KV "last CTA" flag: the mainloop's bytes,
 //              reused once every K/V read is done
 //   TMA:       one mbarrier per (warp, ring slot), after both (never reused); kWs: the K and V rings'
 //              full and empty mbarriers, then the split-KV flag (its epilogue needs no shared memory,
 //              and the next tile's Q and K/V may already be landing in the mainloop's bytes) and the
-//              consumer warpgroups' work items
+//              consumer warpgroups' work items, then (fp8) the producer warps' raw-stage mbarriers
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
@@ -23,7 +23,7 @@ struct AttnSmem {
   static constexpr int kOffK = Traits::kSmemQ;
   static constexpr int kOffV = kOffK + kElemStageBytes;
   static constexpr int kOffRawK = kOffV + kElemStageBytes;
-  static constexpr int kOffRawV = kOffRawK + Traits::kStages * Traits::kSmemStageRaw;
+  static constexpr int kOffRawV = kOffRawK + Traits::kRawStages * Traits::kSmemStageRaw;
   static constexpr int kOffBars = (Traits::kSmemMain + 7) / 8 * 8;
   static constexpr int kEpilogueRows = Traits::kWarpsN * Traits::kBlockM;
   static_assert(kOffBars + Traits::kSmemBarriers == Traits::kSmemBytes, "regions and kSmemBytes disagree");
@@ -64,6 +64,11 @@ struct AttnSmem {
   __device__ __forceinline__ AttnWork* ws_work(int wg, int parity) const {
     static_assert(sizeof(AttnWork) == 56, "kSmemWsTail holds four 56-byte work items");
     return reinterpret_cast<AttnWork*>(reinterpret_cast<char*>(ring_bars(4)) + 8) + 2 * wg + parity;
+  }
+  // kWs, fp8: the raw-stage mbarrier of (K: kv 0, V: kv 1, producer warp `warp`, raw stage `stage`)
+  __device__ __forceinline__ uint64_t* ws_raw_bar(int kv, int warp, int stage) const {
+    return reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(ring_bars(4)) + 8 + 4 * 56) +
+           (kv * 4 + warp) * Traits::kRawStages + stage;
   }
 };
 

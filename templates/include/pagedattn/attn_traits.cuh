@@ -81,8 +81,9 @@ struct AttnTraits {
   static_assert(kStages >= 2, "the K/V pipeline needs at least two stages");
   static_assert(!kTma || kWgmma || (kWarpsM == 1 && (kIsFp8 || kHeadDim % 64 == 0)),
                 "TMA loading: one warp per group; 16-bit tiles in 64-column (128-byte) swizzle atoms");
-  static_assert(!kWs || (!kIsFp8 && kBlockN % 16 == 0 && kBlockN <= 512),
-                "warp-specialised prefill: 16-bit caches, 16-key TMA chunks, one per producer lane");
+  static_assert(!kWs || ((!kIsFp8 || kHeadDim == 128) && kBlockN % 16 == 0 && kBlockN <= 512),
+                "warp-specialised prefill: 16-bit caches or fp8 at head dim 128, 16-key TMA chunks, one per "
+                "producer lane");
   // fp8 TMA decode with 128-byte rows per column block: the tiles land 128-byte swizzled and each
   // thread converts its own MMA operands from fp8 in registers (attn_fp8_regs.cuh); no widened copy.
   static constexpr bool kFp8Regs = kTma && !kWgmma && kIsFp8 && kHeadDim % 128 == 0;
@@ -132,16 +133,20 @@ struct AttnTraits {
   static constexpr int kSmemStageRaw = kStageKeys * kHeadDim;  // fp8 bytes, unpadded
   // Element stages the MMAs read through ldmatrix: one per stage (16-bit caches), one widened stage
   // (fp8), none (fp8 in registers).
-  static constexpr int kElemStages = kFp8Regs ? 0 : (kIsFp8 ? 1 : kStages);
+  // kWs with an fp8 cache: the producer warps land raw chunks in kRawStages stages of their own and
+  // widen them into the kStages-slot Element ring the consumers read (mainloop_ws.cuh).
+  static constexpr int kElemStages = kFp8Regs ? 0 : (kIsFp8 && !kWs ? 1 : kStages);
+  static constexpr int kRawStages = kWs ? 2 : kStages;
   static constexpr int kSmemKV =
-      (kIsFp8 ? 2 * kStages * kSmemStageRaw : 0) + 2 * kElemStages * kSmemStageElems * int(sizeof(Element));
+      (kIsFp8 ? 2 * kRawStages * kSmemStageRaw : 0) + 2 * kElemStages * kSmemStageElems * int(sizeof(Element));
   static constexpr int kSmemEpilogue = kWarpsN * kBlockM * (kHeadDim + 2) * int(sizeof(float));
   static constexpr int kSmemMain =
       kSmemQ + kSmemKV > kSmemEpilogue ? kSmemQ + kSmemKV : kSmemEpilogue;
   // TMA: one 8-byte mbarrier per (warp, slot), after everything the epilogue reuses; kWs: a full and
   // an empty one per slot of the K ring and of the V ring, then the split-KV flag (8 bytes) and each
-  // consumer warpgroup's current and next work item (4 x 56 bytes, AttnSmem::ws_work)
-  static constexpr int kSmemWsTail = kWs ? 8 + 4 * 56 : 0;
+  // consumer warpgroup's current and next work item (4 x 56 bytes, AttnSmem::ws_work); fp8: one
+  // mbarrier per (K or V, producer warp, raw stage) after them
+  static constexpr int kSmemWsTail = kWs ? 8 + 4 * 56 + (kIsFp8 ? 8 * 2 * 4 * kRawStages : 0) : 0;
   static constexpr int kSmemBarriers = kTma ? 8 * (kWs ? 4 : kWarpsN) * kStages + kSmemWsTail : 0;
   static constexpr int kSmemBytes = (kSmemMain + 7) / 8 * 8 + kSmemBarriers;
 };

@@ -18,6 +18,8 @@
 // items' steps in order) uses slot n % kStages. Keys past the request's end inside the last chunk are
 // real cache slots: the mask hides their scores and the consumers zero their V rows (0 * NaN is not
 // 0) before P V. A chunk in a page outside [0, num_blocks) is zero-filled by the producer instead.
+// fp8 caches (head dim 128): the producer lands raw chunks in stages of its own and widens them into
+// the same Element ring (ws_produce_fp8); the descales are folded into the softmax scale and the output.
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
@@ -39,7 +41,7 @@ namespace pagedattn {
 // what the SM's 64 Ki registers leave, at most 240 (both multiples of 8, as setmaxnreg wants).
 template <class Traits>
 struct WsRegisters {
-  static constexpr int kProducerRegs = 24;
+  static constexpr int kProducerRegs = Traits::kIsFp8 ? 40 : 24;  // fp8: the producer widens the chunks
   static constexpr int kLeft = (65536 - kProducerRegs * Traits::kProducerThreads) / Traits::kThreads / 8 * 8;
   static constexpr int kConsumerRegs = kLeft > 240 ? 240 : kLeft;
 };
@@ -149,6 +151,107 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
     };
     load(reinterpret_cast<char*>(c.smem.k_tile(slot, 0)), k_map, bars.full_k, bars.empty_k);
     load(reinterpret_cast<char*>(c.smem.v_tile(slot, 0)), v_map, bars.full_v, bars.empty_v);
+  }
+}
+
+// fp8 caches (head dim 128): each producer warp TMA-loads its chunks of a step raw (one 128-column,
+// 128-byte swizzled box per 16-key chunk: the decode path's tensor maps) into raw stage n % kRawStages
+// of its own (n: the CTA's step), one step ahead of widening them into the Element ring slot once
+// the consumers freed it. Raw 16-byte piece jp of chunk row r lies at piece jp ^ (r % 8); its 16
+// columns are piece 2 (jp % 4) and the one after of the Element tile's 64-column block jp / 4, each
+// at that piece ^ (r % 8) too (SmemLayoutKV). Chunks of corrupt pages are written as zeros. The warp
+// then publishes its writes to the async proxy (wgmma) and arrives on the slot's full barrier.
+template <class Traits>
+__device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing const ring) {
+  constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
+  constexpr int kRaw = Traits::kRawStages, kChunks = kBlockN / 16;
+  constexpr int kPerWarp = (kChunks + kWsProducerWarps - 1) / kWsProducerWarps;
+  constexpr int kRawChunkBytes = 16 * kHeadDim;  // K (or V) bytes of one raw chunk
+  static_assert(kHeadDim == 128 && kPerWarp <= 32, "one 128-byte swizzled box per chunk; a chunk per lane");
+  AttnParams const& p = c.p;
+  AttnWork const& w = c.w;
+  WsBarriers const bars(c.smem);
+  int const lane = int(threadIdx.x) % 32, warp = (int(threadIdx.x) - Traits::kThreads) / 32;
+  int const first_chunk = warp * kPerWarp;
+  int const q = first_chunk + lane;
+  void const* k_map = p.tma_desc;
+  void const* v_map = static_cast<char const*>(p.tma_desc) + 128;
+  if (threadIdx.x == Traits::kThreads) {
+    tma_prefetch_map(k_map);
+    tma_prefetch_map(v_map);
+  }
+  int const n_steps = w.step_end - w.step_begin;
+  auto chunk_key = [&](int it) { return (w.step_begin + it) * kBlockN + 16 * q; };
+  auto chunk_page = [&](int it) {
+    int const j = chunk_key(it);
+    return it < n_steps && lane < kPerWarp && q < kChunks && j < w.k_len ? c.kv.page(j) : 0;
+  };
+  // step it's raw K and V chunks of this warp into its raw stage; loads / bad: the warp's chunks that
+  // land / that lie in a corrupt page (bit l: chunk first_chunk + l)
+  auto issue = [&](int it, int phys, uint32_t& loads, uint32_t& bad) {
+    int const j = chunk_key(it);
+    bool const mine = it < n_steps && lane < kPerWarp && q < kChunks && j < w.k_len;
+    bool const valid = mine && phys >= 0 && phys < p.num_blocks;
+    loads = __ballot_sync(0xffffffffu, valid);
+    bad = __ballot_sync(0xffffffffu, mine && !valid);
+    if (it >= n_steps) return;
+    int const rs = int((ring.ring + uint32_t(it)) % kRaw);
+    uint64_t* const k_bar = c.smem.ws_raw_bar(0, warp, rs);
+    uint64_t* const v_bar = c.smem.ws_raw_bar(1, warp, rs);
+    if (lane == 0) {
+      mbarrier_arrive_expect_tx(k_bar, __popc(loads) * kRawChunkBytes);
+      mbarrier_arrive_expect_tx(v_bar, __popc(loads) * kRawChunkBytes);
+    }
+    __syncwarp();
+    if (valid) {
+      int const off = c.kv.offset(j);
+      int const c1 = p.tma_row_dim == 1 ? off : w.kv_head;
+      int const c2 = p.tma_row_dim == 1 ? w.kv_head : off;
+      tma_load_4d(c.smem.raw_k(rs, 16 * q), k_map, 0, c1, c2, phys, k_bar);
+      tma_load_4d(c.smem.raw_v(rs, 16 * q), v_map, 0, c1, c2, phys, v_bar);
+    }
+  };
+  uint32_t loads, bad;
+  issue(0, chunk_page(0), loads, bad);
+  int phys_next = chunk_page(1);
+  for (int it = 0; it < n_steps; ++it) {
+    uint32_t loads_next, bad_next;
+    issue(it + 1, phys_next, loads_next, bad_next);
+    phys_next = chunk_page(it + 2);
+    uint32_t const n = ring.ring + uint32_t(it);
+    int const rs = int(n % kRaw), slot = ring.slot<kStages>(it);
+    uint32_t const raw_phase = (n / kRaw) & 1u, free_phase = ring.phase<kStages>(it) ^ 1u;
+    auto widen = [&](uint8_t const* raw, char* dst, uint64_t* raw_bar, uint64_t* full, uint64_t* empty) {
+      mbarrier_wait(raw_bar, raw_phase);
+      mbarrier_wait(empty + slot, free_phase);
+      for (int l = 0; l < kPerWarp; ++l) {
+        bool const landed = loads >> l & 1u;
+        if (!landed && !(bad >> l & 1u)) continue;  // uniform: a chunk past the request's end
+        int const chunk = first_chunk + l;
+        CUTE_UNROLL
+        for (int i = lane; i < 16 * 8; i += 32) {  // 16 rows x 8 raw pieces
+          int const r = i / 8, jp = i % 8, row = 16 * chunk + r;
+          uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+          if (landed) {
+            uint4 const x = *reinterpret_cast<uint4 const*>(raw + row * kHeadDim + (jp ^ (r % 8)) * 16);
+            dequant_fp8x16<Traits::kIsBf16, Traits::kFp8>(x, lo, hi);
+          }
+          char* const at = dst + ((jp / 4) * kBlockN + row) * 128;
+          int const p0 = 2 * (jp % 4);
+          *reinterpret_cast<uint4*>(at + (p0 ^ (r % 8)) * 16) = lo;
+          *reinterpret_cast<uint4*>(at + ((p0 + 1) ^ (r % 8)) * 16) = hi;
+        }
+      }
+      fence_proxy_async_smem();  // the Element writes before wgmma reads them; the raw reads before TMA refills
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(full + slot);
+    };
+    widen(c.smem.raw_k(rs), reinterpret_cast<char*>(c.smem.k_tile(slot, 0)), c.smem.ws_raw_bar(0, warp, rs),
+          bars.full_k, bars.empty_k);
+    widen(c.smem.raw_v(rs), reinterpret_cast<char*>(c.smem.v_tile(slot, 0)), c.smem.ws_raw_bar(1, warp, rs),
+          bars.full_v, bars.empty_v);
+    loads = loads_next;
+    bad = bad_next;
   }
 }
 
@@ -420,6 +523,11 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
       mbarrier_init(bars.empty_k + s, Traits::kThreads / 32);
       mbarrier_init(bars.empty_v + s, Traits::kThreads / 32);
     }
+    if constexpr (Traits::kIsFp8) {
+      for (int i = 0; i < 2 * kWsProducerWarps * Traits::kRawStages; ++i) {
+        mbarrier_init(sm.ws_raw_bar(0, 0, 0) + i, 1);
+      }
+    }
     mbarrier_init_fence();
   }
   int const total = p.num_seqs * p.num_kv_heads * p.grid_tiles * p.num_splits;
@@ -432,7 +540,11 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
     AttnWork w;
     while (ws_next_item<Traits, Features>(p, total, item, w)) {
       TileCtx<Traits> const c(p, w, smem);
-      ws_produce(c, ring);
+      if constexpr (Traits::kIsFp8) {
+        ws_produce_fp8(c, ring);
+      } else {
+        ws_produce(c, ring);
+      }
       ring.ring += uint32_t(w.step_end - w.step_begin);
     }
     // stay until the consumers are done (named barrier 4): the CTA's warps leave together, so that
