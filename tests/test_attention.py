@@ -350,6 +350,45 @@ def test_fp8_ws_prefill_matches_reference(c, decode_loader):
     _check_sm90a_mode(c, decode_loader, "prefill_ws", required=c["batch"] != "mixed")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_ws_widens_every_value_exactly(kv, dtype):
+    """prefill_ws's producer widens fp8 with integer ops and one power-of-two multiply
+    (widen_fp8x16_bits). With one key per request each output row is the widened V row itself, so
+    every finite fp8 value (both signs, the subnormals) must come out exactly as torch converts it.
+    The rest of each key's 16-key chunk is NaN bytes; shuffled pages."""
+    from pagedattn.ops import attention as attention_ops
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("prefill_ws is sm_90a-only")
+    fp8 = torch.float8_e4m3fn if kv == "fp8_e4m3" else torch.float8_e5m2
+    D, bs, q_len, hq = 128, 16, 160, 3
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[torch.isfinite(codes.view(fp8).float())]
+    n = -(-codes.numel() // D)  # requests, a V row of D codes each
+    v_rows = torch.zeros(n * D, dtype=torch.uint8)
+    v_rows[:codes.numel()] = codes[torch.randperm(codes.numel())]
+    v_rows = v_rows.view(n, D)
+    pages = torch.randperm(n + 5)[:n]
+    kc = torch.full((n + 5, bs, 1, D), 0x7F, dtype=torch.uint8)  # 0x7f: NaN in both formats
+    vc = kc.clone()
+    kc[pages, 0, 0] = codes[torch.randint(codes.numel(), (n, D))]
+    vc[pages, 0, 0] = v_rows
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(n * q_len, hq, D, generator=gen).to(dtype).cuda()
+    cu_q = torch.arange(0, (n + 1) * q_len, q_len, dtype=torch.int32, device="cuda")
+    one = torch.ones(1, device="cuda")
+    out = flash_attn_varlen_func(q, kc.cuda(), vc.cuda(), q_len, cu_q, 1,
+                                 seqused_k=torch.ones(n, dtype=torch.int32, device="cuda"),
+                                 block_table=pages.int().view(n, 1).cuda(), num_splits=1,
+                                 kv_cache_dtype=kv, k_descale=one, v_descale=one)
+    want = v_rows.view(fp8).to(dtype).view(n, 1, 1, D).expand(n, q_len, hq, D).reshape(-1, hq, D)
+    assert torch.equal(out.cpu(), want)
+    modes = {m for plan in attention_ops._PLANS.values() for m, _ in plan._kernels}
+    assert "prefill_ws" in modes, modes
+
+
 def _ws_grid(n, seed=17):
     """The warp-specialised sm_90a prefill (prefill_ws: TMA producer, wgmma consumers): paged 16-bit
     caches with pages of whole 16-key chunks, every head dim it compiles (120 runs on 128, its last

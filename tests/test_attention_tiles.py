@@ -185,6 +185,10 @@ def test_mode_choice_is_pure():
     ws = lambda rows: heuristics.mode_for(rows, "decode_tma", "prefill_ws", 128, "multi_tma")  # noqa: E731
     assert [ws(r) for r in (16, heuristics.WS_ROWS, heuristics.WS_ROWS + 1, 129)] == \
         ["decode_tma", "multi_tma", "prefill_ws", "prefill_ws"]
+    # an fp8 cache's multi is the cp.async one: it keeps the rows up to MULTI_ROWS
+    ws8 = lambda rows: heuristics.mode_for(rows, "decode_tma", "prefill_ws", 128, "multi")  # noqa: E731
+    assert [ws8(r) for r in (heuristics.WS_ROWS + 1, top, top + 1, 129)] == \
+        ["multi", "multi", "prefill", "prefill_ws"]
 
 
 def test_multi_token_decode_modes():

@@ -74,12 +74,13 @@ def multi_mode(call: _Call, head_dim: int, tma: bool) -> str | None:
 
 def mode_for(rows: int, decode_mode: str, prefill_mode: str, wgmma_rows: int, multi: str | None = None) -> str:
     """The variant for a batch whose longest request has `rows` packed query rows: decode up to one
-    16-row tile; prefill_ws above WS_ROWS when the plan has it; multi-token decode (`multi`, when the
-    plan has one) up to MULTI_ROWS; prefill_wgmma (when the plan allows it) once the rows overflow one
+    16-row tile; prefill_ws above WS_ROWS when the plan has it (above MULTI_ROWS when `multi` is the
+    cp.async one, as for fp8 caches: WS_ROWS was measured against multi_tma); multi-token decode
+    (`multi`, when the plan has one) up to MULTI_ROWS; prefill_wgmma (when the plan allows it) once the rows overflow one
     SM80 prefill tile (`wgmma_rows`), plain prefill in between."""
     if rows <= 16:
         return decode_mode
-    if prefill_mode == "prefill_ws" and rows > WS_ROWS:
+    if prefill_mode == "prefill_ws" and rows > WS_ROWS and multi != "multi":
         return prefill_mode
     if multi is not None and rows <= MULTI_ROWS:
         return multi

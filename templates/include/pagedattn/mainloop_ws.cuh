@@ -41,7 +41,7 @@ namespace pagedattn {
 // what the SM's 64 Ki registers leave, at most 240 (both multiples of 8, as setmaxnreg wants).
 template <class Traits>
 struct WsRegisters {
-  static constexpr int kProducerRegs = Traits::kIsFp8 ? 40 : 24;  // fp8: the producer widens the chunks
+  static constexpr int kProducerRegs = Traits::kIsFp8 ? 32 : 24;  // fp8: the producer widens the chunks
   static constexpr int kLeft = (65536 - kProducerRegs * Traits::kProducerThreads) / Traits::kThreads / 8 * 8;
   static constexpr int kConsumerRegs = kLeft > 240 ? 240 : kLeft;
 };
@@ -234,7 +234,7 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
           uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
           if (landed) {
             uint4 const x = *reinterpret_cast<uint4 const*>(raw + row * kHeadDim + (jp ^ (r % 8)) * 16);
-            dequant_fp8x16<Traits::kIsBf16, Traits::kFp8>(x, lo, hi);
+            widen_fp8x16_bits<Traits::kIsBf16, Traits::kFp8>(x, lo, hi);
           }
           char* const at = dst + ((jp / 4) * kBlockN + row) * 128;
           int const p0 = 2 * (jp % 4);
