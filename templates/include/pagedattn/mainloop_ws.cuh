@@ -38,12 +38,19 @@
 namespace pagedattn {
 
 // Registers per thread after the hand-over: the producer keeps kProducerRegs, the consumers take
-// what the SM's 64 Ki registers leave, at most 240 (both multiples of 8, as setmaxnreg wants).
+// what is left of the registers the CTA was launched with (kPool: __launch_bounds__' share of the
+// SM's 64 Ki, a multiple of 8 per thread), at most 240 (multiples of 8, as setmaxnreg wants).
+// setmaxnreg.inc draws on that pool only: asking for more than the decrements freed can block a
+// consumer warp for good (at producer 32 / consumers 240 an fp8 prefill hung on the H200).
 template <class Traits>
 struct WsRegisters {
-  static constexpr int kProducerRegs = Traits::kIsFp8 ? 32 : 24;  // fp8: the producer widens the chunks
-  static constexpr int kLeft = (65536 - kProducerRegs * Traits::kProducerThreads) / Traits::kThreads / 8 * 8;
+  static constexpr int kAllThreads = Traits::kThreads + Traits::kProducerThreads;
+  static constexpr int kPool = 65536 / kAllThreads / 8 * 8 * kAllThreads;
+  static constexpr int kProducerRegs = Traits::kIsFp8 ? 40 : 24;  // fp8: the producer widens the chunks
+  static constexpr int kLeft = (kPool - kProducerRegs * Traits::kProducerThreads) / Traits::kThreads / 8 * 8;
   static constexpr int kConsumerRegs = kLeft > 240 ? 240 : kLeft;
+  static_assert(kProducerRegs * Traits::kProducerThreads + kConsumerRegs * Traits::kThreads <= kPool,
+                "the hand-over asks for more registers than the CTA holds");
 };
 
 template <int kRegs>
