@@ -328,8 +328,21 @@ def _check_sm90a_mode(c, decode_loader, mode, required=True):
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", _fp8_wgmma_grid(40), ids=_case_id)
 def test_fp8_wgmma_prefill_matches_reference(c, decode_loader):
-    # head dim 128 with pages TMA can read goes to prefill_ws (its producer widens the fp8 chunks)
-    _check_sm90a_mode(c, decode_loader, "prefill_ws" if c["D"] == 128 and c["bs"] % 16 == 0 else "prefill_wgmma")
+    _check_sm90a_mode(c, decode_loader, "prefill_wgmma")  # fp8 stays there (prefill_mode: faster than prefill_ws)
+
+
+@pytest.fixture
+def fp8_ws(monkeypatch):
+    """prefill_ws forced for fp8 caches at head dim 128 (the dispatch keeps them on prefill_wgmma),
+    with fresh plans, so that no plan made before (without it) is reused."""
+    from pagedattn.ops import attention as attention_ops
+
+    dispatch = attention_ops.prefill_mode
+    monkeypatch.setattr(attention_ops, "prefill_mode",
+                        lambda wgmma, tma, fp8: "prefill_ws" if wgmma and tma else dispatch(wgmma, tma, fp8))
+    attention_ops._PLANS.clear()
+    yield
+    attention_ops._PLANS.clear()  # no forced plan outlives the test
 
 
 def _fp8_ws_grid(n, seed=19):
@@ -346,14 +359,14 @@ def _fp8_ws_grid(n, seed=19):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", _fp8_ws_grid(32), ids=_case_id)
-def test_fp8_ws_prefill_matches_reference(c, decode_loader):
+def test_fp8_ws_prefill_matches_reference(c, decode_loader, fp8_ws):
     _check_sm90a_mode(c, decode_loader, "prefill_ws", required=c["batch"] != "mixed")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_ws_widens_every_value_exactly(kv, dtype):
+def test_fp8_ws_widens_every_value_exactly(kv, dtype, fp8_ws):
     """prefill_ws's producer widens fp8 with integer ops and one power-of-two multiply
     (widen_fp8x16_bits). With one key per request each output row is the widened V row itself, so
     every finite fp8 value (both signs, the subnormals) must come out exactly as torch converts it.
@@ -928,8 +941,7 @@ def test_ws_prefill_dispatch_rules():
 
     # the warp-specialised prefill: 16-bit caches TMA can read, on sm_90a
     assert heuristics.prefill_mode(True, True, False) == "prefill_ws"
-    assert heuristics.prefill_mode(True, True, True, 128) == "prefill_ws"   # fp8 d128: the producer widens
-    assert heuristics.prefill_mode(True, True, True, 256) == "prefill_wgmma"  # other fp8: widened by the CTA
+    assert heuristics.prefill_mode(True, True, True) == "prefill_wgmma"     # fp8: faster there than on prefill_ws
     assert heuristics.prefill_mode(True, False, False) == "prefill_wgmma"   # block size 1/8, contiguous KV
     assert heuristics.prefill_mode(False, True, False) == "prefill"         # sm_80, head dims not multiples of 64
     with pytest.raises(UnsupportedError, match="fp8 caches at head_dim 128"):

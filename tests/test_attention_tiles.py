@@ -103,7 +103,7 @@ def test_every_registered_variant_holds_its_archs_tiles():
             assert spec.dynamic_smem() <= tiles.SMEM_PER_CTA[arch], (spec, arch)
     for dtype, kv, d, mode, fs in itertools.product(("fp16", "bf16"), AttnFwdSpec.SUPPORTED["kv_cache_dtype"],
                                                     tiles.HEAD_DIMS, tiles.MODES, attention.FEATURE_SETS):
-        if not _valid(kv, d, mode):
+        if not _valid(kv, d, mode) or not AttnFwdSpec("bf16", kv, d, mode).dispatched:
             continue
         flags = tuple(f in fs.split("+") for f in attention.FEATURES)
         for arch in ARCHS:

@@ -1422,9 +1422,11 @@ def kernel_specs(space: Space = Space()) -> list:
 
     def add(cls, *fields):
         try:
-            specs.append(cls(*fields))
+            spec = cls(*fields)
         except UnsupportedError:
-            pass  # a mode that does not exist for these fields
+            return  # a mode that does not exist for these fields
+        if getattr(spec, "dispatched", True):  # not the forced-only ones (AttnFwdSpec.dispatched)
+            specs.append(spec)
     for t, kv, d in KERNEL_VARIANTS["attn_fwd"]:
         if t in space.dtypes and kv in space.kv_cache_dtypes and d in dims:
             for mode in MODES:

@@ -101,11 +101,20 @@ class AttnFwdSpec(KernelSpec):
     @classmethod
     def all_variants(cls):
         """Every tile/dtype variant with each feature set of FEATURE_SETS (any other combination still
-        compiles on first use; these are the ones `pagedattn list`, bundles and the compile tests cover)."""
+        compiles on first use; these are the ones `pagedattn list`, bundles and the compile tests cover),
+        but those no plan picks (`dispatched`)."""
         for spec in super().all_variants():
+            if not spec.dispatched:
+                continue
             if spec.features == "none":
                 for fs in FEATURE_SETS:
                     yield spec if fs == "none" else dataclasses.replace(spec, **{f: True for f in fs.split("+")})
+
+    @property
+    def dispatched(self) -> bool:
+        """Whether some plan picks this variant: all but prefill_ws with an fp8 cache, which compiles
+        and runs when forced (tests, perf/) but is slower than prefill_wgmma (heuristics.prefill_mode)."""
+        return not (self.mode == "prefill_ws" and self.kv_cache_dtype != "auto")
 
     @property
     def tile_arch(self) -> str:
@@ -251,7 +260,7 @@ class _Plan:
         self.decode_mode = "decode_tma" if tma_ok(call, arch, self.head_dim) else "decode"
         self.multi_mode = multi_mode(call, self.head_dim, self.decode_mode == "decode_tma")
         self.prefill_mode = prefill_mode(wgmma_ok(call, arch, self.head_dim), self.decode_mode == "decode_tma",
-                                         call.kv_name != "auto", self.head_dim)
+                                         call.kv_name != "auto")
         # prefill_wgmma's tiles are larger: it takes over once the rows overflow one SM80 prefill tile.
         # Measured on H200 (perf/results/prefill_modes_nvidia_h200_20261130_short_3eaa587.json, d128,
         # B=32 over 4096 keys): q_len 5-32 (20-128 rows) ran 17 % slower on wgmma, q_len 64 1.7x faster.
