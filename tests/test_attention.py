@@ -1,5 +1,6 @@
 """flash_attn_varlen_func: the reference (CPU), compilation (CPU), the kernel against the reference on
 NaN-poisoned caches with shuffled tables (GPU), and bad input (CPU and GPU)."""
+import contextlib
 import itertools
 import math
 import random
@@ -226,17 +227,18 @@ def _lengths(kind, rng, group=1, multi_rows=None):
 
 
 @pytest.fixture
-def decode_loader(monkeypatch):
+def decode_loader():
     """decode_loader("cp_async") makes decode batches take the cp.async variant even on sm_90 (where
     TMA is the default for paged decode), so both loaders stay tested on one GPU."""
     from pagedattn.ops import attention as attention_ops
 
-    def force(loader):
-        if loader == "cp_async":
-            monkeypatch.setattr(attention_ops, "tma_ok", lambda call, arch, head_dim: False)
-        attention_ops._PLANS.clear()
+    with contextlib.ExitStack() as stack:
+        def force(loader):
+            if loader == "cp_async":
+                stack.enter_context(attention_ops.forced(tma=False))
+            attention_ops._PLANS.clear()
 
-    yield force
+        yield force
     attention_ops._PLANS.clear()
 
 
@@ -332,17 +334,12 @@ def test_fp8_wgmma_prefill_matches_reference(c, decode_loader):
 
 
 @pytest.fixture
-def fp8_ws(monkeypatch):
-    """prefill_ws forced for fp8 caches at head dim 128 (the dispatch keeps them on prefill_wgmma),
-    with fresh plans, so that no plan made before (without it) is reused."""
+def fp8_ws():
+    """prefill_ws forced (the dispatch keeps fp8 caches on prefill_wgmma), on fresh plans."""
     from pagedattn.ops import attention as attention_ops
 
-    dispatch = attention_ops.prefill_mode
-    monkeypatch.setattr(attention_ops, "prefill_mode",
-                        lambda wgmma, tma, fp8: "prefill_ws" if wgmma and tma else dispatch(wgmma, tma, fp8))
-    attention_ops._PLANS.clear()
-    yield
-    attention_ops._PLANS.clear()  # no forced plan outlives the test
+    with attention_ops.forced(prefill="prefill_ws"):
+        yield
 
 
 def _fp8_ws_grid(n, seed=19):
@@ -962,15 +959,12 @@ def test_ws_prefill_dispatch_rules():
     assert tile_config(64, "prefill_ws")["kStages"] == 3
 
 
-def test_tiles_beyond_shared_memory_are_refused(monkeypatch):
+def test_tiles_beyond_shared_memory_are_refused():
     from pagedattn.ops import attention
 
-    base = attention.tile_config
-    monkeypatch.setattr(attention, "tile_config",
-                        lambda d, mode, fp8=False, arch="sm_90a": {**base(d, mode, fp8, arch), "kBlockN": 128,
-                                                                    "kStages": 4})
-    with pytest.raises(UnsupportedError, match="shared memory"):
-        AttnFwdSpec("bf16", "auto", 128, "prefill_wgmma")
+    with attention.forced(tiles={"prefill_wgmma": {"kBlockN": 128, "kStages": 4}}):
+        with pytest.raises(UnsupportedError, match="shared memory"):
+            AttnFwdSpec("bf16", "auto", 128, "prefill_wgmma")
 
 
 def test_prefill_variant_by_rows():
@@ -978,6 +972,7 @@ def test_prefill_variant_by_rows():
 
     plan = attention._Plan.__new__(attention._Plan)
     plan.decode_mode, plan.prefill_mode, plan.wgmma_rows, plan.multi_mode = "decode_tma", "prefill_wgmma", 128, None
+    plan.multi_rows = attention.heuristics.MULTI_ROWS
     assert [plan.mode_for(r) for r in (1, 16, 17, 128, 129, 4096)] == \
         ["decode_tma", "decode_tma", "prefill", "prefill", "prefill_wgmma", "prefill_wgmma"]
     plan.multi_mode = "multi_tma"  # multi-token decode between one decode tile and MULTI_ROWS

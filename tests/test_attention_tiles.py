@@ -236,9 +236,7 @@ def test_small_smem_decode_matches_reference(D, kv, splits, monkeypatch):
     monkeypatch.setattr(AttnFwdSpec, "for_arch",
                         classmethod(lambda cls, arch, *a, **k: for_arch(cls, "sm_86", *a, **k)))
     monkeypatch.setattr(AttnFwdSpec, "supports_arch", lambda self, arch: True)
-    monkeypatch.setattr(attention, "tma_ok", lambda call, arch, head_dim: False)
-    attention._PLANS.clear()
-    try:
+    with attention.forced(tma=False):
         gen = torch.Generator().manual_seed(20 + D)
         lens_q, lens_k = [1, 1, 1], [300, 1000, 37]
         case = build_case(lens_q, lens_k, 8, 2, D, 16, "NHD", torch.bfloat16, kv, "tensor", gen)
@@ -256,8 +254,6 @@ def test_small_smem_decode_matches_reference(D, kv, splits, monkeypatch):
         assert not o.isnan().any(), "NaN in the output"
         err, err_low = rel_l2(o, ref), rel_l2(low.to(torch.bfloat16), ref)
         assert err <= max(2 * err_low, 2e-3) and err < 2e-2, (err, err_low)
-    finally:
-        attention._PLANS.clear()
 
 
 # mainloop_sm80.cuh writes some CuTe fragment, accumulator and register-view layouts out (Sm80Frags,

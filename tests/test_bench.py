@@ -811,23 +811,26 @@ def test_jit_workloads_build_on_the_bench_data():
 
 
 # -- sweeps (`pagedattn bench sweep`) -------------------------------------------------------------
-def test_sweep_tile_override_changes_only_its_modes(monkeypatch):
+def test_sweep_tile_override_changes_only_its_modes():
     from pagedattn.bench import sweeps
     from pagedattn.ops import attention as op
 
-    for name in ("tile_config", "tma_ok"):
-        monkeypatch.setattr(op, name, getattr(op, name))  # restored after the test
     base_decode, base_prefill = op.tile_config(128, "decode_tma"), op.tile_config(128, "prefill")
-    assert sweeps.override_tiles("decode", "4,3,2,cp") == "cp"
-    assert op.tile_config(128, "decode_tma") == {**base_decode, "kWarpsN": 4, "kStages": 3, "kMinBlocks": 2,
-                                                 "kBlockN": 16}
-    assert op.tile_config(128, "prefill") == base_prefill
-    assert op.tma_ok(None, "sm_90a", 128) is False
     base_wgmma = op.tile_config(128, "prefill_wgmma")
-    assert sweeps.override_tiles("prefill", "128,128,8,2") == "tma"
-    assert op.tile_config(128, "prefill_wgmma") == {**base_wgmma, "kBlockM": 128, "kBlockN": 128, "kWarpsM": 8,
-                                                    "kStages": 2}
-    assert sweeps.override_tiles("prefill", "default") == "tma"
+    cp = sweeps.config_forced("decode", "4,3,2,cp")
+    assert cp["tma"] is False
+    with op.forced(**cp) as f:
+        assert f.tma is False
+        assert op.tile_config(128, "decode_tma") == {**base_decode, "kWarpsN": 4, "kStages": 3, "kMinBlocks": 2,
+                                                     "kBlockN": 16}
+        assert op.tile_config(128, "prefill") == base_prefill
+        with op.forced(**sweeps.config_forced("prefill", "128,128,8,2")):  # nested: adds to the outer block
+            assert op.tile_config(128, "prefill_wgmma") == {**base_wgmma, "kBlockM": 128, "kBlockN": 128,
+                                                            "kWarpsM": 8, "kStages": 2}
+            assert op.tile_config(128, "decode_tma")["kStages"] == 3
+        assert op.tile_config(128, "prefill_wgmma") == base_wgmma
+    assert op.tile_config(128, "decode_tma") == base_decode  # left: the dispatch's own again
+    assert sweeps.config_forced("prefill", "default") == {}
 
 
 def test_sweep_decode_points_follow_the_options():
@@ -865,12 +868,10 @@ def test_sweep_precompile_plans_the_configs_kernels(monkeypatch, tmp_path):
     from pagedattn.bench import sweeps
     from pagedattn.ops import attention as op
 
-    for name in ("tile_config", "tma_ok"):
-        monkeypatch.setattr(op, name, getattr(op, name))
     seen = {}
 
-    def fake(jobs, out, **kw):
-        seen.update(jobs=jobs, out=out)
+    def fake(jobs, out, **kw):  # the tiles as the build renders them: inside the config's forced block
+        seen.update(jobs=jobs, out=out, tiles=[j.spec.tiles for j in jobs])
         return types.SimpleNamespace(compiled=len(jobs), failed=[])
     monkeypatch.setattr(aot, "precompile", fake)
     opts = dict(splits="", variants="", cases="", tma_promotion="", aot=str(tmp_path))
@@ -878,7 +879,8 @@ def test_sweep_precompile_plans_the_configs_kernels(monkeypatch, tmp_path):
     assert seen["out"] == tmp_path / "cfg_4_3_2_cp"
     specs = [j.spec for j in seen["jobs"]]
     assert {s.kv_cache_dtype for s in specs} == {"auto", "fp8_e4m3"} and {s.mode for s in specs} == {"decode"}
-    assert specs[0].tiles["kWarpsN"] == 4 and specs[0].tiles["kStages"] == 3
+    assert seen["tiles"][0]["kWarpsN"] == 4 and seen["tiles"][0]["kStages"] == 3
+    assert specs[0].tiles == op.tile_config(128, "decode")  # outside the block: the dispatch's own
 
 
 def test_sweep_cli_runs_children_and_writes_results(monkeypatch, tmp_path):

@@ -410,3 +410,29 @@ def test_a_warm_kvcache_call_launches_what_a_cold_one_does(snew, kv, monkeypatch
         monkeypatch.setattr(kvcache, "run", lambda *a, **k: ran.append(1) or checks(*a, **k))
         pagedattn.flash_attn_with_kvcache(**dict(kw, kv_cache_dtype="fp8_e5m2"))
         assert ran == [1]
+
+
+def test_forced_dispatch_holds_inside_its_block_only():
+    """attention.forced (bench sweeps, perf/, tests): each plan made inside the block takes the forced
+    prefill, multi-token decode setting and tiles; plans are dropped on entry and on exit."""
+    kw = _base("plain")
+    kw.update(q=torch.randn(3 * 12, 4, 64).to(torch.bfloat16), max_seqlen_q=12,
+              cu_seqlens_q=torch.arange(0, 37, 12, dtype=torch.int32))  # 12 x group 2 = 24 rows per KV head
+
+    def variants():
+        return [v.spec for plan in attention._PLANS.values() for v in plan._kernels.values()]
+
+    pagedattn.flash_attn_varlen_func(**kw)
+    assert [s.mode for s in variants()] == ["multi_tma"]  # the dispatch: multi-token decode up to WS_ROWS
+    with attention.forced(prefill="prefill_ws", multi=False):
+        assert variants() == []
+        pagedattn.flash_attn_varlen_func(**kw)
+        assert [s.mode for s in variants()] == ["prefill_ws"]
+        with attention.forced(tiles={"prefill_ws": {"kPingPong": False}}):  # adds to the outer block
+            pagedattn.flash_attn_varlen_func(**kw)
+            (spec,) = variants()
+            assert spec.mode == "prefill_ws" and spec.tiles["kPingPong"] is False
+        assert attention.tile_config(64, "prefill_ws")["kPingPong"] is True
+    assert variants() == []
+    pagedattn.flash_attn_varlen_func(**kw)
+    assert [s.mode for s in variants()] == ["multi_tma"]

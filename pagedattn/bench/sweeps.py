@@ -1,7 +1,7 @@
 """`pagedattn bench sweep KIND [CONFIG ...]`: configuration sweeps on the bench's data, timer and oracle
 (perf/README.md, "Quick scripts", lists the kinds and their options). Each writes
 <out>/<kind>_<gpu>_<date>.json. A kernel's tiles are fixed once it is built, so decode and prefill run
-each CONFIG in a child process that overrides the tiles of its modes (`override_tiles`); the write sweep
+each CONFIG in a child process that forces the tiles of its modes (`config_forced`); the write sweep
 changes launch fields per call (`overrides=` of reshape_and_cache_flash) and runs in this process.
 """
 from __future__ import annotations
@@ -29,30 +29,20 @@ DECODE_CASES = [("B=64 ctx=4096", 64, 4096, "auto", 0), ("B=64 ctx=4096 fp8", 64
 
 
 # -- the override ----------------------------------------------------------------------------------
-def override_tiles(kind: str, config: str) -> str:
-    """Make `attention.tile_config` return CONFIG's tiles for the modes of `kind` (decode: every decode
-    mode; prefill: prefill_wgmma) and, for the `cp` loader, keep decode off TMA. Returns the loader."""
-    from pagedattn.ops import attention
+def config_forced(kind: str, config: str) -> dict:
+    """The `forced(...)` options of CONFIG: its tiles for the modes of `kind` (decode: every decode
+    mode; prefill: prefill_wgmma) and, for the `cp` loader, decode off TMA."""
+    from pagedattn.ops.attention import MODES
 
     if config == "default":
-        return "tma"
+        return {}
     vals = config.split(",")
-    loader = "tma"
     if kind == "decode":
         warps, stages, min_blocks, loader, block_n = (vals + ["tma", "16"][len(vals) - 3:])[:5]
         fields = dict(kWarpsN=int(warps), kStages=int(stages), kMinBlocks=int(min_blocks), kBlockN=int(block_n))
-    else:
-        fields = dict(zip(("kBlockM", "kBlockN", "kWarpsM", "kStages"), map(int, vals)))
-    applies = (lambda mode: mode.startswith("decode")) if kind == "decode" else (lambda mode: mode == "prefill_wgmma")
-    base = attention.tile_config
-
-    def tiles(head_dim, mode, fp8=False, arch="sm_90a"):
-        cfg = base(head_dim, mode, fp8, arch)
-        return {**cfg, **fields} if applies(mode) else cfg
-    attention.tile_config = tiles
-    if loader == "cp":
-        attention.tma_ok = lambda call, arch, head_dim: False
-    return loader
+        return dict(tiles={m: fields for m in MODES if m.startswith("decode")},
+                    **(dict(tma=False) if loader == "cp" else {}))
+    return dict(tiles={"prefill_wgmma": dict(zip(("kBlockM", "kBlockN", "kWarpsM", "kStages"), map(int, vals)))})
 
 
 def aot_dir(root: str, config: str) -> Path:
@@ -120,40 +110,23 @@ def prefill_row(d: int, prefill: str | None = None, batch: int = 4, q_len: int =
     timed, long ones on B=2 S=517) against pagedattn.reference. `tiles` overrides tile_config's
     answer for the forced mode (e.g. {"kPingPong": False} for prefill_ws)."""
     from pagedattn.ops import attention
-    from pagedattn.ops.attention import heuristics
 
     from .attention import reference_out
     from .common import rel_l2
     from .timing import Timer
 
-    attention._PLANS.clear()
-    use, use_multi, multi_rows = attention.prefill_mode, attention.multi_mode, heuristics.MULTI_ROWS
-    use_tiles = attention.tile_config
-    if tiles:
-        attention.tile_config = lambda hd, mode, fp8=False, arch="sm_90a": \
-            {**use_tiles(hd, mode, fp8, arch), **(tiles if mode == prefill else {})}
-    use_mode_for = attention.mode_for
-    if prefill is not None:  # forced: also for rows the dispatch would give the SM80 prefill
-        attention.prefill_mode = lambda wgmma, tma, fp8: prefill
-        attention.mode_for = lambda rows, decode, prefill_, wgmma_rows, multi_=None: \
-            use_mode_for(rows, decode, prefill_, 16 if prefill_ != "prefill" else wgmma_rows, multi_)
-    if multi is False:
-        attention.multi_mode = lambda call, head_dim, tma: None
-    elif multi:
-        heuristics.MULTI_ROWS = 256
-    try:
+    # forced: this prefill (also for rows the dispatch would give the SM80 prefill), multi-token decode
+    # off or up to FORCED_MULTI_ROWS rows, the tiles over the forced mode's
+    with attention.forced(prefill=prefill, multi=multi, tiles={prefill: tiles} if tiles and prefill else None):
         check = paged(batch, ctx, q_len=q_len, d=d) if q_len <= 64 else paged(2, 517, q_len=517, d=d)
         err = rel_l2(ours(check)(0), reference_out(check))
         attention._PLANS.clear()  # the mode read below is the timed call's
         us = Timer(budget_s=0.2)(ours(paged(batch, ctx, q_len=q_len, d=d))).us
         plan = next(iter(attention._PLANS.values()))
         mode = plan.mode_for(q_len * HQ // HKV)
-        flops = 4 * batch * HQ * d * sum(ctx - q_len + i + 1 for i in range(q_len))  # query i sees ctx-q_len+i+1 keys
-        return dict(head_dim=d, batch=batch, q_len=q_len, ctx=ctx, mode=mode, us=us, tflops=flops / us / 1e6,
-                    kv_gbs=2 * batch * ctx * HKV * d * 2 / us / 1e3, rel_l2_err=err)
-    finally:
-        attention.prefill_mode, attention.multi_mode, heuristics.MULTI_ROWS = use, use_multi, multi_rows
-        attention.tile_config, attention.mode_for = use_tiles, use_mode_for
+    flops = 4 * batch * HQ * d * sum(ctx - q_len + i + 1 for i in range(q_len))  # query i sees ctx-q_len+i+1 keys
+    return dict(head_dim=d, batch=batch, q_len=q_len, ctx=ctx, mode=mode, us=us, tflops=flops / us / 1e6,
+                kv_gbs=2 * batch * ctx * HKV * d * 2 / us / 1e3, rel_l2_err=err)
 
 
 def quick_row(name: str, B: int, ctx: int, kv: str, splits: int, q_len: int, ceiling: float) -> dict:
@@ -198,32 +171,36 @@ def child(kind: str, config: str, opts: dict) -> None:
                                                                  os.environ.get("PAGEDATTN_AOT_DIR", "")]))
     import torch
 
-    override_tiles(kind, config)
+    from pagedattn.ops.attention import forced
+
     if opts["tma_promotion"]:
         from pagedattn.ops.attention import tma
         tma.TMA_L2_PROMOTION = opts["tma_promotion"]
     points = decode_points(opts) if kind == "decode" else [None]
-    for pt in points:
-        try:
-            row = decode_row(config, opts, *pt) if kind == "decode" else dict(config=config, **prefill_row(D, "prefill_wgmma"))
-        except Exception as exc:  # noqa: BLE001
-            row = dict(config=config, error=str(exc)[:300], **({"case": pt[0]} if pt else {}))
-        print("ROW " + json.dumps(row), flush=True)
-        torch.cuda.empty_cache()
+    with forced(**config_forced(kind, config)):
+        for pt in points:
+            try:
+                row = decode_row(config, opts, *pt) if kind == "decode" else \
+                    dict(config=config, **prefill_row(D, "prefill_wgmma"))
+            except Exception as exc:  # noqa: BLE001
+                row = dict(config=config, error=str(exc)[:300], **({"case": pt[0]} if pt else {}))
+            print("ROW " + json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
 
 
 def precompile(kind: str, root: str, config: str, opts: dict) -> None:
     """This config's sm_90a kernels into aot_dir(root, config), off the GPU (in a child: tiles are fixed)."""
     from pagedattn import aot
-    from pagedattn.ops.attention import AttnFwdSpec
+    from pagedattn.ops.attention import AttnFwdSpec, forced
 
-    loader = override_tiles(kind, config)
-    if kind == "decode":
-        mode = "decode_tma" if loader == "tma" else "decode"
-        specs = [AttnFwdSpec("bf16", kv, D, mode) for kv in sorted({c[3] for c in decode_points(opts)})]
-    else:
-        specs = [AttnFwdSpec("bf16", "auto", D, "prefill_wgmma")]
-    summary = aot.precompile(aot.plan(specs, ["sm_90a"]), aot_dir(root, config), n_jobs=1, progress=False)
+    options = config_forced(kind, config)
+    with forced(**options):
+        if kind == "decode":
+            mode = "decode" if options.get("tma") is False else "decode_tma"
+            specs = [AttnFwdSpec("bf16", kv, D, mode) for kv in sorted({c[3] for c in decode_points(opts)})]
+        else:
+            specs = [AttnFwdSpec("bf16", "auto", D, "prefill_wgmma")]
+        summary = aot.precompile(aot.plan(specs, ["sm_90a"]), aot_dir(root, config), n_jobs=1, progress=False)
     print(config, summary.compiled, "compiled", len(summary.failed), "failed", flush=True)
 
 

@@ -29,7 +29,9 @@ from .. import steady, workspace
 from ..params import AttnParams
 # re-exported: `from pagedattn.ops.attention import X` finds every name of the former single module
 from .heuristics import MAX_SPLITS, _best_splits, mode_for, split_cost, splits_for  # noqa: F401
-from .heuristics import multi_mode, prefill_mode, tma_ok, WS_FP8_HEAD_DIM, wave_capacity, wgmma_ok  # noqa: F401
+from .heuristics import MULTI_ROWS, multi_mode, prefill_mode, tma_ok, WS_FP8_HEAD_DIM, wave_capacity, wgmma_ok  # noqa: F401
+from . import overrides
+from .overrides import FORCED_MULTI_ROWS, forced  # noqa: F401
 from .tiles import HEAD_DIMS, MODES, SM90_MODES, TMA_MODES, WGMMA_MODES, SMALL_SMEM_ARCH, SMEM_LIMIT, SMEM_PER_CTA, _tiles  # noqa: F401
 from .tiles import fp8_regs, smem_bytes, smem_limit, tile_config  # noqa: F401
 from .tma import TMA_L2_PROMOTION, tma_maps  # noqa: F401
@@ -238,9 +240,9 @@ class _Variant:
 class _Plan:
     """What a call's tensor metadata decides, validated once and reused while it repeats."""
     __slots__ = ("call", "device", "dtype", "head_dim", "dbs", "dhs", "block_shift", "bt_stride",
-                 "bt_width", "arch", "decode_mode", "multi_mode", "prefill_mode", "wgmma_rows", "_kernels", "_tma",
-                 "group", "tiles_per_row", "default_scale", "geometry", "launches", "empty", "here", "current",
-                 "_maps_ptr")
+                 "bt_width", "arch", "decode_mode", "multi_mode", "multi_rows", "prefill_mode", "wgmma_rows",
+                 "_kernels", "_tma", "group", "tiles_per_row", "default_scale", "geometry", "launches", "empty",
+                 "here", "current", "_maps_ptr")
 
     def __init__(self, call: _Call, q, block_table, k_descale, v_descale):
         self.call = call
@@ -257,14 +259,18 @@ class _Plan:
         self.bt_stride = block_table.stride(0) if block_table is not None else 0
         self.bt_width = block_table.shape[1] if block_table is not None else 0
         self.arch = arch = arch_for_device(self.device)
-        self.decode_mode = "decode_tma" if tma_ok(call, arch, self.head_dim) else "decode"
-        self.multi_mode = multi_mode(call, self.head_dim, self.decode_mode == "decode_tma")
-        self.prefill_mode = prefill_mode(wgmma_ok(call, arch, self.head_dim), self.decode_mode == "decode_tma",
-                                         call.kv_name != "auto")
+        f = overrides.current()  # what a benchmark or test forces (overrides.py), else the dispatch below
+        tma = f.tma is not False and tma_ok(call, arch, self.head_dim)
+        self.decode_mode = "decode_tma" if tma else "decode"
+        self.multi_mode = None if f.multi is False else multi_mode(call, self.head_dim, tma)
+        self.multi_rows = FORCED_MULTI_ROWS if f.multi else MULTI_ROWS
+        self.prefill_mode = f.prefill or prefill_mode(wgmma_ok(call, arch, self.head_dim), tma, call.kv_name != "auto")
         # prefill_wgmma's tiles are larger: it takes over once the rows overflow one SM80 prefill tile.
         # Measured on H200 (perf/results/prefill_modes_nvidia_h200_20261130_short_3eaa587.json, d128,
         # B=32 over 4096 keys): q_len 5-32 (20-128 rows) ran 17 % slower on wgmma, q_len 64 1.7x faster.
-        self.wgmma_rows = tile_config(self.head_dim, "prefill", False, arch)["kBlockM"]
+        # A forced prefill other than the SM80 one takes every row count above one decode tile.
+        self.wgmma_rows = 16 if f.prefill not in (None, "prefill") else \
+            tile_config(self.head_dim, "prefill", False, arch)["kBlockM"]
         self._kernels: dict = {}
         self._tma: dict = {}
         self._maps_ptr: dict = {}
@@ -281,7 +287,7 @@ class _Plan:
 
     def mode_for(self, rows: int) -> str:
         """The variant for a batch whose longest request has `rows` packed query rows."""
-        return mode_for(rows, self.decode_mode, self.prefill_mode, self.wgmma_rows, self.multi_mode)
+        return mode_for(rows, self.decode_mode, self.prefill_mode, self.wgmma_rows, self.multi_mode, self.multi_rows)
 
     def kernel(self, mode: str, flags: tuple = (False, False, False, False)) -> "_Variant":
         """The decode or prefill variant with these feature flags (FEATURES order)."""

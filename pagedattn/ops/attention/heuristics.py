@@ -75,17 +75,18 @@ def multi_mode(call: _Call, head_dim: int, tma: bool) -> str | None:
     return "multi_tma" if tma and call.kv_name == "auto" else "multi"
 
 
-def mode_for(rows: int, decode_mode: str, prefill_mode: str, wgmma_rows: int, multi: str | None = None) -> str:
+def mode_for(rows: int, decode_mode: str, prefill_mode: str, wgmma_rows: int, multi: str | None = None,
+             multi_rows: int = MULTI_ROWS) -> str:
     """The variant for a batch whose longest request has `rows` packed query rows: decode up to one
-    16-row tile; prefill_ws above WS_ROWS when the plan has it (above MULTI_ROWS when `multi` is the
+    16-row tile; prefill_ws above WS_ROWS when the plan has it (above `multi_rows` when `multi` is the
     cp.async one, as for fp8 caches: WS_ROWS was measured against multi_tma); multi-token decode
-    (`multi`, when the plan has one) up to MULTI_ROWS; prefill_wgmma (when the plan allows it) once the rows overflow one
-    SM80 prefill tile (`wgmma_rows`), plain prefill in between."""
+    (`multi`, when the plan has one) up to `multi_rows`; prefill_wgmma (when the plan allows it) once
+    the rows overflow one SM80 prefill tile (`wgmma_rows`), plain prefill in between."""
     if rows <= 16:
         return decode_mode
     if prefill_mode == "prefill_ws" and rows > WS_ROWS and multi != "multi":
         return prefill_mode
-    if multi is not None and rows <= MULTI_ROWS:
+    if multi is not None and rows <= multi_rows:
         return multi
     return prefill_mode if rows > wgmma_rows else "prefill"
 

@@ -8,6 +8,7 @@ cannot fit is refused with an UnsupportedError."""
 from __future__ import annotations
 
 from ...registry import UnsupportedError
+from . import overrides
 
 HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
 # Above this head dim the warps split O's columns (kWarpsD groups; see attn_traits.cuh): decode and
@@ -54,7 +55,7 @@ def tile_config(head_dim: int, mode: str, fp8: bool = False, arch: str = "sm_90a
         raise UnsupportedError(f"attn_fwd: no {mode} tile fits in shared memory at head_dim {head_dim}"
                                f"{' (fp8 cache)' if fp8 else ''}: {smem_bytes(cfg, head_dim, fp8)} bytes, "
                                f"a CTA gets at most {limit} on {arch}")
-    return cfg
+    return {**cfg, **overrides.current().tiles_for(mode)}  # a benchmark's or test's (overrides.py)
 
 
 def smem_limit(arch: str) -> int:

@@ -1,0 +1,56 @@
+"""What benchmarks and tests put in place of the measured dispatch: `with forced(prefill="prefill_ws"):`
+runs every attention call of the block on that prefill. The bench sweeps, `perf/ws_tiles.py` and the
+tests use it instead of replacing the dispatch's functions.
+
+One `Forced` value is in force at a time. Each plan reads it when the plan is made (plans are dropped
+when a block is entered and when it is left, so none outlives it), and `tile_config` applies its tile
+fields. Blocks nest, and the inner one adds to the outer one. Not thread-safe: a process-wide setting,
+like the environment variables.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+FORCED_MULTI_ROWS = 256  # multi=True: multi-token decode up to this many packed rows per KV head
+
+
+@dataclass(frozen=True)
+class Forced:
+    prefill: str | None = None  # this prefill above one decode tile of rows (also where the SM80 prefill would run)
+    multi: bool | None = None   # False: no multi-token decode; True: up to FORCED_MULTI_ROWS rows
+    tma: bool | None = None     # False: decode (and what follows from it) without TMA, the cp.async loader
+    tiles: tuple = ()           # (mode, ((field, value), ...)) pairs laid over tile_config's answer
+
+    def tiles_for(self, mode: str) -> dict:
+        return {k: v for m, fields in self.tiles if m == mode for k, v in fields}
+
+
+_current = Forced()
+
+
+def current() -> Forced:
+    return _current
+
+
+@contextlib.contextmanager
+def forced(prefill: str | None = None, multi: bool | None = None, tma: bool | None = None,
+           tiles: dict[str, dict] | None = None):
+    """Force the dispatch inside the block; `tiles` maps a mode to the tile fields it takes (e.g.
+    {"prefill_ws": {"kStages": 3}}). Options left at None keep the outer block's (or the dispatch's)."""
+    global _current
+    from . import _PLANS
+
+    before = _current
+    given = dict(prefill=prefill, multi=multi, tma=tma)
+    _current = dataclasses.replace(before, **{k: v for k, v in given.items() if v is not None})
+    if tiles:
+        _current = dataclasses.replace(_current, tiles=_current.tiles + tuple(
+            (mode, tuple(sorted(fields.items()))) for mode, fields in tiles.items()))
+    _PLANS.clear()
+    try:
+        yield _current
+    finally:
+        _current = before
+        _PLANS.clear()
