@@ -6,7 +6,7 @@ Each variant runs in its own process (tile_config is replaced in-process): first
 a small checked call each, so their kernels compile in parallel; then the timed points one process at a
 time, so that the timings do not overlap. Kernel time is the Timer's (back to back).
 
-    python perf/ws_tiles.py [OUT_DIR] [--variants 'stages2:kStages=2;stages3:kStages=3'] [--d 128]
+    python perf/ws_tiles.py [OUT_DIR] [--variants 'stages2:kStages=2;stages3:kStages=3'] [--d 128] [--kv fp8_e4m3]
 writes OUT_DIR/ws_tiles_<gpu>_<date>.json (default perf/results) and prints a table.
 """
 from __future__ import annotations
@@ -30,9 +30,9 @@ def parse_variants(text: str) -> dict[str, dict]:
 
 
 def _row(args):
-    d, tiles, point = args
+    d, kv, tiles, point = args
     from pagedattn.bench.sweeps import prefill_row
-    return prefill_row(d, prefill="prefill_ws", multi=False, tiles=tiles or None, **point)
+    return prefill_row(d, prefill="prefill_ws", multi=False, tiles=tiles or None, kv=kv, **point)
 
 
 def main(argv=None) -> None:
@@ -40,22 +40,24 @@ def main(argv=None) -> None:
     ap.add_argument("out", nargs="?", default="perf/results")
     ap.add_argument("--variants", default="default:;stages3:kStages=3")
     ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--kv", default="auto", help="cache dtype: auto (16-bit), fp8_e4m3 or fp8_e5m2 (head dim 128)")
     args = ap.parse_args(argv)
     variants = parse_variants(args.variants)
     ctx = mp.get_context("spawn")
     small = dict(batch=1, q_len=256, ctx=256)
     with cf.ProcessPoolExecutor(len(variants), mp_context=ctx) as pool:  # compile every variant at once
-        list(pool.map(_row, [(args.d, tiles, small) for tiles in variants.values()]))
+        list(pool.map(_row, [(args.d, args.kv, tiles, small) for tiles in variants.values()]))
     rows = []
     for name, tiles in variants.items():
         for point in POINTS:
             with cf.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-                row = pool.submit(_row, (args.d, tiles, point)).result()
+                row = pool.submit(_row, (args.d, args.kv, tiles, point)).result()
             rows.append(dict(variant=name, tiles=tiles, **row))
             print(f"{name:12s} B{point['batch']:<3d} q{point['q_len']:<6d} k{point['ctx']:<6d} "
                   f"{row['us']:9.1f} us {row['tflops']:7.1f} TFLOP/s  err {row['rel_l2_err']:.1e}", flush=True)
     from pagedattn.bench.meta import write_quick
-    print("wrote", write_quick(args.out, "ws_tiles", rows, variants=variants))
+    print("wrote", write_quick(args.out, "ws_tiles" if args.kv == "auto" else f"ws_tiles_{args.kv}", rows,
+                               variants=variants))
 
 
 if __name__ == "__main__":

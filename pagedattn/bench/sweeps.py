@@ -103,12 +103,12 @@ PREFILL_MODES = ("prefill", "prefill_wgmma", "prefill_ws")  # what `sweep modes 
 
 
 def prefill_row(d: int, prefill: str | None = None, batch: int = 4, q_len: int = 4096, ctx: int = 4096,
-                multi: bool | None = False, tiles: dict | None = None) -> dict:
+                multi: bool | None = False, tiles: dict | None = None, kv: str = "auto") -> dict:
     """One prefill point with the dispatch's choice of prefill (None) or with `prefill` forced
     ("prefill", "prefill_wgmma", "prefill_ws"), and multi-token decode off (multi=False), as the
     dispatch has it (None) or forced up to 256 packed rows (True); checked first (short queries as
     timed, long ones on B=2 S=517) against pagedattn.reference. `tiles` overrides tile_config's
-    answer for the forced mode (e.g. {"kPingPong": False} for prefill_ws)."""
+    answer for the forced mode (e.g. {"kPingPong": False} for prefill_ws); `kv` the cache dtype."""
     from pagedattn.ops import attention
 
     from .attention import reference_out
@@ -118,15 +118,16 @@ def prefill_row(d: int, prefill: str | None = None, batch: int = 4, q_len: int =
     # forced: this prefill (also for rows the dispatch would give the SM80 prefill), multi-token decode
     # off or up to FORCED_MULTI_ROWS rows, the tiles over the forced mode's
     with attention.forced(prefill=prefill, multi=multi, tiles={prefill: tiles} if tiles and prefill else None):
-        check = paged(batch, ctx, q_len=q_len, d=d) if q_len <= 64 else paged(2, 517, q_len=517, d=d)
+        check = paged(batch, ctx, kv, q_len=q_len, d=d) if q_len <= 64 else paged(2, 517, kv, q_len=517, d=d)
         err = rel_l2(ours(check)(0), reference_out(check))
         attention._PLANS.clear()  # the mode read below is the timed call's
-        us = Timer(budget_s=0.2)(ours(paged(batch, ctx, q_len=q_len, d=d))).us
+        us = Timer(budget_s=0.2)(ours(paged(batch, ctx, kv, q_len=q_len, d=d))).us
         plan = next(iter(attention._PLANS.values()))
         mode = plan.mode_for(q_len * HQ // HKV)
     flops = 4 * batch * HQ * d * sum(ctx - q_len + i + 1 for i in range(q_len))  # query i sees ctx-q_len+i+1 keys
-    return dict(head_dim=d, batch=batch, q_len=q_len, ctx=ctx, mode=mode, us=us, tflops=flops / us / 1e6,
-                kv_gbs=2 * batch * ctx * HKV * d * 2 / us / 1e3, rel_l2_err=err)
+    elem = 1 if kv != "auto" else 2  # cache bytes per element
+    return dict(head_dim=d, batch=batch, q_len=q_len, ctx=ctx, kv=kv, mode=mode, us=us, tflops=flops / us / 1e6,
+                kv_gbs=2 * batch * ctx * HKV * d * elem / us / 1e3, rel_l2_err=err)
 
 
 def quick_row(name: str, B: int, ctx: int, kv: str, splits: int, q_len: int, ceiling: float) -> dict:
