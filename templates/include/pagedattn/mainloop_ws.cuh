@@ -163,8 +163,8 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
 
 // fp8 caches (head dim 128): each producer warp TMA-loads its chunks of a step raw (one 128-column,
 // 128-byte swizzled box per 16-key chunk: the decode path's tensor maps) into raw stage n % kRawStages
-// of its own (n: the CTA's step), one step ahead of widening them into the Element ring slot once
-// the consumers freed it. Raw 16-byte piece jp of chunk row r lies at piece jp ^ (r % 8); its 16
+// of its own (n: the CTA's step), up to two steps ahead of widening them into the Element ring slot
+// once the consumers freed it. Raw 16-byte piece jp of chunk row r lies at piece jp ^ (r % 8); its 16
 // columns are piece 2 (jp % 4) and the one after of the Element tile's 64-column block jp / 4, each
 // at that piece ^ (r % 8) too (SmemLayoutKV). Chunks of corrupt pages are written as zeros. The warp
 // then publishes its writes to the async proxy (wgmma) and arrives on the slot's full barrier.
@@ -218,47 +218,65 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
       tma_load_4d(c.smem.raw_v(rs, 16 * q), v_map, 0, c1, c2, phys, v_bar);
     }
   };
-  uint32_t loads, bad;
-  issue(0, chunk_page(0), loads, bad);
-  int phys_next = chunk_page(1);
-  for (int it = 0; it < n_steps; ++it) {
-    uint32_t loads_next, bad_next;
-    issue(it + 1, phys_next, loads_next, bad_next);
-    phys_next = chunk_page(it + 2);
+  // step it's K or V from its raw stage into its ring slot, once the consumers freed the slot
+  auto widen = [&](int it, bool is_v, uint32_t loads, uint32_t bad) {
     uint32_t const n = ring.ring + uint32_t(it);
     int const rs = int(n % kRaw), slot = ring.slot<kStages>(it);
-    uint32_t const raw_phase = (n / kRaw) & 1u, free_phase = ring.phase<kStages>(it) ^ 1u;
-    auto widen = [&](uint8_t const* raw, char* dst, uint64_t* raw_bar, uint64_t* full, uint64_t* empty) {
-      mbarrier_wait(raw_bar, raw_phase);
-      mbarrier_wait(empty + slot, free_phase);
-      for (int l = 0; l < kPerWarp; ++l) {
-        bool const landed = loads >> l & 1u;
-        if (!landed && !(bad >> l & 1u)) continue;  // uniform: a chunk past the request's end
-        int const chunk = first_chunk + l;
-        CUTE_UNROLL
-        for (int i = lane; i < 16 * 8; i += 32) {  // 16 rows x 8 raw pieces
-          int const r = i / 8, jp = i % 8, row = 16 * chunk + r;
-          uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
-          if (landed) {
-            uint4 const x = *reinterpret_cast<uint4 const*>(raw + row * kHeadDim + (jp ^ (r % 8)) * 16);
-            widen_fp8x16_bits<Traits::kIsBf16, Traits::kFp8>(x, lo, hi);
-          }
-          char* const at = dst + ((jp / 4) * kBlockN + row) * 128;
-          int const p0 = 2 * (jp % 4);
-          *reinterpret_cast<uint4*>(at + (p0 ^ (r % 8)) * 16) = lo;
-          *reinterpret_cast<uint4*>(at + ((p0 + 1) ^ (r % 8)) * 16) = hi;
+    uint8_t const* const raw = is_v ? c.smem.raw_v(rs) : c.smem.raw_k(rs);
+    char* const dst = reinterpret_cast<char*>(is_v ? c.smem.v_tile(slot, 0) : c.smem.k_tile(slot, 0));
+    mbarrier_wait(c.smem.ws_raw_bar(is_v, warp, rs), (n / kRaw) & 1u);
+    mbarrier_wait((is_v ? bars.empty_v : bars.empty_k) + slot, ring.phase<kStages>(it) ^ 1u);
+    for (int l = 0; l < kPerWarp; ++l) {
+      bool const landed = loads >> l & 1u;
+      if (!landed && !(bad >> l & 1u)) continue;  // uniform: a chunk past the request's end
+      int const chunk = first_chunk + l;
+      CUTE_UNROLL
+      for (int i = lane; i < 16 * 8; i += 32) {  // 16 rows x 8 raw pieces
+        int const r = i / 8, jp = i % 8, row = 16 * chunk + r;
+        uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+        if (landed) {
+          uint4 const x = *reinterpret_cast<uint4 const*>(raw + row * kHeadDim + (jp ^ (r % 8)) * 16);
+          widen_fp8x16_bits<Traits::kIsBf16, Traits::kFp8>(x, lo, hi);
         }
+        char* const at = dst + ((jp / 4) * kBlockN + row) * 128;
+        int const p0 = 2 * (jp % 4);
+        *reinterpret_cast<uint4*>(at + (p0 ^ (r % 8)) * 16) = lo;
+        *reinterpret_cast<uint4*>(at + ((p0 + 1) ^ (r % 8)) * 16) = hi;
       }
-      fence_proxy_async_smem();  // the Element writes before wgmma reads them; the raw reads before TMA refills
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(full + slot);
-    };
-    widen(c.smem.raw_k(rs), reinterpret_cast<char*>(c.smem.k_tile(slot, 0)), c.smem.ws_raw_bar(0, warp, rs),
-          bars.full_k, bars.empty_k);
-    widen(c.smem.raw_v(rs), reinterpret_cast<char*>(c.smem.v_tile(slot, 0)), c.smem.ws_raw_bar(1, warp, rs),
-          bars.full_v, bars.empty_v);
-    loads = loads_next;
-    bad = bad_next;
+    }
+    fence_proxy_async_smem();  // the Element writes before wgmma reads them; the raw reads before TMA refills
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive((is_v ? bars.full_v : bars.full_k) + slot);
+  };
+  // Masks of step it (bit l: chunk first_chunk + l lands / lies in a corrupt page) and of the next
+  // steps; raw stage it % 2 is refilled with a later step once step it is out of it.
+  uint32_t loads0, bad0, loads1, bad1;
+  issue(0, chunk_page(0), loads0, bad0);
+  if constexpr (!Traits::kKAhead) {  // K(it), V(it); raw(it + 1) in flight meanwhile
+    int phys_next = chunk_page(1);
+    for (int it = 0; it < n_steps; ++it) {
+      issue(it + 1, phys_next, loads1, bad1);
+      phys_next = chunk_page(it + 2);
+      widen(it, false, loads0, bad0);
+      widen(it, true, loads0, bad0);
+      loads0 = loads1, bad0 = bad1;
+    }
+  } else {
+    // K a step ahead of V: the consumers wait for K(it) and V(it - 1) together, and free K(it)'s slot
+    // after S(it) but V(it)'s only after P V(it), so K(it + 1) is widened before V(it); raw(it + 2)
+    // is issued once V(it) is out of its stage.
+    issue(1, chunk_page(1), loads1, bad1);
+    int phys_next = chunk_page(2);
+    if (n_steps > 0) widen(0, false, loads0, bad0);
+    for (int it = 0; it < n_steps; ++it) {
+      if (it + 1 < n_steps) widen(it + 1, false, loads1, bad1);
+      widen(it, true, loads0, bad0);
+      uint32_t loads2, bad2;
+      issue(it + 2, phys_next, loads2, bad2);
+      phys_next = chunk_page(it + 3);
+      loads0 = loads1, bad0 = bad1;
+      loads1 = loads2, bad1 = bad2;
+    }
   }
 }
 
