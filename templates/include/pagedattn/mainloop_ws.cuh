@@ -90,46 +90,74 @@ struct WsRing {
 // full barrier with its bytes.
 constexpr int kWsProducerWarps = 4;
 
+// A producer lane's share of an item, for ws_produce and ws_produce_fp8: its warp's kPerWarp chunks
+// of each step (chunk q = first_chunk + lane is the lane's own) and the K and V tensor maps.
+template <class Traits>
+struct WsProducerLane {
+  static constexpr int kChunks = Traits::kBlockN / 16;
+  static constexpr int kPerWarp = (kChunks + kWsProducerWarps - 1) / kWsProducerWarps;
+  static_assert(kPerWarp <= 32, "one 16-key chunk per lane");
+  // step it's chunk of this lane: in the request (mine) and in the cache (valid), the warp's masks of
+  // both (loads: valid, bad: mine and not valid; bit l for chunk first_chunk + l) and its tensor-map
+  // coordinates
+  struct Chunk {
+    bool valid;
+    uint32_t loads, bad;
+    int c1, c2;
+  };
+  TileCtx<Traits> const& c;
+  int const lane, warp, first_chunk, q, n_steps;
+  void const* const k_map;
+  void const* const v_map;
+
+  __device__ __forceinline__ explicit WsProducerLane(TileCtx<Traits> const& ctx)
+      : c(ctx), lane(int(threadIdx.x) % 32), warp((int(threadIdx.x) - Traits::kThreads) / 32),
+        first_chunk(warp * kPerWarp), q(first_chunk + lane), n_steps(ctx.w.step_end - ctx.w.step_begin),
+        k_map(ctx.p.tma_desc), v_map(static_cast<char const*>(ctx.p.tma_desc) + 128) {
+    if (threadIdx.x == Traits::kThreads) {
+      tma_prefetch_map(k_map);
+      tma_prefetch_map(v_map);
+    }
+  }
+  __device__ __forceinline__ int chunk_key(int it) const {
+    return (c.w.step_begin + it) * Traits::kBlockN + 16 * q;
+  }
+  __device__ __forceinline__ bool mine(int it) const {
+    return it < n_steps && lane < kPerWarp && q < kChunks && chunk_key(it) < c.w.k_len;
+  }
+  // the page of step it's chunk (read a step or more ahead of its copies)
+  __device__ __forceinline__ int chunk_page(int it) const { return mine(it) ? c.kv.page(chunk_key(it)) : 0; }
+  __device__ __forceinline__ Chunk chunk(int it, int phys) const {
+    Chunk k;
+    bool const own = mine(it);
+    k.valid = own && phys >= 0 && phys < c.p.num_blocks;
+    k.loads = __ballot_sync(0xffffffffu, k.valid);
+    k.bad = __ballot_sync(0xffffffffu, own && !k.valid);
+    int const off = c.kv.offset(chunk_key(it));
+    k.c1 = c.p.tma_row_dim == 1 ? off : c.w.kv_head;
+    k.c2 = c.p.tma_row_dim == 1 ? c.w.kv_head : off;
+    return k;
+  }
+};
+
 template <class Traits>
 __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing const ring) {
   constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
-  constexpr int kChunks = kBlockN / 16, kBoxCols = 64;
-  constexpr int kPerWarp = (kChunks + kWsProducerWarps - 1) / kWsProducerWarps;
+  constexpr int kBoxCols = 64, kPerWarp = WsProducerLane<Traits>::kPerWarp;
   constexpr int kChunkBytes = 16 * kHeadDim * 2;  // K (or V) bytes of one chunk
-  static_assert(kPerWarp <= 32, "one 16-key chunk per lane");
-  AttnParams const& p = c.p;
-  AttnWork const& w = c.w;
   WsBarriers const bars(c.smem);  // from the shared window's base: constants, not registers held per item
-  int const lane = int(threadIdx.x) % 32;
-  int const first_chunk = (int(threadIdx.x) - Traits::kThreads) / 32 * kPerWarp;  // this warp's
-  int const q = first_chunk + lane;  // this lane's chunk of each step
-  void const* k_map = p.tma_desc;
-  void const* v_map = static_cast<char const*>(p.tma_desc) + 128;
-  if (threadIdx.x == Traits::kThreads) {
-    tma_prefetch_map(k_map);
-    tma_prefetch_map(v_map);
-  }
-  int const n_steps = w.step_end - w.step_begin;
-  // this lane's chunk of step `it`, and its page (read one step ahead of its copies)
-  auto chunk_key = [&](int it) { return (w.step_begin + it) * kBlockN + 16 * q; };
-  auto chunk_page = [&](int it) {
-    int const j = chunk_key(it);
-    return it < n_steps && lane < kPerWarp && q < kChunks && j < w.k_len ? c.kv.page(j) : 0;
-  };
-  int phys_next = chunk_page(0);
-  for (int it = 0; it < n_steps; ++it) {
+  WsProducerLane<Traits> const my(c);
+  int const lane = my.lane, first_chunk = my.first_chunk, q = my.q;
+  int phys_next = my.chunk_page(0);
+  for (int it = 0; it < my.n_steps; ++it) {
     int const slot = ring.slot<kStages>(it);
     uint32_t const free_phase = ring.phase<kStages>(it) ^ 1u;
     int const phys = phys_next;
-    phys_next = chunk_page(it + 1);
-    int const j = chunk_key(it);
-    bool const mine = lane < kPerWarp && q < kChunks && j < w.k_len;
-    bool const valid = mine && phys >= 0 && phys < p.num_blocks;
-    uint32_t const loads = __ballot_sync(0xffffffffu, valid);
-    uint32_t const bad = __ballot_sync(0xffffffffu, mine && !valid);
-    int const off = c.kv.offset(j);
-    int const c1 = p.tma_row_dim == 1 ? off : w.kv_head;
-    int const c2 = p.tma_row_dim == 1 ? w.kv_head : off;
+    phys_next = my.chunk_page(it + 1);
+    auto const k = my.chunk(it, phys);
+    bool const valid = k.valid;
+    uint32_t const loads = k.loads, bad = k.bad;
+    int const c1 = k.c1, c2 = k.c2;
     // one tile (K or V) of the step into its slot
     auto load = [&](char* dst, void const* map, uint64_t* full, uint64_t* empty) {
       mbarrier_wait(empty + slot, free_phase);
@@ -156,8 +184,8 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
         }
       }
     };
-    load(reinterpret_cast<char*>(c.smem.k_tile(slot, 0)), k_map, bars.full_k, bars.empty_k);
-    load(reinterpret_cast<char*>(c.smem.v_tile(slot, 0)), v_map, bars.full_v, bars.empty_v);
+    load(reinterpret_cast<char*>(c.smem.k_tile(slot, 0)), my.k_map, bars.full_k, bars.empty_k);
+    load(reinterpret_cast<char*>(c.smem.v_tile(slot, 0)), my.v_map, bars.full_v, bars.empty_v);
   }
 }
 
@@ -171,36 +199,18 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
 template <class Traits>
 __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing const ring) {
   constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
-  constexpr int kRaw = Traits::kRawStages, kChunks = kBlockN / 16;
-  constexpr int kPerWarp = (kChunks + kWsProducerWarps - 1) / kWsProducerWarps;
+  constexpr int kRaw = Traits::kRawStages, kPerWarp = WsProducerLane<Traits>::kPerWarp;
   constexpr int kRawChunkBytes = 16 * kHeadDim;  // K (or V) bytes of one raw chunk
-  static_assert(kHeadDim == 128 && kPerWarp <= 32, "one 128-byte swizzled box per chunk; a chunk per lane");
-  AttnParams const& p = c.p;
-  AttnWork const& w = c.w;
+  static_assert(kHeadDim == 128, "one 128-byte swizzled box per chunk");
   WsBarriers const bars(c.smem);
-  int const lane = int(threadIdx.x) % 32, warp = (int(threadIdx.x) - Traits::kThreads) / 32;
-  int const first_chunk = warp * kPerWarp;
-  int const q = first_chunk + lane;
-  void const* k_map = p.tma_desc;
-  void const* v_map = static_cast<char const*>(p.tma_desc) + 128;
-  if (threadIdx.x == Traits::kThreads) {
-    tma_prefetch_map(k_map);
-    tma_prefetch_map(v_map);
-  }
-  int const n_steps = w.step_end - w.step_begin;
-  auto chunk_key = [&](int it) { return (w.step_begin + it) * kBlockN + 16 * q; };
-  auto chunk_page = [&](int it) {
-    int const j = chunk_key(it);
-    return it < n_steps && lane < kPerWarp && q < kChunks && j < w.k_len ? c.kv.page(j) : 0;
-  };
+  WsProducerLane<Traits> const my(c);
+  int const lane = my.lane, warp = my.warp, first_chunk = my.first_chunk, n_steps = my.n_steps;
   // step it's raw K and V chunks of this warp into its raw stage; loads / bad: the warp's chunks that
   // land / that lie in a corrupt page (bit l: chunk first_chunk + l)
   auto issue = [&](int it, int phys, uint32_t& loads, uint32_t& bad) {
-    int const j = chunk_key(it);
-    bool const mine = it < n_steps && lane < kPerWarp && q < kChunks && j < w.k_len;
-    bool const valid = mine && phys >= 0 && phys < p.num_blocks;
-    loads = __ballot_sync(0xffffffffu, valid);
-    bad = __ballot_sync(0xffffffffu, mine && !valid);
+    auto const k = my.chunk(it, phys);
+    loads = k.loads;
+    bad = k.bad;
     if (it >= n_steps) return;
     int const rs = int((ring.ring + uint32_t(it)) % kRaw);
     uint64_t* const k_bar = c.smem.ws_raw_bar(0, warp, rs);
@@ -210,12 +220,9 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
       mbarrier_arrive_expect_tx(v_bar, __popc(loads) * kRawChunkBytes);
     }
     __syncwarp();
-    if (valid) {
-      int const off = c.kv.offset(j);
-      int const c1 = p.tma_row_dim == 1 ? off : w.kv_head;
-      int const c2 = p.tma_row_dim == 1 ? w.kv_head : off;
-      tma_load_4d(c.smem.raw_k(rs, 16 * q), k_map, 0, c1, c2, phys, k_bar);
-      tma_load_4d(c.smem.raw_v(rs, 16 * q), v_map, 0, c1, c2, phys, v_bar);
+    if (k.valid) {
+      tma_load_4d(c.smem.raw_k(rs, 16 * my.q), my.k_map, 0, k.c1, k.c2, phys, k_bar);
+      tma_load_4d(c.smem.raw_v(rs, 16 * my.q), my.v_map, 0, k.c1, k.c2, phys, v_bar);
     }
   };
   // step it's K or V from its raw stage into its ring slot, once the consumers freed the slot
@@ -251,12 +258,12 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
   // Masks of step it (bit l: chunk first_chunk + l lands / lies in a corrupt page) and of the next
   // steps; raw stage it % 2 is refilled with a later step once step it is out of it.
   uint32_t loads0, bad0, loads1, bad1;
-  issue(0, chunk_page(0), loads0, bad0);
+  issue(0, my.chunk_page(0), loads0, bad0);
   if constexpr (!Traits::kKAhead) {  // K(it), V(it); raw(it + 1) in flight meanwhile
-    int phys_next = chunk_page(1);
+    int phys_next = my.chunk_page(1);
     for (int it = 0; it < n_steps; ++it) {
       issue(it + 1, phys_next, loads1, bad1);
-      phys_next = chunk_page(it + 2);
+      phys_next = my.chunk_page(it + 2);
       widen(it, false, loads0, bad0);
       widen(it, true, loads0, bad0);
       loads0 = loads1, bad0 = bad1;
@@ -265,15 +272,15 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
     // K a step ahead of V: the consumers wait for K(it) and V(it - 1) together, and free K(it)'s slot
     // after S(it) but V(it)'s only after P V(it), so K(it + 1) is widened before V(it); raw(it + 2)
     // is issued once V(it) is out of its stage.
-    issue(1, chunk_page(1), loads1, bad1);
-    int phys_next = chunk_page(2);
+    issue(1, my.chunk_page(1), loads1, bad1);
+    int phys_next = my.chunk_page(2);
     if (n_steps > 0) widen(0, false, loads0, bad0);
     for (int it = 0; it < n_steps; ++it) {
       if (it + 1 < n_steps) widen(it + 1, false, loads1, bad1);
       widen(it, true, loads0, bad0);
       uint32_t loads2, bad2;
       issue(it + 2, phys_next, loads2, bad2);
-      phys_next = chunk_page(it + 3);
+      phys_next = my.chunk_page(it + 3);
       loads0 = loads1, bad0 = bad1;
       loads1 = loads2, bad1 = bad2;
     }
