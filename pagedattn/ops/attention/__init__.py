@@ -29,7 +29,8 @@ from .. import steady, workspace
 from ..params import AttnParams
 # re-exported: `from pagedattn.ops.attention import X` finds every name of the former single module
 from .heuristics import MAX_SPLITS, _best_splits, mode_for, split_cost, splits_for  # noqa: F401
-from .heuristics import MULTI_ROWS, multi_mode, prefill_mode, tma_ok, WS_FP8_HEAD_DIM, wave_capacity, wgmma_ok  # noqa: F401
+from .heuristics import MULTI_ROWS, WS_FP8_HEAD_DIM, multi_mode, prefill_mode, tma_ok  # noqa: F401
+from .heuristics import wave_capacity, wgmma_ok  # noqa: F401
 from . import overrides
 from .overrides import FORCED_MULTI_ROWS, forced  # noqa: F401
 from .tiles import HEAD_DIMS, MODES, SM90_MODES, TMA_MODES, WGMMA_MODES, SMALL_SMEM_ARCH, SMEM_LIMIT, SMEM_PER_CTA, _tiles  # noqa: F401
