@@ -14,6 +14,7 @@ from pagedattn import CacheSpec, ContractError, reference
 from pagedattn.codegen.compile import compile_source, nvrtc_options
 from pagedattn.codegen.toolchain import toolchain
 from pagedattn.ops.attention import AttnFwdSpec, flash_attn_varlen_func, kernel_head_dim
+from pagedattn.ops.attention.tiles import SMEM_PER_CTA
 from pagedattn.ops.attention import heuristics as attention_heuristics
 from pagedattn.registry import Kernel, UnsupportedError, variant_name
 
@@ -100,14 +101,14 @@ def test_reference_empty_request_and_fp8():
 CI_SPECS = [AttnFwdSpec("bf16", "auto", 128, "decode"), AttnFwdSpec("bf16", "auto", 128, "prefill"),
             AttnFwdSpec("fp16", "fp8_e4m3", 80, "decode"), AttnFwdSpec("bf16", "auto", 128, "decode_tma"),
             AttnFwdSpec("fp16", "fp8_e5m2", 80, "decode_tma"), AttnFwdSpec("bf16", "fp8_e4m3", 128, "decode_tma"),
-            AttnFwdSpec("bf16", "fp8_e4m3", 128, "prefill_wgmma"), AttnFwdSpec("bf16", "auto", 512, "decode"),
+            AttnFwdSpec("bf16", "fp8_e4m3", 128, "prefill_wgmma"), AttnFwdSpec("bf16", "auto", 512, "decode_tma"),
             AttnFwdSpec("bf16", "auto", 128, "multi_tma"), AttnFwdSpec("bf16", "auto", 128, "prefill_ws"),
             AttnFwdSpec("bf16", "fp8_e4m3", 128, "prefill_ws")]
 
 
 # make test compiles the cp.async/mma.sync variants for one arch (sm_80 and sm_90a compile one source):
-# sm_80, but the head dim 512 decode for sm_90a (the H200 runs it, no TMA past d256); both: test-all
-SM90_ONLY_IN_CI = (AttnFwdSpec("bf16", "auto", 512, "decode"),)
+# sm_80 (the head dim 512 one is decode_tma, sm_90a only); both: test-all
+SM90_ONLY_IN_CI = ()
 
 
 def ci_arch(spec, arch):
@@ -146,7 +147,9 @@ def test_head_dim_mapping():
 
 def test_head_dim_512_tiles():
     """Head dim 512: two column groups of 256 (attn_traits.cuh kWarpsD), decode and prefill on the
-    cp.async loader only; no TMA ring or warpgroup MMAs there."""
+    cp.async loader, and TMA decode of 16-bit caches with two key groups of two column warps sharing
+    a ring each; no fp8 TMA decode (its operands are converted in registers, whole rows per warp) and
+    no warpgroup MMAs there."""
     for kv in ("auto", "fp8_e4m3"):
         for mode in ("decode", "prefill"):
             spec = AttnFwdSpec("bf16", kv, 512, mode)
@@ -154,9 +157,14 @@ def test_head_dim_512_tiles():
             assert spec.threads == 64 * spec.tiles["kWarpsM"]
             assert spec.supports_arch("sm_80") and spec.supports_arch("sm_90a")
             assert f"{spec.tiles['kWarpsD']}>;" in Kernel(spec).source
-    for mode in ("decode_tma", "prefill_wgmma"):
-        with pytest.raises(UnsupportedError, match="head dims up to 256"):
-            AttnFwdSpec("bf16", "auto", 512, mode)
+    tma = AttnFwdSpec("bf16", "auto", 512, "decode_tma")
+    assert (tma.tiles["kWarpsD"], tma.tiles["kWarpsN"], tma.tiles["kTma"], tma.threads) == (2, 2, True, 128)
+    assert tma.supports_arch("sm_90a") and not tma.supports_arch("sm_80")
+    assert tma.dynamic_smem() <= SMEM_PER_CTA["sm_90a"]
+    for kv, mode in (("fp8_e4m3", "decode_tma"), ("auto", "prefill_wgmma"), ("auto", "prefill_ws"),
+                     ("auto", "multi_tma")):
+        with pytest.raises(UnsupportedError, match="head dims up to"):
+            AttnFwdSpec("bf16", kv, 512, mode)
     # the 99 KiB archs: decode drops a stage, prefill does not fit
     assert AttnFwdSpec.for_arch("sm_86", "bf16", "auto", 512, "decode").tiles["kStages"] == 2
     assert not AttnFwdSpec("bf16", "auto", 512, "prefill").supports_arch("sm_86")
@@ -350,7 +358,7 @@ def _fp8_ws_grid(n, seed=19):
     axes = dict(dtype=[torch.float16, torch.bfloat16], D=[128, 112], layout=["NHD", "HND"],
                 bs=[16, 32, 64, 256], heads=[(16, 8), (32, 8), (28, 4), (16, 1)], causal=[False, True],
                 batch=["prefill", "mixed", "long"], splits=[0, 1, 3], kv=KV[1:], lse=[False, True],
-                out=[False, True], loader=["auto"])
+                out=[False, True], loader=["auto", "cp_async"])
     return cover_axes(axes, n, rng, 2)
 
 
@@ -425,14 +433,20 @@ def _d512_grid(n, seed=5):
     axes = dict(dtype=[torch.float16, torch.bfloat16], D=[512, 512, 320, 504], layout=["NHD", "HND"],
                 bs=[1, 16, 256, 32], heads=[(8, 8), (32, 8), (16, 1)], causal=[False, True],
                 batch=["decode", "mixed", "prefill"], splits=[0, 1, 7], kv=KV, lse=[False, True],
-                out=[False, True], loader=["auto"])
+                out=[False, True], loader=["auto", "cp_async"])
     return cover_axes(axes, n, rng, 2)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", _d512_grid(48), ids=_case_id)
 def test_head_dim_512_matches_reference(c, decode_loader):
+    from pagedattn.ops import attention as attention_ops
+
     test_attention_matches_reference(c, decode_loader)
+    if torch.cuda.get_device_capability() == (9, 0) and c["batch"] == "decode" and c["bs"] % 16 == 0:
+        tma = c["kv"][0] == "auto" and c["loader"] == "auto"  # column warps sharing TMA rings (16-bit only)
+        modes = {m for plan in attention_ops._PLANS.values() for m, _ in plan._kernels}
+        assert modes == {"decode_tma" if tma else "decode"}, modes
 
 
 @pytest.mark.gpu

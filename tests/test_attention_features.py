@@ -208,9 +208,11 @@ def test_features_with_understated_max_seqlen_q(c, decode_loader):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("c", [dict(c, D=512, loader="auto") for c in _feature_grid(160, seed=3)[::8]], ids=_fid)
+@pytest.mark.parametrize("c", [dict(c, D=512, loader=("auto", "cp_async")[i % 2])
+                               for i, c in enumerate(_feature_grid(160, seed=3)[::8])], ids=_fid)
 def test_features_at_head_dim_512(c, decode_loader):
-    """The score modifiers and masks at head dim 512 (the column-group mainloop)."""
+    """The score modifiers and masks at head dim 512 (the column-group mainloops: cp.async, and TMA
+    decode for 16-bit caches)."""
     _check_feature_case(c, decode_loader)
 
 

@@ -100,6 +100,7 @@ def add_parser(sub) -> None:
     w.add_argument("--splits", default="", help="decode: forced-split B=1 ctx 32768 points, e.g. 8,16,32")
     w.add_argument("--variants", default="", help='decode: B=64 ctx 4096 points, e.g. "HND;seq;splits=2"')
     w.add_argument("--cases", default="", help='decode: keep only these cases, e.g. "B=1 ctx=32768;B=16 ctx=4096"')
+    w.add_argument("--d", type=int, default=128, help="decode: the head dim of every case (e.g. 512)")
     w.add_argument("--tma-promotion", default="", help="decode: the tensor maps' L2 promotion (NONE, L2_64B ...)")
     w.add_argument("--precompile", metavar="ROOT", default="",
                    help="build each config's sm_90a kernels into ROOT/cfg_<config> (no GPU needed), then stop")

@@ -90,10 +90,13 @@ def decode_row(config: str, opts: dict, name: str, B: int, ctx: int, kv: str, sp
     from .timing import Timer
 
     words = name.split()
-    data = paged(B, ctx, kv, layout="HND" if "HND" in words else "NHD",
+    d = opts.get("d", D)
+    data = paged(B, ctx, kv, d=d, layout="HND" if "HND" in words else "NHD",
                  table_order="seq" if "seq" in words else "random")
     us = Timer(budget_s=0.2)(ours(data, splits)).us
-    row = dict(config=config, case=name, us=us, kv_gbs=2 * B * ctx * HKV * D * (2 if kv == "auto" else 1) / us / 1e3)
+    row = dict(config=config, case=name, us=us, kv_gbs=2 * B * ctx * HKV * d * (2 if kv == "auto" else 1) / us / 1e3)
+    if d != D:
+        row["d"] = d
     if opts["tma_promotion"]:
         row["tma_promotion"] = opts["tma_promotion"]
     return row
@@ -198,7 +201,7 @@ def precompile(kind: str, root: str, config: str, opts: dict) -> None:
     with forced(**options):
         if kind == "decode":
             mode = "decode" if options.get("tma") is False else "decode_tma"
-            specs = [AttnFwdSpec("bf16", kv, D, mode) for kv in sorted({c[3] for c in decode_points(opts)})]
+            specs = [AttnFwdSpec("bf16", kv, opts.get("d", D), mode) for kv in sorted({c[3] for c in decode_points(opts)})]
         else:
             specs = [AttnFwdSpec("bf16", "auto", D, "prefill_wgmma")]
         summary = aot.precompile(aot.plan(specs, ["sm_90a"]), aot_dir(root, config), n_jobs=1, progress=False)
@@ -397,7 +400,7 @@ def write_summary(rows: list[dict]) -> None:
 def run(args) -> int:
     """`pagedattn bench sweep` (bench/__init__.py parses the arguments)."""
     opts = dict(splits=args.splits, variants=args.variants, cases=args.cases, tma_promotion=args.tma_promotion,
-                aot=args.aot)
+                aot=args.aot, d=getattr(args, "d", D))
     configs = args.configs or DEFAULTS[args.kind]
     if args.precompile:
         if args.kind not in CONFIG_FORMAT:

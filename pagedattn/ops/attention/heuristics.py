@@ -39,12 +39,12 @@ MAX_SPLITS = 256
 def tma_ok(call: _Call, arch: str, head_dim: int) -> bool:
     """decode_tma needs sm_90, a paged cache whose pages hold whole 16-key sub-tiles, strides the
     tensor map can describe (multiples of 16 bytes; bases are 16-byte aligned already) and, for 16-bit
-    caches, a compiled head dim that is a multiple of 64 (at most 256: above, warps split O's columns,
-    which only the cp.async loader does)."""
+    caches, a compiled head dim that is a multiple of 64 (above 256, where warps split O's columns,
+    16-bit caches only: fp8 operands in registers take whole rows per warp)."""
     fp8 = call.kv_name != "auto"
     width = 1 if fp8 else 2
-    return (arch == "sm_90a" and call.paged and call.block_size % 16 == 0 and head_dim <= MAX_HEAD_DIM_PER_GROUP
-            and (fp8 or head_dim % 64 == 0)
+    return (arch == "sm_90a" and call.paged and call.block_size % 16 == 0
+            and (head_dim <= MAX_HEAD_DIM_PER_GROUP or not fp8) and (fp8 or head_dim % 64 == 0)
             and all(x * width % 16 == 0 for x in (*call.k_strides, *call.v_strides, call.D)))
 
 

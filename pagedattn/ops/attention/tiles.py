@@ -11,9 +11,10 @@ from ...registry import UnsupportedError
 from . import overrides
 
 HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
-# Above this head dim the warps split O's columns (kWarpsD groups; see attn_traits.cuh): decode and
-# prefill only (no TMA ring, no warpgroup MMAs).
+# Above this head dim the warps split O's columns (kWarpsD groups; see attn_traits.cuh): decode,
+# prefill and (16-bit caches) decode_tma only (no warpgroup MMAs, no fp8 operands in registers).
 MAX_HEAD_DIM_PER_GROUP = 256
+COLUMN_GROUP_MODES = ("decode", "decode_tma", "prefill")
 # Multi-token decode (q_len x group packed rows of one KV head up to MULTI_ROWS, e.g. speculative
 # decoding): the decode tiles with 32 rows per warp, at head dims up to MAX_HEAD_DIM_MULTI (a warp's
 # 32 x 128 fp32 O takes 128 registers; wider ones would spill).
@@ -39,9 +40,9 @@ def tile_config(head_dim: int, mode: str, fp8: bool = False, arch: str = "sm_90a
     prefill_ws is the warp-specialised one (a TMA producer warpgroup; paged 16-bit caches).
     On an arch with less shared memory than the default tile needs, fewer warps split the keys
     (each stage holds kBlockN x kWarpsN keys); UnsupportedError if even one warp's stages overflow."""
-    if head_dim > MAX_HEAD_DIM_PER_GROUP and mode not in ("decode", "prefill"):
-        raise UnsupportedError(f"attn_fwd: mode={mode} supports head dims up to {MAX_HEAD_DIM_PER_GROUP}, "
-                               f"got {head_dim} (decode and prefill run it)")
+    if head_dim > MAX_HEAD_DIM_PER_GROUP and (mode not in COLUMN_GROUP_MODES or (mode == "decode_tma" and fp8)):
+        raise UnsupportedError(f"attn_fwd: mode={mode}{' with an fp8 cache' if fp8 else ''} supports head dims "
+                               f"up to {MAX_HEAD_DIM_PER_GROUP}, got {head_dim} (decode and prefill run it)")
     if head_dim > MAX_HEAD_DIM_MULTI and mode in ("multi", "multi_tma"):
         raise UnsupportedError(f"attn_fwd: mode={mode} supports head dims up to {MAX_HEAD_DIM_MULTI}, "
                                f"got {head_dim} (prefill runs it)")
@@ -73,6 +74,11 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         if mode == "decode":
             return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=1, kWarpsD=2, kStages=3, kMinBlocks=2,
                         kTma=False)
+        if mode == "decode_tma":
+            # 16-bit caches: each key group's two column warps share one ring (mainloop_tma.cuh); two
+            # key groups of three 32 KiB slots (208 KiB with Q), one CTA per SM
+            return dict(kBlockM=16, kBlockN=16, kWarpsM=1, kWarpsN=2, kWarpsD=2, kStages=3, kMinBlocks=1,
+                        kTma=True)
         return dict(kBlockM=64, kBlockN=16, kWarpsM=4, kWarpsN=1, kWarpsD=2, kStages=2, kMinBlocks=1,
                     kTma=False)
     if mode == "decode":

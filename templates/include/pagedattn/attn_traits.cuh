@@ -17,9 +17,11 @@
 //     inside the mainloop.
 //
 // kWarpsD > 1 (head dims above 256, where one warp's O accumulator would outgrow its registers): the
-// kWarpsD groups of kWarpsM warps share every stage's keys (kWarpsN == 1); each computes the whole
-// S = Q K^T (the same numbers in every group) and its own kHeadDimO-column slice of O += P V. The
-// softmax state is identical across the groups, so the epilogue has nothing to merge.
+// kWarpsD column groups share every key sub-tile; the warp of column group d and key group g computes
+// the whole S = Q K^T of g's sub-tile (the same numbers in every column group) and its own
+// kHeadDimO-column slice of O += P V. The softmax state is identical across the column groups, so the
+// epilogue merges only the key groups. cp.async loading: one key group (kWarpsN == 1); TMA decode
+// (16-bit caches): the column groups of a key group share its ring, which column group 0 fills.
 //
 // kWs = kTma && kWgmma (sm_90a prefill of paged 16-bit caches, mainloop_ws.cuh; persistent CTAs):
 // kWarpsM / 4 consumer warpgroups multiply as kWgmma does, fed by a producer warpgroup after them
@@ -75,8 +77,10 @@ struct AttnTraits {
   static constexpr int kRows = 2 * kMmaM;                  // softmax rows held by each thread
 
   static_assert(kHeadDim % 16 == 0 && kHeadDimO <= 256, "kHeadDim: a multiple of 16, at most 256 per column group");
-  static_assert(kWarpsD == 1 || (kWarpsN == 1 && !kTma && !kWgmma && kHeadDim % (64 * kWarpsD) == 0),
-                "column groups: one key sub-tile per stage, cp.async loading, whole 64-column swizzle atoms each");
+  static_assert(kWarpsD == 1 || (!kWgmma && kHeadDim % (64 * kWarpsD) == 0 &&
+                                  (kTma ? !kIsFp8 && kWarpsM == 1 : kWarpsN == 1)),
+                "column groups: whole 64-column swizzle atoms each; cp.async loading with one key sub-tile per "
+                "stage, or TMA decode of a 16-bit cache");
   static_assert(kBlockM % (16 * kWarpsM) == 0, "kBlockM must be a multiple of 16 * kWarpsM");
   static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16 (one MMA K step of P.V)");
   static_assert(kStages >= 2, "the K/V pipeline needs at least two stages");

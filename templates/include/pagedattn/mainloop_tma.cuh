@@ -10,6 +10,11 @@
 // A chunk in a page outside [0, num_blocks) is zero-filled instead; chunks past the end are not
 // loaded (clear_tail zeroes their V rows once the slot has landed). fp8 caches land raw: widened by
 // the mainloop, or read in registers (Traits::kFp8Regs, attn_fp8_regs.cuh).
+//
+// Column groups (Traits::kWarpsD > 1, head dims above 256): the kWarpsD warps of a key group share
+// its ring. Column group 0 fills it; every warp waits on the slot's mbarrier and clears its own
+// columns' tail rows, then the group's warps meet at a named barrier, after which the slot of the
+// previous step is free for everyone and column group 0 issues the next one.
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
@@ -30,6 +35,7 @@ struct TmaKVLoader {
   static constexpr int kChunkBytes = 16 * kHeadDim * kCacheBytes;  // K (or V) bytes of one chunk
   static constexpr int kWindow = 32 / kChunks;                     // issues per page window
   static_assert(32 % kChunks == 0, "a page window is one entry per lane");
+  static constexpr int kWarpsD = Traits::kWarpsD;
 
   TileCtx<Traits> const& c;
   int n_steps;
@@ -41,6 +47,9 @@ struct TmaKVLoader {
   __device__ __forceinline__ TmaKVLoader(TileCtx<Traits> const& ctx, int steps)
       : c(ctx), n_steps(steps), k_map(ctx.p.tma_desc), v_map(static_cast<char const*>(ctx.p.tma_desc) + 128),
         bars(ctx.smem.ring_bars(ctx.group_idx)), win_cur(0), win_next(0) {}
+
+  // Whether this warp fills its key group's ring (column group 0; every warp without column groups).
+  __device__ __forceinline__ bool filler() const { return kWarpsD == 1 || c.d_idx == 0; }
 
   __device__ __forceinline__ int key0(int step) const { return step * Traits::kStageKeys + c.group_idx * kBlockN; }
 
@@ -94,15 +103,15 @@ struct TmaKVLoader {
   }
 
   // V rows of a landed sub-tile at or past k_len (the page's unused slots) are zeroed: P is 0 there,
-  // but 0 * NaN is not.
+  // but 0 * NaN is not. Each column group clears the columns it reads.
   __device__ __forceinline__ void clear_tail(int slot, int k0) const {
     int const first = c.w.k_len - k0;
     if (first <= 0 || first >= kBlockN) return;  // not loaded at all, or no row past the end
     char *k_dst, *v_dst;
     slot_tiles(slot, k_dst, v_dst);
-    constexpr int kRowChunks = kHeadDim * kCacheBytes / 16;
+    constexpr int kRowChunks = kHeadDim * kCacheBytes / 16 / kWarpsD;  // 16-byte chunks of a group's row
     for (int i = c.gtid; i < (kBlockN - first) * kRowChunks; i += 32) {
-      int const r = first + i / kRowChunks, chunk = i % kRowChunks;
+      int const r = first + i / kRowChunks, chunk = c.d_idx * kRowChunks + i % kRowChunks;
       int b;
       if constexpr (Traits::kIsFp8) {  // row r of each kBoxCols-column block (swizzling stays inside a row)
         b = ((chunk * 16) / kBoxCols * kBlockN + r) * kBoxCols + (chunk * 16) % kBoxCols;
@@ -122,6 +131,7 @@ struct TmaKVLoader {
 
   // The i-th sub-tile of this warp's range, into slot i % kStages.
   __device__ __forceinline__ void issue(int i) {
+    if (!filler()) return;
     if (i % kWindow == 0 && i > 0) {
       win_cur = win_next;
       win_next = fetch_window(i + kWindow);
@@ -133,16 +143,18 @@ struct TmaKVLoader {
   // Barriers, the first page windows and kStages - 1 sub-tiles; then waits for the Q tile (the only
   // CTA-wide barrier before the epilogue).
   __device__ __forceinline__ void prologue() {
-    if (c.gtid == 0) {
-      tma_prefetch_map(k_map);  // in flight with the page-window loads below
-      tma_prefetch_map(v_map);
-      for (int s = 0; s < kStages; ++s) mbarrier_init(bars + s, 1);
-      mbarrier_init_fence();
+    if (filler()) {
+      if (c.gtid == 0) {
+        tma_prefetch_map(k_map);  // in flight with the page-window loads below
+        tma_prefetch_map(v_map);
+        for (int s = 0; s < kStages; ++s) mbarrier_init(bars + s, 1);
+        mbarrier_init_fence();
+      }
+      __syncwarp();
+      win_cur = fetch_window(0);
+      win_next = fetch_window(kWindow);
+      for (int s = 0; s < kStages - 1 && s < n_steps; ++s) issue(s);
     }
-    __syncwarp();
-    win_cur = fetch_window(0);
-    win_next = fetch_window(kWindow);
-    for (int s = 0; s < kStages - 1 && s < n_steps; ++s) issue(s);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -153,7 +165,11 @@ struct TmaKVLoader {
     int const slot = it % kStages;
     mbarrier_wait(bars + slot, uint32_t(it / kStages) & 1u);
     clear_tail(slot, key0(c.w.step_begin + it));
-    __syncwarp();  // zero-filled rows of every lane are visible; slot it-1 is free
+    if constexpr (kWarpsD == 1) {
+      __syncwarp();  // zero-filled rows of every lane are visible; slot it-1 is free
+    } else {  // the same across the key group's warps (named barrier 1 + group, as group_sync)
+      asm volatile("bar.sync %0, %1;\n" ::"r"(1 + c.group_idx), "n"(32 * kWarpsD) : "memory");
+    }
     int const ahead = it + kStages - 1;
     if (ahead < n_steps) issue(ahead);
   }
