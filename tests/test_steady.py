@@ -412,6 +412,22 @@ def test_a_warm_kvcache_call_launches_what_a_cold_one_does(snew, kv, monkeypatch
         assert ran == [1]
 
 
+def test_forced_blocks_closed_out_of_order_leave_nothing_behind():
+    """Two fixtures (decode_loader's tma=False, entered inside fp8_ws's prefill block) are torn down in
+    their set-up order: closing the outer block first must not bring its prefill back when the inner
+    one closes (it once did, and the d512 tests after fp8_ws on the same worker ran prefill_ws)."""
+    o = attention.overrides
+    stages = (("decode", (("kStages", 3),)),)
+    outer = attention.forced(prefill="prefill_ws")
+    outer.__enter__()
+    inner = attention.forced(tma=False, tiles={"decode": {"kStages": 3}})
+    assert inner.__enter__() == o.Forced(prefill="prefill_ws", tma=False, tiles=stages)
+    outer.__exit__(None, None, None)
+    assert o.current() == o.Forced(tma=False, tiles=stages)
+    inner.__exit__(None, None, None)
+    assert o.current() == o.Forced()
+
+
 def test_forced_dispatch_holds_inside_its_block_only():
     """attention.forced (bench sweeps, perf/, tests): each plan made inside the block takes the forced
     prefill, multi-token decode setting and tiles; plans are dropped on entry and on exit."""

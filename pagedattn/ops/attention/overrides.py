@@ -27,6 +27,7 @@ class Forced:
         return {k: v for m, fields in self.tiles if m == mode for k, v in fields}
 
 
+_blocks: list[tuple[dict, tuple]] = []  # the open blocks, oldest first: (options given, tile pairs)
 _current = Forced()
 
 
@@ -34,23 +35,31 @@ def current() -> Forced:
     return _current
 
 
+def _fold() -> Forced:
+    out = Forced()
+    for given, tiles in _blocks:
+        out = dataclasses.replace(out, **given, tiles=out.tiles + tiles)
+    return out
+
+
 @contextlib.contextmanager
 def forced(prefill: str | None = None, multi: bool | None = None, tma: bool | None = None,
            tiles: dict[str, dict] | None = None):
     """Force the dispatch inside the block; `tiles` maps a mode to the tile fields it takes (e.g.
-    {"prefill_ws": {"kStages": 3}}). Options left at None keep the outer block's (or the dispatch's)."""
+    {"prefill_ws": {"kStages": 3}}). Options left at None keep the outer block's (or the dispatch's).
+    What is in force is the open blocks folded oldest first, so blocks may also close out of order
+    (two pytest fixtures torn down in their set-up order): closing one drops its options only."""
     global _current
     from . import _PLANS
 
-    before = _current
-    given = dict(prefill=prefill, multi=multi, tma=tma)
-    _current = dataclasses.replace(before, **{k: v for k, v in given.items() if v is not None})
-    if tiles:
-        _current = dataclasses.replace(_current, tiles=_current.tiles + tuple(
-            (mode, tuple(sorted(fields.items()))) for mode, fields in tiles.items()))
+    given = {k: v for k, v in dict(prefill=prefill, multi=multi, tma=tma).items() if v is not None}
+    block = (given, tuple((mode, tuple(sorted(fields.items()))) for mode, fields in (tiles or {}).items()))
+    _blocks.append(block)
+    _current = _fold()
     _PLANS.clear()
     try:
         yield _current
     finally:
-        _current = before
+        _blocks.remove(next(b for b in _blocks if b is block))
+        _current = _fold()
         _PLANS.clear()
