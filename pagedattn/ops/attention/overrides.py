@@ -60,6 +60,6 @@ def forced(prefill: str | None = None, multi: bool | None = None, tma: bool | No
     try:
         yield _current
     finally:
-        _blocks.remove(next(b for b in _blocks if b is block))
+        del _blocks[next(i for i, b in enumerate(_blocks) if b is block)]  # this block, not an equal one
         _current = _fold()
         _PLANS.clear()
