@@ -58,8 +58,8 @@ for stage in "$@"; do
     prefillsweep) eval python3 -m pagedattn.cli bench sweep prefill ${PREFILL_CONFIGS:-} --out "$OUT/results" ${SWEEP_ARGS:-} ;;
     prefillmodes) python3 -m pagedattn.cli bench sweep modes ${PREFILL_MODES:-} --out "$OUT/results" ;;
     # prefill_ws tile variants at the goal shapes (perf/ws_tiles.py; WS_VARIANTS e.g. 'default:;stages3:kStages=3',
-    # WS_KV=fp8_e4m3 for an fp8 cache)
-    wstiles)   python3 "$ROOT/perf/ws_tiles.py" "$OUT/results" ${WS_VARIANTS:+--variants "$WS_VARIANTS"} ${WS_KV:+--kv "$WS_KV"} ;;
+    # WS_KV=fp8_e4m3 for an fp8 cache, WS_SOFTCAP=30 with a softcap, WS_POINTS=1 the first point only)
+    wstiles)   python3 "$ROOT/perf/ws_tiles.py" "$OUT/results" ${WS_VARIANTS:+--variants "$WS_VARIANTS"} ${WS_KV:+--kv "$WS_KV"} ${WS_SOFTCAP:+--softcap "$WS_SOFTCAP"} ${WS_POINTS:+--points "$WS_POINTS"} ;;
     bundle)    [ -f /tmp/bundle/manifest.json ] || { mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1; }
                export PAGEDATTN_AOT_DIR=/tmp/bundle
                python3 -c "import sys, pathlib; from pagedattn.codegen import bundle; sys.exit(0 if bundle.read_manifest(pathlib.Path('/tmp/bundle')) else 1)" \

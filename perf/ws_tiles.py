@@ -7,6 +7,7 @@ a small checked call each, so their kernels compile in parallel; then the timed 
 time, so that the timings do not overlap. Kernel time is the Timer's (back to back).
 
     python perf/ws_tiles.py [OUT_DIR] [--variants 'stages2:kStages=2;stages3:kStages=3'] [--d 128] [--kv fp8_e4m3]
+                            [--softcap 30]
 writes OUT_DIR/ws_tiles_<gpu>_<date>.json (default perf/results) and prints a table.
 """
 from __future__ import annotations
@@ -30,9 +31,10 @@ def parse_variants(text: str) -> dict[str, dict]:
 
 
 def _row(args):
-    d, kv, tiles, point = args
+    d, kv, tiles, point, features = args
     from pagedattn.bench.sweeps import prefill_row
-    return prefill_row(d, prefill="prefill_ws", multi=False, tiles=tiles or None, kv=kv, **point)
+    return prefill_row(d, prefill="prefill_ws", multi=False, tiles=tiles or None, kv=kv, features=features,
+                       **point)
 
 
 def main(argv=None) -> None:
@@ -41,22 +43,26 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default="default:;stages3:kStages=3")
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--kv", default="auto", help="cache dtype: auto (16-bit), fp8_e4m3 or fp8_e5m2 (head dim 128)")
+    ap.add_argument("--softcap", type=float, default=0.0, help="the op's softcap (0: off)")
+    ap.add_argument("--points", type=int, default=len(POINTS), help="the first N of the points only")
     args = ap.parse_args(argv)
+    features = {"softcap": args.softcap} if args.softcap else {}
     variants = parse_variants(args.variants)
     ctx = mp.get_context("spawn")
     small = dict(batch=1, q_len=256, ctx=256)
     with cf.ProcessPoolExecutor(len(variants), mp_context=ctx) as pool:  # compile every variant at once
-        list(pool.map(_row, [(args.d, args.kv, tiles, small) for tiles in variants.values()]))
+        list(pool.map(_row, [(args.d, args.kv, tiles, small, features) for tiles in variants.values()]))
     rows = []
     for name, tiles in variants.items():
-        for point in POINTS:
+        for point in POINTS[:args.points]:
             with cf.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-                row = pool.submit(_row, (args.d, args.kv, tiles, point)).result()
-            rows.append(dict(variant=name, tiles=tiles, **row))
+                row = pool.submit(_row, (args.d, args.kv, tiles, point, features)).result()
+            rows.append(dict(variant=name, tiles=tiles, features=features, **row))
             print(f"{name:12s} B{point['batch']:<3d} q{point['q_len']:<6d} k{point['ctx']:<6d} "
                   f"{row['us']:9.1f} us {row['tflops']:7.1f} TFLOP/s  err {row['rel_l2_err']:.1e}", flush=True)
     from pagedattn.bench.meta import write_quick
-    print("wrote", write_quick(args.out, "ws_tiles" if args.kv == "auto" else f"ws_tiles_{args.kv}", rows,
+    name = "ws_tiles" + ("" if args.kv == "auto" else f"_{args.kv}") + ("_softcap" if features else "")
+    print("wrote", write_quick(args.out, name, rows,
                                variants=variants))
 
 

@@ -65,11 +65,11 @@ def paged(B: int, ctx: int, kv: str = "auto", q_len: int = 1, d: int = D, layout
     return data
 
 
-def ours(data, num_splits: int = 0):
+def ours(data, num_splits: int = 0, **features):
     """fn(k): pagedattn.flash_attn_varlen_func on input set k of `data` (the bench's call)."""
     from .attention import _ours_fn, flash_fn
 
-    return _ours_fn(flash_fn(), data, num_splits)
+    return _ours_fn(flash_fn(), data, num_splits, **features)
 
 
 def decode_points(opts: dict) -> list:
@@ -106,25 +106,28 @@ PREFILL_MODES = ("prefill", "prefill_wgmma", "prefill_ws")  # what `sweep modes 
 
 
 def prefill_row(d: int, prefill: str | None = None, batch: int = 4, q_len: int = 4096, ctx: int = 4096,
-                multi: bool | None = False, tiles: dict | None = None, kv: str = "auto") -> dict:
+                multi: bool | None = False, tiles: dict | None = None, kv: str = "auto",
+                features: dict | None = None) -> dict:
     """One prefill point with the dispatch's choice of prefill (None) or with `prefill` forced
     ("prefill", "prefill_wgmma", "prefill_ws"), and multi-token decode off (multi=False), as the
     dispatch has it (None) or forced up to 256 packed rows (True); checked first (short queries as
     timed, long ones on B=2 S=517) against pagedattn.reference. `tiles` overrides tile_config's
-    answer for the forced mode (e.g. {"kPingPong": False} for prefill_ws); `kv` the cache dtype."""
+    answer for the forced mode (e.g. {"kPingPong": False} for prefill_ws); `kv` the cache dtype;
+    `features` the op's feature arguments (e.g. {"softcap": 30.0})."""
     from pagedattn.ops import attention
 
     from .attention import reference_out
     from .common import rel_l2
     from .timing import Timer
 
+    features = features or {}
     # forced: this prefill (also for rows the dispatch would give the SM80 prefill), multi-token decode
     # off or up to FORCED_MULTI_ROWS rows, the tiles over the forced mode's
     with attention.forced(prefill=prefill, multi=multi, tiles={prefill: tiles} if tiles and prefill else None):
         check = paged(batch, ctx, kv, q_len=q_len, d=d) if q_len <= 64 else paged(2, 517, kv, q_len=517, d=d)
-        err = rel_l2(ours(check)(0), reference_out(check))
+        err = rel_l2(ours(check, **features)(0), reference_out(check, **features))
         attention._PLANS.clear()  # the mode read below is the timed call's
-        us = Timer(budget_s=0.2)(ours(paged(batch, ctx, kv, q_len=q_len, d=d))).us
+        us = Timer(budget_s=0.2)(ours(paged(batch, ctx, kv, q_len=q_len, d=d), **features)).us
         plan = next(iter(attention._PLANS.values()))
         mode = plan.mode_for(q_len * HQ // HKV)
     flops = 4 * batch * HQ * d * sum(ctx - q_len + i + 1 for i in range(q_len))  # query i sees ctx-q_len+i+1 keys
