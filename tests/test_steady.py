@@ -344,6 +344,20 @@ def test_new_write_metadata_after_a_warm_up_is_judged_as_on_a_cold_cache(case):
     _judged_as_cold(_write_base(form), changes, _write_outcome, kv_write._PLANS, lambda res: isinstance(res, list))
 
 
+@pytest.mark.parametrize("form", ["fp8_same", "fp8"])
+@pytest.mark.parametrize("scale", ["k_scale", "v_scale"])
+def test_a_warm_fp8_write_without_a_scale_is_refused_as_a_cold_one(form, scale):
+    """Hypothesis found it: fp8_same warmed (k_scale and v_scale one tensor), then v_scale=None reached
+    a scale's data_ptr on the steady path (AttributeError) where a cold call says what is missing."""
+    _judged_as_cold(_write_base(form), {scale: None}, _write_outcome, kv_write._PLANS, lambda res: isinstance(res, list))
+
+
+@pytest.mark.parametrize("scale", ["k_descale", "v_descale"])
+def test_a_warm_fp8_call_without_a_descale_is_refused_as_a_cold_one(scale):
+    """The attention twin: warmed with v_descale the same tensor as k_descale, then one of them None."""
+    _judged_as_cold(_base("fp8_same"), {scale: None}, _outcome, attention._PLANS, lambda res: res[2])
+
+
 def test_a_one_slot_mapping_with_another_stride_is_known_at_that_size_only():
     """slot_mapping [1] of stride 2 is contiguous, [3] of stride 2 is not: the guard of the first must
     not let the second through."""

@@ -38,8 +38,10 @@ class _Absent(torch.Tensor):
 # Stand-ins, distinct (a guard refuses the same tensor twice: one each): attention's out, k_descale,
 # v_descale when None and v_descale when it is k_descale; the write's value when it is key, k_scale and
 # v_scale when None and v_scale when it is k_scale; flash_attn_with_kvcache's v_cache is k_cache, v is
-# k, k_descale and v_descale None, v_descale is k_descale (the first five).
-ABSENT = tuple(torch.empty(0).as_subclass(_Absent) for _ in range(6))
+# k, k_descale and v_descale None, v_descale is k_descale (the first five). A guard sees metadata, not
+# identity, so each has a shape of its own ([0, 1], [0, 2], ...): with one shape, a call warmed with
+# v_scale=k_scale passed the guard with v_scale=None and reached None.data_ptr().
+ABSENT = tuple(torch.empty(0, i + 1).as_subclass(_Absent) for i in range(6))
 
 
 def guard(tensors: tuple, dynamic: tuple = ()):
