@@ -34,7 +34,7 @@ from .heuristics import wave_capacity, wgmma_ok  # noqa: F401
 from . import overrides
 from .overrides import FORCED_MULTI_ROWS, forced  # noqa: F401
 from .tiles import HEAD_DIMS, MODES, SM90_MODES, TMA_MODES, WGMMA_MODES, SMALL_SMEM_ARCH, SMEM_LIMIT, SMEM_PER_CTA, _tiles  # noqa: F401
-from .tiles import fp8_regs, smem_bytes, smem_limit, tile_config  # noqa: F401
+from .tiles import fp8_regs, smem_bytes, smem_limit, smem_plan, tile_config  # noqa: F401
 from .tma import TMA_L2_PROMOTION, tma_maps  # noqa: F401
 from .validate import _INT32_MAX, _NO_FEATURES, _UNSUPPORTED_OK, _batch, _Call, _check_aligned  # noqa: F401
 from .validate import _check_strides, _count_arg, _descale_strides, _given, _head_vector  # noqa: F401
@@ -143,7 +143,7 @@ class AttnFwdSpec(KernelSpec):
         # never promise more resident CTAs than shared memory allows: the register cap would be wasted
         tiles["kMinBlocks"] = max(1, min(tiles["kMinBlocks"], self.smem_limit // self.dynamic_smem()))
         return {"Element": CUTLASS_TYPE[self.dtype], "kFp8": FP8_FORMAT[self.kv_cache_dtype],
-                "kHeadDim": self.head_dim, "kSmemBytes": self.dynamic_smem(), "max_splits": MAX_SPLITS, **tiles,
+                "kHeadDim": self.head_dim, "smem_plan": self.smem_plan(), "max_splits": MAX_SPLITS, **tiles,
                 **{f: getattr(self, f) for f in FEATURES}}
 
     def check(self) -> None:
@@ -182,8 +182,12 @@ class AttnFwdSpec(KernelSpec):
         except UnsupportedError:  # no tile fits that arch
             return False
 
+    def smem_plan(self) -> dict:
+        """The shared-memory regions of this variant (tiles.smem_plan), as the source renders them."""
+        return smem_plan(self.tiles, self.head_dim, self.kv_cache_dtype != "auto")
+
     def dynamic_smem(self) -> int:
-        return smem_bytes(self.tiles, self.head_dim, self.kv_cache_dtype != "auto")
+        return self.smem_plan()["Bytes"]
 
     @property
     def threads(self) -> int:

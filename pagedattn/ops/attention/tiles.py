@@ -137,25 +137,42 @@ def fp8_regs(head_dim: int, tma: bool) -> bool:
     return tma and head_dim % 128 == 0
 
 
-def smem_bytes(cfg: dict, head_dim: int, fp8: bool) -> int:
-    """Mirror of AttnTraits::kSmemBytes (attn_traits.cuh); the rendered source static_asserts it."""
-    stage = cfg["kBlockN"] * cfg["kWarpsN"] * head_dim
-    q = cfg["kBlockM"] * head_dim * 2
-    ws = cfg["kTma"] and cfg["kWgmma"]  # prefill_ws: fp8 lands in WS_RAW_STAGES raw stages, widened into the ring
-    elem_stages = (0 if fp8_regs(head_dim, cfg["kTma"] and not cfg["kWgmma"]) else 1) if fp8 and not ws \
-        else cfg["kStages"]
-    raw_stages = WS_RAW_STAGES if ws else cfg["kStages"]
-    kv = (2 * raw_stages * stage if fp8 else 0) + 2 * elem_stages * stage * 2
-    epilogue = cfg["kWarpsN"] * cfg["kBlockM"] * (head_dim + 2) * 4
-    main = max(q + kv, epilogue)
-    # TMA: an mbarrier per (warp, ring slot); prefill_ws: a full and an empty one per slot of K and of V,
-    # then the split-KV flag (8 bytes) and four 56-byte work items (AttnTraits::kSmemWsTail), and for
-    # fp8 an mbarrier per (K or V, producer warp, raw stage)
-    if not cfg["kTma"]:
-        barriers = 0
-    elif ws:
-        barriers = 8 * 4 * cfg["kStages"] + 8 + 4 * 56 + (8 * 2 * 4 * WS_RAW_STAGES if fp8 else 0)
-    else:
-        barriers = 8 * cfg["kWarpsN"] * cfg["kStages"]
-    return -(-main // 8) * 8 + barriers
+WS_WORK_BYTES = 56  # sizeof(AttnWork): prefill_ws keeps four of them (two per consumer warpgroup)
 
+
+def smem_plan(cfg: dict, head_dim: int, fp8: bool) -> dict:
+    """THE shared-memory plan of a tile: stage counts and the size of each region of SharedStorage
+    (attn_smem.cuh), in elements of the region's type. The rendered source takes these numbers as
+    they are (attn_fwd.cu.j2: `struct Smem`) and asserts the regions hold what the tiles need and
+    that sizeof(SharedStorage) is Bytes, the dynamic shared memory the launch asks for.
+
+      union { Q | K stages | V stages (Element) | raw K | raw V (fp8 bytes);  O | m, l (float) }
+      RingBars mbarriers; prefill_ws: the split-KV flag (8 bytes), WsWork work items, WsRawBars mbarriers"""
+    stage = cfg["kBlockN"] * cfg["kWarpsN"] * head_dim  # one stage (cp.async) or one slot of every warp's ring
+    ws = cfg["kTma"] and cfg["kWgmma"]
+    # Element stages the MMAs read: one per stage (16-bit caches); fp8: the one stage raw stages are
+    # widened into, none when TMA decode converts fp8 operands in registers, the whole ring in prefill_ws
+    # (its producer widens WS_RAW_STAGES raw stages into it)
+    if not fp8 or ws:
+        elem_stages = cfg["kStages"]
+    else:
+        elem_stages = 0 if fp8_regs(head_dim, cfg["kTma"] and not cfg["kWgmma"]) else 1
+    raw_stages = (WS_RAW_STAGES if ws else cfg["kStages"]) if fp8 else 0
+    rows = cfg["kWarpsN"] * cfg["kBlockM"]  # the epilogue's rows: every warp group's
+    plan = dict(ElemStages=elem_stages, RawStages=raw_stages, Q=cfg["kBlockM"] * head_dim,
+                K=elem_stages * stage, V=elem_stages * stage, RawK=raw_stages * stage, RawV=raw_stages * stage,
+                O=rows * head_dim, RowStats=2 * rows,
+                # TMA: an mbarrier per (warp, ring slot); prefill_ws: a full and an empty one per slot of
+                # the K ring and of the V ring, and (fp8) one per (K or V, producer warp, raw stage)
+                RingBars=(4 if ws else cfg["kWarpsN"]) * cfg["kStages"] if cfg["kTma"] else 0,
+                WsFlag=int(ws), WsWork=4 if ws else 0, WsRawBars=2 * 4 * raw_stages if ws else 0)
+    main = max(2 * (plan["Q"] + plan["K"] + plan["V"]) + plan["RawK"] + plan["RawV"],
+               4 * (plan["O"] + plan["RowStats"]))
+    tail = 8 * (plan["RingBars"] + plan["WsFlag"] + plan["WsRawBars"]) + WS_WORK_BYTES * plan["WsWork"]
+    plan["Bytes"] = (-(-main // 8) * 8 if tail else main) + tail
+    return plan
+
+
+def smem_bytes(cfg: dict, head_dim: int, fp8: bool) -> int:
+    """The dynamic shared memory of a tile: sizeof(SharedStorage), by smem_plan."""
+    return smem_plan(cfg, head_dim, fp8)["Bytes"]

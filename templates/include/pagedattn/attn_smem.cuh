@@ -1,74 +1,155 @@
-// The dynamic shared memory of attn_fwd, region by region: the one place that knows where each
-// lives. Sizes come from AttnTraits (kSmemBytes is the total the host mirrors in smem_bytes(); the
-// rendered source asserts the two agree).
+// The dynamic shared memory of attn_fwd as one struct, SharedStorage: the regions in the order they
+// lie, each an array sized by the host's plan (tiles.smem_plan, rendered as Traits::Smem), so the
+// bytes the launch asks for and this layout are the same numbers. The static_asserts below check
+// that each region holds what the tiles need and that sizeof(SharedStorage) is the plan's Bytes.
 //
-//   mainloop:  [Q tile][K Element stages][V Element stages][raw K stages][raw V stages] (kRawStages)
-//   epilogue:  [O of each warp group][m][l], then the split-KV "last CTA" flag: the mainloop's bytes,
-//              reused once every K/V read is done
-//   TMA:       one mbarrier per (warp, ring slot), after both (never reused); kWs: the K and V rings'
-//              full and empty mbarriers, then the split-KV flag (its epilogue needs no shared memory,
-//              and the next tile's Q and K/V may already be landing in the mainloop's bytes) and the
-//              consumer warpgroups' work items, then (fp8) the producer warps' raw-stage mbarriers
+//   union {
+//     mainloop:  Q tile | K Element stages | V Element stages | raw K stages | raw V stages (fp8 bytes)
+//     epilogue:  O of each warp group | m, l of each row   (reuses the mainloop's bytes once every
+//                K/V read is done; the split-KV "last CTA" flag of the non-ws paths is its first int)
+//   }
+//   ring_bars:   TMA: one mbarrier per (warp, ring slot); kWs: the K and V rings' full and empty ones
+//   kWs:         the split-KV flag (its epilogue needs no shared memory, and the next tile's Q and K/V
+//                may already be landing in the mainloop's bytes), the consumer warpgroups' work items,
+//                then (fp8) the producer warps' raw-stage mbarriers (never reused)
+//
+// A region the plan leaves empty takes no bytes: regions are base classes (SmemRegion<tag, T, 0> is
+// empty), and empty bases share their neighbour's address.
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
 #include "pagedattn/tile_scheduler.cuh"
+#include <cute/tensor.hpp>
 
 namespace pagedattn {
 
+template <int kTag, class T, int kCount>
+struct SmemRegion {
+  T data[kCount];
+};
+template <int kTag, class T>
+struct SmemRegion<kTag, T, 0> {};
+
+// The region of `tag` in a SharedStorage part (a pointer to its first element, null when empty).
+template <int kTag, class T, int kCount>
+__device__ __forceinline__ T* region(SmemRegion<kTag, T, kCount>& r) {
+  if constexpr (kCount > 0) {
+    return r.data;
+  } else {
+    return nullptr;
+  }
+}
+
+enum SmemTag { kTagQ, kTagK, kTagV, kTagRawK, kTagRawV, kTagO, kTagRowStats, kTagRingBars, kTagWsFlag, kTagWsWork,
+               kTagWsRawBars };
+
+template <class Element, class Plan>
+struct SmemMainloop : SmemRegion<kTagQ, Element, Plan::kQ>, SmemRegion<kTagK, Element, Plan::kK>,
+                      SmemRegion<kTagV, Element, Plan::kV>, SmemRegion<kTagRawK, uint8_t, Plan::kRawK>,
+                      SmemRegion<kTagRawV, uint8_t, Plan::kRawV> {};
+
+template <class Plan>
+struct SmemEpilogue : SmemRegion<kTagO, float, Plan::kO>, SmemRegion<kTagRowStats, float, Plan::kRowStats> {};
+
+template <class Element, class Plan>
+union SmemMain {
+  SmemMainloop<Element, Plan> mainloop;
+  SmemEpilogue<Plan> epilogue;
+};
+
+template <class Element, class Plan>
+struct SmemMainHolder {
+  SmemMain<Element, Plan> main;
+};
+
+template <class Traits>
+struct SharedStorage : SmemMainHolder<typename Traits::Element, typename Traits::Smem>,
+                       SmemRegion<kTagRingBars, uint64_t, Traits::Smem::kRingBars>,
+                       SmemRegion<kTagWsFlag, uint64_t, Traits::Smem::kWsFlag>,
+                       SmemRegion<kTagWsWork, AttnWork, Traits::Smem::kWsWork>,
+                       SmemRegion<kTagWsRawBars, uint64_t, Traits::Smem::kWsRawBars> {};
+
+// The regions of SharedStorage<Traits> by name, at `base` (the kernel's dynamic shared memory).
 template <class Traits>
 struct AttnSmem {
   using Element = typename Traits::Element;
-  static constexpr int kElemStageBytes = Traits::kElemStages * Traits::kSmemStageElems * int(sizeof(Element));
-  static constexpr int kOffK = Traits::kSmemQ;
-  static constexpr int kOffV = kOffK + kElemStageBytes;
-  static constexpr int kOffRawK = kOffV + kElemStageBytes;
-  static constexpr int kOffRawV = kOffRawK + Traits::kRawStages * Traits::kSmemStageRaw;
-  static constexpr int kOffBars = (Traits::kSmemMain + 7) / 8 * 8;
+  using Plan = typename Traits::Smem;
+  using Storage = SharedStorage<Traits>;
   static constexpr int kEpilogueRows = Traits::kWarpsN * Traits::kBlockM;
-  static_assert(kOffBars + Traits::kSmemBarriers == Traits::kSmemBytes, "regions and kSmemBytes disagree");
+
+  // what the tiles need of the plan (the plan is the host's; these are the kernel's side of it)
+  static_assert(sizeof(Storage) == Plan::kBytes, "SharedStorage is not the plan's size (tiles.smem_plan)");
+  static_assert(Plan::kQ == cute::cosize(typename Traits::SmemLayoutQ{}), "Q region: one Q tile");
+  static_assert(Plan::kK == Plan::kElemStages * Traits::kSmemStageElems && Plan::kV == Plan::kK,
+                "K/V regions: kElemStages stages of kWarpsN tiles");
+  static_assert(Plan::kElemStages == (Traits::kFp8Regs ? 0 : Traits::kIsFp8 && !Traits::kWs ? 1 : Traits::kStages),
+                "Element stages: every stage (16-bit caches, prefill_ws), one widened stage (fp8), none (fp8 "
+                "operands in registers)");
+  static_assert(Plan::kRawK == Plan::kRawStages * Traits::kSmemStageRaw && Plan::kRawV == Plan::kRawK &&
+                (Traits::kIsFp8 ? Plan::kRawStages >= 2 && (Traits::kWs || Plan::kRawStages == Traits::kStages)
+                                : Plan::kRawStages == 0),
+                "raw fp8 stages: the pipeline's (prefill_ws: its own count), none for 16-bit caches");
+  static_assert(Plan::kO == kEpilogueRows * Traits::kHeadDim && Plan::kRowStats == 2 * kEpilogueRows,
+                "epilogue: O, m and l of every warp group's rows");
+  static_assert(Plan::kRingBars == (Traits::kTma ? (Traits::kWs ? 4 : Traits::kWarpsN) * Traits::kStages : 0),
+                "ring mbarriers: one per (warp, slot); prefill_ws: full and empty of K and V per slot");
+  static_assert(Plan::kWsFlag == int(Traits::kWs) && Plan::kWsWork == (Traits::kWs ? 4 : 0) &&
+                Plan::kWsRawBars == (Traits::kWs ? 2 * 4 * Plan::kRawStages : 0),
+                "prefill_ws: the split flag, two work items per consumer warpgroup, raw-stage mbarriers");
 
   char* base;
 
+  // Never null: the assumption lets the compiler drop the null checks of the conversions to the
+  // region bases, which would hide that every address is in shared memory (generic LD/ST, not LDS/STS).
+  __device__ __forceinline__ Storage& storage() const {
+    Storage* const s = reinterpret_cast<Storage*>(base);
+    __builtin_assume(s != nullptr);
+    return *s;
+  }
+  __device__ __forceinline__ SmemMainloop<Element, Plan>& mainloop() const { return storage().main.mainloop; }
+  __device__ __forceinline__ SmemEpilogue<Plan>& epilogue() const { return storage().main.epilogue; }
+
   // mainloop
-  __device__ __forceinline__ Element* q() const { return reinterpret_cast<Element*>(base); }
+  __device__ __forceinline__ Element* q() const { return region<kTagQ>(mainloop()); }
   // Element tile the MMAs read: (stage, warp group); fp8 widens into stage 0 only
   __device__ __forceinline__ Element* k_tile(int stage, int group) const {
-    return reinterpret_cast<Element*>(base + kOffK) + (stage * Traits::kWarpsN + group) * Traits::kTileElems;
+    return region<kTagK>(mainloop()) + (stage * Traits::kWarpsN + group) * Traits::kTileElems;
   }
   __device__ __forceinline__ Element* v_tile(int stage, int group) const {
-    return reinterpret_cast<Element*>(base + kOffV) + (stage * Traits::kWarpsN + group) * Traits::kTileElems;
+    return region<kTagV>(mainloop()) + (stage * Traits::kWarpsN + group) * Traits::kTileElems;
   }
   // fp8 bytes of `keys` rows from row `row` of stage `stage` (kHeadDim bytes a row, unpadded)
   __device__ __forceinline__ uint8_t* raw_k(int stage, int row = 0) const {
-    return reinterpret_cast<uint8_t*>(base + kOffRawK) + (stage * Traits::kStageKeys + row) * Traits::kHeadDim;
+    return region<kTagRawK>(mainloop()) + (stage * Traits::kStageKeys + row) * Traits::kHeadDim;
   }
   __device__ __forceinline__ uint8_t* raw_v(int stage, int row = 0) const {
-    return reinterpret_cast<uint8_t*>(base + kOffRawV) + (stage * Traits::kStageKeys + row) * Traits::kHeadDim;
+    return region<kTagRawV>(mainloop()) + (stage * Traits::kStageKeys + row) * Traits::kHeadDim;
   }
-  // TMA ring barriers of warp group `group`: kStages of them
+  // TMA ring barriers of warp group `group` (kWs: 0 full K, 1 full V, 2 empty K, 3 empty V): kStages of them
   __device__ __forceinline__ uint64_t* ring_bars(int group) const {
-    return reinterpret_cast<uint64_t*>(base + kOffBars) + group * Traits::kStages;
+    return region<kTagRingBars>(storage()) + group * Traits::kStages;
   }
 
   // epilogue
   __device__ __forceinline__ float* o(int group, int row) const {
-    return reinterpret_cast<float*>(base) + (group * Traits::kBlockM + row) * Traits::kHeadDim;
+    return region<kTagO>(epilogue()) + (group * Traits::kBlockM + row) * Traits::kHeadDim;
   }
-  __device__ __forceinline__ float* m() const { return reinterpret_cast<float*>(base) + kEpilogueRows * Traits::kHeadDim; }
+  __device__ __forceinline__ float* m() const { return region<kTagRowStats>(epilogue()); }
   __device__ __forceinline__ float* l() const { return m() + kEpilogueRows; }
   __device__ __forceinline__ int* last_split_flag() const {
-    return Traits::kWs ? reinterpret_cast<int*>(ring_bars(4)) : reinterpret_cast<int*>(base);
+    if constexpr (Traits::kWs) {
+      return reinterpret_cast<int*>(region<kTagWsFlag>(storage()));
+    } else {
+      return reinterpret_cast<int*>(base);
+    }
   }
   // kWs: consumer warpgroup wg's work item of parity `parity` (items alternate between its two)
   __device__ __forceinline__ AttnWork* ws_work(int wg, int parity) const {
-    static_assert(sizeof(AttnWork) == 56, "kSmemWsTail holds four 56-byte work items");
-    return reinterpret_cast<AttnWork*>(reinterpret_cast<char*>(ring_bars(4)) + 8) + 2 * wg + parity;
+    return region<kTagWsWork>(storage()) + 2 * wg + parity;
   }
   // kWs, fp8: the raw-stage mbarrier of (K: kv 0, V: kv 1, producer warp `warp`, raw stage `stage`)
   __device__ __forceinline__ uint64_t* ws_raw_bar(int kv, int warp, int stage) const {
-    return reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(ring_bars(4)) + 8 + 4 * 56) +
-           (kv * 4 + warp) * Traits::kRawStages + stage;
+    return region<kTagWsRawBars>(storage()) + (kv * 4 + warp) * Plan::kRawStages + stage;
   }
 };
 

@@ -44,8 +44,8 @@
 namespace pagedattn {
 
 template <class Element_, Fp8Format kFp8_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsM_,
-          int kWarpsN_, int kStages_, bool kTma_ = false, bool kWgmma_ = false, int kWarpsD_ = 1,
-          bool kPingPong_ = false, bool kKAhead_ = false, int kExpFma_ = 0>
+          int kWarpsN_, int kStages_, bool kTma_, bool kWgmma_, int kWarpsD_,
+          bool kPingPong_, bool kKAhead_, int kExpFma_, class Smem_>
 struct AttnTraits {
   using Element = Element_;  // cutlass::half_t or cutlass::bfloat16_t: Q, O and both MMA operands
   static constexpr Fp8Format kFp8 = kFp8_;
@@ -132,31 +132,14 @@ struct AttnTraits {
   using SmemCopyAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
   using SmemCopyAtomT = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
 
-  // Shared memory, bytes. fp8 caches land raw in per-stage byte buffers; without kFp8Regs they are
-  // widened once per stage into a single Element stage that the MMAs read.
+  // Shared memory: the host's plan of every region (tiles.smem_plan, rendered; SharedStorage in
+  // attn_smem.cuh lays it out and checks it against these tiles). fp8 caches land raw in stages of
+  // bytes; without kFp8Regs they are widened into Element stages the MMAs read.
+  using Smem = Smem_;
   static constexpr int kTileElems = kBlockN * kHeadDim;
-  static constexpr int kSmemQ = kBlockM * kHeadDim * int(sizeof(Element));
   // A stage (cp.async) or one ring slot of every warp (TMA) holds kStageKeys keys: kWarpsN tiles.
   static constexpr int kSmemStageElems = kWarpsN * kTileElems;
   static constexpr int kSmemStageRaw = kStageKeys * kHeadDim;  // fp8 bytes, unpadded
-  // Element stages the MMAs read through ldmatrix: one per stage (16-bit caches), one widened stage
-  // (fp8), none (fp8 in registers).
-  // kWs with an fp8 cache: the producer warps land raw chunks in kRawStages stages of their own and
-  // widen them into the kStages-slot Element ring the consumers read (mainloop_ws.cuh).
-  static constexpr int kElemStages = kFp8Regs ? 0 : (kIsFp8 && !kWs ? 1 : kStages);
-  static constexpr int kRawStages = kWs ? 2 : kStages;
-  static constexpr int kSmemKV =
-      (kIsFp8 ? 2 * kRawStages * kSmemStageRaw : 0) + 2 * kElemStages * kSmemStageElems * int(sizeof(Element));
-  static constexpr int kSmemEpilogue = kWarpsN * kBlockM * (kHeadDim + 2) * int(sizeof(float));
-  static constexpr int kSmemMain =
-      kSmemQ + kSmemKV > kSmemEpilogue ? kSmemQ + kSmemKV : kSmemEpilogue;
-  // TMA: one 8-byte mbarrier per (warp, slot), after everything the epilogue reuses; kWs: a full and
-  // an empty one per slot of the K ring and of the V ring, then the split-KV flag (8 bytes) and each
-  // consumer warpgroup's current and next work item (4 x 56 bytes, AttnSmem::ws_work); fp8: one
-  // mbarrier per (K or V, producer warp, raw stage) after them
-  static constexpr int kSmemWsTail = kWs ? 8 + 4 * 56 + (kIsFp8 ? 8 * 2 * 4 * kRawStages : 0) : 0;
-  static constexpr int kSmemBarriers = kTma ? 8 * (kWs ? 4 : kWarpsN) * kStages + kSmemWsTail : 0;
-  static constexpr int kSmemBytes = (kSmemMain + 7) / 8 * 8 + kSmemBarriers;
 };
 
 }  // namespace pagedattn

@@ -199,7 +199,7 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
 template <class Traits>
 __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing const ring) {
   constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
-  constexpr int kRaw = Traits::kRawStages, kPerWarp = WsProducerLane<Traits>::kPerWarp;
+  constexpr int kRaw = Traits::Smem::kRawStages, kPerWarp = WsProducerLane<Traits>::kPerWarp;
   constexpr int kRawChunkBytes = 16 * kHeadDim;  // K (or V) bytes of one raw chunk
   static_assert(kHeadDim == 128, "one 128-byte swizzled box per chunk");
   WsBarriers const bars(c.smem);
@@ -556,7 +556,7 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
       mbarrier_init(bars.empty_v + s, Traits::kThreads / 32);
     }
     if constexpr (Traits::kIsFp8) {
-      for (int i = 0; i < 2 * kWsProducerWarps * Traits::kRawStages; ++i) {
+      for (int i = 0; i < 2 * kWsProducerWarps * Traits::Smem::kRawStages; ++i) {
         mbarrier_init(sm.ws_raw_bar(0, 0, 0) + i, 1);
       }
     }
