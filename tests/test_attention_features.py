@@ -228,25 +228,6 @@ def test_features_in_multi_token_decode(c, decode_loader):
     assert modes & {"multi", "multi_tma"}, modes
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("exp_fma", [3, 8])
-@pytest.mark.parametrize("c", [dict(c, D=(64, 128)[i % 2], bs=c["bs"] if c["bs"] % 16 == 0 else 16, kv="auto",
-                                    contiguous=False, loader="auto", batch=("prefill", "mixed")[i % 2])
-                               for i, c in enumerate(x for x in _feature_grid(160, seed=5) if x["softcap"])][:6],
-                         ids=_fid)
-def test_softcap_prefill_ws_exponentials_on_the_fma_pipes(c, exp_fma, decode_loader):
-    """prefill_ws with a softcap computes kExpFma of every 8 exponentials on the FMA pipes (softmax.cuh:
-    exp2_fma); 8 runs every one of them there. Forced tiles, against the float64 reference."""
-    from pagedattn.ops import attention as attention_ops
-
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("prefill_ws is sm_90a-only")
-    with attention_ops.forced(prefill="prefill_ws", tiles={"prefill_ws": {"kExpFma": exp_fma}}):
-        _check_feature_case(c, decode_loader)
-        modes = {mode for plan in attention_ops._PLANS.values() for mode, _ in plan._kernels}
-    assert "prefill_ws" in modes, modes
-
-
 def _check_feature_case(c, decode_loader, max_q=None):
     decode_loader(c["loader"])
     rng = random.Random(_fid(c))

@@ -436,7 +436,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   Tensor o_rows = make_tensor(acc_o.data(), Layout<Shape<_4, _1, Int<kHeadDim / 8>>>{});
   Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   AttnMask<2, Features> const mask(c.p, c.w, tScS);
-  OnlineSoftmax<2, Features::kSoftcap ? Traits::kExpFma : 0> softmax;
+  OnlineSoftmax<2> softmax;
   typename Tiles::FragP tOrP;
   WsBarriers const bars(c.smem);  // from the shared window's base: constants, not registers held per item
 

@@ -29,23 +29,8 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
-// 2^x without the SFU, on the FMA and integer pipes: x = j + f with j = round(x) (adding 1.5 * 2^23
-// leaves j in the low bits), 2^f by a cubic with p(0) = 1 fitted to a relative error of 1.0e-4 on
-// [-1/2, 1/2] (2^-13.3: far below the rounding of a 16-bit P), times 2^j assembled from j's bits.
-// x <= -127 (a masked key's -inf) gives exactly 0: 2^j's bits wrap to +0 at j = -127. NaN stays NaN.
-__device__ __forceinline__ float exp2_fma(float x) {
-  x = x < -127.f ? -127.f : x;
-  float const t = __fadd_rn(x, 12582912.f);
-  float const f = __fsub_rn(x, __fsub_rn(t, 12582912.f));
-  float const p = fmaf(fmaf(fmaf(0.05500893f, f, 0.24221097f), f, 0.69328290f), f, 1.f);
-  return p * __int_as_float(int(unsigned(__float_as_int(t)) << 23) + 0x3f800000);
-}
-
-// kExpFma of every 8 exponentials of a row go to exp2_fma instead of the SFU: where the SFU is the
-// bottleneck (a softcap's tanh doubles its work per score) the FMA pipes take part of it.
-template <int kRows, int kExpFma = 0>
+template <int kRows>
 struct OnlineSoftmax {
-  static_assert(0 <= kExpFma && kExpFma <= 8, "kExpFma: eighths of the exponentials");
   float m[kRows];  // running max of scaled logits, log2 units (-inf: no key seen yet)
   float l[kRows];  // this thread's part of sum 2^(s - m); summed over the quad at the end
 
@@ -92,8 +77,7 @@ struct OnlineSoftmax {
         for (int ni = 0; ni < kMmaN; ++ni) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            float const x = fmaf(acc_s(2 * h + c, mi, ni), scale_log2, -m_use);
-            float const p = (2 * ni + c) % 8 < kExpFma ? exp2_fma(x) : exp2_ftz(x);  // unrolled: constant
+            float const p = exp2_ftz(fmaf(acc_s(2 * h + c, mi, ni), scale_log2, -m_use));
             acc_s(2 * h + c, mi, ni) = p;
             sum += p;
           }
