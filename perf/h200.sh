@@ -32,7 +32,10 @@ for stage in "$@"; do
     # logs go to $OUT as they are written (a stage killed by its timeout keeps what it printed)
     tests)     PAGEDATTN_TEST_BUNDLE=${PAGEDATTN_AOT_DIR:-} timeout -s INT -k 30 ${PYTEST_TIMEOUT:-86400} python3 -m pytest -q -ra -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} ${PYTEST_N:+-n "$PYTEST_N"} ${PYTEST_FILES:-"$ROOT/tests"} ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/gpu_tests${PYTEST_TAG:-}.log" 2>&1; rc=$?; tail -n 40 "$OUT/gpu_tests${PYTEST_TAG:-}.log"; (exit $rc) ;;
     alltests)  python3 -m pytest -q -ra -p no:cacheprovider "$ROOT/tests" 2>&1 | tail -n 60 | tee "$OUT/all_tests.log" ;;
-    sanitize)  compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" > "$OUT/sanitize.log" 2>&1; rc=$?; tail -n 30 "$OUT/sanitize.log"; (exit $rc) ;;
+    # the kernels compiled first by 12 processes at once (sanitize_cases.py part I/12), then memcheck on the warm cache
+    sanitize)  for i in $(seq 0 11); do python3 "$ROOT/perf/sanitize_cases.py" part $i/12 > "$OUT/sanitize_warm_$i.log" 2>&1 & done; wait
+               cat "$OUT"/sanitize_warm_*.log > "$OUT/sanitize_warm.log"; rm -f "$OUT"/sanitize_warm_*.log
+               compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" > "$OUT/sanitize.log" 2>&1; rc=$?; tail -n 30 "$OUT/sanitize.log"; (exit $rc) ;;
     # the warp-specialised prefill under memcheck, racecheck (shared memory) and synccheck (barriers)
     racecheck) rc=0; for tool in memcheck racecheck synccheck; do
                  compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" ws > "$OUT/$tool.log" 2>&1 || rc=9

@@ -1,12 +1,17 @@
 """Small cases run under compute-sanitizer memcheck on the GPU: corrupt slots and tables must not
 cause any out-of-bounds access. With the argument `ws`: only the warp-specialised prefill (its TMA
-producer, mbarrier rings, ping-pong and tail zeroing), small enough for racecheck and synccheck."""
+producer, mbarrier rings, ping-pong and tail zeroing), small enough for racecheck and synccheck.
+With `part I/N`: the I-th of N shares of the attention runs only (the writer and legacy cases in
+share 0), so that N processes compile the kernels at once before memcheck runs the whole script on
+the warm JIT cache (h200.sh sanitize)."""
 import sys
 
 import torch
 
 import pagedattn
 from pagedattn import CacheSpec
+
+PART, PARTS = map(int, sys.argv[2].split("/")) if sys.argv[1:2] == ["part"] else (0, 1)
 
 if sys.argv[1:] == ["ws"]:
     from pagedattn.ops.attention import flash_attn_varlen_func
@@ -30,7 +35,7 @@ if sys.argv[1:] == ["ws"]:
     print("sanitize ws cases done")
     sys.exit(0)
 
-for layout in ("NHD", "HND"):
+for layout in ("NHD", "HND") if PART == 0 else ():
     for kv, dtype in (("auto", torch.bfloat16), ("fp8_e4m3", torch.uint8)):
         spec = CacheSpec(4, 16, 4, 72, dtype, kv, layout, "head" if layout == "HND" else "tensor")
         kc, vc = spec.allocate("cuda", fill=float("nan"))
@@ -45,7 +50,7 @@ for layout in ("NHD", "HND"):
         key = torch.randn(9, 4, 128, dtype=torch.bfloat16, device="cuda")
         pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots, kv, s, s)
 # many tokens: the streaming fp8 schedule (items of two packs at D=128, of one at D=72), corrupt slots mixed in
-for layout in ("NHD", "HND"):
+for layout in ("NHD", "HND") if PART == 0 else ():
     for D in (128, 72):
         T = 3000
         spec = CacheSpec(T // 16 + 4, 16, 4, D, torch.uint8, "fp8_e5m2", layout, "head")
@@ -73,7 +78,7 @@ runs = [("HND", kv, D, dict(num_splits=n)) for kv, D in (("auto", 128), ("fp8_e4
         for n in (1, 3)]  # fp8 d128: register operands on sm_90
 runs += [("NHD", kv, D, dict(num_splits=3, **f)) for kv, D in (("auto", 128), ("fp8_e4m3", 128), ("auto", 512))
          for f in features]
-for layout, kv, D, kw in runs:
+for layout, kv, D, kw in runs[PART::PARTS]:
     kc, vc = CacheSpec(6, 16, 2, D, torch.bfloat16 if kv == "auto" else torch.uint8, kv, layout).allocate(
         "cuda", fill=0.5)
     for q_len in (4, 8, 40):
@@ -87,7 +92,7 @@ print("sanitize attention cases done")
 # legacy path: corrupt tables, negative and oversized lengths, slots past the cache
 from pagedattn import legacy  # noqa: E402
 
-for kv, dt in (("auto", torch.float16), ("fp8_e5m2", torch.uint8)):
+for kv, dt in (("auto", torch.float16), ("fp8_e5m2", torch.uint8)) if PART == 0 else ():
     kc, vc = CacheSpec(6, 16, 2, 80, dt, kv, "legacy").allocate("cuda", fill=0.5)
     t = torch.tensor([[0, 5, 10**6, -1], [-3, 2, 1, 2**31 - 1]], dtype=torch.int32, device="cuda")
     q = torch.randn(2, 8, 80, dtype=torch.float16, device="cuda")
