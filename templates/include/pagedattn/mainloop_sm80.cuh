@@ -368,7 +368,7 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
           fp8_regs_q<Element>(sQ, kk, gtid, kQScale, a);
         }
       });
-      auto const s_scale = mask.template apply<kBlockN>(acc_s, tScS, key0, scale_log2);
+      float const s_scale = mask.template apply<kBlockN>(acc_s, tScS, key0, scale_log2);
       softmax.update(acc_s, acc_o, s_scale);
       fp8_regs_pv<kHeadDim, kBlockN, Traits::kFp8>(v_sub, gtid, acc_s, acc_o);
       continue;
@@ -419,7 +419,7 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
       for (int i = 0; i < size(acc_s); ++i) acc_s(i) += acc_s_odd(i);
     }
 
-    auto const s_scale = mask.template apply<kBlockN>(acc_s, tScS, key0, scale_log2);
+    float const s_scale = mask.template apply<kBlockN>(acc_s, tScS, key0, scale_log2);
     softmax.update(acc_s, acc_o, s_scale);
 
     // O += P V (P converted to Element in the A-operand layout)

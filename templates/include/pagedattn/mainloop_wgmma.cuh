@@ -60,7 +60,7 @@ __device__ __forceinline__ void mainloop_wgmma(TileCtx<Traits> const& c) {
     int const stage = Traits::kIsFp8 ? 0 : loaded;  // the Element stage the MMAs read
     Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
     wgmma_gemm<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(stage_k(stage)), acc_s);
-    auto const s_scale = mask.template apply<kBlockN>(acc_s, tScS, (c.w.step_begin + it) * kBlockN, c.scale_log2);
+    float const s_scale = mask.template apply<kBlockN>(acc_s, tScS, (c.w.step_begin + it) * kBlockN, c.scale_log2);
     Tensor s_rows = make_tensor(acc_s.data(), Layout<Shape<_4, _1, Int<kBlockN / 8>>>{});
     softmax.update(s_rows, o_rows, s_scale);
     CUTE_UNROLL

@@ -10,12 +10,17 @@
 
 #include "pagedattn/nvrtc_compat.cuh"
 #include "pagedattn/attn_params.cuh"
-#include "pagedattn/softmax.cuh"
 #include "pagedattn/softmax_merge.cuh"
 #include "pagedattn/tile_scheduler.cuh"
 #include <cute/tensor.hpp>
 
 namespace pagedattn {
+
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 template <int kRows, class Features>
 struct AttnMask {
@@ -55,21 +60,19 @@ struct AttnMask {
   }
 
   // The sub-tile of kKeys keys starting at key0: scores a row may not see -> -inf (a sub-tile every
-  // row sees whole is left alone), after the softcap and ALiBi. Returns what the softmax does to the
-  // scores (ScoreScale): scale by scale_log2 as given, or by 1 once the score modifiers applied it.
+  // row sees whole is left alone), after the softcap and ALiBi. Returns the factor the softmax
+  // applies to the scores: scale_log2 as given, or 1 once the score modifiers have applied it.
   template <int kKeys, class TensorS, class TensorC>
-  __device__ __forceinline__ ScoreScale apply(TensorS& acc_s, TensorC const& tScS, int key0, float scale_log2) const {
+  __device__ __forceinline__ float apply(TensorS& acc_s, TensorC const& tScS, int key0, float scale_log2) const {
     using namespace cute;
     if constexpr (Features::kSoftcap && !Features::kAlibi) {
-      // s2 = cap_out * tanh(acc * scale_log2 * cap_in), cap_out > 0 (it keeps the order of the
-      // scores) left to the softmax; on a sub-tile that no mask edge crosses the tanh is the
-      // softmax's too (ScoreScale::tanh_in), on one that some edge crosses it comes before the mask
+      // s2 = cap_out * tanh(acc * scale_log2 * cap_in): the tanh here, cap_out (> 0, so it keeps the
+      // order of the scores) returned for the softmax to apply; interior sub-tiles skip the mask
       float const in = scale_log2 * cap_in;
-      if (interior<kKeys>(key0)) return {cap_out, in};
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) acc_s(i) = tanh_approx(acc_s(i) * in);
       mask_keys<kKeys>(acc_s, tScS, key0);
-      return {cap_out};
+      return cap_out;
     } else if constexpr (Features::kScoreMod) {
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) {
@@ -79,24 +82,18 @@ struct AttnMask {
         if constexpr (Features::kAlibi) s -= slope[r] * float(abs(pos[r] - j));
         acc_s(i) = j < key_begin[r] || j >= key_end[r] ? kNegInf : s;
       }
-      return {1.f};
+      return 1.f;
     } else {
       mask_keys<kKeys>(acc_s, tScS, key0);
-      return {scale_log2};
+      return scale_log2;
     }
-  }
-
-  // Whether every row of the tile sees every key of the sub-tile at key0 (no mask edge crosses it).
-  template <int kKeys>
-  __device__ __forceinline__ bool interior(int key0) const {
-    return (!Features::kWindow || key0 >= mask_below) && key0 + kKeys <= mask_from;
   }
 
   // Scores of keys a row may not see -> -inf, on sub-tiles that cross an edge of the visible range.
   template <int kKeys, class TensorS, class TensorC>
   __device__ __forceinline__ void mask_keys(TensorS& acc_s, TensorC const& tScS, int key0) const {
     using namespace cute;
-    if (interior<kKeys>(key0)) return;
+    if ((!Features::kWindow || key0 >= mask_below) && key0 + kKeys <= mask_from) return;
     CUTE_UNROLL
     for (int i = 0; i < size(acc_s); ++i) {
       int const r = row_of(i), j = key0 + int(get<1>(tScS(i)));

@@ -29,21 +29,6 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
-__device__ __forceinline__ float tanh_approx(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// What the softmax does to a tile's raw scores s (AttnMask::apply's answer): 2^(s * scale - m), or
-// with tanh_in != 0 (a softcap on a sub-tile no mask edge crosses) 2^(tanh(s * tanh_in) * scale - m),
-// the tanh taken inside the exponent loop: tanh is increasing, so the row maximum is the raw scores'
-// and need not wait for the tanh of every score.
-struct ScoreScale {
-  float scale;
-  float tanh_in = 0.f;
-};
-
 template <int kRows>
 struct OnlineSoftmax {
   float m[kRows];  // running max of scaled logits, log2 units (-inf: no key seen yet)
@@ -60,7 +45,7 @@ struct OnlineSoftmax {
   // acc_s: raw scores of one tile (masked entries -inf). Turns them into probabilities 2^(s*k - m)
   // and rescales acc_o's rows to the new maxima. scale_log2 = softmax_scale * log2(e) * k_descale.
   template <class TensorS, class TensorO>
-  __device__ __forceinline__ void update(TensorS& acc_s, TensorO& acc_o, ScoreScale scale_log2) {
+  __device__ __forceinline__ void update(TensorS& acc_s, TensorO& acc_o, float scale_log2) {
     float alpha[kRows];
     exponentiate(acc_s, scale_log2, alpha);
     rescale(acc_o, alpha);
@@ -70,10 +55,8 @@ struct OnlineSoftmax {
   // must take (rescale) before the tile's P V adds to it. Leaves O alone, so that a P V of the tile
   // before may still be accumulating into it.
   template <class TensorS>
-  __device__ __forceinline__ void exponentiate(TensorS& acc_s, ScoreScale sc, float (&alpha)[kRows]) {
+  __device__ __forceinline__ void exponentiate(TensorS& acc_s, float scale_log2, float (&alpha)[kRows]) {
     using namespace cute;
-    float const scale_log2 = sc.scale;
-    bool const capped = sc.tanh_in != 0.f;  // uniform; constant false without a softcap
     constexpr int kMmaN = decltype(size<2>(acc_s))::value;
 #pragma unroll
     for (int mi = 0; mi < kRows / 2; ++mi) {
@@ -85,9 +68,7 @@ struct OnlineSoftmax {
         for (int ni = 0; ni < kMmaN; ++ni) {
           tile_max = fmaxf(tile_max, fmaxf(acc_s(2 * h, mi, ni), acc_s(2 * h + 1, mi, ni)));
         }
-        float const row_max = quad_max(tile_max);
-        float const m_new = fmaxf(m[r], !capped ? row_max * scale_log2
-                                        : row_max == kNegInf ? kNegInf : tanh_approx(row_max * sc.tanh_in) * scale_log2);
+        float const m_new = fmaxf(m[r], quad_max(tile_max) * scale_log2);
         float const m_use = m_new == kNegInf ? 0.f : m_new;  // an all-masked row stays at p = 0
         alpha[r] = exp2_ftz(m[r] - m_use);
         m[r] = m_new;
@@ -96,8 +77,7 @@ struct OnlineSoftmax {
         for (int ni = 0; ni < kMmaN; ++ni) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            float const x = capped ? tanh_approx(acc_s(2 * h + c, mi, ni) * sc.tanh_in) : acc_s(2 * h + c, mi, ni);
-            float const p = exp2_ftz(fmaf(x, scale_log2, -m_use));
+            float const p = exp2_ftz(fmaf(acc_s(2 * h + c, mi, ni), scale_log2, -m_use));
             acc_s(2 * h + c, mi, ni) = p;
             sum += p;
           }
