@@ -9,6 +9,18 @@ from pathlib import Path
 from . import aot
 from .aot import FILTER_BY_OPTION, FILTERS, PRESETS, Selection, SelectionError, command_for, default_jobs
 from .info import human_bytes, plural
+from .registry import get_kernel
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _flatten(values) -> list[str]:
@@ -30,6 +42,13 @@ def _cmd_precompile(args) -> int:
         jobs = aot.plan(sel.specs, archs)
     except (SelectionError, ToolchainError) as exc:
         print(f"pagedattn precompile: {exc}", file=sys.stderr)
+        return 2
+    unbuilt = [spec for spec in sel.specs if not any(spec.supports_arch(a) for a in archs)] if args.variant else []
+    if unbuilt:
+        names = ", ".join(get_kernel(spec).name for spec in unbuilt)
+        where = ", ".join(a for a in aot.resolve_archs("all") if unbuilt[0].supports_arch(a)) or "no arch"
+        print(f"pagedattn precompile: --variant {names} is not built for {', '.join(archs)} (it is for: {where})",
+              file=sys.stderr)
         return 2
     if args.out is None and not args.dry_run:
         print("pagedattn precompile: --out DIR is required (the bundle folder)", file=sys.stderr)
@@ -154,7 +173,7 @@ def add_parser(sub) -> None:
                    help="exactly one variant (repeatable), e.g. "
                         "'kv_write:dtype=bf16 kv_cache_dtype=auto path=span'")
     p.add_argument("--out", metavar="DIR", help="bundle folder (created; reruns add to it)")
-    p.add_argument("-j", "--jobs", type=int, default=None,
+    p.add_argument("-j", "--jobs", type=positive_int, default=None,
                    help=f"parallel compiler processes (default: CPU count, {default_jobs()} here)")
     p.add_argument("--dry-run", action="store_true",
                    help="list the matrix (and what --out already holds) without compiling")

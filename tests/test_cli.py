@@ -261,3 +261,19 @@ def test_bench_out_default_without_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_DATA_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert envs.bench_results_dir() == tmp_path / ".local" / "share" / "pagedattn" / "bench" / "results"
+
+
+@pytest.mark.parametrize("jobs", ["0", "-3", "two"])
+def test_precompile_refuses_jobs_below_one(capsys, jobs):
+    rc, _, err = run(capsys, "precompile", "--arch", "sm_90a", "--dry-run", "--jobs", jobs)
+    assert rc == 2 and "--jobs" in err and "usage: pagedattn precompile" in err
+
+
+def test_precompile_of_a_variant_the_arch_does_not_build_is_an_error(capsys):
+    """An explicit --variant that the chosen arch does not build says where it is built (not '0 kernels')."""
+    variant = "attn_fwd:dtype=bf16 kv_cache_dtype=auto head_dim=128 mode=prefill_ws"
+    rc, out, err = run(capsys, "precompile", "--arch", "sm_80", "--variant", variant, "--dry-run")
+    assert rc == 2 and "attn_fwd_bf16_kvauto_d128_prefillws is not built for sm_80 (it is for: sm_90a)" in err
+    assert "0 kernels" not in out
+    rc, out, _ = run(capsys, "precompile", "--arch", "sm_90a", "--variant", variant, "--dry-run")
+    assert rc == 0 and "dry run: 1 kernel (" in out
