@@ -44,11 +44,11 @@ def _cmd_precompile(args) -> int:
         print(f"pagedattn precompile: {exc}", file=sys.stderr)
         return 2
     unbuilt = [spec for spec in sel.specs if not any(spec.supports_arch(a) for a in archs)] if args.variant else []
+    for spec in unbuilt:
+        where = ", ".join(a for a in aot.resolve_archs("all") if spec.supports_arch(a)) or "no arch"
+        print(f"pagedattn precompile: --variant {get_kernel(spec).name} is not built for {', '.join(archs)} "
+              f"(it is for: {where})", file=sys.stderr)
     if unbuilt:
-        names = ", ".join(get_kernel(spec).name for spec in unbuilt)
-        where = ", ".join(a for a in aot.resolve_archs("all") if unbuilt[0].supports_arch(a)) or "no arch"
-        print(f"pagedattn precompile: --variant {names} is not built for {', '.join(archs)} (it is for: {where})",
-              file=sys.stderr)
         return 2
     if args.out is None and not args.dry_run:
         print("pagedattn precompile: --out DIR is required (the bundle folder)", file=sys.stderr)

@@ -57,6 +57,7 @@ union SmemMain {
   SmemEpilogue<Plan> epilogue;
 };
 
+// (a union cannot be a base class: SharedStorage holds it through this one-member struct)
 template <class Element, class Plan>
 struct SmemMainHolder {
   SmemMain<Element, Plan> main;
