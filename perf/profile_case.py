@@ -13,7 +13,9 @@ from pagedattn.bench.sweeps import ours, paged
 # kind: (B, ctx, q_len, causal, kv cache dtype, num_splits, head dim)
 KINDS = {"decode": (64, 4096, 1, False, "auto", 1, 128), "decode_fp8": (64, 4096, 1, False, "fp8_e4m3", 1, 128),
          "b1": (1, 32768, 1, False, "auto", 0, 128), "prefill": (4, 4096, 4096, True, "auto", 1, 128),
-         "prefill_fp8": (4, 4096, 4096, True, "fp8_e4m3", 1, 128), "decode_d512": (16, 4096, 1, False, "auto", 0, 512)}
+         "prefill_fp8": (4, 4096, 4096, True, "fp8_e4m3", 1, 128), "decode_d512": (16, 4096, 1, False, "auto", 0, 512),
+         "prefill_softcap": (4, 4096, 4096, True, "auto", 1, 128)}
+FEATURES = {"prefill_softcap": dict(softcap=30.0)}  # the op's feature arguments of a kind
 kind = sys.argv[1] if len(sys.argv) > 1 else "decode"
 if kind.startswith("write"):  # write_<layout>_<kv>[_head]: T=65536 H=8 D=128 bf16 input, random slots
     _, layout, kvw = kind.split("_", 2)
@@ -33,7 +35,7 @@ if kind.startswith("write"):  # write_<layout>_<kv>[_head]: T=65536 H=8 D=128 bf
 peer = kind.endswith("_cudnn")
 B, ctx, q_len, causal, kv, splits, d = KINDS[kind.removesuffix("_cudnn")]
 data = paged(B, ctx, kv, q_len=q_len, d=d)  # the sweeps' inputs: the bench's paged data, shuffled table
-fn = ours(data, splits)
+fn = ours(data, splits, **FEATURES.get(kind, {}))
 if peer:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
