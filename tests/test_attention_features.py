@@ -141,8 +141,7 @@ def test_feature_variants_are_named_and_listed():
 FEATURE_CI_SPECS = [AttnFwdSpec("bf16", "auto", 128, "decode", window=True, softcap=True, alibi=True, sinks=True),
                     AttnFwdSpec("bf16", "auto", 128, "decode_tma", window=True, softcap=True, sinks=True),
                     AttnFwdSpec("bf16", "auto", 128, "prefill_wgmma", window=True, softcap=True, alibi=True,
-                                sinks=True),
-                    AttnFwdSpec("bf16", "auto", 128, "prefill_ws", window=True, softcap=True)]  # Gemma's, kRawMax
+                                sinks=True)]
 
 
 @pytest.mark.compiles
@@ -227,25 +226,6 @@ def test_features_in_multi_token_decode(c, decode_loader):
     _check_feature_case(c, decode_loader)
     modes = {mode for plan in attention_ops._PLANS.values() for mode, _ in plan._kernels}
     assert modes & {"multi", "multi_tma"}, modes
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("raw_max", [False, True])
-@pytest.mark.parametrize("c", [dict(c, D=(64, 128)[i % 2], bs=c["bs"] if c["bs"] % 16 == 0 else 16, kv="auto",
-                                    contiguous=False, loader="auto", batch=("prefill", "mixed")[i % 2])
-                               for i, c in enumerate(x for x in _feature_grid(160, seed=5) if x["softcap"])][:6],
-                         ids=_fid)
-def test_softcap_prefill_ws_row_max_on_raw_scores(c, raw_max, decode_loader):
-    """prefill_ws with a softcap, its row max taken on the raw scores in the tanh pass (kRawMax, the
-    default) or on the capped ones after it: both against the float64 reference (forced tiles)."""
-    from pagedattn.ops import attention as attention_ops
-
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("prefill_ws is sm_90a-only")
-    with attention_ops.forced(prefill="prefill_ws", tiles={"prefill_ws": {"kRawMax": raw_max}}):
-        _check_feature_case(c, decode_loader)
-        modes = {mode for plan in attention_ops._PLANS.values() for mode, _ in plan._kernels}
-    assert "prefill_ws" in modes, modes
 
 
 def _check_feature_case(c, decode_loader, max_q=None):

@@ -489,10 +489,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       wgmma_wait<1>(acc_s);
       release(bars.empty_k, it);
       float alpha[2];
-      TileMax<2> tmax;
-      float const scale =
-          mask.template apply<kBlockN, Traits::kRawMax>(acc_s, tScS, key0_of(it), c.scale_log2, tmax);
-      softmax.exponentiate(s_rows, scale, alpha, tmax);
+      softmax.exponentiate(s_rows, mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2), alpha);
       wgmma_wait<0>(acc_o);
       warpgroup_fence_operand(tOrP);  // P of step it - 1 stays in its registers until its MMAs are done
       release(bars.empty_v, it - 1);

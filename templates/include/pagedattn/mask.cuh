@@ -10,7 +10,6 @@
 
 #include "pagedattn/nvrtc_compat.cuh"
 #include "pagedattn/attn_params.cuh"
-#include "pagedattn/softmax.cuh"
 #include "pagedattn/softmax_merge.cuh"
 #include "pagedattn/tile_scheduler.cuh"
 #include <cute/tensor.hpp>
@@ -90,46 +89,11 @@ struct AttnMask {
     }
   }
 
-  // apply(), and with kTakeMax, a softcap and no ALiBi, on a sub-tile no edge crosses, each row's max
-  // for the softmax too: taken on the raw scores in the tanh pass (tanh is increasing), so that its
-  // quad reduction runs while the tanh results are still arriving, and its tanh taken once per row.
-  template <int kKeys, bool kTakeMax, class TensorS, class TensorC>
-  __device__ __forceinline__ float apply(TensorS& acc_s, TensorC const& tScS, int key0, float scale_log2,
-                                         TileMax<kRows>& tmax) const {
-    using namespace cute;
-    if constexpr (kTakeMax && Features::kSoftcap && !Features::kAlibi) {
-      if (interior<kKeys>(key0)) {
-        float const in = scale_log2 * cap_in;
-        float mx[kRows];
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) mx[r] = kNegInf;
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_s); ++i) {
-          float const y = acc_s(i) * in;
-          mx[row_of(i)] = fmaxf(mx[row_of(i)], y);
-          acc_s(i) = tanh_approx(y);
-        }
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) tmax.v[r] = tanh_approx(quad_max(mx[r]));
-        tmax.valid = true;
-        return cap_out;
-      }
-    }
-    tmax.valid = false;
-    return apply<kKeys>(acc_s, tScS, key0, scale_log2);
-  }
-
-  // Every row of the tile sees every key of the sub-tile of kKeys keys at key0.
-  template <int kKeys>
-  __device__ __forceinline__ bool interior(int key0) const {
-    return (!Features::kWindow || key0 >= mask_below) && key0 + kKeys <= mask_from;
-  }
-
   // Scores of keys a row may not see -> -inf, on sub-tiles that cross an edge of the visible range.
   template <int kKeys, class TensorS, class TensorC>
   __device__ __forceinline__ void mask_keys(TensorS& acc_s, TensorC const& tScS, int key0) const {
     using namespace cute;
-    if (interior<kKeys>(key0)) return;
+    if ((!Features::kWindow || key0 >= mask_below) && key0 + kKeys <= mask_from) return;
     CUTE_UNROLL
     for (int i = 0; i < size(acc_s); ++i) {
       int const r = row_of(i), j = key0 + int(get<1>(tScS(i)));

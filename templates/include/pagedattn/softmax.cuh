@@ -29,14 +29,6 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
-// Each row's max of one sub-tile's scores, when the mask already has it (AttnMask::apply with
-// kTakeMax); not valid: the softmax finds it.
-template <int kRows>
-struct TileMax {
-  bool valid = false;
-  float v[kRows];  // reduced over the quad, in the units of the scores the softmax is given
-};
-
 template <int kRows>
 struct OnlineSoftmax {
   float m[kRows];  // running max of scaled logits, log2 units (-inf: no key seen yet)
@@ -64,12 +56,6 @@ struct OnlineSoftmax {
   // before may still be accumulating into it.
   template <class TensorS>
   __device__ __forceinline__ void exponentiate(TensorS& acc_s, float scale_log2, float (&alpha)[kRows]) {
-    exponentiate(acc_s, scale_log2, alpha, TileMax<kRows>{});
-  }
-
-  template <class TensorS>
-  __device__ __forceinline__ void exponentiate(TensorS& acc_s, float scale_log2, float (&alpha)[kRows],
-                                               TileMax<kRows> const& known) {
     using namespace cute;
     constexpr int kMmaN = decltype(size<2>(acc_s))::value;
 #pragma unroll
@@ -78,16 +64,11 @@ struct OnlineSoftmax {
       for (int h = 0; h < 2; ++h) {
         int const r = 2 * mi + h;
         float tile_max = kNegInf;
-        if (known.valid) {
-          tile_max = known.v[r];
-        } else {
 #pragma unroll
-          for (int ni = 0; ni < kMmaN; ++ni) {
-            tile_max = fmaxf(tile_max, fmaxf(acc_s(2 * h, mi, ni), acc_s(2 * h + 1, mi, ni)));
-          }
-          tile_max = quad_max(tile_max);
+        for (int ni = 0; ni < kMmaN; ++ni) {
+          tile_max = fmaxf(tile_max, fmaxf(acc_s(2 * h, mi, ni), acc_s(2 * h + 1, mi, ni)));
         }
-        float const m_new = fmaxf(m[r], tile_max * scale_log2);
+        float const m_new = fmaxf(m[r], quad_max(tile_max) * scale_log2);
         float const m_use = m_new == kNegInf ? 0.f : m_new;  // an all-masked row stays at p = 0
         alpha[r] = exp2_ftz(m[r] - m_use);
         m[r] = m_new;
