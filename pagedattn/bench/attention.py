@@ -109,7 +109,7 @@ def prefill_cases(ctx: Ctx) -> list[Case]:
         cid = (f"prefill/B{shape['B']}/S{shape['q']}/causal" if "S" in shape
                else f"multi/B{shape['B']}/q{shape['q']}/ctx{shape['ctx']}/causal")
         out.append(Case(cid + ("" if kv == "auto" else f"/{kv}"), "prefill", params,
-                        lambda ctx, rec, p=params: run_case(ctx, rec, p)))
+                        lambda ctx, rec, p=params: run_case(ctx, rec, p, {"tflops": PREFILL_GOAL_TFLOPS})))
     return out
 
 
@@ -235,12 +235,26 @@ def _ours_fn(fa, data: PagedData, num_splits: int = 0, **features):
     return ours
 
 
+def feature_kwargs(feats: dict, hq: int, device) -> dict:
+    """The op's feature arguments of params "features" (features.py), per-head tensors drawn for "head"."""
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in feats.items()}
+    if kw.get("alibi_slopes") == "head":
+        kw["alibi_slopes"] = (2.0 ** (-8.0 * torch.arange(1, hq + 1) / hq)).float().to(device)
+    if kw.get("s_aux") == "head":
+        kw["s_aux"] = torch.randn(hq, generator=torch.Generator().manual_seed(7)).float().to(device)
+    return kw
+
+
 def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> None:
+    """One case of params `p` (B, q_len, ctx, heads, kv_cache_dtype, layout, bs; `features`: the op's
+    feature arguments; `peers`: all | torch | none | base, base: ours at params `p` | `base` named
+    `base_name`) with `goals` us / tflops / fraction (targets, not in tiny runs) and vs (peer, ratio)."""
     B, sq, L, hq, hkv, d = p["B"], p["q_len"], p["ctx"], p["hq"], p["hkv"], p["d"]
     fp8 = p["kv_cache_dtype"] != "auto"
+    feats = feature_kwargs(p.get("features") or {}, hq, ctx.device)
     kv_bytes = 2 * B * L * hkv * d * (1 if fp8 else 2)
-    if sq == 1 or sq < L // 8:  # decode and multi-token decode: bound by the KV bytes
-        rec.work("GB/s", kv_bytes, "copy")
+    if sq == 1 or sq < L // 8:  # decode and multi-token decode: bound by the KV bytes (a window's only)
+        rec.work("GB/s", kv_bytes * min(L, feats.get("window_size", (L,))[0] + 1) // L, "copy")
     else:  # query i sees L - sq + i + 1 keys (bottom-right causal)
         rec.work("TFLOP/s", 4 * B * hq * d * (sq * (L - sq) + sq * (sq + 1) / 2), "matmul")
     why = unsupported(p)
@@ -250,11 +264,11 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
     data = build(ctx, p, sets)
     rec.extra(sets=sets, kv_bytes=kv_bytes, num_blocks=data.kc.shape[0], methods=list(METHODS))
     fa = flash_fn()
-    ours = _ours_fn(fa, data)
+    ours = _ours_fn(fa, data, **feats)
 
     # correctness once, then timing (a failure is the case's error; the peers still run)
     box: dict = {}
-    rec.attempt("float32 reference", lambda: box.update(ref=reference_out(data)))
+    rec.attempt("float32 reference", lambda: box.update(ref=reference_out(data, **feats)))
     ref = box.get("ref")
 
     def check_and_time():
@@ -269,30 +283,29 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
         elif ref is not None:
             rec.check_close(out, ref, TOLERANCE)
         del out
-        rec.ours("pagedattn", ours, sets, methods=METHODS)
+        rec.ours("pagedattn" + (" " + "+".join(feats) if feats else ""), ours, sets, methods=METHODS)
     rec.attempt("pagedattn", check_and_time)
     if "refused" in box:
         return rec.skip(f"unsupported by pagedattn: {box['refused']}")
 
     role = p.get("peers", "all")
-    if role == "base":  # ours on a plain NHD cache, default block size: what a layout / block size is held to
-        base = dict(p, layout="NHD", bs=_dims(ctx)["bs"])
-        rec.peer(BASE_PEER, lambda: _ours_fn(fa, build(ctx, base, sets, gen_seed=1)), sets, methods=METHODS)
+    if role == "base":  # ours on a plain NHD cache, default block size (or at `base`): what a case is held to
+        base = dict(p, layout="NHD", bs=_dims(ctx)["bs"], features={}, **p.get("base", {}))
+        base_sets = ctx.sets_for(2 * base["B"] * base["ctx"] * hkv * d * (1 if fp8 else 2), cap=8)
+        rec.peer(p.get("base_name", BASE_PEER), lambda: _ours_fn(fa, build(ctx, base, base_sets, gen_seed=1)),
+                 base_sets, methods=METHODS)
     elif role == "none":
         rec.note("no peers: they would read the same bf16 copy as the fp8_e4m3 case")
-    else:
+    elif role in ("all", "torch"):
         _torch_peers(ctx, rec, data, ref, sets, flex=role == "all")
         if role == "all":
             _paged_peers(ctx, rec, data, ref, sets)
     if fp8 and role != "none":
         rec.note("torch peers read a bf16 dequantised copy (torch has no fp8-KV attention)")
-    if ctx.tiny:
-        return
     goals = goals or {}
-    if sq == 1 and goals.get("us") is not None:
-        rec.target(goals["us"], "us")
-    elif sq > 1:
-        rec.target(PREFILL_GOAL_TFLOPS, "TFLOP/s")
+    for key, unit in (("us", "us"), ("tflops", "TFLOP/s"), ("fraction", "fraction")):
+        if goals.get(key) is not None and not ctx.tiny:
+            rec.target(goals[key], unit)
     if goals.get("vs"):
         rec.goal_ratio(*goals["vs"])
 
