@@ -556,8 +556,7 @@ def test_unsupported_cache_dtype_is_skipped_not_failed(monkeypatch):
     assert rec["status"] == "skipped" and "no fp8_e5m2 variant" in rec["error"]
 
 
-def test_fastest_keeps_the_fastest_correct_configuration(monkeypatch):
-
+def test_fastest_keeps_the_fastest_correct_configuration():
     ref = torch.ones(4)
     times = {}
 
@@ -571,8 +570,8 @@ def test_fastest_keeps_the_fastest_correct_configuration(monkeypatch):
             times[fn] = us
             return fn
         return factory
-    monkeypatch.setattr(peers, "probe_us", lambda fn, sets=1: times[fn])
-    ctx = types.SimpleNamespace(is_cuda=True, sync=lambda: None)
+    ctx = types.SimpleNamespace(is_cuda=True, sync=lambda: None,
+                                timer=types.SimpleNamespace(probe=lambda fn, sets=1: times[fn]))
     info = {}
     fn = peers.fastest(ctx, [("slow", cand(50.0)), ("refused", cand(1.0, fail=True)),
                              ("wrong", cand(0.5, out=torch.zeros(4))), ("fast", cand(20.0))], ref, info)
