@@ -5,7 +5,6 @@ Checked once against pagedattn.reference; timed under both methods (attention.ru
 from __future__ import annotations
 
 from .attention import _dims, _params, run_case
-from .attention import available  # noqa: F401 - the suite table asks this module (suites.py)
 from .common import Case, Ctx
 
 SOFTCAP = 30.0

@@ -25,11 +25,6 @@ LAYOUTS = ("NHD", "HND")
 GOALS = {"T65536_NHD_bf16": 0.90, "T65536_other": 0.80, "T256_us": 6.0}
 
 
-def available(ctx: Ctx):
-    ok = hasattr(pagedattn, "reshape_and_cache_flash")
-    return (True, None) if ok else (False, "pagedattn.reshape_and_cache_flash is not available")
-
-
 def cases(ctx: Ctx) -> list[Case]:
     out = []
     for layout in LAYOUTS:
