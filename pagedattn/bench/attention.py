@@ -241,6 +241,12 @@ def feature_kwargs(feats: dict, hq: int, device) -> dict:
     return kw
 
 
+def _sets(ctx: Ctx, p: dict) -> int:
+    """Input sets of params `p`: KV bytes + q read and out written (bf16) rotated past the L2."""
+    kv_bytes = 2 * p["B"] * p["ctx"] * p["hkv"] * p["d"] * (1 if p["kv_cache_dtype"] != "auto" else 2)
+    return ctx.sets_for(kv_bytes + 2 * 2 * p["B"] * p["q_len"] * p["hq"] * p["d"], cap=8)
+
+
 def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> None:
     """One case of params `p` (B, q_len, ctx, heads, kv_cache_dtype, layout, bs; `features`: the op's
     feature arguments; `peers`: all | torch | none | base, base: ours at params `p` | `base` named
@@ -256,7 +262,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
     why = unsupported(p)
     if why is not None:
         return rec.skip(f"unsupported by pagedattn: {why}")
-    sets = ctx.sets_for(kv_bytes + 2 * 2 * B * sq * hq * d, cap=8)  # + q read and out written (bf16)
+    sets = _sets(ctx, p)
     data = build(ctx, p, sets)
     rec.extra(sets=sets, kv_bytes=kv_bytes, num_blocks=data.kc.shape[0], methods=list(METHODS))
     fa = flash_fn()
@@ -287,7 +293,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
     role = p.get("peers", "all")
     if role == "base":  # ours on a plain NHD cache, default block size (or at `base`): what a case is held to
         base = dict(p, layout="NHD", bs=_dims(ctx)["bs"], features={}, **p.get("base", {}))
-        base_sets = ctx.sets_for(2 * base["B"] * base["ctx"] * hkv * d * (1 if fp8 else 2), cap=8)
+        base_sets = _sets(ctx, base)
         rec.peer(p.get("base_name", BASE_PEER), lambda: _ours_fn(fa, build(ctx, base, base_sets, gen_seed=1)),
                  base_sets, methods=METHODS)
     elif role == "none":
