@@ -14,7 +14,7 @@ import torch
 import pagedattn
 
 from . import peers as peerlib
-from .common import Case, Ctx, Recorder, ceil_div, rel_l2, short_error, shuffled_tables
+from .common import Case, Ctx, Recorder, ceil_div, short_error, shuffled_tables
 from .timing import METHODS
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16

@@ -104,7 +104,7 @@ def _peers(ctx: Ctx, rec: Recorder, shared: dict) -> None:
 
 def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
     shared = _shared(ctx, p)
-    data, sets = shared["data"], shared["sets"]
+    sets = shared["sets"]
     rec.work("GB/s", shared["kv_bytes"], "copy")
     rec.extra(sets=sets, partitions=num_partitions(p["ctx"]))
     out, fn = _make_fn(p, shared)

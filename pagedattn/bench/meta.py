@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +96,24 @@ def results_name(meta: dict, folder: Path) -> Path:
     while path.exists():
         path, n = folder / f"{base}_{n}.json", n + 1
     return path
+
+
+def host() -> dict:
+    """This machine's CPU side, for the perf/ scripts that need no GPU: host, CPU, cores, memory,
+    python, platform, pagedattn version and commit, date."""
+    import os
+
+    import pagedattn
+    from pagedattn.info import git_commit
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), None)
+    mem = Path("/proc/meminfo")
+    return dict(host=platform.node(), cpu=cpu or platform.processor(), cpus=os.cpu_count(),
+                usable_cores=len(os.sched_getaffinity(0)),
+                memory_gib=round(int(mem.read_text().split()[1]) / 2**20, 1) if mem.exists() else None,
+                python=platform.python_version(), platform=platform.platform(), pagedattn=pagedattn.__version__,
+                commit=git_commit(), date=_dt.date.today().isoformat())
 
 
 def write_quick(out_dir, kind: str, results, suffix: str = "", **extra) -> Path:
