@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -21,18 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _machine() -> dict:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), None)
-    meminfo = Path("/proc/meminfo")
-    mem = round(int(meminfo.read_text().split()[1]) / 2**20, 1) if meminfo.exists() else None
-    return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(),
-            "usable_cores": len(os.sched_getaffinity(0)), "memory_gib": mem,
-            "python": platform.python_version(), "platform": platform.platform()}
-
-
 def main() -> int:
     from pagedattn import aot, ops  # noqa: F401 - ops registers the kernel families
+    from pagedattn.bench.meta import host
     from pagedattn.codegen.bundle import expected_header
     from pagedattn.info import git_commit
 
@@ -68,7 +58,7 @@ def main() -> int:
     record = {
         "what": f"pagedattn precompile --arch {','.join(archs)} --preset {args.preset} (cold, empty --out; then a rerun)",
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(),
-        "git_dirty_files": len(status.splitlines()), "machine": _machine(), "toolchain": expected_header(),
+        "git_dirty_files": len(status.splitlines()), "machine": host(), "toolchain": expected_header(),
         "preset": dict(aot.PRESETS[args.preset]), "archs": archs, "jobs": cold.jobs, "kernels": len(jobs),
         "variants_per_family": dict(Counter(s.FAMILY for s in sel.specs)), "compiled": cold.compiled,
         "failed": [f"{j.label}: {p}" for j, p in cold.failed], "wall_seconds": round(cold_wall, 2),

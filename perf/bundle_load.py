@@ -7,16 +7,14 @@ times each (median), on this machine's CPU; no GPU needed. Writes bundle_load_<h
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 from pagedattn.codegen import bundle
-from pagedattn.info import git_commit
+from pagedattn.bench.meta import host
 
 
 def main() -> None:
@@ -45,10 +43,8 @@ def main() -> None:
                "max_ms": max(ms)}
     print(json.dumps(summary, indent=1))
     if args.out:
-        today = datetime.date.today().isoformat()
-        meta = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                "commit": git_commit(), "date": today, "folder": str(args.folder)}
-        path = args.out / f"bundle_load_cpu{os.cpu_count()}_{today.replace('-', '')}.json"
+        meta = dict(host(), folder=str(args.folder))
+        path = args.out / f"bundle_load_cpu{os.cpu_count()}_{meta['date'].replace('-', '')}.json"
         path.write_text(json.dumps({"metadata": meta, "summary": summary, "kernels": rows}, indent=1))
         print(f"wrote {path}")
 

@@ -10,10 +10,8 @@ builds, run this once per build with its install on PYTHONPATH, interleaved). Wr
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import tempfile
 from pathlib import Path
 
@@ -49,7 +47,7 @@ def main(argv=None) -> None:
     ap.add_argument("--commit", default=None, help="the commit of the installed build (default: this checkout's)")
     args = ap.parse_args(argv)
     import pagedattn
-    from pagedattn.info import git_commit
+    from pagedattn.bench.meta import host
 
     rows = []
     for _ in range(args.repeat):
@@ -57,10 +55,8 @@ def main(argv=None) -> None:
             rows.append(compile_one(*v))
             print(f"{rows[-1]['variant']:58s} {rows[-1]['arch']:7s} {rows[-1]['seconds']:6.1f} s  "
                   + "  ".join(f"{p} {s:.1f}" for p, s in rows[-1]["phases_s"].items()), flush=True)
-    meta = dict(host=platform.node(), cpus=os.cpu_count(), python=platform.python_version(),
-                pagedattn=pagedattn.__version__, package=str(Path(pagedattn.__file__).parent),
-                commit=args.commit or git_commit(),
-                date=dt.date.today().isoformat(), tag=args.tag)
+    meta = host()
+    meta.update(package=str(Path(pagedattn.__file__).parent), commit=args.commit or meta["commit"], tag=args.tag)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"compile_times_cpu{os.cpu_count()}_{meta['date'].replace('-', '')}{'_' + args.tag if args.tag else ''}.json"

@@ -25,13 +25,7 @@ from pagedattn.bench.timing import host_loops
 def stub_cuda():
     """Make the eager paths run on CPU tensors with a stubbed launch."""
     from pagedattn.codegen import launch
-    from pagedattn.ops import attention, kv_write
-
-    try:
-        from pagedattn.ops import workspace
-    except ImportError:  # an older tree (to compare with): a stand-in with the attributes set below
-        import types
-        workspace = types.SimpleNamespace(_BUFFERS={})
+    from pagedattn.ops import attention, kv_write, workspace
 
     class FakeKernel:
         def __init__(self, spec):
@@ -42,29 +36,10 @@ def stub_cuda():
             # (NULL: no Python error is set); called with the GIL held, as PyDLL does
             noop = ctypes.PyDLL(None).PyErr_Occurred
             noop.restype = ctypes.c_int
-            if hasattr(launch.Launcher, "stand_in"):
-                lau = launch.Launcher.stand_in(noop, self.spec.PARAMS, device)
-            else:  # an older tree (to compare with): the attributes its Launcher reads
-                import threading
-                lau = launch.Launcher.__new__(launch.Launcher)
-                lau._launch, lau._func, lau._device = noop, ctypes.c_void_p(0), device
-                lau._smem, lau._ctx, lau._params = 0, 0, self.spec.PARAMS
-                lau._pack = launch.packer(self.spec.PARAMS).pack_into
-                lau._size = ctypes.sizeof(self.spec.PARAMS)
-                lau._local = threading.local()
-                lau._raw_stream = lambda device: 0
+            lau = launch.Launcher.stand_in(noop, self.spec.PARAMS, device)
             lau.max_active_blocks = lambda threads: 4
             return lau
 
-    attention.get_kernel = kv_write.get_kernel = FakeKernel
-    attention._require_cuda = kv_write._require_cuda = lambda t: None
-    attention.arch_for_device = lambda device: "sm_90a"
-    attention.sm_count = kv_write.sm_count = lambda device: 132
-    attention.tma_maps = lambda k, v, call, head_dim: (torch.zeros(256, dtype=torch.uint8), 2)
-    attention._is_capturing = lambda: False
-    if hasattr(attention, "split_counters"):  # older trees kept the counters in attention.py
-        attention.split_counters = lambda device, n: torch.zeros(max(n, 1024), dtype=torch.int32)
-    workspace._raw_stream = lambda device: 0
     def cpu_get(kind, device, stream, numel, dtype, capturing):
         key = (kind, device, stream)
         buf = workspace._BUFFERS.get(key)
@@ -72,6 +47,13 @@ def stub_cuda():
             workspace._BUFFERS[key] = buf = workspace._Buffer(torch.zeros(max(numel, 1024), dtype=dtype), False)
         return buf
 
+    attention.get_kernel = kv_write.get_kernel = FakeKernel
+    attention._require_cuda = kv_write._require_cuda = lambda t: None
+    attention.arch_for_device = lambda device: "sm_90a"
+    attention.sm_count = kv_write.sm_count = lambda device: 132
+    attention.tma_maps = lambda k, v, call, head_dim: (torch.zeros(256, dtype=torch.uint8), 2)
+    attention._is_capturing = lambda: False
+    workspace._raw_stream = lambda device: 0
     workspace._get = cpu_get
     torch.cuda.is_current_stream_capturing = lambda: False
     torch.cuda.current_device = lambda: 0
@@ -91,7 +73,7 @@ def main(argv):
 
     stub_cuda()
     torch.set_num_threads(1)
-    calls = api_cases("cpu")[0]
+    calls = api_cases("cpu")
     all_cases = {name: calls[key][0] for name, key in NAMES.items()}
     results = {}
     for name, fn in all_cases.items():

@@ -28,9 +28,9 @@ SLEEP_CYCLES = 40_000_000  # ~20 ms at 2 GHz: longer than BATCH calls at 100 µs
 
 
 def api_cases(device) -> dict:
-    """({name: (the call, calls to time)}, the write's tensors): the public API, the torch ops and two
-    torch controls on tiny problems (shared with perf/host_profile.py): a write of one token, a decode of
-    4 requests over 256 keys each (Hq=32, Hkv=8, D=128)."""
+    """{name: (the call, calls to time)}: the public API, the torch ops and two torch controls on tiny
+    problems (shared with perf/host_profile.py): a write of one token, a decode of 4 requests over 256
+    keys each (Hq=32, Hkv=8, D=128)."""
     kc, vc = CacheSpec(16, 16, 8, 128, torch.bfloat16).allocate(device, fill=0.0)
     key = torch.randn(1, 8, 128, dtype=torch.bfloat16, device=device)
     slots = torch.tensor([3], device=device)
@@ -63,20 +63,18 @@ def api_cases(device) -> dict:
             q4, ak, av, k4, k4, cache_seqlens=lens, block_table=table, num_splits=1), 5000),
         "torch_empty_like": (lambda: torch.empty_like(key), 20000),
         "torch_add": (lambda: key.add(key), 20000),
-    }, (key, kc, vc, slots)
+    }
 
 
 def main(out_dir="perf/results"):
+    from pagedattn.bench.jit import capture_launches
     from pagedattn.bench.meta import write_quick
     from pagedattn.bench.timing import host_loops
-    from pagedattn.ops.kv_write import KvWriteSpec
 
-    cases, (key, kc, vc, slots) = api_cases("cuda")
-    pagedattn.reshape_and_cache_flash(key, key, kc, vc, slots)
-    launcher = pagedattn.get_kernel(KvWriteSpec("bf16", "auto", "span")).launcher(0)
-    values = (key.data_ptr(), key.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), 0, 0, 0, 0, 0,
-              1024, 1024, *kc.stride()[:3], kc.shape[0] * 16, 16, 16, 8, 128, 0, 1, 1, 0, 0, 0, 0)
-    cases = {"raw_launcher": (lambda: launcher((1, 1, 1), (256, 1, 1), values), 20000), **cases}
+    cases = api_cases("cuda")
+    # the raw launcher: the write's launch as the op made it, replayed (jit suite's "launcher" cases)
+    launcher, grid, block, values, stream = capture_launches(cases["reshape_and_cache_flash"][0])[0][0]
+    cases = {"raw_launcher": (lambda: launcher(grid, block, values, stream), 20000), **cases}
     # the middle (upper middle of an even count) of the loops' host µs per call
     middle = lambda loops: sorted(host for host, _ in loops)[len(loops) // 2]  # noqa: E731
     rounds = max(1, int(os.environ.get("LAUNCH_OVERHEAD_ROUNDS", "3")))

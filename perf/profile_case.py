@@ -6,8 +6,6 @@ import sys
 
 import torch
 
-import pagedattn
-from pagedattn import CacheSpec
 from pagedattn.bench.sweeps import ours, paged
 
 # kind: (B, ctx, q_len, causal, kv cache dtype, num_splits, head dim)
@@ -17,19 +15,16 @@ KINDS = {"decode": (64, 4096, 1, False, "auto", 1, 128), "decode_fp8": (64, 4096
          "prefill_softcap": (4, 4096, 4096, True, "auto", 1, 128)}
 FEATURES = {"prefill_softcap": dict(softcap=30.0)}  # the op's feature arguments of a kind
 kind = sys.argv[1] if len(sys.argv) > 1 else "decode"
-if kind.startswith("write"):  # write_<layout>_<kv>[_head]: T=65536 H=8 D=128 bf16 input, random slots
+if kind.startswith("write"):  # write_<layout>_<kv>[_head]: the write suite's T=65536 case, random slots
+    from pagedattn.bench.common import Ctx
+    from pagedattn.bench.write import inputs, ours_fn
+
     _, layout, kvw = kind.split("_", 2)
-    per_head = kvw.endswith("_head")
-    kvw = kvw.removesuffix("_head")
-    T = 65536
-    spec = CacheSpec(4 * T // 16, 16, 8, 128, torch.uint8 if kvw != "auto" else torch.bfloat16, kvw, layout,
-                     "head" if per_head else "tensor")
-    kc, vc = spec.allocate("cuda")
-    k, v = (torch.randn(T, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    slots = torch.randperm(spec.num_slots, device="cuda")[:T]
-    s = torch.full((8 if per_head else 1,), 0.05, device="cuda")
+    p = dict(T=65536, layout=layout, kv_cache_dtype=kvw.removesuffix("_head"),
+             scale="head" if kvw.endswith("_head") else "tensor")
+    write = ours_fn(inputs(Ctx.make("cuda", quick=True), p))
     for _ in range(4):
-        pagedattn.reshape_and_cache_flash(k, v, kc, vc, slots, kvw, s, s)
+        write(0)
     torch.cuda.synchronize()
     sys.exit(0)
 peer = kind.endswith("_cudnn")

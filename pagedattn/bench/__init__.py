@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-SUITE_HELP = "write|decode|prefill|legacy|jit|all, or a comma-separated list (default: all)"
+SUITE_HELP = "write|decode|prefill|features|legacy|jit|all, or a comma-separated list (default: all)"
 
 
 def _cmd_run(args) -> int:

@@ -59,7 +59,7 @@ def main() -> int:
     for name in args.workloads.split(","):
         rec = {"event": "workload", "workload": name}
         try:
-            work = WORKLOADS[name][1]("cuda")
+            work = WORKLOADS[name]("cuda")
             torch.cuda.synchronize()
             before, compiles0 = _entries(root), kernel_cache().compiles
             t0 = time.perf_counter()

@@ -14,7 +14,7 @@ import torch
 import pagedattn
 
 from . import peers as peerlib
-from .common import Case, Ctx, Recorder, ceil_div, rel_l2, short_error, shuffled_tables
+from .common import Case, Ctx, Recorder, ceil_div, short_error, shuffled_tables
 from .timing import METHODS
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
@@ -50,12 +50,8 @@ FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def flash_fn():
-    """pagedattn.flash_attn_varlen_func, or None (then the suites are "not available")."""
-    return getattr(pagedattn, "flash_attn_varlen_func", None)
-
-
-def available(ctx: Ctx):
-    return (True, None) if flash_fn() else (False, "not available: pagedattn.flash_attn_varlen_func does not exist yet")
+    """pagedattn.flash_attn_varlen_func, looked up at each case (tests put stand-ins there)."""
+    return pagedattn.flash_attn_varlen_func
 
 
 def _dims(ctx: Ctx) -> dict:
@@ -109,7 +105,7 @@ def prefill_cases(ctx: Ctx) -> list[Case]:
         cid = (f"prefill/B{shape['B']}/S{shape['q']}/causal" if "S" in shape
                else f"multi/B{shape['B']}/q{shape['q']}/ctx{shape['ctx']}/causal")
         out.append(Case(cid + ("" if kv == "auto" else f"/{kv}"), "prefill", params,
-                        lambda ctx, rec, p=params: run_case(ctx, rec, p)))
+                        lambda ctx, rec, p=params: run_case(ctx, rec, p, {"tflops": PREFILL_GOAL_TFLOPS})))
     return out
 
 
@@ -235,26 +231,46 @@ def _ours_fn(fa, data: PagedData, num_splits: int = 0, **features):
     return ours
 
 
+def feature_kwargs(feats: dict, hq: int, device) -> dict:
+    """The op's feature arguments of params "features" (features.py), per-head tensors drawn for "head"."""
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in feats.items()}
+    if kw.get("alibi_slopes") == "head":
+        kw["alibi_slopes"] = (2.0 ** (-8.0 * torch.arange(1, hq + 1) / hq)).float().to(device)
+    if kw.get("s_aux") == "head":
+        kw["s_aux"] = torch.randn(hq, generator=torch.Generator().manual_seed(7)).float().to(device)
+    return kw
+
+
+def _sets(ctx: Ctx, p: dict) -> int:
+    """Input sets of params `p`: KV bytes + q read and out written (bf16) rotated past the L2."""
+    kv_bytes = 2 * p["B"] * p["ctx"] * p["hkv"] * p["d"] * (1 if p["kv_cache_dtype"] != "auto" else 2)
+    return ctx.sets_for(kv_bytes + 2 * 2 * p["B"] * p["q_len"] * p["hq"] * p["d"], cap=8)
+
+
 def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> None:
+    """One case of params `p` (B, q_len, ctx, heads, kv_cache_dtype, layout, bs; `features`: the op's
+    feature arguments; `peers`: all | torch | none | base, base: ours at params `p` | `base` named
+    `base_name`) with `goals` us / tflops / fraction (targets, not in tiny runs) and vs (peer, ratio)."""
     B, sq, L, hq, hkv, d = p["B"], p["q_len"], p["ctx"], p["hq"], p["hkv"], p["d"]
     fp8 = p["kv_cache_dtype"] != "auto"
+    feats = feature_kwargs(p.get("features") or {}, hq, ctx.device)
     kv_bytes = 2 * B * L * hkv * d * (1 if fp8 else 2)
-    if sq == 1 or sq < L // 8:  # decode and multi-token decode: bound by the KV bytes
-        rec.work("GB/s", kv_bytes, "copy")
+    if sq == 1 or sq < L // 8:  # decode and multi-token decode: bound by the KV bytes (a window's only)
+        rec.work("GB/s", kv_bytes * min(L, feats.get("window_size", (L,))[0] + 1) // L, "copy")
     else:  # query i sees L - sq + i + 1 keys (bottom-right causal)
         rec.work("TFLOP/s", 4 * B * hq * d * (sq * (L - sq) + sq * (sq + 1) / 2), "matmul")
     why = unsupported(p)
     if why is not None:
         return rec.skip(f"unsupported by pagedattn: {why}")
-    sets = ctx.sets_for(kv_bytes + 2 * 2 * B * sq * hq * d, cap=8)  # + q read and out written (bf16)
+    sets = _sets(ctx, p)
     data = build(ctx, p, sets)
     rec.extra(sets=sets, kv_bytes=kv_bytes, num_blocks=data.kc.shape[0], methods=list(METHODS))
     fa = flash_fn()
-    ours = _ours_fn(fa, data)
+    ours = _ours_fn(fa, data, **feats)
 
     # correctness once, then timing (a failure is the case's error; the peers still run)
     box: dict = {}
-    rec.attempt("float32 reference", lambda: box.update(ref=reference_out(data)))
+    rec.attempt("float32 reference", lambda: box.update(ref=reference_out(data, **feats)))
     ref = box.get("ref")
 
     def check_and_time():
@@ -269,30 +285,29 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
         elif ref is not None:
             rec.check_close(out, ref, TOLERANCE)
         del out
-        rec.ours("pagedattn", ours, sets, methods=METHODS)
+        rec.ours("pagedattn" + (" " + "+".join(feats) if feats else ""), ours, sets, methods=METHODS)
     rec.attempt("pagedattn", check_and_time)
     if "refused" in box:
         return rec.skip(f"unsupported by pagedattn: {box['refused']}")
 
     role = p.get("peers", "all")
-    if role == "base":  # ours on a plain NHD cache, default block size: what a layout / block size is held to
-        base = dict(p, layout="NHD", bs=_dims(ctx)["bs"])
-        rec.peer(BASE_PEER, lambda: _ours_fn(fa, build(ctx, base, sets, gen_seed=1)), sets, methods=METHODS)
+    if role == "base":  # ours on a plain NHD cache, default block size (or at `base`): what a case is held to
+        base = dict(p, layout="NHD", bs=_dims(ctx)["bs"], features={}, **p.get("base", {}))
+        base_sets = _sets(ctx, base)
+        rec.peer(p.get("base_name", BASE_PEER), lambda: _ours_fn(fa, build(ctx, base, base_sets, gen_seed=1)),
+                 base_sets, methods=METHODS)
     elif role == "none":
         rec.note("no peers: they would read the same bf16 copy as the fp8_e4m3 case")
-    else:
+    elif role in ("all", "torch"):
         _torch_peers(ctx, rec, data, ref, sets, flex=role == "all")
         if role == "all":
             _paged_peers(ctx, rec, data, ref, sets)
     if fp8 and role != "none":
         rec.note("torch peers read a bf16 dequantised copy (torch has no fp8-KV attention)")
-    if ctx.tiny:
-        return
     goals = goals or {}
-    if sq == 1 and goals.get("us") is not None:
-        rec.target(goals["us"], "us")
-    elif sq > 1:
-        rec.target(PREFILL_GOAL_TFLOPS, "TFLOP/s")
+    for key, unit in (("us", "us"), ("tflops", "TFLOP/s"), ("fraction", "fraction")):
+        if goals.get(key) is not None and not ctx.tiny:
+            rec.target(goals[key], unit)
     if goals.get("vs"):
         rec.goal_ratio(*goals["vs"])
 

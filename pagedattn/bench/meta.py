@@ -60,50 +60,31 @@ def git_info() -> tuple[str | None, bool | None]:
 
 
 def collect(device: str, quick: bool, suites: list[str]) -> dict:
+    """The run's metadata: `pagedattn info`'s versions and GPU, the commit, nvidia-smi's driver and clocks."""
     import torch
 
-    import pagedattn
+    from pagedattn import info
 
     commit, dirty = git_info()
-    meta = {"sample": False, "pagedattn": pagedattn.__version__, "git_commit": commit, "git_dirty": dirty,
+    about = info.collect()
+    meta = {"sample": False, "pagedattn": about["pagedattn"], "git_commit": commit, "git_dirty": dirty,
             "date": now(), "quick": quick, "suites": list(suites), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "python": platform.python_version(),
-            "argv": ["pagedattn"] + sys.argv[1:]}
-    try:
-        from pagedattn.codegen.toolchain import toolchain
-
-        meta["nvrtc"] = "%d.%d" % toolchain().nvrtc_version
-    except Exception as exc:  # noqa: BLE001
-        meta["nvrtc"] = f"unavailable ({type(exc).__name__})"
+            "cuda": torch.version.cuda, "python": about["python"], "argv": ["pagedattn"] + sys.argv[1:],
+            "nvrtc": about.get("nvrtc") or f"unavailable ({about.get('toolchain_error')})",
+            "driver_cuda": about.get("driver_cuda")}
     if device == "cpu":
         meta.update(sample=True, dry_run=True, gpu="cpu (dry run, not a measurement)", sm_count=0,
                     capability="-", arch="-", driver=None, clocks=None)
         return meta
     idx = torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(idx)
-    try:
-        from pagedattn.registry import arch_for_device
-
-        arch = arch_for_device(idx)
-    except Exception as exc:  # noqa: BLE001
-        arch = f"unsupported ({exc})"
-    meta.update(gpu=props.name, sm_count=props.multi_processor_count,
-                capability=f"{props.major}.{props.minor}", arch=arch,
-                memory_gib=round(props.total_memory / 2**30, 1),
-                l2_bytes=int(getattr(props, "L2_cache_size", 0) or 0) or None,
+    gpu, props = about["gpus"][idx], torch.cuda.get_device_properties(idx)
+    meta.update(gpu=gpu["name"], sm_count=gpu["sms"], capability=gpu["capability"], arch=gpu["arch"],
+                memory_gib=gpu["memory_gib"], l2_bytes=int(getattr(props, "L2_cache_size", 0) or 0) or None,
                 cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
     uuid = str(props.uuid) if getattr(props, "uuid", None) else None
     row = nvidia_smi(uuid, idx)
-    meta["driver"] = row.get("driver_version") if row else None
-    try:
-        from cuda.bindings import driver
-
-        driver.cuInit(0)
-        _, v = driver.cuDriverGetVersion()
-        meta["driver_cuda"] = f"{v // 1000}.{v % 1000 // 10}"
-        meta["driver"] = meta["driver"] or f"CUDA {meta['driver_cuda']} (nvidia-smi unavailable)"
-    except Exception:  # noqa: BLE001
-        meta.setdefault("driver_cuda", None)
+    meta["driver"] = (row.get("driver_version") if row else None) or (
+        f"CUDA {meta['driver_cuda']} (nvidia-smi unavailable)" if meta["driver_cuda"] else None)
     meta.update(clocks={"start": clocks(uuid, idx)} if row else None, _uuid=uuid, _index=idx)
     return meta
 
@@ -115,6 +96,24 @@ def results_name(meta: dict, folder: Path) -> Path:
     while path.exists():
         path, n = folder / f"{base}_{n}.json", n + 1
     return path
+
+
+def host() -> dict:
+    """This machine's CPU side, for the perf/ scripts that need no GPU: host, CPU, cores, memory,
+    python, platform, pagedattn version and commit, date."""
+    import os
+
+    import pagedattn
+    from pagedattn.info import git_commit
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), None)
+    mem = Path("/proc/meminfo")
+    return dict(host=platform.node(), cpu=cpu or platform.processor(), cpus=os.cpu_count(),
+                usable_cores=len(os.sched_getaffinity(0)),
+                memory_gib=round(int(mem.read_text().split()[1]) / 2**20, 1) if mem.exists() else None,
+                python=platform.python_version(), platform=platform.platform(), pagedattn=pagedattn.__version__,
+                commit=git_commit(), date=_dt.date.today().isoformat())
 
 
 def write_quick(out_dir, kind: str, results, suffix: str = "", **extra) -> Path:

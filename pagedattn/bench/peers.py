@@ -2,7 +2,7 @@
 
 A peer is a list of candidates `(variant, factory)`; `factory()` returns fn(k) -> out [total_q, Hq, D] for
 input set k, or raises. `fastest` runs each once, rejects those that fail or disagree with the float32
-reference, probes the rest (timing.probe_us) and keeps the fastest; the record names the variant chosen
+reference, probes the rest (Timer.probe) and keeps the fastest; the record names the variant chosen
 and what each candidate did. FA4 and vLLM are optional: when they do not import, the peer is reported as
 unavailable with the reason.
 """
@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from .common import Ctx, rel_l2, short_error
-from .timing import probe_us
 
 WRONG = 5e-2  # relative L2 above which a candidate's output is wrong (ours passes at 2e-2)
 VLLM_MODULES = ("vllm.v1.attention.ops.triton_unified_attention",
@@ -162,7 +161,7 @@ def fastest(ctx: Ctx, candidates, ref, info: dict, sets: int = 1):
             if err is not None and not err <= WRONG:
                 tried.append(f"{variant}: wrong output (relative L2 {err:.2e})")
                 continue
-            us = probe_us(fn, sets) if ctx.is_cuda else None
+            us = ctx.timer.probe(fn, sets) if ctx.is_cuda else None
         except Exception as exc:  # noqa: BLE001 - a configuration that cannot run is data
             first = (str(exc).strip().splitlines() or [""])[0][:200]
             tried.append(f"{variant}: {type(exc).__name__}: {first}")

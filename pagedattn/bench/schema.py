@@ -133,55 +133,50 @@ def _num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _validate_impl(where: str, impl, errors: list[str]) -> None:
-    def need(ok, message):
-        if not ok:
-            errors.append(f"{where}{message}")
-
-    def numbers(at, entry):
-        for key in ("p10", "p90", "min", "value", "fraction"):
-            need(entry.get(key) is None or _num(entry[key]), f"{at}.{key}: must be a number or null")
+def _impl_problems(impl) -> list[str]:
+    """What is wrong with one Impl (ours, a peer or a ceiling), each message starting with its key."""
     if not isinstance(impl, dict):
-        return need(False, ": must be an object")
-    need(isinstance(impl.get("name"), str), ".name: must be a string")
+        return [": must be an object"]
+    out = [] if isinstance(impl.get("name"), str) else [".name: must be a string"]
     if impl.get("error") is not None:
-        return need(isinstance(impl["error"], str), ".error: must be a string or null")
+        return out + ([] if isinstance(impl["error"], str) else [".error: must be a string or null"])
     positive = "must be a positive number (median microseconds)"
-    need(_num(impl.get("us")) and impl["us"] > 0, f".us: {positive}")
-    numbers("", impl)
-    for key in ("reps", "sets"):
-        need(impl.get(key) is None or (isinstance(impl[key], int) and impl[key] >= 1), f".{key}: must be a positive int")
-    method, methods = impl.get("method"), impl.get("methods")
-    need(method is None or method in METHODS, f".method: {method!r} not in {METHODS}")
+    methods = impl.get("methods")
+    entries = {"": impl, **({f".methods.{m}": e for m, e in methods.items() if isinstance(e, dict)}
+                            if isinstance(methods, dict) else {})}
+    for at, entry in entries.items():
+        if not (_num(entry.get("us")) and entry["us"] > 0):
+            out.append(f"{at}.us: {positive}")
+        out += [f"{at}.{k}: must be a number or null" for k in ("p10", "p90", "min", "value", "fraction")
+                if entry.get(k) is not None and not _num(entry[k])]
+    out += [f".{k}: must be a positive int" for k in ("reps", "sets")
+            if impl.get(k) is not None and not (isinstance(impl[k], int) and impl[k] >= 1)]
+    if impl.get("method") not in (None, *METHODS):
+        out.append(f".method: {impl['method']!r} not in {METHODS}")
     if methods is None:
-        return
+        return out
     if not isinstance(methods, dict) or not methods:
-        return need(False, ".methods: must be a non-empty object")
-    for m, entry in methods.items():
-        if m not in METHODS:
-            need(False, f".methods: unknown method {m!r} (known: {METHODS})")
-        elif not isinstance(entry, dict) or not _num(entry.get("us")) or entry["us"] <= 0:
-            need(False, f".methods.{m}.us: {positive}")
-        else:
-            numbers(f".methods.{m}", entry)
-    if method in methods and _num(impl.get("us")):
+        return out + [".methods: must be a non-empty object"]
+    out += [f".methods: unknown method {m!r} (known: {METHODS})" for m in methods if m not in METHODS]
+    out += [f".methods.{m}.us: {positive}" for m, e in methods.items() if not isinstance(e, dict)]
+    if impl.get("method") in methods and _num(impl.get("us")):
         worst = max(e.get("us") or 0 for e in methods.values() if isinstance(e, dict))
-        need(impl["us"] == worst, ".us: must be the worse (larger) of its methods' medians")
+        out += [] if impl["us"] == worst else [".us: must be the worse (larger) of its methods' medians"]
+    return out
 
 
 def validate_case(case, where: str = "case") -> list[str]:
     if not isinstance(case, dict):
         return [f"{where}: must be an object"]
-    errors = [f"{where}: missing key {key!r}" for key in CASE_KEYS if key not in case]
-    if errors:
-        return errors
+    missing = [f"{where}: missing key {key!r}" for key in CASE_KEYS if key not in case]
+    if missing:
+        return missing
     where = f"{where} {case['id']!r}"
-    status, unit, peers, ratios, check, goals = (case.get(k) for k in ("status", "unit", "peers", "ratios",
-                                                                      "check", "goals"))
-    checks = [
+    status, peers, ratios, check, goals = (case.get(k) for k in ("status", "peers", "ratios", "check", "goals"))
+    rules = [
         (isinstance(case["id"], str) and case["id"], "id must be a non-empty string"),
         (status in STATUSES, f"status {status!r} not in {STATUSES}"),
-        (unit is None or unit in UNITS, f"unit {unit!r} not in {UNITS}"),
+        (case["unit"] is None or case["unit"] in UNITS, f"unit {case['unit']!r} not in {UNITS}"),
         (case["ceiling"] is None or case["ceiling"] in CEILINGS, f"ceiling {case['ceiling']!r} not in {CEILINGS}"),
         (case["work"] is None or _num(case["work"]), "work must be a number or null"),
         (isinstance(case["params"], dict), "params must be an object"),
@@ -197,48 +192,37 @@ def validate_case(case, where: str = "case") -> list[str]:
         (not (status == "check_failed" and isinstance(check, dict) and check.get("ok")),
          "status check_failed but check.ok is true"),
     ]
-    errors = [f"{where}: {message}" for ok, message in checks if not ok]
-    if case["ours"] is not None:
-        _validate_impl(f"{where}.ours", case["ours"], errors)
-    if isinstance(peers, dict):
-        for name, impl in peers.items():
-            _validate_impl(f"{where}.peers[{name!r}]", impl, errors)
-        if isinstance(ratios, dict):
-            errors += [f"{where}: ratio for unknown peer {name!r}" for name in ratios if name not in peers]
-    for i, g in enumerate(goals if isinstance(goals, list) else []):
-        if not (isinstance(g, dict) and g.get("unit") == "ratio" and _num(g.get("value"))
-                and isinstance(g.get("peer"), str)):
-            errors.append(f"{where}: goals[{i}] must be {{'unit': 'ratio', 'value': number, 'peer': name, "
-                          "'met': bool|null}")
-    return errors
+    errors = [f"{where}: {message}" for ok, message in rules if not ok]
+    impls = {".ours": case["ours"]} if case["ours"] is not None else {}
+    impls.update({f".peers[{n!r}]": impl for n, impl in peers.items()} if isinstance(peers, dict) else {})
+    errors += [f"{where}{at}{p}" for at, impl in impls.items() for p in _impl_problems(impl)]
+    if isinstance(peers, dict) and isinstance(ratios, dict):
+        errors += [f"{where}: ratio for unknown peer {name!r}" for name in ratios if name not in peers]
+    return errors + [f"{where}: goals[{i}] must be {{'unit': 'ratio', 'value': number, 'peer': name, 'met': bool|null}}"
+                     for i, g in enumerate(goals if isinstance(goals, list) else [])
+                     if not (isinstance(g, dict) and g.get("unit") == "ratio" and _num(g.get("value"))
+                             and isinstance(g.get("peer"), str))]
 
 
 def validate(results) -> list[str]:
     """Every problem found in a results object, as readable strings ([] = valid)."""
     if not isinstance(results, dict):
         return ["results: must be a JSON object"]
-    errors: list[str] = []
-    if results.get("schema") != SCHEMA:
-        errors.append(f"schema: expected {SCHEMA!r}, got {results.get('schema')!r}")
-    meta = results.get("metadata")
+    errors = [] if results.get("schema") == SCHEMA else [f"schema: expected {SCHEMA!r}, got {results.get('schema')!r}"]
+    meta, ceilings, suites = (results.get(k) for k in ("metadata", "ceilings", "suites"))
     if isinstance(meta, dict):
         errors += [f"metadata: missing key {key!r}" for key in REQUIRED_METADATA if key not in meta]
-        if not isinstance(meta.get("sample"), bool):
-            errors.append("metadata.sample: must be true or false")
-        if not (isinstance(meta.get("gpu"), str) and meta["gpu"]):
-            errors.append("metadata.gpu: must be a non-empty string")
+        errors += [] if isinstance(meta.get("sample"), bool) else ["metadata.sample: must be true or false"]
+        errors += [] if isinstance(meta.get("gpu"), str) and meta["gpu"] else ["metadata.gpu: must be a non-empty string"]
     else:
         errors.append("metadata: must be an object")
-    ceilings = results.get("ceilings")
     if not isinstance(ceilings, dict):
         errors.append("ceilings: must be an object")
-    for name in CEILINGS if isinstance(ceilings, dict) else ():
-        c = ceilings.get(name)
+    for name, c in ((n, ceilings.get(n)) for n in CEILINGS if isinstance(ceilings, dict)):
         if c is not None:
-            _validate_impl(f"ceilings.{name}", c, errors)
+            errors += [f"ceilings.{name}{p}" for p in _impl_problems(c)]
             if not (c.get("error") or _num(c.get("value"))):
                 errors.append(f"ceilings.{name}.value: must be a number ({CEILING_UNIT[name]})")
-    suites = results.get("suites")
     if not isinstance(suites, dict):
         return errors + ["suites: must be an object"]
     for name, suite in suites.items():
@@ -250,13 +234,10 @@ def validate(results) -> list[str]:
             continue
         if suite.get("status") not in SUITE_STATUSES:
             errors.append(f"{where}.status: {suite.get('status')!r} not in {SUITE_STATUSES}")
-        seen = set()
+        ids = [c.get("id") if isinstance(c, dict) else None for c in suite["cases"]]
+        errors += [f"{where}: duplicate case id {cid!r}" for i, cid in enumerate(ids) if cid in ids[:i]]
         for i, case in enumerate(suite["cases"]):
             errors += validate_case(case, f"{where}.cases[{i}]")
-            cid = case.get("id") if isinstance(case, dict) else None
-            if cid in seen:
-                errors.append(f"{where}: duplicate case id {cid!r}")
-            seen.add(cid)
             if isinstance(case, dict) and case.get("suite") != name:
                 errors.append(f"{where}.cases[{i}]: suite {case.get('suite')!r} != {name!r}")
     return errors

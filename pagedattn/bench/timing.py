@@ -2,7 +2,7 @@
 it measures). Device time: `Timer.measure(fn, sets, methods)` with the methods of METHODS ("rot": back
 to back, inputs rotated over `sets`; "flush": the L2 flushed before every call, as do_bench); `CpuTimer`
 is the same on the host clock (CPU tests). `median_us`: one synchronised call at a time. `host_loops`:
-the host's cost of a call, no sync in the loop. `probe_us`: a quick comparison, not a measurement.
+the host's cost of a call, no sync in the loop. `Timer.probe`: a quick comparison, not a measurement.
 """
 from __future__ import annotations
 
@@ -96,6 +96,20 @@ class Timer:
     def __call__(self, fn, sets: int = 1) -> Timing:
         """The "rot" method alone."""
         return self.measure(fn, sets, ("rot",))["rot"]
+
+    def probe(self, fn, sets: int = 1, calls: int = 10, warmup: int = 3) -> float:
+        """Mean µs per call of `calls` back-to-back calls fn(k) after `warmup`: a quick comparison of
+        configurations (peers.fastest), not a measurement."""
+        for k in range(warmup):
+            fn(k % sets)
+        torch.cuda.synchronize()
+        a, b = _event(), _event()
+        a.record()
+        for k in range(calls):
+            fn(k % sets)
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) * 1e3 / calls
 
     def _reps(self, per_call_s: float) -> int:
         return int(min(self.max_reps, max(self.min_reps, self.budget_s / max(per_call_s, 1e-7))))
@@ -218,25 +232,3 @@ def host_loops(fn, calls: int, loops: int = 5, warmup: int = 200, before=None, s
         sync()
         out.append(((t1 - t0) / calls * 1e6, (clock() - t0) / calls * 1e6))
     return out
-
-
-def copy_ceiling_gbs(nbytes: int = 2 * 2**30) -> float:
-    """Device-to-device copy bandwidth (bytes read plus written) by median_us: the quick scripts' ceiling."""
-    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / median_us(lambda: y.copy_(x), reps=10) / 1e3
-
-
-def probe_us(fn, sets: int = 1, calls: int = 10, warmup: int = 3) -> float:
-    """Mean µs per call of `calls` back-to-back calls fn(k) after `warmup`: a quick comparison of
-    configurations (peers.fastest), not a measurement."""
-    for k in range(warmup):
-        fn(k % sets)
-    torch.cuda.synchronize()
-    a, b = _event(), _event()
-    a.record()
-    for k in range(calls):
-        fn(k % sets)
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / calls

@@ -1,9 +1,12 @@
 """write suite: `reshape_and_cache_flash` against torch `index_copy_` into the same cache (perf/README.md
 has the shapes, the bytes counted and the goals). The cache holds max(4T, 256 MiB worth of) slots; each
 call writes random distinct slots, or (params "slots": "pages") whole pages drawn at random as a prefill
-writes them. The check (`_check`) is bit-exact against pagedattn.reference.
+writes them. The check (`_check`) is bit-exact against pagedattn.reference. `inputs` and `ours_fn` are
+also the write sweep's (sweeps.py), which passes `overrides=` to the op.
 """
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 
@@ -20,11 +23,6 @@ TINY_TOKENS = (1, 16, 40)
 KV_DTYPES = ("auto", "fp8_e4m3")
 LAYOUTS = ("NHD", "HND")
 GOALS = {"T65536_NHD_bf16": 0.90, "T65536_other": 0.80, "T256_us": 6.0}
-
-
-def available(ctx: Ctx):
-    ok = hasattr(pagedattn, "reshape_and_cache_flash")
-    return (True, None) if ok else (False, "pagedattn.reshape_and_cache_flash is not available")
 
 
 def cases(ctx: Ctx) -> list[Case]:
@@ -49,6 +47,38 @@ def page_slots(num_blocks: int, t: int, device) -> torch.Tensor:
     return (pages[:, None] * BLOCK + torch.arange(BLOCK, device=device)).flatten()[:t].contiguous()
 
 
+def inputs(ctx: Ctx, p: dict) -> SimpleNamespace:
+    """The caches, `sets` input sets (keys, values, slots) and scales of write params `p` (T, layout,
+    kv_cache_dtype, scale "tensor" | "head", slots "random" | "pages"), and the bytes a write moves."""
+    dev, t, kv = ctx.device, p["T"], p["kv_cache_dtype"]
+    elem_c = 1 if kv != "auto" else 2
+    nbytes = 2 * t * H * D * 2 + 2 * t * H * D * elem_c + 8 * t  # bf16 K/V read, the cache written, slots
+    num_blocks = ceil_div(max(4 * t, ((2 if ctx.tiny else 256) * 2**20) // (H * D * elem_c)), BLOCK)
+    spec = pagedattn.CacheSpec(num_blocks, BLOCK, H, D, torch.uint8 if elem_c == 1 else torch.bfloat16,
+                               kv_cache_dtype=kv, layout=p["layout"], scale=p.get("scale", "tensor"))
+    kc, vc = spec.allocate(dev)
+    sets = min(ctx.sets_for(nbytes), max(1, spec.num_slots // t))
+    keys, values = ([torch.randn(t, H, D, dtype=torch.bfloat16, device=dev) for _ in range(sets)] for _ in "kv")
+    slots = [page_slots(num_blocks, t, dev) if p.get("slots") == "pages"
+             else torch.randperm(spec.num_slots, device=dev)[:t].contiguous() for _ in range(sets)]
+    scale = None
+    if elem_c == 1:
+        amax = max(float(x.abs().amax()) for x in keys + values)
+        scale = torch.full((H if spec.scale == "head" else 1,), amax / 448.0, device=dev)
+    return SimpleNamespace(spec=spec, kc=kc, vc=vc, keys=keys, values=values, slots=slots, k_scale=scale,
+                           v_scale=None if scale is None else scale.clone(), sets=sets, nbytes=nbytes, kv=kv)
+
+
+def ours_fn(inp: SimpleNamespace, overrides: dict | None = None):
+    """fn(k): the write of input set k (with `overrides` of the launch when given)."""
+    kw = {"overrides": overrides} if overrides is not None else {}
+
+    def ours(k):
+        pagedattn.reshape_and_cache_flash(inp.keys[k], inp.values[k], inp.kc, inp.vc, inp.slots[k], inp.kv,
+                                          inp.k_scale, inp.v_scale, **kw)
+    return ours
+
+
 def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
@@ -57,103 +87,79 @@ def _written_view(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache[slots // cache.shape[1], slots % cache.shape[1]]  # [T, H, D]
 
 
-def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
-    dev, t, layout, kv = ctx.device, p["T"], p["layout"], p["kv_cache_dtype"]
-    fp8 = kv != "auto"
-    elem_c = 1 if fp8 else 2
-    nbytes = 2 * t * H * D * 2 + 2 * t * H * D * elem_c + 8 * t  # bf16 K/V read, the cache written, slots
-    rec.work("GB/s", nbytes, "copy")
-    num_blocks = ceil_div(max(4 * t, ((2 if ctx.tiny else 256) * 2**20) // (H * D * elem_c)), BLOCK)
-    num_slots = num_blocks * BLOCK
-    spec = pagedattn.CacheSpec(num_blocks, BLOCK, H, D, torch.uint8 if fp8 else torch.bfloat16, kv_cache_dtype=kv,
-                               layout=layout, scale="tensor")
-    kc, vc = spec.allocate(dev)
-    sets = min(ctx.sets_for(nbytes), max(1, num_slots // t))
-    keys = [torch.randn(t, H, D, dtype=torch.bfloat16, device=dev) for _ in range(sets)]
-    values = [torch.randn(t, H, D, dtype=torch.bfloat16, device=dev) for _ in range(sets)]
-    if p.get("slots") == "pages":
-        slots = [page_slots(num_blocks, t, dev) for _ in range(sets)]
-    else:
-        slots = [torch.randperm(num_slots, device=dev)[:t].contiguous() for _ in range(sets)]
-    k_scale = v_scale = None
-    if fp8:
-        k_scale = torch.tensor([max(float(x.abs().amax()) for x in keys + values) / 448.0], device=dev)
-        v_scale = k_scale.clone()
-    rec.extra(sets=sets, num_blocks=num_blocks, cache_bytes=2 * num_slots * H * D * elem_c)
+def _quantised(inp, x, scale):  # what the cache holds for x (the peer's fp8: torch ops before the scatter)
+    return reference.quantize_fp8(x, scale, inp.kv).view(torch.uint8) if inp.kv != "auto" else x
 
-    def ours(k):
-        pagedattn.reshape_and_cache_flash(keys[k], values[k], kc, vc, slots[k], kv, k_scale, v_scale)
 
-    # correctness once, then timing (a failure here is the case's error; the peer still runs)
-    def check_and_time():
-        _check(ctx, rec, p, spec, ours, keys[0], values[0], slots[0], kc, vc, k_scale, v_scale)
-        rec.ours("pagedattn", ours, sets)
-    rec.attempt("pagedattn", check_and_time)
-
-    def quantised(x, scale):  # the peer's fp8: torch ops before the scatter
-        return reference.quantize_fp8(x, scale, kv).view(torch.uint8) if fp8 else x
-
-    def make():
-        if layout == "NHD":
-            kflat, vflat = kc.view(-1, H, D), vc.view(-1, H, D)
-
-            def peer(k):
-                kflat.index_copy_(0, slots[k], quantised(keys[k], k_scale))
-                vflat.index_copy_(0, slots[k], quantised(values[k], v_scale))
-            return peer
-        # HND storage is [num_blocks, H, block_size, D]: row (blk * H + h) * bs + off of its [-1, D] view
-        # holds token (blk, off), head h. (index_put_ through the permuted logical view would copy the
-        # whole cache on every call: not a fair peer.)
-        krows = kc.permute(0, 2, 1, 3).reshape(-1, D)
-        vrows = vc.permute(0, 2, 1, 3).reshape(-1, D)
-        assert krows.data_ptr() == kc.data_ptr() and krows._base is not None, "HND rows must be a view"
-        heads = torch.arange(H, device=dev).view(1, H)
+def torch_peer(inp: SimpleNamespace):
+    """fn(k): input set k written by torch index_copy_ into the same caches. HND storage is
+    [num_blocks, H, block_size, D]: row (blk * H + h) * bs + off of its [-1, D] view holds token (blk, off),
+    head h (index_put_ through the permuted logical view would copy the whole cache on every call)."""
+    if inp.spec.layout == "NHD":
+        kflat, vflat = inp.kc.view(-1, H, D), inp.vc.view(-1, H, D)
 
         def peer(k):
-            s = slots[k].view(-1, 1)
-            rows = (((s // BLOCK) * H + heads) * BLOCK + s % BLOCK).reshape(-1)  # [T * H]
-            krows.index_copy_(0, rows, quantised(keys[k], k_scale).reshape(-1, D))
-            vrows.index_copy_(0, rows, quantised(values[k], v_scale).reshape(-1, D))
+            kflat.index_copy_(0, inp.slots[k], _quantised(inp, inp.keys[k], inp.k_scale))
+            vflat.index_copy_(0, inp.slots[k], _quantised(inp, inp.values[k], inp.v_scale))
         return peer
-    rec.peer("torch index_copy_", make, sets)
+    krows, vrows = (c.permute(0, 2, 1, 3).reshape(-1, D) for c in (inp.kc, inp.vc))
+    assert krows.data_ptr() == inp.kc.data_ptr() and krows._base is not None, "HND rows must be a view"
+    heads = torch.arange(H, device=inp.kc.device).view(1, H)
+
+    def peer(k):
+        s = inp.slots[k].view(-1, 1)
+        rows = (((s // BLOCK) * H + heads) * BLOCK + s % BLOCK).reshape(-1)  # [T * H]
+        krows.index_copy_(0, rows, _quantised(inp, inp.keys[k], inp.k_scale).reshape(-1, D))
+        vrows.index_copy_(0, rows, _quantised(inp, inp.values[k], inp.v_scale).reshape(-1, D))
+    return peer
+
+
+def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
+    t, fp8 = p["T"], p["kv_cache_dtype"] != "auto"
+    inp = inputs(ctx, p)
+    rec.work("GB/s", inp.nbytes, "copy")
+    rec.extra(sets=inp.sets, num_blocks=inp.spec.num_blocks,
+              cache_bytes=2 * inp.spec.num_slots * H * D * (1 if fp8 else 2))
+    ours = ours_fn(inp)
+
+    def check_and_time():  # correctness once, then timing (a failure is the case's error; the peer still runs)
+        _check(ctx, rec, inp, ours)
+        rec.ours("pagedattn", ours, inp.sets)
+    rec.attempt("pagedattn", check_and_time)
+    rec.peer("torch index_copy_", lambda: torch_peer(inp), inp.sets)
     if fp8:
         rec.note("peer quantises with torch ops before the scatter")
-    if layout == "HND":
+    if p["layout"] == "HND":
         rec.note("peer computes the HND row ids from the slots")
-
     if t == 65536:  # the goals of issue 3
-        rec.target(GOALS["T65536_NHD_bf16"] if (layout == "NHD" and not fp8) else GOALS["T65536_other"],
-                   "fraction")
+        rec.target(GOALS["T65536_NHD_bf16" if (p["layout"] == "NHD" and not fp8) else "T65536_other"], "fraction")
     elif t == 256:
         rec.target(GOALS["T256_us"], "us")
 
 
-def _check(ctx, rec, p, spec, ours, key, value, slots, kc, vc, k_scale, v_scale) -> None:
-    """Poison the caches, write with ours, compare bit for bit (see the module docstring)."""
-    t, layout, kv = p["T"], p["layout"], p["kv_cache_dtype"]
-    fp8 = kv != "auto"
-    num_blocks, num_slots = spec.num_blocks, spec.num_slots
-    nan_fill_(kc)
-    nan_fill_(vc)
+def _check(ctx: Ctx, rec: Recorder, inp: SimpleNamespace, ours) -> None:
+    """Poison the caches, write set 0 with ours, compare bit for bit: the written slots with the reference
+    conversion, every other slot still poisoned, the first 64 tokens with pagedattn.reference's write."""
+    spec, slots, t = inp.spec, inp.slots[0], inp.slots[0].numel()
+    nan_fill_(inp.kc)
+    nan_fill_(inp.vc)
     ours(0)
     ctx.sync()
     problems = []
-    for name, src, cache, scale in (("K", key, kc, k_scale), ("V", value, vc, v_scale)):
-        expect = reference.quantize_fp8(src, scale, kv).view(torch.uint8) if fp8 else src
-        if not _bit_equal(_written_view(cache, slots), expect):
+    for name, src, cache, scale in (("K", inp.keys[0], inp.kc, inp.k_scale), ("V", inp.values[0], inp.vc, inp.v_scale)):
+        if not _bit_equal(_written_view(cache, slots), _quantised(inp, src, scale)):
             problems.append(f"{name}: written slots differ from the reference conversion")
-        rows = cache.reshape(num_blocks, BLOCK, H * D) if layout == "NHD" else cache
-        poisoned = (rows.view(torch.uint8) == 0x7F).all(-1) if fp8 else torch.isnan(rows).all(-1)
-        untouched = int(poisoned.reshape(num_slots, -1).all(-1).sum())
-        if untouched != num_slots - t:
-            problems.append(f"{name}: {num_slots - untouched} slots written, expected {t}")
+        rows = cache.reshape(spec.num_blocks, BLOCK, H * D) if spec.layout == "NHD" else cache
+        poisoned = (rows.view(torch.uint8) == 0x7F).all(-1) if inp.kv != "auto" else torch.isnan(rows).all(-1)
+        untouched = int(poisoned.reshape(spec.num_slots, -1).all(-1).sum())
+        if untouched != spec.num_slots - t:
+            problems.append(f"{name}: {spec.num_slots - untouched} slots written, expected {t}")
     n = min(t, 64)
-    rk, rv = spec.allocate(ctx.device)
-    nan_fill_(rk)
-    nan_fill_(rv)
-    reference.reshape_and_cache_flash(key[:n], value[:n], rk, rv, slots[:n], kv, k_scale, v_scale)
-    for name, got, ref in (("K", kc, rk), ("V", vc, rv)):
+    rk, rv = (nan_fill_(c) for c in spec.allocate(ctx.device))
+    reference.reshape_and_cache_flash(inp.keys[0][:n], inp.values[0][:n], rk, rv, slots[:n], inp.kv,
+                                      inp.k_scale, inp.v_scale)
+    for name, got, ref in (("K", inp.kc, rk), ("V", inp.vc, rv)):
         if not _bit_equal(_written_view(got, slots[:n]), _written_view(ref, slots[:n])):
             problems.append(f"{name}: differs from pagedattn.reference on the first {n} tokens")
     rec.check(not problems, "bit-exact",
-              "; ".join(problems) or f"{t} tokens bit-exact, {num_slots - t} other slots untouched")
+              "; ".join(problems) or f"{t} tokens bit-exact, {spec.num_slots - t} other slots untouched")
