@@ -4,7 +4,6 @@
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
-#include <cute/tensor.hpp>
 
 namespace pagedattn {
 
@@ -39,18 +38,11 @@ __device__ __forceinline__ int64_t slot_head_offset(CacheGeometry const& g, int 
   return block * g.block_stride + offset * g.page_stride + int64_t(head) * g.head_stride;
 }
 
-// A cache tensor (K or V) of one element type, indexed (block, slot in block, head, d).
+// One cache tensor (K or V) of one element type: its geometry and base pointer.
 template <class CacheElement>
 struct PagedCache {
   CacheGeometry g;
   CacheElement* base;
-
-  __device__ __forceinline__ auto tensor() const {
-    using namespace cute;
-    return make_tensor(make_gmem_ptr(base),
-                       make_layout(make_shape(g.num_blocks, g.block_size, g.num_heads, g.head_size),
-                                   make_stride(g.block_stride, g.page_stride, g.head_stride, _1{})));
-  }
 
   __device__ __forceinline__ bool valid_slot(int64_t slot) const {
     return slot >= 0 && slot < g.num_slots;
