@@ -113,7 +113,7 @@ def test_manifest(built):
         assert not Path(v["file"]).is_absolute() and v["file"].startswith("kernels/")
         assert v["file"].endswith(".cubin.xz") and v["compression"] == "xz"
         stored = (out / v["file"]).read_bytes()
-        assert len(stored) == v["stored_size"] < v["size"] / 4   # cubins compress about 14x
+        assert len(stored) == v["stored_size"] < v["size"] / 2   # kv_write cubins compress about 3.5x
         data = bundle.unpack(stored, "xz")
         assert data[:4] == b"\x7fELF" and len(data) == v["size"]
         import hashlib
