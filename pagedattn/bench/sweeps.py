@@ -59,11 +59,11 @@ def aot_dir(root: str, config: str) -> Path:
 def decode_points(opts: dict) -> list:
     """The decode sweep's points: DECODE_CASES, the forced-split B=1 points of --splits, the B=64 points
     of --variants; --cases keeps the named ones (and those added)."""
-    splits = [f"B=1 ctx=32768 splits={n}" for n in opts["splits"].split(",") if n]
-    variants = [f"B=64 ctx=4096 {v}" for v in opts["variants"].split(";") if v]
     only = [x for x in opts["cases"].split(";") if x]
-    return ([c for c in DECODE_CASES if not only or c[0] in only] + [(n, 1, 32768, "auto", int(n[21:])) for n in splits]
-            + [(n, 64, 4096, "auto", int(n[21:]) if n[14:].startswith("splits=") else 0) for n in variants])
+    splits = [(f"B=1 ctx=32768 splits={n}", 1, 32768, "auto", int(n)) for n in opts["splits"].split(",") if n]
+    variants = [(f"B=64 ctx=4096 {v}", 64, 4096, "auto", int(v.removeprefix("splits=")) if v.startswith("splits=") else 0)
+                for v in opts["variants"].split(";") if v]
+    return [c for c in DECODE_CASES if not only or c[0] in only] + splits + variants
 
 
 # -- measurements ----------------------------------------------------------------------------------
