@@ -45,7 +45,7 @@ namespace pagedattn {
 
 template <class Element_, Fp8Format kFp8_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsM_,
           int kWarpsN_, int kStages_, bool kTma_, bool kWgmma_, int kWarpsD_,
-          bool kPingPong_, bool kKAhead_, class Smem_>
+          bool kPingPong_, bool kKAhead_, int kExp2FmaSoftcap_, class Smem_>
 struct AttnTraits {
   using Element = Element_;  // cutlass::half_t or cutlass::bfloat16_t: Q, O and both MMA operands
   static constexpr Fp8Format kFp8 = kFp8_;
@@ -72,6 +72,9 @@ struct AttnTraits {
   static constexpr int kCtaThreads = kThreads + kProducerThreads;
   static constexpr bool kPingPong = kPingPong_;  // kWs: the consumer warpgroups take turns issuing MMAs
   static constexpr bool kKAhead = kKAhead_;  // kWs, fp8: the producer widens K a step ahead of V
+  // kWs with softcap (a tanh per score on the SFU too): column groups of 8 keys, of kBlockN / 8, whose
+  // 2^x the consumers compute on the FMA pipe instead (OnlineSoftmax::exponentiate)
+  static constexpr int kExp2FmaSoftcap = kExp2FmaSoftcap_;
   static constexpr int kStageKeys = kBlockN * kWarpsN;
   static constexpr int kMmaM = kBlockM / (16 * kWarpsM);  // 16-row MMA tiles per warp
   static constexpr int kRows = 2 * kMmaM;                  // softmax rows held by each thread

@@ -437,6 +437,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   AttnMask<2, Features> const mask(c.p, c.w, tScS);
   OnlineSoftmax<2> softmax;
+  constexpr int kFma = Features::kSoftcap ? Traits::kExp2FmaSoftcap : 0;
   typename Tiles::FragP tOrP;
   WsBarriers const bars(c.smem);  // from the shared window's base: constants, not registers held per item
 
@@ -477,7 +478,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
     pp.your_turn();
     wgmma_wait<0>(acc_s);
     release(bars.empty_k, 0);
-    softmax.update(s_rows, o_rows, mask.template apply<kBlockN>(acc_s, tScS, key0_of(0), c.scale_log2));
+    softmax.template update<kFma>(s_rows, o_rows, mask.template apply<kBlockN>(acc_s, tScS, key0_of(0), c.scale_log2));
     to_p(acc_s);
     for (int it = 1; it < n_steps; ++it) {
       wait_k(it);
@@ -489,7 +490,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       wgmma_wait<1>(acc_s);
       release(bars.empty_k, it);
       float alpha[2];
-      softmax.exponentiate(s_rows, mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2), alpha);
+      softmax.template exponentiate<kFma>(s_rows, mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2), alpha);
       wgmma_wait<0>(acc_o);
       warpgroup_fence_operand(tOrP);  // P of step it - 1 stays in its registers until its MMAs are done
       release(bars.empty_v, it - 1);

@@ -29,6 +29,20 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
+// 2^x for x <= 0 on the FMA pipe, to share the exponentials with the SFU where the SFU is the
+// bottleneck (softcap: a tanh per score as well). x = j + f with j = round(x) (adding 1.5 * 2^23 puts
+// it in the low mantissa bits) and f in [-1/2, 1/2]; 2^f is a cubic with p(0) = 1 fitted for relative
+// error (1.0e-4, under bf16's rounding of P), and j goes into the exponent bits. x <= -127 (masked
+// scores are -inf) gives exactly +0, x = 0 exactly 1.
+__device__ __forceinline__ float exp2_fma(float x) {
+  constexpr float kRound = 12582912.f;
+  x = fmaxf(x, -127.f);
+  float const t = x + kRound;
+  float const f = x - (t - kRound);
+  float const p = fmaf(fmaf(fmaf(0.05500871f, f, 0.24221068f), f, 0.69328292f), f, 1.f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+
 template <int kRows>
 struct OnlineSoftmax {
   float m[kRows];  // running max of scaled logits, log2 units (-inf: no key seen yet)
@@ -44,20 +58,22 @@ struct OnlineSoftmax {
 
   // acc_s: raw scores of one tile (masked entries -inf). Turns them into probabilities 2^(s*k - m)
   // and rescales acc_o's rows to the new maxima. scale_log2 = softmax_scale * log2(e) * k_descale.
-  template <class TensorS, class TensorO>
+  // kFma of every kMmaN column groups (of 8 keys) take their 2^x from exp2_fma, spread evenly.
+  template <int kFma = 0, class TensorS, class TensorO>
   __device__ __forceinline__ void update(TensorS& acc_s, TensorO& acc_o, float scale_log2) {
     float alpha[kRows];
-    exponentiate(acc_s, scale_log2, alpha);
+    exponentiate<kFma>(acc_s, scale_log2, alpha);
     rescale(acc_o, alpha);
   }
 
   // The first half of update(): the new maxima and probabilities; alpha[r] is the factor row r of O
   // must take (rescale) before the tile's P V adds to it. Leaves O alone, so that a P V of the tile
   // before may still be accumulating into it.
-  template <class TensorS>
+  template <int kFma = 0, class TensorS>
   __device__ __forceinline__ void exponentiate(TensorS& acc_s, float scale_log2, float (&alpha)[kRows]) {
     using namespace cute;
     constexpr int kMmaN = decltype(size<2>(acc_s))::value;
+    static_assert(kFma >= 0 && kFma <= kMmaN, "kFma: column groups of the tile");
 #pragma unroll
     for (int mi = 0; mi < kRows / 2; ++mi) {
 #pragma unroll
@@ -77,7 +93,8 @@ struct OnlineSoftmax {
         for (int ni = 0; ni < kMmaN; ++ni) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            float const p = exp2_ftz(fmaf(acc_s(2 * h + c, mi, ni), scale_log2, -m_use));
+            float const x = fmaf(acc_s(2 * h + c, mi, ni), scale_log2, -m_use);
+            float const p = (ni * kFma) % kMmaN < kFma ? exp2_fma(x) : exp2_ftz(x);
             acc_s(2 * h + c, mi, ni) = p;
             sum += p;
           }
