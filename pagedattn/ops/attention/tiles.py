@@ -112,9 +112,13 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # every case, before and after the kernel became persistent; three elsewhere where they fit
         # (tile_config drops to two where shared memory ends, at d256).
         # fp8 (head dim 128, forced only): kKAhead widens K(n + 1) before V(n) (not measured yet).
+        # Softcap at d128 (a tanh per score: the SFU, not the tensor cores, bounds the step): 2 of the 16
+        # column groups take 2^x on the FMA pipe; measured on H200 (perf/results/ws_tiles_softcap_exp2fma_*
+        # 0485e2d: B=4 S=4096 causal 1428 -> 1395-1408 us, B=1 S=16384 4990 -> 4936 us; 1 and 3 no gain,
+        # 4, 6 and 8 slower: the FMA pipe fills).
         return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1,
                     kStages=2 if head_dim == 128 else 3, kMinBlocks=1, kTma=True, kPingPong=True,
-                    **(dict(kKAhead=False) if fp8 else {}))
+                    kExp2FmaSoftcap=2 if head_dim == 128 else 0, **(dict(kKAhead=False) if fp8 else {}))
     if mode == "prefill_wgmma":
         # Measured on H200, B=4 S=4096 causal d128 (perf/results/history/prefill_sweep_h200_*): more
         # warpgroups sharing each K/V stage win. rows x keys: 128x128 227 TFLOP/s, 192x128 300-309,
