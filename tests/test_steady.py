@@ -302,6 +302,33 @@ def test_a_warm_write_packs_the_addresses_of_this_call():
     assert got == _write_outcome(dict(kw, **moved)) != _write_outcome(kw)
 
 
+@pytest.mark.parametrize("op", ["decode", "decode_split4", "write", "write_fp8"])
+def test_bench_captures_a_warm_call_and_replays_its_launches(op, monkeypatch):
+    """The jit suite's `launcher` cases (bench.jit.capture_launches) on a call whose plan an earlier
+    call made: every launch is recorded (Prepared ones too), replays with the Params the op packed,
+    and later calls are no longer recorded."""
+    from pagedattn.bench.jit import capture_launches
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    if op.startswith("decode"):
+        kw = _base("split4" if op == "decode_split4" else "plain")
+        call = lambda: pagedattn.flash_attn_varlen_func(**kw)  # noqa: E731
+    else:
+        kw = _write_base("fp8" if op == "write_fp8" else "i64")
+        call = lambda: pagedattn.reshape_and_cache_flash(**kw)  # noqa: E731
+    call(), call()
+    LAUNCHES.clear()
+    launches, _, keep = capture_launches(call)
+    made = list(LAUNCHES)
+    assert made and len(launches) == len(made)
+    for launch in launches:
+        launch.replay()
+    assert LAUNCHES[len(made):] == made
+    call()
+    assert len(launches) == len(made)
+    del keep
+
+
 def test_debug_validate_and_overrides_take_the_full_path(monkeypatch):
     kw = _write_base("i64")
     for _ in range(2):

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -207,30 +208,62 @@ def _host(ctx: Ctx, rec: Recorder, name: str) -> None:
             rec.peer_failed(pname, f"{type(exc).__name__}: {exc}")
 
 
+def forget_plans() -> None:
+    """Empty every op's plan cache (and the steady-state guards in front of it): the next call of
+    each op validates its metadata and builds its launches anew, as a first call does."""
+    from pagedattn.ops import attention, kv_write, legacy_attention
+
+    for plans in (attention._PLANS, kv_write._PLANS, legacy_attention._PLANS):
+        plans.clear()
+
+
+class Launch(NamedTuple):
+    launcher: object  # the pagedattn.codegen.launch.Launcher
+    replay: Callable[[], None]  # the launch again, packed as the op packed it
+
+
 def capture_launches(fn):
-    """Run fn once, recording every Launcher call (launcher, grid, block, values, stream) and every
-    kernel looked up (spec, device). Returns (calls, specs, fn's result)."""
+    """Run fn once (plans forgotten first), recording every launch and every kernel looked up (spec,
+    device). A launch is a Launcher call (its values repacked on replay) or a Prepared launch (the
+    attention and write ops' own; its leading fields read back from the launch buffer and repacked on
+    replay). Returns (launches, specs, fn's result)."""
     from pagedattn import registry
     from pagedattn.codegen import launch
 
-    orig_call, orig_lookup = launch.Launcher.__call__, registry.Kernel.launcher
-    calls, specs = [], []
+    orig_call, orig_init, orig_lookup = launch.Launcher.__call__, launch.Prepared.__init__, registry.Kernel.launcher
+    launches, specs, prepared = [], [], []
 
     def recording_call(self, grid, block, values, stream=None):
-        calls.append((self, grid, block, values, stream))
+        launches.append(Launch(self, lambda: orig_call(self, grid, block, values, stream)))
         return orig_call(self, grid, block, values, stream)
+
+    def recording_init(self, *args):
+        orig_init(self, *args)
+        raw = self._launch
+
+        def recording_launch(config, func, argv, extra):
+            _, *head = self._pack_head.__self__.unpack_from(self._local.state[0], launch.STREAM_OFFSET)
+            launches.append(Launch(self._launcher, lambda: launch.Prepared.launch(self, *head)))
+            return raw(config, func, argv, extra)
+        prepared.append((self, raw))
+        self._launch = recording_launch
 
     def recording_lookup(self, device):
         specs.append((self.spec, device))
         return orig_lookup(self, device)
 
-    launch.Launcher.__call__, registry.Kernel.launcher = recording_call, recording_lookup
+    forget_plans()  # a known call would take a launch prepared before, unrecorded
+    launch.Launcher.__call__, launch.Prepared.__init__ = recording_call, recording_init
+    registry.Kernel.launcher = recording_lookup
     try:
         result = fn()
         torch.cuda.synchronize()
     finally:
-        launch.Launcher.__call__, registry.Kernel.launcher = orig_call, orig_lookup
-    return calls, specs, result
+        launch.Launcher.__call__, launch.Prepared.__init__ = orig_call, orig_init
+        registry.Kernel.launcher = orig_lookup
+        for p, raw in prepared:  # the launches prepared meanwhile launch unrecorded from now on
+            p._launch = raw
+    return launches, specs, result
 
 
 def _launcher(ctx: Ctx, rec: Recorder, name: str) -> None:
@@ -238,23 +271,21 @@ def _launcher(ctx: Ctx, rec: Recorder, name: str) -> None:
 
     import pagedattn
     from pagedattn import registry
-    from pagedattn.codegen import launch
 
     work = WORKLOADS[name](ctx.device)
-    # the first call: a warm one takes the steady path, whose Prepared launches are not Launcher calls
     calls, specs, keep = capture_launches(work["fn"])  # keep: outputs stay alive during the replay
     if not calls:
-        raise RuntimeError("no Launcher calls were captured (the op does not launch through "
-                           "pagedattn.codegen.launch.Launcher)")
-    orig_call, n = launch.Launcher.__call__, 500 if ctx.quick else 2000
+        raise RuntimeError("no launches were captured (the op does not launch through "
+                           "pagedattn.codegen.launch's Launcher or Prepared)")
+    n = 500 if ctx.quick else 2000
 
     def replay():
-        for launcher, grid, block, values, stream in calls:
-            orig_call(launcher, grid, block, values, stream)
+        for c in calls:
+            c.replay()
     host, synced = _host_us(ctx, replay, n)
     rec.work("us")
     if not specs:  # the op cached its launcher (no lookup per call): find the kernel that owns it (gc scan)
-        ids = {id(c[0]) for c in calls}
+        ids = {id(c.launcher) for c in calls}
         specs = [(obj.spec, dev) for obj in gc.get_objects() if isinstance(obj, registry.Kernel)
                  for dev, launcher in getattr(obj, "_launchers", {}).items() if id(launcher) in ids]
     lookup_us = None
