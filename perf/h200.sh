@@ -6,7 +6,9 @@
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
 # tests: PYTEST_FILES, PYTEST_K, PYTEST_N (xdist workers), PYTEST_ARGS (e.g. "-vv --tb=line": with the -q
 # the stage passes, one -v is cancelled out), PYTEST_TIMEOUT seconds (then SIGINT: pytest still prints
-# its summary of failures so far), PYTEST_TAG (log name suffix).
+# its summary of failures so far), PYTEST_TAG (log name suffix). An interrupted grid continues on the same
+# code: run it with PYTEST_ARGS="-vv ..." (one PASSED line per test), carry its log (gzipped) and set
+# PAGEDATTN_TEST_SKIP_PASSED=<log> (tests/conftest.py leaves out what it passed).
 set -uo pipefail
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"

@@ -1,4 +1,6 @@
+import gzip
 import os
+import re
 import shutil
 import tempfile
 
@@ -30,7 +32,29 @@ def pytest_unconfigure(config):
         shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 
+def _test_key(nodeid: str) -> str:
+    """A node id without the folders of its file ("test_x.py::name[params]"), however pytest was invoked."""
+    path, sep, rest = nodeid.partition("::")
+    return os.path.basename(path) + sep + rest
+
+
+def _passed_before(path: str) -> set[str]:
+    """The tests a -v log (plain or .gz) of an earlier run reports PASSED, as _test_key names them."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as log:
+        return {_test_key(m.group(1)) for m in re.finditer(r"PASSED (\S+::.*?) *$", log.read(), re.M)}
+
+
 def pytest_collection_modifyitems(config, items):
+    # PAGEDATTN_TEST_SKIP_PASSED=<log>: leave out what that earlier run passed (an interrupted GPU grid
+    # continued on the same code: perf/h200.sh's tests stage with a log carried from the first part).
+    log = os.environ.get("PAGEDATTN_TEST_SKIP_PASSED")
+    if log:
+        passed = _passed_before(log)
+        done = [item for item in items if _test_key(item.nodeid) in passed]
+        if done:
+            config.hook.pytest_deselected(items=done)
+            items[:] = [item for item in items if _test_key(item.nodeid) not in passed]
     # The tests that compile run last (in their order), so that the others run while the farm compiles
     # (a module's tests stay together where all of them or none compile: module fixtures are built once).
     items[:] = sorted(items, key=lambda item: item.get_closest_marker("compiles") is not None)

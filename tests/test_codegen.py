@@ -381,3 +381,19 @@ def test_headers_digest_covers_exactly_the_included_headers(tmp_path, monkeypatc
     assert digest(src) != before  # included through a.cuh
     render_mod.headers_digest.cache_clear()
     render_mod._includes_of.cache_clear()
+
+
+def test_skip_passed_reads_a_verbose_log(tmp_path):
+    """PAGEDATTN_TEST_SKIP_PASSED (conftest.py): the PASSED lines of an xdist -v log, ids with spaces and
+    folders of another invocation included, name the tests to leave out; FAILED ones stay in."""
+    import gzip
+
+    from conftest import _passed_before, _test_key
+
+    log = tmp_path / "gpu.log.gz"
+    with gzip.open(log, "wt") as f:
+        f.write("[gw3] [ 10%] PASSED ../work/main/tests/test_legacy.py::test_bad[head size 0] \n"
+                "[gw1] [ 11%] FAILED ../work/main/tests/test_legacy.py::test_bad[block 3] \n"
+                "PASSED tests/test_merge.py::test_merge[a-b]\n")
+    assert _passed_before(str(log)) == {"test_legacy.py::test_bad[head size 0]", "test_merge.py::test_merge[a-b]"}
+    assert _test_key("tests/test_legacy.py::test_bad[head size 0]") == "test_legacy.py::test_bad[head size 0]"
