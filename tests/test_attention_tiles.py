@@ -268,4 +268,5 @@ def test_written_sm80_layouts_are_cutes(arch, dtype, d, mode):
     from pagedattn.codegen.toolchain import toolchain
     k = Kernel(AttnFwdSpec.for_arch(arch, dtype, "auto", d, mode))
     compile_source(k.source, variant=k.name, arch=arch,
-                   options=nvrtc_options(arch, toolchain()) + ["-fdevice-syntax-only", "-DPAGEDATTN_CHECK_TYPES=1"])
+                   options=nvrtc_options(arch, toolchain()) + ["-fdevice-syntax-only", "-DPAGEDATTN_CHECK_TYPES=1",
+                                                               "-DPAGEDATTN_CHECK_TYPES_ONLY=1"])

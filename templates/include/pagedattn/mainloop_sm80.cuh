@@ -290,6 +290,32 @@ struct Sm80AccCoord {
   }
 };
 
+#if PAGEDATTN_CHECK_TYPES
+// The written-out fragment, view and accumulator types of Traits against CuTe's, without the rest of
+// the kernel: the instantiations mainloop_sm80's setup below makes, from the same types (the kernel
+// body under PAGEDATTN_CHECK_TYPES_ONLY, attn_fwd.cu.j2; tests: front end only).
+template <class Traits>
+__device__ void check_sm80_types(typename Traits::Element* smem, int gtid) {
+  using namespace cute;
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(gtid);
+  Tensor sQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutVtO{});
+  Tensor q = Sm80Frags<Traits>::q(thr_mma, sQ);
+  Tensor k = Sm80Frags<Traits>::k(thr_mma, sK);
+  Tensor vt = Sm80Frags<Traits>::vt(thr_mma, sVt);
+  auto s2r_q_thr = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma).get_thread_slice(gtid);
+  auto s2r_k_thr = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma).get_thread_slice(gtid);
+  auto s2r_v_thr = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, tiled_mma).get_thread_slice(gtid);
+  Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewQ>(s2r_q_thr, q);
+  Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewK>(s2r_k_thr, k);
+  Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewVt>(s2r_v_thr, vt);
+  sm80_acc<Traits, Traits::kHeadDimO>();
+  sm80_acc<Traits, Traits::kBlockN>();
+}
+#endif
+
 template <class Traits, class Features, class Loader>
 __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& loader) {
   using namespace cute;
