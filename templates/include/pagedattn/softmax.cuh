@@ -33,7 +33,8 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 // bottleneck (softcap: a tanh per score as well). x = j + f with j = round(x) (adding 1.5 * 2^23 puts
 // it in the low mantissa bits) and f in [-1/2, 1/2]; 2^f is a cubic with p(0) = 1 fitted for relative
 // error (1.0e-4, under bf16's rounding of P), and j goes into the exponent bits. x <= -127 (masked
-// scores are -inf) gives exactly +0, x = 0 exactly 1.
+// scores are -inf) gives exactly +0, x = 0 exactly 1; a NaN score (NaN in K or Q) gives 0 here where the
+// SFU's gives NaN (keeping it would cost an instruction per score on the pipe this relieves).
 __device__ __forceinline__ float exp2_fma(float x) {
   constexpr float kRound = 12582912.f;
   x = fmaxf(x, -127.f);
