@@ -228,6 +228,26 @@ def test_features_in_multi_token_decode(c, decode_loader):
     assert modes & {"multi", "multi_tma"}, modes
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("softcap", [5.0, 50.0, 65.0, 70.0])
+@pytest.mark.parametrize("D", [64, 128])
+def test_softcap_prefill_with_saturated_scores(D, softcap, dtype, decode_loader):
+    """The warp-specialised prefill takes softcapped probabilities against a fixed maximum where
+    P's type holds the whole range (softmax.cuh: fix_max; bf16 up to softcap 65.8, fp16 up to 9.7) and
+    keeps the online maximum above it (70): q scaled so that scores reach the cap, causal rows that
+    see no key (q_len > k_len) and an empty request, split and unsplit."""
+    from pagedattn.ops import attention as attention_ops
+
+    for splits in (1, 3):
+        c = dict(dtype=dtype, D=D, layout="NHD", bs=16, heads=(32, 8), causal=True, batch="saturated", splits=splits,
+                 kv="auto", window=(-1, -1), softcap=softcap, alibi=None, sinks=splits == 3, loader="auto",
+                 contiguous=False, q_scale=softcap / 2)
+        _check_feature_case(c, decode_loader)
+    modes = {mode for plan in attention_ops._PLANS.values() for mode, _ in plan._kernels}
+    assert "prefill_ws" in modes, modes
+
+
 def _check_feature_case(c, decode_loader, max_q=None):
     decode_loader(c["loader"])
     rng = random.Random(_fid(c))
@@ -236,8 +256,13 @@ def _check_feature_case(c, decode_loader, max_q=None):
     kv = "auto" if c["contiguous"] else c["kv"]
     # multi-token decode keeps WS_ROWS rows where the warp-specialised prefill takes those above
     multi_rows = WS_ROWS if kv == "auto" and c["bs"] % 16 == 0 and not c["contiguous"] else MULTI_ROWS
-    lens_q, lens_k = _feature_lengths(c["batch"], rng, Hq // Hkv, multi_rows)
+    if c["batch"] == "saturated":  # rows of the second request see no key at all, the third is empty
+        lens_q, lens_k = [rng.randint(300, 700), 150, 40], [rng.randint(700, 900), 90, 0]
+    else:
+        lens_q, lens_k = _feature_lengths(c["batch"], rng, Hq // Hkv, multi_rows)
     case = build_case(lens_q, lens_k, Hq, Hkv, c["D"], c["bs"], c["layout"], c["dtype"], kv, "tensor", gen)
+    if "q_scale" in c:
+        case["q"] *= c["q_scale"]
     B = len(lens_q)
     slopes = None
     if c["alibi"] == "head":

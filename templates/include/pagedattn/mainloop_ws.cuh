@@ -469,6 +469,17 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   };
   Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
   Tensor s_rows = make_tensor(acc_s.data(), Layout<Shape<_4, _1, Int<kBlockN / 8>>>{});
+  // softcapped scores are bounded: a fixed maximum where P's type holds them (OnlineSoftmax::fix_max)
+  bool const fixed_max = Features::kSoftcap && !Features::kAlibi && softmax.template fix_max<Element>(mask.cap_out);
+  auto exponentiate = [&](int it, float (&alpha)[2]) {
+    float const k = mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2);
+    if (fixed_max) {
+      softmax.template exponentiate_fixed<kFma>(s_rows, k);
+      alpha[0] = alpha[1] = 1.f;
+    } else {
+      softmax.template exponentiate<kFma>(s_rows, k, alpha);
+    }
+  };
   if (n_steps == 0) {
     next_q();
   } else {
@@ -478,7 +489,9 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
     pp.your_turn();
     wgmma_wait<0>(acc_s);
     release(bars.empty_k, 0);
-    softmax.template update<kFma>(s_rows, o_rows, mask.template apply<kBlockN>(acc_s, tScS, key0_of(0), c.scale_log2));
+    float alpha0[2];
+    exponentiate(0, alpha0);
+    if (!fixed_max) softmax.rescale(o_rows, alpha0);
     to_p(acc_s);
     for (int it = 1; it < n_steps; ++it) {
       wait_k(it);
@@ -490,11 +503,11 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       wgmma_wait<1>(acc_s);
       release(bars.empty_k, it);
       float alpha[2];
-      softmax.template exponentiate<kFma>(s_rows, mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2), alpha);
+      exponentiate(it, alpha);
       wgmma_wait<0>(acc_o);
       warpgroup_fence_operand(tOrP);  // P of step it - 1 stays in its registers until its MMAs are done
       release(bars.empty_v, it - 1);
-      softmax.rescale(o_rows, alpha);
+      if (!fixed_max) softmax.rescale(o_rows, alpha);
       to_p(acc_s);
     }
     next_q();  // the last S is done (and S's registers are free): Q's shared memory is no longer read

@@ -29,7 +29,7 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
-// 2^x for x <= 0 on the FMA pipe, to share the exponentials with the SFU where the SFU is the
+// 2^x for x <= 64 on the FMA pipe, to share the exponentials with the SFU where the SFU is the
 // bottleneck (softcap: a tanh per score as well). x = j + f with j = round(x) (adding 1.5 * 2^23 puts
 // it in the low mantissa bits) and f in [-1/2, 1/2]; 2^f is a cubic with p(0) = 1 fitted for relative
 // error (1.0e-4, under bf16's rounding of P), and j goes into the exponent bits. x <= -127 (masked
@@ -101,6 +101,50 @@ struct OnlineSoftmax {
           }
         }
         l[r] = l[r] * alpha[r] + sum;
+      }
+    }
+  }
+
+  // Softcapped scores are bounded: s = cap * t with |t| <= 1 (cap = softcap * log2(e), log2 units).
+  // Against a fixed maximum m0 = max(0, cap - kHi) every 2^(s - m0) lies in [2^(-cap - m0), 2^kHi], so
+  // when cap + m0 <= kLo each probability is a normal number of P's type, a row's sum and P V keep
+  // kHi bits of headroom in fp32, and no row maximum, no per-tile alpha and no rescaling of O are
+  // needed. kHi / kLo: 64 / 126 for bf16 P (cap <= 95: softcap <= 65.8), 15 / 14 for fp16 P (cap <=
+  // 14). Sets m to m0 and returns true when the bound holds; leaves the state alone otherwise.
+  template <class Element>
+  __device__ __forceinline__ bool fix_max(float cap) {
+    constexpr bool kHalf = cute::is_same_v<Element, cute::half_t>;
+    constexpr float kHi = kHalf ? 15.f : 64.f, kLo = kHalf ? 14.f : 126.f;
+    float const m0 = fmaxf(0.f, cap - kHi);
+    if (!(cap + m0 <= kLo)) return false;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) m[r] = m0;
+    return true;
+  }
+
+  // exponentiate() once fix_max() has set the maximum: p = 2^(s * scale_log2 - m0), alpha = 1.
+  template <int kFma = 0, class TensorS>
+  __device__ __forceinline__ void exponentiate_fixed(TensorS& acc_s, float scale_log2) {
+    using namespace cute;
+    constexpr int kMmaN = decltype(size<2>(acc_s))::value;
+    static_assert(kFma >= 0 && kFma <= kMmaN, "kFma: column groups of the tile");
+#pragma unroll
+    for (int mi = 0; mi < kRows / 2; ++mi) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int const r = 2 * mi + h;
+        float sum = 0.f;
+#pragma unroll
+        for (int ni = 0; ni < kMmaN; ++ni) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float const x = fmaf(acc_s(2 * h + c, mi, ni), scale_log2, -m[r]);
+            float const p = (ni * kFma) % kMmaN < kFma ? exp2_fma(x) : exp2_ftz(x);
+            acc_s(2 * h + c, mi, ni) = p;
+            sum += p;
+          }
+        }
+        l[r] += sum;
       }
     }
   }
