@@ -8,7 +8,8 @@
 # the stage passes, one -v is cancelled out), PYTEST_TIMEOUT seconds (then SIGINT: pytest still prints
 # its summary of failures so far), PYTEST_TAG (log name suffix). An interrupted grid continues on the same
 # code: run it with PYTEST_ARGS="-vv ..." (one PASSED line per test), carry its log (gzipped) and set
-# PAGEDATTN_TEST_SKIP_PASSED=<log> (tests/conftest.py leaves out what it passed).
+# PAGEDATTN_TEST_SKIP_PASSED=<log> (tests/conftest.py leaves out what it passed; PAGEDATTN_TEST_RERUN=<regex>
+# keeps the tests it matches, e.g. those a kernel change since that log touches).
 set -uo pipefail
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"

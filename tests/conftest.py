@@ -38,19 +38,23 @@ def _test_key(nodeid: str) -> str:
     return os.path.basename(path) + sep + rest
 
 
-def _passed_before(path: str) -> set[str]:
-    """The tests a -v log (plain or .gz) of an earlier run reports PASSED, as _test_key names them."""
+def _passed_before(path: str, rerun: str | None = None) -> set[str]:
+    """The tests a -v log (plain or .gz) of an earlier run reports PASSED, as _test_key names them,
+    less those whose name the regex `rerun` matches."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as log:
-        return {_test_key(m.group(1)) for m in re.finditer(r"PASSED (\S+::.*?) *$", log.read(), re.M)}
+        passed = {_test_key(m.group(1)) for m in re.finditer(r"PASSED (\S+::.*?) *$", log.read(), re.M)}
+    return {key for key in passed if not (rerun and re.search(rerun, key))}
 
 
 def pytest_collection_modifyitems(config, items):
     # PAGEDATTN_TEST_SKIP_PASSED=<log>: leave out what that earlier run passed (an interrupted GPU grid
     # continued on the same code: perf/h200.sh's tests stage with a log carried from the first part).
+    # PAGEDATTN_TEST_RERUN=<regex>: tests whose name it matches run again all the same (what a kernel
+    # change since that run touches, e.g. 'softcap|cap[1-9]').
     log = os.environ.get("PAGEDATTN_TEST_SKIP_PASSED")
     if log:
-        passed = _passed_before(log)
+        passed = _passed_before(log, os.environ.get("PAGEDATTN_TEST_RERUN"))
         done = [item for item in items if _test_key(item.nodeid) in passed]
         if done:
             config.hook.pytest_deselected(items=done)
