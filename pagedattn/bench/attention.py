@@ -1,8 +1,8 @@
-"""decode and prefill suites: `pagedattn.flash_attn_varlen_func` over a paged cache against torch and the
-optional paged peers (perf/README.md, "What is measured", has the cases, the work counted, the peers and
-the goals). Every case is checked once against `pagedattn.reference` (float32, `reference_out`, relative
-L2 <= TOLERANCE), then timed under both methods of timing.py; flex runs at FLEX_DECODE and prefill only,
-not with --quick. A cache dtype the op does not list is reported skipped ("unsupported by pagedattn").
+"""decode, prefill, features and sweep suites: `pagedattn.flash_attn_varlen_func` over a paged cache
+against torch SDPA and FA4 (perf/README.md, "What is measured", has the cases, the work counted, the
+peers and the goals). Every case is checked once against `pagedattn.reference` (float32,
+`reference_out`, relative L2 <= TOLERANCE), then timed under both methods of timing.py. A cache dtype
+the op does not list is reported skipped ("unsupported by pagedattn").
 """
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ TINY_DECODE = ({"B": 2, "ctx": 80}, {"B": 3, "ctx": 48, "kv": "fp8_e4m3"}, {"B":
                {"B": 2, "ctx": 80, "layout": "HND", "vs": (BASE_PEER, WITHIN_3PCT)},
                {"B": 2, "ctx": 80, "bs": 32, "vs": (BASE_PEER, WITHIN_3PCT)})
 TINY_PREFILL = ({"B": 2, "S": 40},)
-FLEX_DECODE = ((1, 32768), (64, 4096))  # (B, ctx) of the decode cases flex runs at (not --quick)
 PREFILL_GOAL_TFLOPS = 330.0
+FA4 = "fa4 paged"
 TOLERANCE = 2e-2
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -106,6 +106,59 @@ def prefill_cases(ctx: Ctx) -> list[Case]:
                else f"multi/B{shape['B']}/q{shape['q']}/ctx{shape['ctx']}/causal")
         out.append(Case(cid + ("" if kv == "auto" else f"/{kv}"), "prefill", params,
                         lambda ctx, rec, p=params: run_case(ctx, rec, p, {"tflops": PREFILL_GOAL_TFLOPS})))
+    return out
+
+
+# features suite: the variants of issue 14 against the plain kernel at the goal's shape (PLAIN, a ratio
+# goal each), and head dim 512 against the copy ceiling: (id, shape, the op's features, goal)
+SOFTCAP = 30.0
+PLAIN = "pagedattn plain"
+FEATURES = (
+    ("decode/B16/ctx32768/window4096", dict(B=16, ctx=32768, q_len=1), dict(window_size=(4096, 0)),
+     dict(base=dict(B=16, ctx=4096, q_len=1), ratio=1 / 1.15)),
+    ("decode/B16/ctx4096/softcap", dict(B=16, ctx=4096, q_len=1), dict(softcap=SOFTCAP), dict(ratio=1 / 1.05)),
+    ("decode/B16/ctx4096/alibi", dict(B=16, ctx=4096, q_len=1), dict(alibi_slopes="head"), dict(ratio=1 / 1.05)),
+    ("decode/B16/ctx4096/sinks", dict(B=16, ctx=4096, q_len=1), dict(s_aux="head"), dict(ratio=1 / 1.05)),
+    ("prefill/B4/S4096/softcap", dict(B=4, ctx=4096, q_len=4096), dict(softcap=SOFTCAP), dict(ratio=1 / 1.15)),
+    ("decode/B16/ctx4096/d512", dict(B=16, ctx=4096, q_len=1, d=512), {}, dict(fraction=0.85)),
+)
+TINY_FEATURES = (
+    ("decode/B2/ctx200/window64", dict(B=2, ctx=200, q_len=1), dict(window_size=(64, 0)),
+     dict(base=dict(B=2, ctx=64, q_len=1), ratio=1 / 1.15)),
+    ("decode/B2/ctx80/sinks", dict(B=2, ctx=80, q_len=1), dict(s_aux="head"), dict(ratio=1 / 1.05)),
+)
+
+
+def feature_cases(ctx: Ctx) -> list[Case]:
+    out = []
+    for cid, shape, feats, goal in (TINY_FEATURES if ctx.tiny else FEATURES):
+        params = _params(ctx, shape["B"], shape["q_len"], shape["ctx"], "auto", layout="NHD",
+                         d=shape.get("d", _dims(ctx)["d"]), peers="base" if "ratio" in goal else "ours")
+        params["features"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in feats.items()}
+        goals = {"fraction": goal.get("fraction")}
+        if "ratio" in goal:  # the plain kernel at the same shape, or at `base` (the window's keys)
+            params.update(base=goal.get("base", {}), base_name=PLAIN)
+            goals["vs"] = (PLAIN, goal["ratio"])
+        out.append(Case(cid, "features", params, lambda ctx, rec, p=params, g=goals: run_case(ctx, rec, p, g)))
+    return out
+
+
+# sweep suite (not in "all"): ours alone at the shapes the tile and mode studies use, to run under
+# `--overrides` (e.g. tiles forced) and compare runs: (id, B, q_len, ctx, head dim, num_splits)
+SWEEP = ([(f"decode/B1/ctx32768/splits{n}", 1, 1, 32768, D, n) for n in (8, 16, 32, 64)]
+         + [(f"decode/B16/ctx4096/splits{n}", 16, 1, 4096, D, n) for n in (1, 2, 4, 8)]
+         + [(f"prefill/d{d}/B4/S4096", 4, 4096, 4096, d, 0) for d in (64, 128, 192, 256)]
+         + [(f"short/B32/q{q}/ctx4096", 32, q, 4096, D, 0) for q in (5, 8, 16, 32, 64)]
+         + [("prefill/B1/S16384", 1, 16384, 16384, D, 0), ("prefill/B16/S1024", 16, 1024, 1024, D, 0),
+            ("prefill/B8/q512/ctx8192", 8, 512, 8192, D, 0)])
+TINY_SWEEP = (("decode/B2/ctx80/splits2", 2, 1, 80, 64, 2), ("short/B2/q5/ctx48", 2, 5, 48, 64, 0))
+
+
+def sweep_cases(ctx: Ctx) -> list[Case]:
+    out = []
+    for cid, B, q_len, L, d, splits in (TINY_SWEEP if ctx.tiny else SWEEP):
+        params = _params(ctx, B, q_len, L, "auto", layout="NHD", peers="ours", num_splits=splits, d=d)
+        out.append(Case(cid, "sweep", params, lambda ctx, rec, p=params: run_case(ctx, rec, p)))
     return out
 
 
@@ -219,7 +272,9 @@ def unsupported(p: dict) -> str | None:
     return None if kv in supported else f"kv_cache_dtype {kv!r} (supported: {', '.join(supported)})"
 
 
-def _ours_fn(fa, data: PagedData, num_splits: int = 0, **features):
+def ours_fn(data: PagedData, num_splits: int = 0, **features):
+    """fn(k): pagedattn.flash_attn_varlen_func on input set k of `data`, as the suites call it."""
+    fa = flash_fn()
     if data.kv != "auto":  # the caches are float8 tensors: their dtype names the format
         features.update(k_descale=data.k_descale, v_descale=data.v_descale)
 
@@ -265,8 +320,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
     sets = _sets(ctx, p)
     data = build(ctx, p, sets)
     rec.extra(sets=sets, kv_bytes=kv_bytes, num_blocks=data.kc.shape[0], methods=list(METHODS))
-    fa = flash_fn()
-    ours = _ours_fn(fa, data, **feats)
+    ours = ours_fn(data, p.get("num_splits", 0), **feats)
 
     # correctness once, then timing (a failure is the case's error; the peers still run)
     box: dict = {}
@@ -294,14 +348,14 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
     if role == "base":  # ours on a plain NHD cache, default block size (or at `base`): what a case is held to
         base = dict(p, layout="NHD", bs=_dims(ctx)["bs"], features={}, **p.get("base", {}))
         base_sets = _sets(ctx, base)
-        rec.peer(p.get("base_name", BASE_PEER), lambda: _ours_fn(fa, build(ctx, base, base_sets, gen_seed=1)),
+        rec.peer(p.get("base_name", BASE_PEER), lambda: ours_fn(build(ctx, base, base_sets, gen_seed=1)),
                  base_sets, methods=METHODS)
     elif role == "none":
         rec.note("no peers: they would read the same bf16 copy as the fp8_e4m3 case")
-    elif role in ("all", "torch"):
-        _torch_peers(ctx, rec, data, ref, sets, flex=role == "all")
+    elif role in ("all", "torch"):  # (role "ours": no peers)
+        _torch_peers(ctx, rec, data, ref, sets)
         if role == "all":
-            _paged_peers(ctx, rec, data, ref, sets)
+            _fa4_peer(ctx, rec, data, ref, sets)
     if fp8 and role != "none":
         rec.note("torch peers read a bf16 dequantised copy (torch has no fp8-KV attention)")
     goals = goals or {}
@@ -322,8 +376,8 @@ def fastest_peer(ctx: Ctx, rec: Recorder, name: str, candidates, ref, sets: int,
         impl.update({k: v for k, v in info.items() if v is None or isinstance(v, (str, int, float))})
 
 
-def _torch_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int, flex: bool) -> None:
-    B, sq, L = data.B, data.q_len, data.ctx_len
+def _torch_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int) -> None:
+    """cuDNN and flash SDPA on unpaged copies (CUDA only), and SDPA after a gather of the pages."""
     kv_sets = [data.contiguous_kv(s) for s in range(sets)]
     for backend in ("cudnn", "flash"):
         if not ctx.is_cuda:
@@ -334,41 +388,14 @@ def _torch_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int, flex:
     gather = [(f"gather then sdpa {variant}, default backend", factory) for variant, factory
               in peerlib.sdpa_candidates(data, data.q, data.gathered_kv, repeat=False)]
     fastest_peer(ctx, rec, "gather+sdpa", gather, ref, sets)
-    flex_skip = ("needs CUDA" if not ctx.is_cuda else "--quick" if ctx.quick else "--no-flex" if ctx.no_flex
-                 else "fp8 case (its peers read the bf16 copy the bf16 case measures)" if not flex
-                 else f"one compile per shape: decode runs it at (B, ctx) in {FLEX_DECODE} only"
-                 if (sq == 1 and (B, L) not in FLEX_DECODE) else None)
-    if flex_skip is None:
-        fastest_peer(ctx, rec, "flex", [("torch.compile(flex_attention), unpaged", lambda: _flex(ctx, data, kv_sets))],
-                     ref, sets)
-    else:
-        rec.note(f"flex not run: {flex_skip}")
 
 
-def _paged_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int) -> None:
-    """FA4 and vLLM's Triton kernel on our paged cache (optional packages)."""
-    for name, candidates in (("fa4 paged", peerlib.fa4_candidates), ("vllm triton", peerlib.vllm_candidates)):
-        if not ctx.is_cuda:
-            rec.peer_failed(name, "needs CUDA")
-            continue
-        try:
-            cands = candidates(data)
-        except Exception as exc:  # noqa: BLE001 - ImportError, or the package breaks on import
-            rec.peer_failed(name, f"not available: {short_error(exc, 300)}")
-            continue
-        fastest_peer(ctx, rec, name, cands, ref, sets)
-
-
-def _flex(ctx: Ctx, data: PagedData, kv_sets):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    B, sq, hq, d = data.B, data.q_len, data.hq, data.d
-    compiled = torch.compile(flex_attention, dynamic=False)
-    qp = [q.view(B, sq, hq, d).transpose(1, 2).contiguous() for q in data.q]
-    mask = (create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, sq, data.ctx_len, device=ctx.device)
-            if sq > 1 else None)
-
-    def fn(k):
-        o = compiled(qp[k], *kv_sets[k], block_mask=mask, scale=data.scale, enable_gqa=True)
-        return o.transpose(1, 2).reshape(B * sq, hq, d)
-    return fn
+def _fa4_peer(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int) -> None:
+    """FA4 on our paged cache, when flash_attn.cute imports."""
+    if not ctx.is_cuda:
+        return rec.peer_failed(FA4, "needs CUDA")
+    try:
+        cands = peerlib.fa4_candidates(data)
+    except Exception as exc:  # noqa: BLE001 - ImportError, or the package breaks on import
+        return rec.peer_failed(FA4, f"not available: {short_error(exc, 300)}")
+    fastest_peer(ctx, rec, FA4, cands, ref, sets)

@@ -26,7 +26,7 @@ class Ctx:
     l2_bytes: int = H200_L2
     say: Callable[[str], None] = print
     case_timeout_s: float = 600.0
-    no_flex: bool = False         # skip the FlexAttention peer (its compile takes tens of seconds)
+    write_overrides: dict | None = None  # the write op's overrides= in every write (--overrides "write")
 
     @property
     def is_cuda(self) -> bool:
@@ -34,7 +34,7 @@ class Ctx:
 
     @classmethod
     def make(cls, device: str, quick: bool, tiny: bool = False, ceilings: dict | None = None,
-             say=print, case_timeout_s: float = 600.0, no_flex: bool = False) -> "Ctx":
+             say=print, case_timeout_s: float = 600.0, write_overrides: dict | None = None) -> "Ctx":
         dev = torch.device(device)
         if dev.type == "cuda":
             dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
@@ -44,7 +44,7 @@ class Ctx:
         else:
             l2 = 4 * 2**20
             timer = CpuTimer(budget_s=0.01, min_reps=3, max_reps=50, flush_nbytes=2**20, device=dev)
-        return cls(dev, quick, tiny, timer, dict(ceilings or {}), l2, say, case_timeout_s, no_flex)
+        return cls(dev, quick, tiny, timer, dict(ceilings or {}), l2, say, case_timeout_s, write_overrides)
 
     def sets_for(self, working_set_bytes: float, cap: int = 64) -> int:
         return rotation_sets(working_set_bytes, self.l2_bytes, cap=cap)

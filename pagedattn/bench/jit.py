@@ -1,5 +1,6 @@
 """jit suite: what the JIT costs a user (perf/README.md, "jit suite"): cold and warm first calls in fresh
-processes (_jit_worker.py), steady-state host µs per API call, and the raw launcher's µs per launch.
+processes (_jit_worker.py) and steady-state host µs per API call. `capture_launches` records a call's
+launches for replay (perf/launch_overhead.py times the raw launcher with it).
 """
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
 
+from .attention import build, ours_fn
 from .common import Case, Ctx, Recorder
 from .timing import host_loops
 
@@ -51,19 +52,23 @@ def _write(layout: str, kv: str):
     return setup
 
 
+def _paged(device, L: int, kv: str = "auto", q_len: int = 1):
+    """The bench's paged inputs for one request (Hq=32, Hkv=8, D=128, block 16), one input set."""
+    p = dict(B=1, q_len=q_len, ctx=L, hq=32, hkv=H, d=D, bs=BLOCK, kv_cache_dtype=kv)
+    return build(Ctx(torch.device(device)), p, sets=1)
+
+
 def _attention(kv: str, q_len: int, L: int):
     def setup(device):
         import torch.nn.functional as F
 
-        from .sweeps import ours, paged
-
-        data = paged(1, L, kv, q_len, device=device)  # the bench's inputs: Hq=32, Hkv=8, D=128, block 16
+        data = _paged(device, L, kv, q_len)
         peer = None
         if kv == "auto" and q_len == 1:
             kk, vv = data.contiguous_kv(0)
             qf = data.q[0].view(1, H, 4, D)
             peer = ("torch sdpa (unpaged, default backend)", lambda: F.scaled_dot_product_attention(qf, kk, vv))
-        fn = ours(data)
+        fn = ours_fn(data)
         return {"fn": lambda: fn(0), "peer": peer}
     return setup
 
@@ -73,9 +78,8 @@ def _legacy(variant: str, L: int = 1024):
         import pagedattn.legacy as legacy
 
         from .legacy import to_legacy
-        from .sweeps import paged
 
-        data = paged(1, L, device=device)
+        data = _paged(device, L)
         kl, vl = to_legacy(data.kc, data.vc)
         out = torch.empty(1, 32, D, dtype=torch.bfloat16, device=device)
         args = (data.q[0], kl, vl, H, 1 / math.sqrt(D), data.tables[0], data.seqused, BLOCK, L)
@@ -101,11 +105,10 @@ def _names(ctx: Ctx) -> list[str]:
 
 
 def cases(ctx: Ctx) -> list[Case]:
-    names, host = _names(ctx), HOST
+    names = _names(ctx)
     kinds = (("cold", names, "first call, empty cache", _cold),
              ("warm", names, "first call, disk hit", _warm),
-             ("host", host, "host µs per API call", _host),
-             ("launcher", host, "raw launcher µs per launch", _launcher))
+             ("host", HOST, "host µs per API call", _host))
     return [Case(f"jit/{kind}/{n}", NAME, {"workload": n, "what": what},
                  lambda ctx, rec, n=n, run=run: run(ctx, rec, n))
             for kind, which, what, run in kinds for n in which]
@@ -264,40 +267,3 @@ def capture_launches(fn):
         for p, raw in prepared:  # the launches prepared meanwhile launch unrecorded from now on
             p._launch = raw
     return launches, specs, result
-
-
-def _launcher(ctx: Ctx, rec: Recorder, name: str) -> None:
-    import gc
-
-    import pagedattn
-    from pagedattn import registry
-
-    work = WORKLOADS[name](ctx.device)
-    calls, specs, keep = capture_launches(work["fn"])  # keep: outputs stay alive during the replay
-    if not calls:
-        raise RuntimeError("no launches were captured (the op does not launch through "
-                           "pagedattn.codegen.launch's Launcher or Prepared)")
-    n = 500 if ctx.quick else 2000
-
-    def replay():
-        for c in calls:
-            c.replay()
-    host, synced = _host_us(ctx, replay, n)
-    rec.work("us")
-    if not specs:  # the op cached its launcher (no lookup per call): find the kernel that owns it (gc scan)
-        ids = {id(c.launcher) for c in calls}
-        specs = [(obj.spec, dev) for obj in gc.get_objects() if isinstance(obj, registry.Kernel)
-                 for dev, launcher in getattr(obj, "_launchers", {}).items() if id(launcher) in ids]
-    lookup_us = None
-    if specs:
-        spec, dev = specs[0]
-        t0 = time.perf_counter()
-        for _ in range(n):
-            pagedattn.get_kernel(spec).launcher(dev)
-        lookup_us = (time.perf_counter() - t0) / n * 1e6
-    rec.extra(launches_per_call=len(calls), lookup_us=lookup_us,
-              kernels=sorted({pagedattn.variant_name(s) for s, _ in specs}),
-              us_per_launch_with_final_sync=synced / len(calls))
-    rec.ours_value("launcher", host / len(calls), us=host / len(calls), reps=n)
-    rec.target(HOST_TARGET_US, "us")
-    del keep

@@ -3,12 +3,11 @@
 A peer is a list of candidates `(variant, factory)`; `factory()` returns fn(k) -> out [total_q, Hq, D] for
 input set k, or raises. `fastest` runs each once, rejects those that fail or disagree with the float32
 reference, probes the rest (Timer.probe) and keeps the fastest; the record names the variant chosen
-and what each candidate did. FA4 and vLLM are optional: when they do not import, the peer is reported as
+and what each candidate did. FA4 is optional: when it does not import, the peer is reported as
 unavailable with the reason.
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 
 import torch
@@ -17,8 +16,6 @@ import torch.nn.functional as F
 from .common import Ctx, rel_l2, short_error
 
 WRONG = 5e-2  # relative L2 above which a candidate's output is wrong (ours passes at 2e-2)
-VLLM_MODULES = ("vllm.v1.attention.ops.triton_unified_attention",
-                "vllm.attention.ops.triton_unified_attention")
 
 
 # -- SDPA on contiguous KV -------------------------------------------------------------------------
@@ -76,7 +73,7 @@ def sdpa_candidates(data, q_sets, kv_of, repeat: bool = True):
     return candidates + [("kv repeated to Hq heads (outside timing)", repeated)] if repeat else candidates
 
 
-# -- FA4 and vLLM on the paged cache ---------------------------------------------------------------
+# -- FA4 on the paged cache ---------------------------------------------------------------
 def _only_known(fn, kwargs: dict) -> dict:
     params = inspect.signature(fn).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -103,47 +100,6 @@ def fa4_candidates(data):
             return fn
         return factory
     return [("paged, num_splits=0 (its heuristic)", make(0)), ("paged, num_splits=1", make(1))]
-
-
-def vllm_candidates(data):
-    """vLLM's Triton unified_attention over our paged cache; raises ImportError without vLLM."""
-    errors = []
-    for name in VLLM_MODULES:
-        try:
-            ua = importlib.import_module(name).unified_attention
-            break
-        except Exception as exc:  # noqa: BLE001 - vLLM failing to import is "not available"
-            errors.append(f"{name}: {short_error(exc, 160)}")
-    else:
-        raise ImportError("; ".join(errors))
-    dev = data.q[0].device
-    one = torch.ones(1, dtype=torch.float32, device=dev)
-    out = torch.empty_like(data.q[0])
-    total_q = out.shape[0]
-    d_pad = 1 << (data.d - 1).bit_length()
-
-    def make(segments: int):
-        def factory():
-            kw = {"cu_seqlens_q": data.cu_q, "max_seqlen_q": data.q_len, "seqused_k": data.seqused,
-                  "max_seqlen_k": data.ctx_len, "softmax_scale": data.scale, "causal": True,
-                  "window_size": (-1, -1), "softcap": 0.0, "q_descale": None, "k_descale": one,
-                  "v_descale": one}
-            if segments:
-                if "num_par_softmax_segments" not in inspect.signature(ua).parameters:
-                    raise RuntimeError("this vLLM has no segmented (3D) decode path")
-                f32 = dict(dtype=torch.float32, device=dev)
-                kw.update(seq_threshold_3D=data.B, num_par_softmax_segments=segments,
-                          softmax_segm_output=torch.empty(total_q, data.hq, segments, d_pad, **f32),
-                          softmax_segm_max=torch.empty(total_q, data.hq, segments, **f32),
-                          softmax_segm_expsum=torch.empty(total_q, data.hq, segments, **f32))
-            kw = _only_known(ua, kw)
-
-            def fn(k):
-                ua(q=data.q[k], k=data.kc, v=data.vc, out=out, block_table=data.tables[k], **kw)
-                return out
-            return fn
-        return factory
-    return [("2D (whole sequence per program)", make(0)), ("3D, 16 segments + reduce", make(16))]
 
 
 # -- choosing -------------------------------------------------------------------------------------

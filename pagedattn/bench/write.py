@@ -1,8 +1,8 @@
 """write suite: `reshape_and_cache_flash` against torch `index_copy_` into the same cache (perf/README.md
 has the shapes, the bytes counted and the goals). The cache holds max(4T, 256 MiB worth of) slots; each
 call writes random distinct slots, or (params "slots": "pages") whole pages drawn at random as a prefill
-writes them. The check (`_check`) is bit-exact against pagedattn.reference. `inputs` and `ours_fn` are
-also the write sweep's (sweeps.py), which passes `overrides=` to the op.
+writes them. The check (`_check`) is bit-exact against pagedattn.reference. `--overrides '{"write": {...}}'`
+passes the op's `overrides=` in every write (the write-path sweeps; perf/README.md, "Write path").
 """
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
     rec.work("GB/s", inp.nbytes, "copy")
     rec.extra(sets=inp.sets, num_blocks=inp.spec.num_blocks,
               cache_bytes=2 * inp.spec.num_slots * H * D * (1 if fp8 else 2))
-    ours = ours_fn(inp)
+    ours = ours_fn(inp, ctx.write_overrides)
 
     def check_and_time():  # correctness once, then timing (a failure is the case's error; the peer still runs)
         _check(ctx, rec, inp, ours)
