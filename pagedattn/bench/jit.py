@@ -1,5 +1,5 @@
 """jit suite: what the JIT costs a user (perf/README.md, "jit suite"): cold and warm first calls in fresh
-processes (_jit_worker.py) and steady-state host µs per API call. `capture_launches` records a call's
+processes (`worker`) and steady-state host µs per API call. `capture_launches` records a call's
 launches for replay (perf/launch_overhead.py times the raw launcher with it).
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -19,6 +20,7 @@ import torch
 
 from .attention import build, ours_fn
 from .common import Case, Ctx, Recorder
+from .runner import read_jsonl
 from .timing import host_loops
 
 NAME = "jit"
@@ -32,7 +34,7 @@ def available(ctx: Ctx):
 
 
 # -- the workloads: setup(device) -> {"fn": our call, "peer": (name, torch call) or None} --------------
-# (shared with _jit_worker.py, which measures their first calls in fresh processes)
+# (`worker` measures their first calls in fresh processes)
 def _write(layout: str, kv: str):
     def setup(device):
         import pagedattn
@@ -114,76 +116,85 @@ def cases(ctx: Ctx) -> list[Case]:
             for kind, which, what, run in kinds for n in which]
 
 
-# -- fresh processes -------------------------------------------------------------------------------
-def _run_worker(ctx: Ctx, names: list[str], cache_dir: str, timeout_s: float) -> dict:
-    fd, out_path = tempfile.mkstemp(prefix="pagedattn-jit-", suffix=".jsonl")
-    os.close(fd)
+# -- fresh processes: `python -m pagedattn.bench.jit WORKLOADS OUT` (`worker`) ------------------------
+def worker(names: str, out_path: str) -> None:
+    """Time the first call of each workload (with a sync) in this fresh process, and note which kernel
+    variants it compiled and how long each took (the cache entries' meta.json): with an empty
+    PAGEDATTN_CACHE_DIR the cold path, on a filled one the warm path. One JSON line per workload."""
+    from pagedattn import envs
+    from pagedattn.codegen.cache import kernel_cache
+
+    torch.zeros(1, device="cuda").add_(1)
+    torch.cuda.synchronize()  # context creation stays out of the first-call times
+    entries = lambda: {m.parent.name: json.loads(m.read_text()) for m in envs.cache_dir().glob("*/meta.json")}  # noqa: E731
+    with open(out_path, "a", buffering=1) as out:
+        for name in names.split(","):
+            rec = {"workload": name}
+            try:
+                work = WORKLOADS[name]("cuda")
+                torch.cuda.synchronize()
+                before, compiles = entries(), kernel_cache().compiles
+                t0 = time.perf_counter()
+                work["fn"]()
+                torch.cuda.synchronize()
+                rec.update(first_call_s=time.perf_counter() - t0, compiles=kernel_cache().compiles - compiles,
+                           variants={m.get("variant", k): m.get("compile_seconds")
+                                     for k, m in entries().items() if k not in before},
+                           origins=sorted({a.origin for a in kernel_cache()._memory.values()}))
+            except Exception as exc:  # noqa: BLE001
+                rec["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"
+            out.write(json.dumps(rec) + "\n")
+
+
+def _run_worker(ctx: Ctx, cache_dir: str, timeout_s: float) -> dict:
+    """workload -> its worker record, and "_failed": why the others are missing."""
+    out_path = Path(cache_dir) / "jit_worker.jsonl"
     env = dict(os.environ, PAGEDATTN_CACHE_DIR=cache_dir, PAGEDATTN_AOT_DIR="", PAGEDATTN_DISABLE_JIT="0")
     env.pop("PAGEDATTN_ARCH", None)
-    cmd = [sys.executable, str(Path(__file__).with_name("_jit_worker.py")), "--workloads", ",".join(names),
-           "--out", out_path]
     # same process group as this suite process: if the runner kills us, the worker goes too
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "pagedattn.bench.jit", ",".join(_names(ctx)), str(out_path)],
+                            env=env)
     try:
-        rc, timed_out = proc.wait(timeout=timeout_s), False
+        failed = f"the fresh process exited with code {proc.wait(timeout=timeout_s)} before this workload finished"
     except subprocess.TimeoutExpired:
         proc.kill()
-        rc, timed_out = proc.wait(), True
-    result = {"rc": rc, "timed_out": timed_out, "timeout_s": timeout_s, "workloads": {}, "start": None}
-    for line in Path(out_path).read_text().splitlines():
-        try:
-            obj = json.loads(line)
-        except ValueError:  # the last line of a worker killed while writing it
-            continue
-        if obj["event"] == "workload":
-            result["workloads"][obj["workload"]] = obj
-        elif obj["event"] == "start":
-            result["start"] = obj
-    os.unlink(out_path)
-    return result
-
-
-def _fresh_run(ctx: Ctx, which: str) -> dict:
-    """The cold run (an empty cache folder), then the warm one (the same folder, filled), once each."""
-    if "cold" not in _MEMO:
-        _MEMO["cache_dir"] = cache_dir = tempfile.mkdtemp(prefix="pagedattn-bench-cold-")
-        # stay inside the runner's no-progress limit, which would otherwise kill this case
-        timeout = min(150.0 if ctx.quick else 360.0, 0.8 * ctx.case_timeout_s)
-        ctx.say(f"  jit: cold compiles in a fresh process, empty cache {cache_dir} (up to {timeout:.0f} s)")
-        _MEMO["cold"] = _run_worker(ctx, _names(ctx), cache_dir, timeout)
-    if which == "warm" and "warm" not in _MEMO:
-        ctx.say("  jit: warm first calls in a fresh process (disk hit)")
-        _MEMO["warm"] = _run_worker(ctx, _names(ctx), _MEMO["cache_dir"], min(180.0, 0.8 * ctx.case_timeout_s))
-        shutil.rmtree(_MEMO["cache_dir"], ignore_errors=True)
-    return _MEMO[which]
+        proc.wait()
+        failed = f"the fresh process timed out after {timeout_s:.0f} s before this workload finished"
+    records = {r["workload"]: r for r in read_jsonl(out_path)} if out_path.exists() else {}
+    out_path.unlink(missing_ok=True)
+    return {**records, "_failed": failed}
 
 
 def _first_call(ctx: Ctx, rec: Recorder, name: str, which: str) -> dict:
-    """Record the fresh process's first call of workload `name`; its worker result."""
-    run = _fresh_run(ctx, which)
-    w = run["workloads"].get(name)
-    if w is None:
-        raise RuntimeError(f"the fresh process timed out after {run['timeout_s']:.0f} s before this workload "
-                           "finished" if run["timed_out"] else
-                           f"the fresh process exited with code {run['rc']} before this workload finished")
+    """The first call of workload `name` in the cold run (an empty cache folder) or the warm one (the
+    same folder, filled); each runs once, for every workload."""
+    if "cold" not in _MEMO:
+        _MEMO["dir"] = tempfile.mkdtemp(prefix="pagedattn-bench-cold-")
+        # stay inside the runner's no-progress limit, which would otherwise kill this case
+        timeout = min(150.0 if ctx.quick else 360.0, 0.8 * ctx.case_timeout_s)
+        ctx.say(f"  jit: cold compiles in a fresh process, empty cache {_MEMO['dir']} (up to {timeout:.0f} s)")
+        _MEMO["cold"] = _run_worker(ctx, _MEMO["dir"], timeout)
+    if which == "warm" and "warm" not in _MEMO:
+        ctx.say("  jit: warm first calls in a fresh process (disk hit)")
+        _MEMO["warm"] = _run_worker(ctx, _MEMO["dir"], min(180.0, 0.8 * ctx.case_timeout_s))
+        shutil.rmtree(_MEMO["dir"], ignore_errors=True)
+    w = _MEMO[which].get(name) or {"error": _MEMO[which]["_failed"]}
     if w.get("error"):
         raise RuntimeError(w["error"])
     rec.work("s" if which == "cold" else "ms")
-    rec.extra(compiles=w.get("compiles"), origins=w.get("origins"),
-              import_pagedattn_s=(run.get("start") or {}).get("import_pagedattn_s"))
+    rec.extra(compiles=w["compiles"], origins=w["origins"])
     return w
 
 
 def _cold(ctx: Ctx, rec: Recorder, name: str) -> None:
     w = _first_call(ctx, rec, name, "cold")
-    variants = w.get("variants") or {}
-    rec.extra(variants=variants, compile_s_total=sum(v for v in variants.values() if isinstance(v, (int, float))))
+    rec.extra(variants=w["variants"], compile_s_total=sum(v or 0 for v in w["variants"].values()))
     rec.ours_value("pagedattn", w["first_call_s"], us=w["first_call_s"] * 1e6)
 
 
 def _warm(ctx: Ctx, rec: Recorder, name: str) -> None:
     w = _first_call(ctx, rec, name, "warm")
-    if w.get("compiles"):
+    if w["compiles"]:
         rec.note(f"{w['compiles']} compile(s) on a filled cache: the disk cache missed")
     rec.ours_value("pagedattn", w["first_call_s"] * 1e3, us=w["first_call_s"] * 1e6)
 
@@ -267,3 +278,7 @@ def capture_launches(fn):
         for p, raw in prepared:  # the launches prepared meanwhile launch unrecorded from now on
             p._launch = raw
     return launches, specs, result
+
+
+if __name__ == "__main__":
+    worker(*sys.argv[1:3])

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import inspect
 
-import torch
 import torch.nn.functional as F
 
-from .common import Ctx, rel_l2, short_error
+from .common import Ctx, rel_l2
 
 WRONG = 5e-2  # relative L2 above which a candidate's output is wrong (ours passes at 2e-2)
 
@@ -34,7 +33,7 @@ def sdpa_candidates(data, q_sets, kv_of, repeat: bool = True):
     contiguous copies, or pages gathered inside the timing (gather+sdpa: then repeat=False, no KV
     repeated to Hq heads beforehand). Decode offers enable_gqa and the group folded into the query
     length (exact for one query token, no causal mask); prefill enable_gqa and KV repeated to Hq heads."""
-    B, sq, hq, hkv, d, g = data.B, data.q_len, data.hq, data.hkv, data.d, data.groups
+    B, sq, hq, hkv, d, g = data.B, data.q_len, data.hq, data.hkv, data.d, data.hq // data.hkv
     scale = data.scale
     if sq == 1:
         def gqa():

@@ -1,7 +1,5 @@
 """PNG plots from results files (matplotlib Figure + Agg canvas, no pyplot state): per GPU and measured
-suite, ours and each peer against the ceiling; across architectures, ours as a fraction of each GPU's
-own ceiling.
-"""
+suite, the throughput of ours and each peer against the ceiling."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -60,27 +58,8 @@ def suite_plot(data: dict, suite: str, path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def across_plot(files: list[tuple[Path, dict]], path: Path) -> Path | None:
-    latest = [data for _, data in report.latest_per_gpu(files).values()]
-    suites = [s for s in report.MEASURED_SUITES if any(d["suites"].get(s, {}).get("cases") for d in latest)]
-    if not suites:
-        return None
-    fig = Figure(figsize=(12, 3.2 * len(suites)))
-    for ax, suite in zip(fig.subplots(len(suites), 1, squeeze=False)[:, 0], suites):
-        by_id = [{c["id"]: c for c in d["suites"].get(suite, {}).get("cases", [])} for d in latest]
-        ids = list(dict.fromkeys(cid for cases in by_id for cid in cases))
-        _bars(ax, [cid.split("/", 1)[1] for cid in ids],
-              [(report.gpu_label(d["metadata"]), [((by.get(cid) or {}).get("ours") or {}).get("fraction")
-                                                  for cid in ids]) for d, by in zip(latest, by_id)])
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_ylabel("fraction of ceiling")
-        ax.set_title(f"{suite}: ours as a fraction of the GPU's own ceiling", fontsize=9)
-        ax.legend(fontsize=7)
-    return _save(fig, path)
-
-
 def make_all(files: list[tuple[Path, dict]], plots_dir) -> list[Path]:
     plots_dir = Path(plots_dir)
     made = [suite_plot(data, suite, plots_dir / f"{key}_{suite}.png") for suite in report.MEASURED_SUITES
             for key, (_, data) in report.latest_per_gpu(files, suite).items()]
-    return [p for p in made + [across_plot(files, plots_dir / "across_arch.png")] if p]
+    return [p for p in made if p]

@@ -215,20 +215,6 @@ def _kept_columns(header: list[str], rows: list[list[str]]) -> list[int]:
     return [i for i in range(len(header)) if i == 0 or any(r[i] for r in rows)]
 
 
-def console_table(title: str, header: list[str], rows: list[list[str]]):
-    """A rich Table (the console's form of markdown_table): names left, numbers right."""
-    from rich.table import Table
-
-    table = Table(title=title)
-    keep = _kept_columns(header, rows)
-    for i in keep:
-        left = header[i] in ("suite", "case", "impl", "status")
-        table.add_column(header[i], overflow="fold", justify="left" if left else "right")
-    for r in rows:
-        table.add_row(*[r[i] for i in keep])
-    return table
-
-
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     keep = _kept_columns(header, rows)
     line = lambda cells: "| " + " | ".join(str(cells[i]).replace("|", "\\|").replace("\n", " ")  # noqa: E731
@@ -282,10 +268,7 @@ def render_markdown(files: list[tuple[Path, dict]], plots_rel: str | None = "plo
             out += [f"### {gpu_label(m)} — {where}", "", markdown_table(*suite_table(data, suite)), ""]
             if plots_rel and key not in older and suite in MEASURED_SUITES:
                 out += [f"![{suite} on {key}]({plots_rel}/{key}_{suite}.png)", ""]
-    out += ["## Across architectures (ours, newest run per GPU)", "", across_table(files), ""]
-    if plots_rel:
-        out += [f"![across architectures]({plots_rel}/across_arch.png)", ""]
-    return "\n".join(out)
+    return "\n".join(out + ["## Across architectures (ours, newest run per GPU)", "", across_table(files), ""])
 
 
 def across_table(files: list[tuple[Path, dict]]) -> str:
@@ -366,23 +349,6 @@ def compare(a: dict, b: dict, peers: bool = False) -> tuple[list[str], list[list
 
 # -- progress --------------------------------------------------------------------------------------
 def describe(case: dict) -> str:
-    """One line for the progress output."""
-    ours, unit = case.get("ours") or {}, case.get("unit")
-    parts = [f"{case['id']}:"]
-    measured = case.get("status") in ("ok", "check_failed")
-    if not measured:
-        parts.append(f"{case['status'].upper()} {case.get('error') or ''}".strip())
-        if ours.get("us") is not None:
-            parts.append(f"| ours {ours_cell(case)}")
-    else:
-        parts.append(f"rot / flush {fmt_methods(ours)}" if ours.get("methods") else ours_cell(case))
-    if measured and ours.get("value") is not None and unit in ("GB/s", "TFLOP/s"):
-        of = f", {fmt_frac(ours['fraction'])} of {case.get('ceiling')}" if ours.get("fraction") is not None else ""
-        parts.append(f"({'worse: ' if ours.get('methods') else ''}{fmt_value(ours['value'], unit)}{of})")
-    if case.get("target") or case.get("goals"):
-        parts.append(f"goal {goals_cell(case)}")
-    parts += [f"| {name} {peer_cell(case, name)}" for name in case.get("peers", {})]
-    chk = case.get("check")
-    if chk is not None:
-        parts.append("| check ok" if chk.get("ok") else f"| CHECK FAILED: {chk.get('detail')}")
-    return " ".join(parts)
+    """One line for the progress output: the case's row of its suite's table."""
+    header, (row,) = suite_table({"suites": {case["suite"]: {"cases": [case]}}}, case["suite"])
+    return f"{case['id']}: " + "; ".join(f"{h} {v}" for h, v in zip(header[1:], row[1:]) if v)

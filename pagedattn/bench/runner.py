@@ -40,7 +40,7 @@ def jsonable(obj):
     return obj if obj is None or isinstance(obj, (str, int, bool)) else str(obj)
 
 
-def _read_events(jsonl: Path) -> list[dict]:
+def read_jsonl(jsonl: Path) -> list[dict]:
     events = []
     for line in jsonl.read_text().splitlines():
         try:
@@ -51,8 +51,8 @@ def _read_events(jsonl: Path) -> list[dict]:
 
 
 class SuiteRunner:
-    def __init__(self, args, console, ceilings: dict):
-        self.args, self.console, self.ceilings, self.proc = args, console, ceilings, None
+    def __init__(self, args, ceilings: dict):
+        self.args, self.ceilings, self.proc = args, ceilings, None
 
     def stop(self) -> None:
         """Kill the running suite process and what it started (it lives in its own session)."""
@@ -69,8 +69,7 @@ class SuiteRunner:
             if jsonl.stat().st_size != size:
                 size, last = jsonl.stat().st_size, time.monotonic()
             elif time.monotonic() - last > self.args.case_timeout:
-                self.console.print(f"  {suite}: no progress for {self.args.case_timeout:.0f} s; stopping that "
-                                   "process", style="bold red", markup=False)
+                print(f"  {suite}: no progress for {self.args.case_timeout:.0f} s; stopping that process")
                 self.stop()
                 return self.proc.returncode, True
             time.sleep(0.2)
@@ -89,7 +88,7 @@ class SuiteRunner:
             for attempt in range(MAX_ATTEMPTS):
                 n_before = len(records)
                 rc, stalled = self._attempt(suite, jsonl, opts)
-                events = _read_events(jsonl)
+                events = read_jsonl(jsonl)
                 plan = next((e for e in events if e["event"] == "plan"), None)
                 records.update({e["id"]: e["record"] for e in events if e["event"] == "case"})
                 if plan is None or any(e["event"] == "done" for e in events):
@@ -110,12 +109,10 @@ class SuiteRunner:
                     records[current] = rec
                     jsonl.write_text(jsonl.read_text() + json.dumps({"event": "case", "id": current,
                                                                      "record": rec}) + "\n")
-                    self.console.print("  " + report.describe(schema.derive(rec, self.ceilings)),
-                                       style="red", markup=False)
+                    print("  " + report.describe(schema.derive(rec, self.ceilings)))
                 if all(c["id"] in records for c in plan["cases"]):
                     break
-                self.console.print(f"  {suite}: restarting in a fresh process (attempt {attempt + 2})",
-                                   style="yellow", markup=False)
+                print(f"  {suite}: restarting in a fresh process (attempt {attempt + 2})")
             else:
                 problem = f"gave up after {MAX_ATTEMPTS} processes"
         seconds = round(time.perf_counter() - t0, 1)
@@ -149,15 +146,13 @@ def _ceilings(runner: SuiteRunner) -> dict:
                           "work": case["work"], **extra}
         else:
             out[which] = {"name": which, "error": case.get("error") or case["status"]}
-        runner.console.print(f"  {which}: " + (f"FAILED: {out[which]['error']}" if out[which].get("error") else
-                             report.fmt_value(out[which]["value"], schema.CEILING_UNIT[which])), markup=False)
+        print(f"  {which}: " + (f"FAILED: {out[which]['error']}" if out[which].get("error") else
+                                report.fmt_value(out[which]["value"], schema.CEILING_UNIT[which])))
     return out
 
 
 def run(args) -> int:
     import torch
-    from rich.console import Console
-    from rich.rule import Rule
 
     from . import meta as metamod
 
@@ -171,65 +166,67 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"pagedattn bench: {exc}", file=sys.stderr)
         return 2
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-    say = lambda text, style=None: console.print(text, style=style, markup=False)  # noqa: E731
     t0 = time.perf_counter()
     metadata = metamod.collect(args.device, args.quick, names, args.overrides)
     path = metamod.results_name(metadata, Path(args.out))
-    console.print(Rule(f"pagedattn bench — {metadata['gpu']} ({metadata['sm_count']} SMs, {metadata['arch']}) "
-                       f"— {'quick' if args.quick else 'full'} — {', '.join(names)}"))
-    say(f"results: {path}" + (f" (overrides {args.overrides}: left out of RESULTS.md)" if args.overrides else ""))
+    rule(f"pagedattn bench — {metadata['gpu']} ({metadata['sm_count']} SMs, {metadata['arch']}) — "
+         f"{'quick' if args.quick else 'full'} — {', '.join(names)}")
+    print(f"results: {path}" + (f" (overrides {args.overrides}: left out of RESULTS.md)" if args.overrides else ""))
     results = {"schema": schema.SCHEMA, "metadata": metadata, "ceilings": {}, "suites": {}}
-    runner = SuiteRunner(args, console, {})
+    runner = SuiteRunner(args, {})
     interrupted = False
     try:
-        console.print(Rule("ceilings"))
+        rule("ceilings")
         ceilings = _ceilings(runner)
         results["ceilings"] = {k: ceilings.get(k) for k in schema.CEILINGS}
         runner.ceilings = {k: v for k, v in ceilings.items() if not v.get("error")}
         for name in names:
-            console.print(Rule(name))
+            rule(name)
             suite = results["suites"][name] = runner.run(name)
             if suite["status"] in ("skipped", "error"):
-                say(f"  {name}: {suite['status']} — {suite.get('reason')}")
+                print(f"  {name}: {suite['status']} — {suite.get('reason')}")
             else:
-                console.print(report.console_table(f"{name} — {metadata['gpu']}", *report.suite_table(results, name)))
+                print(report.markdown_table(*report.suite_table(results, name)))
             metadata["wall_seconds"] = round(time.perf_counter() - t0, 1)
             _write_json(path, results)
     except KeyboardInterrupt:
         runner.stop()
         interrupted = True
-        say("interrupted: writing the suites finished so far", style="red")
+        print("interrupted: writing the suites finished so far")
     if metadata.get("clocks") is not None:
         metadata["clocks"]["end"] = metamod.clocks()
     metadata.update(finished=metamod.now(), wall_seconds=round(time.perf_counter() - t0, 1))
     errs = schema.validate(jsonable(results))
     if errs:  # never lose a run over a schema slip: write it, say so
         metadata["schema_errors"] = errs[:20]
-        say("results do not validate:\n  " + "\n  ".join(errs[:20]), style="red")
+        print("results do not validate:\n  " + "\n  ".join(errs[:20]))
     _write_json(path, results)
-    console.print(Rule("done"))
-    say(f"wrote {path} ({metadata['wall_seconds']:.0f} s)")
+    rule("done")
+    print(f"wrote {path} ({metadata['wall_seconds']:.0f} s)")
     bad = [f"{c['id']} ({c['status']})" for s in results["suites"].values() for c in s["cases"]
            if c["status"] not in ("ok", "skipped")]
     if bad:
-        say(f"{len(bad)} case(s) not ok: " + ", ".join(bad[:12]) + (" ..." if len(bad) > 12 else ""), style="yellow")
+        print(f"{len(bad)} case(s) not ok: " + ", ".join(bad[:12]) + (" ..." if len(bad) > 12 else ""))
     if not args.no_report and not interrupted:
         try:
-            regenerate(Path(args.out), console)
+            regenerate(Path(args.out))
         except Exception as exc:  # noqa: BLE001 - the results file is safe; say what failed
-            say(f"RESULTS.md / plots not regenerated: {type(exc).__name__}: {exc} "
-                f"(retry with `pagedattn bench report --results {args.out}`)", style="red")
+            print(f"RESULTS.md / plots not regenerated: {type(exc).__name__}: {exc} "
+                  f"(retry with `pagedattn bench report --results {args.out}`)")
     return 130 if interrupted else 0
 
 
-def regenerate(results_dir: Path, console, include_samples: bool = False) -> None:
+def rule(title: str) -> None:
+    print(f"── {title} " + "─" * max(3, 100 - len(title)), flush=True)
+
+
+def regenerate(results_dir: Path, include_samples: bool = False) -> None:
+    """RESULTS.md and plots/ beside `results_dir`, from the results files in it."""
     results_dir = Path(results_dir)
     plots = results_dir.parent / "plots"
     md, made = report.write_results_md(results_dir, results_dir.parent / "RESULTS.md", plots,
-                                       include_samples=include_samples,
-                                       warn=lambda m: console.print(m, style="yellow", markup=False))
-    console.print(f"wrote {md} and {len(made)} plot(s) in {plots}", markup=False)
+                                       include_samples=include_samples, warn=print)
+    print(f"wrote {md} and {len(made)} plot(s) in {plots}")
 
 
 # -- the child: one suite in this process ------------------------------------------------------------
@@ -245,7 +242,7 @@ def child(suite: str, jsonl: str, opts: dict) -> int:
 
     out = open(jsonl, "a", buffering=1)
     emit = lambda obj: out.write(json.dumps(jsonable(obj)) + "\n")  # noqa: E731
-    done = {e["id"] for e in _read_events(Path(jsonl)) if e["event"] == "case"}
+    done = {e["id"] for e in read_jsonl(Path(jsonl)) if e["event"] == "case"}
     overrides = opts["overrides"] or {}
     ctx = Ctx.make(opts["device"], opts["quick"], opts["tiny"], opts["ceilings"],
                    lambda text: print(text, flush=True), opts["case_timeout"], overrides.get("write"))
