@@ -14,7 +14,7 @@ import torch
 import pagedattn
 
 from . import peers as peerlib
-from .common import Case, Ctx, Recorder, ceil_div, short_error, shuffled_tables
+from .common import Case, Ctx, Recorder, short_error, shuffled_tables
 from .timing import METHODS
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
@@ -43,7 +43,6 @@ TINY_DECODE = ({"B": 2, "ctx": 80}, {"B": 3, "ctx": 48, "kv": "fp8_e4m3"}, {"B":
                {"B": 2, "ctx": 80, "bs": 32, "vs": (BASE_PEER, WITHIN_3PCT)})
 TINY_PREFILL = ({"B": 2, "S": 40},)
 PREFILL_GOAL_TFLOPS = 330.0
-FA4 = "fa4 paged"
 TOLERANCE = 2e-2
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -193,7 +192,7 @@ class PagedData(SimpleNamespace):
 def build(ctx: Ctx, p: dict, sets: int, gen_seed: int = 0) -> PagedData:
     dev = ctx.device
     B, q_len, L, hq, hkv, d, bs, kv = (p[k] for k in ("B", "q_len", "ctx", "hq", "hkv", "d", "bs", "kv_cache_dtype"))
-    nb = ceil_div(L, bs)
+    nb = math.ceil(L / bs)
     need = B * nb * sets
     num_blocks = need + max(need // 4, 8)
     torch.manual_seed(gen_seed)
@@ -235,13 +234,6 @@ def reference_out(data: PagedData, s: int = 0, causal: bool = True, **features) 
 
 
 # -- ours and the peers ----------------------------------------------------------------------------
-def _sdpa_backend(name: str):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name]
-    return lambda: sdpa_kernel([backend])
-
-
 def unsupported(p: dict) -> str | None:
     """Why the op cannot run this case (its registry does not list the cache dtype), or None."""
     from pagedattn.ops.attention import AttnFwdSpec  # noqa: PLC0415
@@ -331,9 +323,9 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
     elif role == "none":
         rec.note("no peers: they would read the same bf16 copy as the fp8_e4m3 case")
     elif role in ("all", "torch"):  # (role "ours": no peers)
-        _torch_peers(ctx, rec, data, ref, sets)
+        peerlib.torch_peers(ctx, rec, data, ref, sets)
         if role == "all":
-            _fa4_peer(ctx, rec, data, ref, sets)
+            peerlib.fa4_peer(ctx, rec, data, ref, sets)
     if fp8 and role != "none":
         rec.note("torch peers read a bf16 dequantised copy (torch has no fp8-KV attention)")
     goals = goals or {}
@@ -342,38 +334,3 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
             rec.target(goals[key], unit)
     if goals.get("vs"):
         rec.goal_ratio(*goals["vs"])
-
-
-def fastest_peer(ctx: Ctx, rec: Recorder, name: str, candidates, ref, sets: int, context=None,
-                 methods=METHODS) -> None:
-    """Time peer `name` at its fastest correct configuration (peers.fastest); the record names it."""
-    info: dict = {}
-    impl = rec.peer(name, lambda: peerlib.fastest(ctx, candidates, ref, info, sets), sets, context=context,
-                    methods=methods)
-    if not impl.get("error"):
-        impl.update({k: v for k, v in info.items() if v is None or isinstance(v, (str, int, float))})
-
-
-def _torch_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int) -> None:
-    """cuDNN and flash SDPA on unpaged copies (CUDA only), and SDPA after a gather of the pages."""
-    kv_sets = [data.contiguous_kv(s) for s in range(sets)]
-    for backend in ("cudnn", "flash"):
-        if not ctx.is_cuda:
-            rec.peer_failed(f"sdpa {backend}", "needs CUDA")
-            continue
-        fastest_peer(ctx, rec, f"sdpa {backend}", peerlib.sdpa_candidates(data, data.q, lambda k: kv_sets[k]),
-                     ref, sets, context=_sdpa_backend(backend))
-    gather = [(f"gather then sdpa {variant}, default backend", factory) for variant, factory
-              in peerlib.sdpa_candidates(data, data.q, data.gathered_kv, repeat=False)]
-    fastest_peer(ctx, rec, "gather+sdpa", gather, ref, sets)
-
-
-def _fa4_peer(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int) -> None:
-    """FA4 on our paged cache, when flash_attn.cute imports."""
-    if not ctx.is_cuda:
-        return rec.peer_failed(FA4, "needs CUDA")
-    try:
-        cands = peerlib.fa4_candidates(data)
-    except Exception as exc:  # noqa: BLE001 - ImportError, or the package breaks on import
-        return rec.peer_failed(FA4, f"not available: {short_error(exc, 300)}")
-    fastest_peer(ctx, rec, FA4, cands, ref, sets)

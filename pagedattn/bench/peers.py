@@ -12,9 +12,11 @@ import inspect
 
 import torch.nn.functional as F
 
-from .common import Ctx, rel_l2
+from .common import Ctx, Recorder, rel_l2, short_error
+from .timing import METHODS
 
 WRONG = 5e-2  # relative L2 above which a candidate's output is wrong (ours passes at 2e-2)
+FA4 = "fa4 paged"
 
 
 # -- SDPA on contiguous KV -------------------------------------------------------------------------
@@ -131,3 +133,47 @@ def fastest(ctx: Ctx, candidates, ref, info: dict, sets: int = 1):
         raise RuntimeError(info["candidates"])
     _, info["variant"], fn, info["rel_l2"] = best
     return fn
+
+
+# -- running the peers of a case ------------------------------------------------------------------
+def sdpa_backend(name: str):
+    """A context factory: SDPA inside it runs on backend `name` (cudnn, flash)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name]
+    return lambda: sdpa_kernel([backend])
+
+
+def fastest_peer(ctx: Ctx, rec: Recorder, name: str, candidates, ref, sets: int, context=None,
+                 methods=METHODS) -> None:
+    """Time peer `name` at its fastest correct configuration (peers.fastest); the record names it."""
+    info: dict = {}
+    impl = rec.peer(name, lambda: fastest(ctx, candidates, ref, info, sets), sets, context=context,
+                    methods=methods)
+    if not impl.get("error"):
+        impl.update({k: v for k, v in info.items() if v is None or isinstance(v, (str, int, float))})
+
+
+def torch_peers(ctx: Ctx, rec: Recorder, data, ref, sets: int) -> None:
+    """cuDNN and flash SDPA on unpaged copies (CUDA only), and SDPA after a gather of the pages."""
+    kv_sets = [data.contiguous_kv(s) for s in range(sets)]
+    for backend in ("cudnn", "flash"):
+        if not ctx.is_cuda:
+            rec.peer_failed(f"sdpa {backend}", "needs CUDA")
+            continue
+        fastest_peer(ctx, rec, f"sdpa {backend}", sdpa_candidates(data, data.q, lambda k: kv_sets[k]),
+                     ref, sets, context=sdpa_backend(backend))
+    gather = [(f"gather then sdpa {variant}, default backend", factory) for variant, factory
+              in sdpa_candidates(data, data.q, data.gathered_kv, repeat=False)]
+    fastest_peer(ctx, rec, "gather+sdpa", gather, ref, sets)
+
+
+def fa4_peer(ctx: Ctx, rec: Recorder, data, ref, sets: int) -> None:
+    """FA4 on our paged cache, when flash_attn.cute imports."""
+    if not ctx.is_cuda:
+        return rec.peer_failed(FA4, "needs CUDA")
+    try:
+        cands = fa4_candidates(data)
+    except Exception as exc:  # noqa: BLE001 - ImportError, or the package breaks on import
+        return rec.peer_failed(FA4, f"not available: {short_error(exc, 300)}")
+    fastest_peer(ctx, rec, FA4, cands, ref, sets)
