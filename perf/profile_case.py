@@ -17,13 +17,12 @@ KINDS = {"decode": (64, 4096, 1, False, "auto", 1, 128), "decode_fp8": (64, 4096
 FEATURES = {"prefill_softcap": dict(softcap=30.0)}  # the op's feature arguments of a kind
 kind = sys.argv[1] if len(sys.argv) > 1 else "decode"
 if kind.startswith("write"):  # write_<layout>_<kv>[_head]: the write suite's T=65536 case, random slots
-    from pagedattn.bench.common import Ctx
-    from pagedattn.bench.write import inputs, ours_fn
+    from pagedattn.bench.write import inputs, ours_fn as write_fn
 
     _, layout, kvw = kind.split("_", 2)
     p = dict(T=65536, layout=layout, kv_cache_dtype=kvw.removesuffix("_head"),
              scale="head" if kvw.endswith("_head") else "tensor")
-    write = ours_fn(inputs(Ctx.make("cuda", quick=True), p))
+    write = write_fn(inputs(Ctx.make("cuda", quick=True), p))
     for _ in range(4):
         write(0)
     torch.cuda.synchronize()

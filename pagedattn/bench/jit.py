@@ -237,15 +237,13 @@ class Launch(NamedTuple):
 
 
 def capture_launches(fn):
-    """Run fn once (plans forgotten first), recording every launch and every kernel looked up (spec,
-    device). A launch is a Launcher call (its values repacked on replay) or a Prepared launch (the
-    attention and write ops' own; its leading fields read back from the launch buffer and repacked on
-    replay). Returns (launches, specs, fn's result)."""
-    from pagedattn import registry
+    """Run fn once (plans forgotten first), recording every launch: a Launcher call (its values repacked
+    on replay) or a Prepared launch (the attention and write ops' own; its leading fields read back from
+    the launch buffer and repacked on replay). Returns (launches, fn's result)."""
     from pagedattn.codegen import launch
 
-    orig_call, orig_init, orig_lookup = launch.Launcher.__call__, launch.Prepared.__init__, registry.Kernel.launcher
-    launches, specs, prepared = [], [], []
+    orig_call, orig_init = launch.Launcher.__call__, launch.Prepared.__init__
+    launches, prepared = [], []
 
     def recording_call(self, grid, block, values, stream=None):
         launches.append(Launch(self, lambda: orig_call(self, grid, block, values, stream)))
@@ -262,22 +260,16 @@ def capture_launches(fn):
         prepared.append((self, raw))
         self._launch = recording_launch
 
-    def recording_lookup(self, device):
-        specs.append((self.spec, device))
-        return orig_lookup(self, device)
-
     forget_plans()  # a known call would take a launch prepared before, unrecorded
     launch.Launcher.__call__, launch.Prepared.__init__ = recording_call, recording_init
-    registry.Kernel.launcher = recording_lookup
     try:
         result = fn()
         torch.cuda.synchronize()
     finally:
         launch.Launcher.__call__, launch.Prepared.__init__ = orig_call, orig_init
-        registry.Kernel.launcher = orig_lookup
         for p, raw in prepared:  # the launches prepared meanwhile launch unrecorded from now on
             p._launch = raw
-    return launches, specs, result
+    return launches, result
 
 
 if __name__ == "__main__":

@@ -48,16 +48,13 @@ def now() -> str:
 
 
 def git_info() -> tuple[str | None, bool | None]:
-    import pagedattn
+    """The commit (pagedattn.info.git_commit) and whether the checkout has uncommitted changes (None
+    for an installed copy)."""
+    from pagedattn.info import git_commit
 
-    root = Path(pagedattn.__file__).resolve().parent.parent
-    if not (root / ".git").exists():  # an installed copy: the commit comes from the environment
-        from pagedattn.info import git_commit
-
-        return git_commit(), None
-    head = _run(["git", "-C", str(root), "rev-parse", "HEAD"])
+    root = Path(__file__).resolve().parents[2]
     status = _run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
-    return (head.strip() if head else None), (bool(status.strip()) if status is not None else None)
+    return git_commit(), bool(status.strip()) if status is not None and (root / ".git").exists() else None
 
 
 def collect(device: str, quick: bool, suites: list[str], overrides: dict | None = None) -> dict:
