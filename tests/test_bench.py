@@ -153,6 +153,9 @@ def test_latest_run_per_gpu_wins(tmp_path):
     new["metadata"]["date"] = "2099-01-01T00:00:00+00:00"
     (tmp_path / "b_old.json").write_text(json.dumps(old))
     (tmp_path / "a_new.json").write_text(json.dumps(new))
+    forced = copy.deepcopy(new)  # a newer run under --overrides: not the library's defaults, left out
+    forced["metadata"].update(date="2099-02-01T00:00:00+00:00", overrides={"write": {"flat": False}})
+    (tmp_path / "c_overrides.json").write_text(json.dumps(forced))
     files = report.load_folder(tmp_path, include_samples=True)
     assert [p.name for p, _ in files] == ["b_old.json", "a_new.json"]   # by date, not by name
     latest = report.latest_per_gpu(files, "write")
@@ -712,6 +715,28 @@ def test_runner_drives_the_h200_commands_on_the_cpu(tmp_path):
             assert case["peers"][peer].get("error") is None, (case["id"], case["peers"][peer])
 
 
+def test_runner_records_overrides_and_applies_them_in_the_child(tmp_path):
+    """--overrides: the child runs every case inside attention.forced(...) (the self-test cases do not call
+    the op) and gives the write part to the write cases; the file is named after them and records them;
+    RESULTS.md leaves such runs out."""
+    out = tmp_path / "results"
+    overrides = {"attention": {"prefill": "prefill_ws", "tiles": {"prefill_ws": {"kStages": 3}}},
+                 "write": {"flat": False}}
+    r = _cli("bench", "--device", "cpu", "--tiny", "--suite", "_selftest", "--out", str(out), "--no-report",
+             "--overrides", json.dumps(overrides), timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (path,) = out.glob("*.json")
+    assert path.name.endswith("_attention-prefill-prefill-ws-tiles-prefill-ws-kStages-3-write-flat-false.json")
+    data = json.loads(path.read_text())
+    assert data["metadata"]["overrides"] == overrides and schema.validate(data) == []
+    extra = data["suites"]["_selftest"]["cases"][0]["extra"]
+    assert "prefill='prefill_ws'" in extra["forced"] and "('kStages', 3)" in extra["forced"]
+    assert extra["write_overrides"] == {"flat": False}
+    assert report.load_folder(out, include_samples=True) == []   # not the library's defaults
+    r = _cli("bench", "--device", "cpu", "--tiny", "--suite", "_selftest", "--overrides", "{not json", timeout=60)
+    assert r.returncode == 2 and "pagedattn bench:" in r.stderr
+
+
 def test_runner_kills_a_hung_case(tmp_path):
     out = tmp_path / "results"
     r = _cli("bench", "--device", "cpu", "--tiny", "--suite", "_selftest", "--out", str(out),
@@ -759,6 +784,23 @@ def test_report_renders_the_stored_h200_results():
         for suite, body in data["suites"].items():
             if body.get("cases") and suite in report.MEASURED_SUITES:
                 assert report.SUITE_TITLES[suite] in md, (path.name, suite)
+
+
+def test_jit_worker_writes_one_line_per_workload(monkeypatch, tmp_path):
+    """The jit suite's fresh process (`python -m pagedattn.bench.jit NAMES OUT`, here in this process with
+    stand-in workloads): each workload's first call timed, or its error, one JSON line each."""
+    from pagedattn.bench import jit, runner
+
+    fake_torch = types.SimpleNamespace(zeros=lambda *a, **k: torch.zeros(1),
+                                       cuda=types.SimpleNamespace(synchronize=lambda: None))
+    monkeypatch.setattr(jit, "torch", fake_torch)
+    monkeypatch.setattr(jit, "WORKLOADS", {"ok": lambda dev: {"fn": lambda: None},
+                                           "bad": lambda dev: {"fn": lambda: 1 / 0}})
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path / "cache"))
+    jit.worker("ok,bad", str(tmp_path / "out.jsonl"))
+    ok, bad = runner.read_jsonl(tmp_path / "out.jsonl")
+    assert ok["workload"] == "ok" and ok["first_call_s"] >= 0 and ok["compiles"] == 0 and ok["variants"] == {}
+    assert bad["workload"] == "bad" and bad["error"].startswith("ZeroDivisionError")
 
 
 def test_jit_workloads_build_on_the_bench_data():

@@ -70,6 +70,9 @@ def ceiling_cases(ctx: Ctx) -> list[Case]:
 # -- the harness's self-test: a normal case, a failing case, a failing peer, a process crash and a hang;
 # the crash and the hang only with PAGEDATTN_BENCH_SELFTEST=crash / =hang, to test the restart logic
 def _ok(ctx: Ctx, rec: Recorder) -> None:
+    from pagedattn.ops.attention import overrides
+
+    rec.extra(forced=repr(overrides.current()), write_overrides=ctx.write_overrides)  # what --overrides set
     a = torch.randn(64, 64, device=ctx.device)
     b = torch.empty_like(a)
     rec.work("GB/s", 2 * a.numel() * 4, "copy")
