@@ -124,9 +124,11 @@ def worker(names: str, out_path: str) -> None:
     from pagedattn import envs
     from pagedattn.codegen.cache import kernel_cache
 
+    def entries() -> dict:  # the disk cache's entries: folder name -> its meta.json
+        return {m.parent.name: json.loads(m.read_text()) for m in envs.cache_dir().glob("*/meta.json")}
+
     torch.zeros(1, device="cuda").add_(1)
     torch.cuda.synchronize()  # context creation stays out of the first-call times
-    entries = lambda: {m.parent.name: json.loads(m.read_text()) for m in envs.cache_dir().glob("*/meta.json")}  # noqa: E731
     with open(out_path, "a", buffering=1) as out:
         for name in names.split(","):
             rec = {"workload": name}
