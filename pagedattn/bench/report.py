@@ -173,6 +173,7 @@ def _jit_detail(c: dict) -> str:
              if ex.get("variants") else f"{ex['compiles']} compiles" if ex.get("compiles") is not None else ""]
     n = ex.get("launches_per_call")  # the launcher cases of older runs
     parts.append(f"{n} launch{'es' if n != 1 else ''} per call" if n else "")
+    parts.append(f"get_kernel().launcher() {ex['lookup_us']:.2f} µs" if ex.get("lookup_us") is not None else "")
     return "; ".join(p for p in parts if p)
 
 
