@@ -183,6 +183,20 @@ def test_compare_cli():
     assert r.returncode != 0 and "Traceback" not in r.stderr
 
 
+def test_nvidia_smi_reads_the_cuda_device_by_uuid(monkeypatch):
+    """Clocks and driver come from nvidia-smi's row of the GPU that CUDA runs on (by UUID: nvidia-smi's
+    order may differ from CUDA's); nothing usable -> None."""
+    from pagedattn.bench import meta
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid="ab-12"))
+    calls = []
+    monkeypatch.setattr(meta, "_run", lambda cmd: calls.append(cmd) or "570.1, P0, 1980, 3201, 1980, 3201, 120.5, 700, 41")
+    row = meta.nvidia_smi(0)
+    assert calls[0][1] == "--id=GPU-ab-12" and row["driver_version"] == "570.1" and row["temperature.gpu"] == "41"
+    monkeypatch.setattr(meta, "_run", lambda cmd: None)
+    assert meta.nvidia_smi(0) is None
+
+
 def test_no_gpu_message():
     r = _cli("bench", "--quick", env=_env(CUDA_VISIBLE_DEVICES=""), timeout=120)
     assert r.returncode != 0

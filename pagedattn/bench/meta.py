@@ -26,10 +26,12 @@ def _run(cmd: list[str]) -> str | None:
 
 
 def nvidia_smi(index: int = 0) -> dict | None:
-    """The current GPU's row of nvidia-smi (a read-only query), or None when nvidia-smi is not usable.
-    CUDA_VISIBLE_DEVICES is honoured; nvidia-smi's order is taken to be CUDA's."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-    which = visible[index] if index < len(visible) and visible[index].strip().isdigit() else str(index)
+    """CUDA device `index`'s row of nvidia-smi (a read-only query; the GPU named by its UUID, as
+    nvidia-smi's order may differ from CUDA's), or None when nvidia-smi is not usable."""
+    import torch
+
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    which = "GPU-" + str(uuid).removeprefix("GPU-") if uuid else str(index)
     out = _run(["nvidia-smi", f"--id={which}", f"--query-gpu={','.join(SMI_FIELDS)}",
                 "--format=csv,noheader,nounits"])
     vals = [v.strip() for v in (out or "").strip().split(",")]
