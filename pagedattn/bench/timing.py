@@ -112,10 +112,9 @@ class Timer:
         return int(min(self.max_reps, max(self.min_reps, self.budget_s / max(per_call_s, 1e-7))))
 
     def _sleep(self, seconds: float) -> None:
-        """Keep the GPU busy for `seconds` (torch.cuda._sleep, calibrated once; none in old torch)."""
+        """Keep the GPU busy for `seconds` (torch.cuda._sleep, calibrated once)."""
         if self._cycles_per_s is None:
-            self._cycles_per_s = 0.0
-            if hasattr(torch.cuda, "_sleep"):
+            try:
                 torch.cuda._sleep(2_000_000)  # the first call loads the kernel
                 a, b = _event(), _event()
                 a.record()
@@ -123,6 +122,8 @@ class Timer:
                 b.record()
                 b.synchronize()
                 self._cycles_per_s = 2_000_000 / max(a.elapsed_time(b) * 1e-3, 1e-6)
+            except Exception:  # noqa: BLE001 - no _sleep in this torch: time without the head start
+                self._cycles_per_s = 0.0
         if self._cycles_per_s > 0 and seconds > 0:
             torch.cuda._sleep(int(min(seconds, 0.2) * self._cycles_per_s))
 
