@@ -102,8 +102,9 @@ def fmt_target(t) -> str:
 
 def goals_cell(case: dict) -> str:
     """The target and the relative goals: "≥ 1× sdpa cudnn ✓" = ours at least as fast as the peer."""
-    parts = [fmt_target(case.get("target"))] + [f"≥ {g.get('value', 0):.2g}× {g.get('peer')}{MARK.get(g.get('met'), ' ?')}"
-                                                for g in case.get("goals") or []]
+    parts = [fmt_target(case.get("target"))]
+    for g in case.get("goals") or []:
+        parts.append(f"≥ {g.get('value', 0):.2g}× {g.get('peer')}{MARK.get(g.get('met'), ' ?')}")
     return "; ".join(p for p in parts if p)
 
 
@@ -264,8 +265,11 @@ def render_markdown(files: list[tuple[Path, dict]], plots_rel: str | None = "plo
             out += [f"## {SUITE_TITLES.get(suite, suite)}", ""]
         for key, (path, data) in {**latest, **older}.items():
             m = data["metadata"]
-            where = (f"`history/{path.name}` ({m.get('date', '-')[:10]}, commit {(m.get('git_commit') or '-')[:10]}:"
-                     " the newest run with this suite, older than the runs above)" if key in older else f"`{path.name}`")
+            where = f"`{path.name}`"
+            if key in older:
+                commit = (m.get("git_commit") or "-")[:10]
+                where = (f"`history/{path.name}` ({m.get('date', '-')[:10]}, commit {commit}: the newest run with "
+                         "this suite, older than the runs above)")
             out += [f"### {gpu_label(m)} — {where}", "", markdown_table(*suite_table(data, suite)), ""]
             if plots_rel and key not in older and suite in MEASURED_SUITES:
                 out += [f"![{suite} on {key}]({plots_rel}/{key}_{suite}.png)", ""]
@@ -342,7 +346,8 @@ def compare(a: dict, b: dict, peers: bool = False) -> tuple[list[str], list[list
     for suite, speeds in per_suite.items():
         gm = math.exp(sum(math.log(s) for s in speeds) / len(speeds))
         summary.append(f"{suite}: geometric mean B speed vs A = {gm:.2f}× over {len(speeds)} case(s)")
-    for side, only in (("A", [i for i in cases_a if i not in cases_b]), ("B", [i for i in cases_b if i not in cases_a])):
+    for side, mine, other in (("A", cases_a, cases_b), ("B", cases_b, cases_a)):
+        only = [i for i in mine if i not in other]
         if only:
             summary.append(f"only in {side} ({len(only)}): {', '.join(only[:8])}{' ...' if len(only) > 8 else ''}")
     return header, rows, summary

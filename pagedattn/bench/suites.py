@@ -1,7 +1,8 @@
 """Suite name -> (available(ctx) -> (bool, reason), cases(ctx) -> [Case]), the suites' modules loaded
-lazily ("sweep" runs only when named); the machine's two ceilings, measured first in every run: a device-to-device copy of 2 GiB
-(1 GiB with --quick; bytes read + written) and a bf16 8192^3 matmul on random data (never zeros: they run
-faster; flops = 2 n^3); and `_selftest`, the harness's own test on the CPU (hidden from --help).
+lazily ("sweep" runs only when named); the machine's two ceilings, measured first in every run: a
+device-to-device copy of 2 GiB (1 GiB with --quick; bytes read + written) and a bf16 8192^3 matmul on
+random data (never zeros: they run faster; flops = 2 n^3); and `_selftest`, the harness's own test on
+the CPU (hidden from --help).
 """
 from __future__ import annotations
 
