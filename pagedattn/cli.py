@@ -29,10 +29,9 @@ EXAMPLES = {
     "bundle verify": ["pagedattn bundle verify /opt/pagedattn/bundle"],
     "bench": ["pagedattn bench --suite decode,write --quick",
               "pagedattn bench --suite all --out perf/results   # the repository's recorded results",
-              "pagedattn bench compare a.json b.json --markdown"],
-    "bench compare": ["pagedattn bench compare perf/results/a.json perf/results/b.json --markdown"],
-    "bench sweep": ["pagedattn bench sweep quick --out perf/results",
-                    "pagedattn bench sweep decode default 4,3,2,tma --splits 8,16 --out perf/results"],
+              "pagedattn bench --suite sweep --overrides '{\"attention\": {\"prefill\": \"prefill_ws\"}}'",
+              "pagedattn bench compare a.json b.json"],
+    "bench compare": ["pagedattn bench compare perf/results/a.json perf/results/b.json --peers"],
     "bench report": ["pagedattn bench report --results perf/results   # the repository's RESULTS.md"],
 }
 
@@ -156,7 +155,7 @@ def _stdout_gone() -> int:
 def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """The command line as a Namespace; errors (exit 2) print the usage of the subcommand they are in.
     Words after a subcommand's options go to its trailing list argument, as they would before them
-    (`bench sweep modes --out DIR short`: argparse alone refuses `short` there)."""
+    (`list attn_fwd -v kv_write`: argparse alone refuses `kv_write` there)."""
     args, extra = parser.parse_known_args(argv)
     chosen = _chosen(parser, args)
     positionals = [a for a in chosen._actions if not a.option_strings]

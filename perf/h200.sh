@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
-# (info precompile packbundle bundle tests alltests sanitize racecheck fuzz fuzzsanitize overhead overheadab attnquick decodesweep prefillsweep prefillmodes wstiles writesweep writequick aotcheck ncu ncusrc benchdw
-# benchp benchs benchq bench-full demo multigpu hfcb).
+# (info precompile packbundle bundle tests alltests sanitize racecheck fuzz fuzzsanitize overhead overheadab sweep benchwrite aotcheck ncu ncusrc
+# benchdw benchp benchs benchq bench-full demo multigpu hfcb aot16).
 # Logs and results go under $OUT; RESULTS.md and plots are regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
 # tests: PYTEST_FILES, PYTEST_K, PYTEST_N (xdist workers), PYTEST_ARGS (e.g. "-vv --tb=line": with the -q
@@ -54,18 +54,15 @@ for stage in "$@"; do
     # the bundle as it now stands, back to the CPU machine (carry it in the next call)
     packbundle) tar -C "$(dirname "$PAGEDATTN_AOT_DIR")" -cf - "$(basename "$PAGEDATTN_AOT_DIR")" | xz -T16 -6 > "$OUT/bundle.tar.xz"; ls -la "$OUT/bundle.tar.xz" ;;
     aot16)     python3 "$ROOT/perf/aot_precompile.py" --arch sm_90a --jobs 16 --output "$OUT/results/aot_precompile_cpu16.json" 2>&1 | tail -n 5 ;;
-    # the write sweep; WRITE_SWEEP_QUICK, _STREAM, _MAX_ITEMS, _MINB, _SPAN add or drop points (perf/README.md)
-    writesweep) python3 -m pagedattn.cli bench sweep write --out "$OUT/results" ;;
-    writequick) WRITE_SWEEP_QUICK=1 python3 -m pagedattn.cli bench sweep write --out "$OUT/results" ;;
     benchwrite) python3 -m pagedattn.cli bench --suite write --quick --no-report --out "$OUT/results" ;;
-    # the sweeps (pagedattn/bench/sweeps.py); SWEEP_ARGS e.g. '--splits 8,16 --variants "HND;seq"' for decode
-    attnquick) python3 -m pagedattn.cli bench sweep quick --out "$OUT/results" ;;
-    decodesweep) eval python3 -m pagedattn.cli bench sweep decode ${DECODE_CONFIGS:-} --out "$OUT/results" ${SWEEP_ARGS:-} ;;
-    prefillsweep) eval python3 -m pagedattn.cli bench sweep prefill ${PREFILL_CONFIGS:-} --out "$OUT/results" ${SWEEP_ARGS:-} ;;
-    prefillmodes) python3 -m pagedattn.cli bench sweep modes ${PREFILL_MODES:-} --out "$OUT/results" ;;
-    # prefill_ws tile variants at the goal shapes (perf/ws_tiles.py; WS_VARIANTS e.g. 'default:;stages3:kStages=3',
-    # WS_KV=fp8_e4m3 for an fp8 cache, WS_SOFTCAP=30 with a softcap, WS_POINTS=1 the first point only)
-    wstiles)   python3 "$ROOT/perf/ws_tiles.py" "$OUT/results" ${WS_VARIANTS:+--variants "$WS_VARIANTS"} ${WS_KV:+--kv "$WS_KV"} ${WS_SOFTCAP:+--softcap "$WS_SOFTCAP"} ${WS_POINTS:+--points "$WS_POINTS"} ;;
+    # the sweeps: `pagedattn bench` once per entry of SWEEP_OVERRIDES (JSON objects separated by ';', each
+    # {"attention": pagedattn.ops.attention.forced's arguments, "write": reshape_and_cache_flash's overrides=};
+    # default '{}', the library's defaults) over SWEEP_SUITES (default sweep: ours alone at the tile / mode
+    # studies' shapes; or write, decode, prefill, features), BENCH_ONLY case id substrings, SWEEP_ARGS more options
+    sweep)     IFS=';' read -ra points <<< "${SWEEP_OVERRIDES:-{\}}"
+               for ov in "${points[@]}"; do
+                 python3 -m pagedattn.cli bench --suite "${SWEEP_SUITES:-sweep}" ${BENCH_ONLY:+--only "$BENCH_ONLY"} --no-report --out "$OUT/results" --overrides "$ov" ${SWEEP_ARGS:-}
+               done ;;
     bundle)    [ -f /tmp/bundle/manifest.json ] || { mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1; }
                export PAGEDATTN_AOT_DIR=/tmp/bundle
                python3 -c "import sys, pathlib; from pagedattn.codegen import bundle; sys.exit(0 if bundle.read_manifest(pathlib.Path('/tmp/bundle')) else 1)" \
@@ -86,10 +83,10 @@ for stage in "$@"; do
                ncu -i /tmp/ncusrc_$k.ncu-rep --page source --csv --print-source sass > /tmp/ncusrc_$k.csv \
                  && python3 "$ROOT/perf/ncu_stalls.py" /tmp/ncusrc_$k.csv | tee -a "$OUT/ncusrc_$k.txt" | head -n 30
                xz -T8 -c /tmp/ncusrc_$k.csv > "$OUT/ncusrc_$k.csv.xz" ;;
-    benchq)    python3 -m pagedattn.cli bench --suite all --quick --no-flex --no-report --out "$OUT/results" ;;
-    benchdw)   python3 -m pagedattn.cli bench --suite decode,write --quick --no-flex --no-report --out "$OUT/results" ;;
-    benchp)    python3 -m pagedattn.cli bench --suite prefill --quick --no-flex --no-report --out "$OUT/results" ;;
-    benchs)    python3 -m pagedattn.cli bench --suite "${BENCH_SUITES:-features}" ${BENCH_ONLY:+--only "$BENCH_ONLY"} --quick --no-flex --no-report --out "$OUT/results" ;;
+    benchq)    python3 -m pagedattn.cli bench --suite all --quick --no-report --out "$OUT/results" ;;
+    benchdw)   python3 -m pagedattn.cli bench --suite decode,write --quick --no-report --out "$OUT/results" ;;
+    benchp)    python3 -m pagedattn.cli bench --suite prefill --quick --no-report --out "$OUT/results" ;;
+    benchs)    python3 -m pagedattn.cli bench --suite "${BENCH_SUITES:-features}" ${BENCH_ONLY:+--only "$BENCH_ONLY"} --quick --no-report --out "$OUT/results" ;;
     bench-full) python3 -m pagedattn.cli bench --suite all --no-report --out "$OUT/results" ;;
     demo)      python3 -m pagedattn.demo ;;
     # host cost A/B in one call: an older build (a wheel carried in .carry/oldwhl, with its own bundle dirs in

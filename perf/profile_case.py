@@ -6,7 +6,8 @@ import sys
 
 import torch
 
-from pagedattn.bench.sweeps import ours, paged
+from pagedattn.bench.attention import build, ours_fn
+from pagedattn.bench.common import Ctx
 
 # kind: (B, ctx, q_len, causal, kv cache dtype, num_splits, head dim)
 KINDS = {"decode": (64, 4096, 1, False, "auto", 1, 128), "decode_fp8": (64, 4096, 1, False, "fp8_e4m3", 1, 128),
@@ -16,21 +17,21 @@ KINDS = {"decode": (64, 4096, 1, False, "auto", 1, 128), "decode_fp8": (64, 4096
 FEATURES = {"prefill_softcap": dict(softcap=30.0)}  # the op's feature arguments of a kind
 kind = sys.argv[1] if len(sys.argv) > 1 else "decode"
 if kind.startswith("write"):  # write_<layout>_<kv>[_head]: the write suite's T=65536 case, random slots
-    from pagedattn.bench.common import Ctx
-    from pagedattn.bench.write import inputs, ours_fn
+    from pagedattn.bench.write import inputs, ours_fn as write_fn
 
     _, layout, kvw = kind.split("_", 2)
     p = dict(T=65536, layout=layout, kv_cache_dtype=kvw.removesuffix("_head"),
              scale="head" if kvw.endswith("_head") else "tensor")
-    write = ours_fn(inputs(Ctx.make("cuda", quick=True), p))
+    write = write_fn(inputs(Ctx.make("cuda", quick=True), p))
     for _ in range(4):
         write(0)
     torch.cuda.synchronize()
     sys.exit(0)
 peer = kind.endswith("_cudnn")
 B, ctx, q_len, causal, kv, splits, d = KINDS[kind.removesuffix("_cudnn")]
-data = paged(B, ctx, kv, q_len=q_len, d=d)  # the sweeps' inputs: the bench's paged data, shuffled table
-fn = ours(data, splits, **FEATURES.get(kind, {}))
+params = dict(B=B, q_len=q_len, ctx=ctx, hq=32, hkv=8, d=d, bs=16, kv_cache_dtype=kv)
+data = build(Ctx(torch.device("cuda")), params, sets=1)  # the bench's paged data, shuffled table
+fn = ours_fn(data, splits, **FEATURES.get(kind, {}))
 if peer:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

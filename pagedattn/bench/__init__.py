@@ -1,16 +1,20 @@
 """`pagedattn bench`: per-architecture performance comparisons (issue 6; perf/README.md explains the lot).
 
-    pagedattn bench [--suite write|decode|prefill|features|legacy|jit|all] [--quick] [--out DIR]
+    pagedattn bench [--suite write|decode|prefill|features|legacy|jit|sweep|all] [--quick] [--out DIR]
+                    [--only IDS] [--overrides JSON]
     pagedattn bench compare A.json B.json [--peers] [--markdown]
     pagedattn bench report [--results DIR]
-    pagedattn bench sweep decode|prefill|modes|quick|write [CONFIG ...] [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-SUITE_HELP = "write|decode|prefill|features|legacy|jit|all, or a comma-separated list (default: all)"
+SUITE_HELP = ("write|decode|prefill|features|legacy|jit|all, or a comma-separated list (default: all); sweep: "
+              "ours alone at the tile and mode studies' shapes (not in all)")
+OVERRIDES_HELP = ('JSON: {"attention": the arguments of pagedattn.ops.attention.forced (e.g. {"prefill": '
+                  '"prefill_ws", "tiles": {"prefill_ws": {"kStages": 3}}}), "write": reshape_and_cache_flash\'s '
+                  'overrides= (e.g. {"flat": false})}, for every case; the run is left out of RESULTS.md')
 
 
 def _cmd_run(args) -> int:
@@ -28,31 +32,15 @@ def _cmd_compare(args) -> int:
         print(f"pagedattn bench compare: {exc}", file=sys.stderr)
         return 2
     header, rows, summary = report.compare(a, b, peers=args.peers)
-    if args.markdown:
-        print(report.markdown_table(header, rows) + "\n\n" + "\n".join(f"- {s}" for s in summary))
-        return 0
-    from rich.console import Console
-
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-    console.print(report.console_table(f"A = {args.a}   B = {args.b}", header, rows))
-    for s in summary:
-        console.print(s, markup=False)
+    print(report.markdown_table(header, rows) + "\n\n" + "\n".join(f"- {s}" for s in summary))
     return 0
 
 
 def _cmd_report(args) -> int:
-    from rich.console import Console
-
     from . import runner
 
-    runner.regenerate(args.results, Console(highlight=False), include_samples=args.include_samples)
+    runner.regenerate(args.results, include_samples=args.include_samples)
     return 0
-
-
-def _cmd_sweep(args) -> int:
-    from . import sweeps
-
-    return sweeps.run(args)
 
 
 def add_parser(sub) -> None:
@@ -72,37 +60,21 @@ def add_parser(sub) -> None:
                         "recorded results: perf/results)")
     p.add_argument("--only", default="", help="run only the cases whose id contains one of these "
                                                "comma-separated substrings")
-    p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer (saves its compiles)")
+    p.add_argument("--overrides", default="", help=OVERRIDES_HELP)
     p.add_argument("--no-report", action="store_true", help="don't regenerate RESULTS.md and the plots")
     p.add_argument("--case-timeout", type=float, default=600.0,
                    help="seconds without progress before a case is declared hung (default 600)")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": harness self-test only
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # test shapes only
     p.set_defaults(func=_cmd_run)
-    bsub = p.add_subparsers(dest="bench_command", metavar="{compare,report,sweep}")
+    bsub = p.add_subparsers(dest="bench_command", metavar="{compare,report}")
     c = bsub.add_parser("compare", help="case-by-case ratios of two results files (e.g. two GPUs)")
     c.add_argument("a", help="results file A (the baseline)")
     c.add_argument("b", help="results file B")
     c.add_argument("--peers", action="store_true", help="also compare each peer")
-    c.add_argument("--markdown", action="store_true", help="print a markdown table")
     c.set_defaults(func=_cmd_compare)
     r = bsub.add_parser("report", help="regenerate RESULTS.md and plots from a results folder (no GPU needed)")
     r.add_argument("--results", default=str(default_out),
                    help=f"results folder, RESULTS.md and plots/ are written beside it {where}")
     r.add_argument("--include-samples", action="store_true", help=argparse.SUPPRESS)
     r.set_defaults(func=_cmd_report)
-    w = bsub.add_parser("sweep", help="tile / mode / write-path sweeps (see bench/sweeps.py)")
-    w.add_argument("kind", choices=("decode", "prefill", "modes", "quick", "write"))
-    w.add_argument("configs", nargs="*", help="decode: kWarpsN,kStages,kMinBlocks[,tma|cp[,kBlockN]]; prefill: "
-                                              "kBlockM,kBlockN,kWarpsM,kStages; either: default; modes: long short ws "
-                                              "wsab; write: none (WRITE_SWEEP_* in the environment)")
-    w.add_argument("--out", default=str(default_out), help=f"results folder {where}")
-    w.add_argument("--splits", default="", help="decode: forced-split B=1 ctx 32768 points, e.g. 8,16,32")
-    w.add_argument("--variants", default="", help='decode: B=64 ctx 4096 points, e.g. "HND;seq;splits=2"')
-    w.add_argument("--cases", default="", help='decode: keep only these cases, e.g. "B=1 ctx=32768;B=16 ctx=4096"')
-    w.add_argument("--d", type=int, default=128, help="decode: the head dim of every case (e.g. 512)")
-    w.add_argument("--tma-promotion", default="", help="decode: the tensor maps' L2 promotion (NONE, L2_64B ...)")
-    w.add_argument("--precompile", metavar="ROOT", default="",
-                   help="build each config's sm_90a kernels into ROOT/cfg_<config> (no GPU needed), then stop")
-    w.add_argument("--aot", metavar="ROOT", default="", help="load each config's kernels from ROOT/cfg_<config>")
-    w.set_defaults(func=_cmd_sweep)

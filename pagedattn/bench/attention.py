@@ -1,20 +1,20 @@
-"""decode and prefill suites: `pagedattn.flash_attn_varlen_func` over a paged cache against torch and the
-optional paged peers (perf/README.md, "What is measured", has the cases, the work counted, the peers and
-the goals). Every case is checked once against `pagedattn.reference` (float32, `reference_out`, relative
-L2 <= TOLERANCE), then timed under both methods of timing.py; flex runs at FLEX_DECODE and prefill only,
-not with --quick. A cache dtype the op does not list is reported skipped ("unsupported by pagedattn").
+"""decode, prefill, features and sweep suites: `pagedattn.flash_attn_varlen_func` over a paged cache
+against torch SDPA and FA4 (perf/README.md, "What is measured", has the cases, the work counted, the
+peers and the goals). Every case is checked once against `pagedattn.reference` (float32,
+`reference_out`, relative L2 <= TOLERANCE), then timed under both methods of timing.py. A cache dtype
+the op does not list is reported skipped ("unsupported by pagedattn").
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 import pagedattn
 
 from . import peers as peerlib
-from .common import Case, Ctx, Recorder, ceil_div, short_error, shuffled_tables
+from .common import Case, Ctx, Recorder, short_error, shuffled_tables
 from .timing import METHODS
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
@@ -42,7 +42,6 @@ TINY_DECODE = ({"B": 2, "ctx": 80}, {"B": 3, "ctx": 48, "kv": "fp8_e4m3"}, {"B":
                {"B": 2, "ctx": 80, "layout": "HND", "vs": (BASE_PEER, WITHIN_3PCT)},
                {"B": 2, "ctx": 80, "bs": 32, "vs": (BASE_PEER, WITHIN_3PCT)})
 TINY_PREFILL = ({"B": 2, "S": 40},)
-FLEX_DECODE = ((1, 32768), (64, 4096))  # (B, ctx) of the decode cases flex runs at (not --quick)
 PREFILL_GOAL_TFLOPS = 330.0
 TOLERANCE = 2e-2
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -109,6 +108,59 @@ def prefill_cases(ctx: Ctx) -> list[Case]:
     return out
 
 
+# features suite: the variants of issue 14 against the plain kernel at the goal's shape (PLAIN, a ratio
+# goal each), and head dim 512 against the copy ceiling: (id, shape, the op's features, goal)
+SOFTCAP = 30.0
+PLAIN = "pagedattn plain"
+FEATURES = (
+    ("decode/B16/ctx32768/window4096", dict(B=16, ctx=32768, q_len=1), dict(window_size=(4096, 0)),
+     dict(base=dict(B=16, ctx=4096, q_len=1), ratio=1 / 1.15)),
+    ("decode/B16/ctx4096/softcap", dict(B=16, ctx=4096, q_len=1), dict(softcap=SOFTCAP), dict(ratio=1 / 1.05)),
+    ("decode/B16/ctx4096/alibi", dict(B=16, ctx=4096, q_len=1), dict(alibi_slopes="head"), dict(ratio=1 / 1.05)),
+    ("decode/B16/ctx4096/sinks", dict(B=16, ctx=4096, q_len=1), dict(s_aux="head"), dict(ratio=1 / 1.05)),
+    ("prefill/B4/S4096/softcap", dict(B=4, ctx=4096, q_len=4096), dict(softcap=SOFTCAP), dict(ratio=1 / 1.15)),
+    ("decode/B16/ctx4096/d512", dict(B=16, ctx=4096, q_len=1, d=512), {}, dict(fraction=0.85)),
+)
+TINY_FEATURES = (
+    ("decode/B2/ctx200/window64", dict(B=2, ctx=200, q_len=1), dict(window_size=(64, 0)),
+     dict(base=dict(B=2, ctx=64, q_len=1), ratio=1 / 1.15)),
+    ("decode/B2/ctx80/sinks", dict(B=2, ctx=80, q_len=1), dict(s_aux="head"), dict(ratio=1 / 1.05)),
+)
+
+
+def feature_cases(ctx: Ctx) -> list[Case]:
+    out = []
+    for cid, shape, feats, goal in (TINY_FEATURES if ctx.tiny else FEATURES):
+        params = _params(ctx, shape["B"], shape["q_len"], shape["ctx"], "auto", layout="NHD",
+                         d=shape.get("d", _dims(ctx)["d"]), peers="base" if "ratio" in goal else "ours")
+        params["features"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in feats.items()}
+        goals = {"fraction": goal.get("fraction")}
+        if "ratio" in goal:  # the plain kernel at the same shape, or at `base` (the window's keys)
+            params.update(base=goal.get("base", {}), base_name=PLAIN)
+            goals["vs"] = (PLAIN, goal["ratio"])
+        out.append(Case(cid, "features", params, lambda ctx, rec, p=params, g=goals: run_case(ctx, rec, p, g)))
+    return out
+
+
+# sweep suite (not in "all"): ours alone at the shapes the tile and mode studies use, to run under
+# `--overrides` (e.g. tiles forced) and compare runs: (id, B, q_len, ctx, head dim, num_splits)
+SWEEP = ([(f"decode/B1/ctx32768/splits{n}", 1, 1, 32768, D, n) for n in (8, 16, 32, 64)]
+         + [(f"decode/B16/ctx4096/splits{n}", 16, 1, 4096, D, n) for n in (1, 2, 4, 8)]
+         + [(f"prefill/d{d}/B4/S4096", 4, 4096, 4096, d, 0) for d in (64, 128, 192, 256)]
+         + [(f"short/B32/q{q}/ctx4096", 32, q, 4096, D, 0) for q in (5, 8, 16, 32, 64)]
+         + [("prefill/B1/S16384", 1, 16384, 16384, D, 0), ("prefill/B16/S1024", 16, 1024, 1024, D, 0),
+            ("prefill/B8/q512/ctx8192", 8, 512, 8192, D, 0)])
+TINY_SWEEP = (("decode/B2/ctx80/splits2", 2, 1, 80, 64, 2), ("short/B2/q5/ctx48", 2, 5, 48, 64, 0))
+
+
+def sweep_cases(ctx: Ctx) -> list[Case]:
+    out = []
+    for cid, B, q_len, L, d, splits in (TINY_SWEEP if ctx.tiny else SWEEP):
+        params = _params(ctx, B, q_len, L, "auto", layout="NHD", peers="ours", num_splits=splits, d=d)
+        out.append(Case(cid, "sweep", params, lambda ctx, rec, p=params: run_case(ctx, rec, p)))
+    return out
+
+
 # -- data ------------------------------------------------------------------------------------------
 def gather_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """[num_blocks, bs, H, D] cache, [B, nb] table -> [B, nb * bs, H, D] (fp8 through uint8)."""
@@ -119,39 +171,17 @@ def gather_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return g.view(cache.dtype) if fp8 else g
 
 
-@dataclass
-class PagedData:
-    B: int
-    q_len: int
-    ctx_len: int
-    hq: int
-    hkv: int
-    d: int
-    bs: int
-    kv: str
-    q: list            # per set [B * q_len, Hq, D]
-    kc: torch.Tensor   # [num_blocks, bs, Hkv, D] (NHD, or HND: a view of [num_blocks, Hkv, bs, D]), bf16/fp8
-    vc: torch.Tensor
-    tables: list       # per set int32 [B, nb]
-    seqused: torch.Tensor
-    cu_q: torch.Tensor
-    k_descale: torch.Tensor | None
-    v_descale: torch.Tensor | None
-
-    @property
-    def scale(self) -> float:
-        return 1.0 / math.sqrt(self.d)
-
-    @property
-    def groups(self) -> int:
-        return self.hq // self.hkv
+class PagedData(SimpleNamespace):
+    """One case's inputs (`build`): B, q_len, ctx_len, hq, hkv, d, bs, kv (cache dtype), scale; per input
+    set q [B * q_len, Hq, D] and tables int32 [B, nb]; the caches kc, vc [num_blocks, bs, Hkv, D] (HND:
+    a view of [num_blocks, Hkv, bs, D]); seqused, cu_q; k_descale, v_descale (fp8) or None."""
 
     def gathered_kv(self, s: int, dtype=torch.bfloat16):
         """[B, Hkv, ctx, D] views of set s's pages (dequantised for fp8)."""
         out = []
         for cache, descale in ((self.kc, self.k_descale), (self.vc, self.v_descale)):
-            g = gather_pages(cache, self.tables[s])[:, :self.ctx_len]
-            out.append((g.to(dtype) * descale.to(dtype) if g.dtype in FP8_DTYPES else g.to(dtype)).transpose(1, 2))
+            g = gather_pages(cache, self.tables[s])[:, :self.ctx_len].to(dtype)
+            out.append((g * descale.to(dtype) if descale is not None else g).transpose(1, 2))
         return out
 
     def contiguous_kv(self, s: int, dtype=torch.bfloat16):
@@ -162,7 +192,7 @@ class PagedData:
 def build(ctx: Ctx, p: dict, sets: int, gen_seed: int = 0) -> PagedData:
     dev = ctx.device
     B, q_len, L, hq, hkv, d, bs, kv = (p[k] for k in ("B", "q_len", "ctx", "hq", "hkv", "d", "bs", "kv_cache_dtype"))
-    nb = ceil_div(L, bs)
+    nb = math.ceil(L / bs)
     need = B * nb * sets
     num_blocks = need + max(need // 4, 8)
     torch.manual_seed(gen_seed)
@@ -178,11 +208,11 @@ def build(ctx: Ctx, p: dict, sets: int, gen_seed: int = 0) -> PagedData:
         kc, vc = ((torch.randn(shape, device=dev) / kd).clamp(-fmax, fmax).to(FP8_TORCH[kv]) for _ in range(2))
     if hnd:  # the logical [num_blocks, bs, Hkv, D] whatever the memory order
         kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
-    tables = shuffled_tables(num_blocks, B, nb, sets, dev)
-    q = [torch.randn(B * q_len, hq, d, dtype=torch.bfloat16, device=dev) for _ in range(sets)]
-    cu_q = torch.arange(0, B * q_len + 1, q_len, dtype=torch.int32, device=dev)
-    seqused = torch.full((B,), L, dtype=torch.int32, device=dev)
-    return PagedData(B, q_len, L, hq, hkv, d, bs, kv, q, kc, vc, tables, seqused, cu_q, kd, vd)
+    return PagedData(B=B, q_len=q_len, ctx_len=L, hq=hq, hkv=hkv, d=d, bs=bs, kv=kv, scale=1 / math.sqrt(d),
+                     q=[torch.randn(B * q_len, hq, d, dtype=torch.bfloat16, device=dev) for _ in range(sets)],
+                     kc=kc, vc=vc, tables=shuffled_tables(num_blocks, B, nb, sets, dev), k_descale=kd, v_descale=vd,
+                     seqused=torch.full((B,), L, dtype=torch.int32, device=dev),
+                     cu_q=torch.arange(0, B * q_len + 1, q_len, dtype=torch.int32, device=dev))
 
 
 # -- the reference ---------------------------------------------------------------------------------
@@ -204,13 +234,6 @@ def reference_out(data: PagedData, s: int = 0, causal: bool = True, **features) 
 
 
 # -- ours and the peers ----------------------------------------------------------------------------
-def _sdpa_backend(name: str):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name]
-    return lambda: sdpa_kernel([backend])
-
-
 def unsupported(p: dict) -> str | None:
     """Why the op cannot run this case (its registry does not list the cache dtype), or None."""
     from pagedattn.ops.attention import AttnFwdSpec  # noqa: PLC0415
@@ -219,7 +242,9 @@ def unsupported(p: dict) -> str | None:
     return None if kv in supported else f"kv_cache_dtype {kv!r} (supported: {', '.join(supported)})"
 
 
-def _ours_fn(fa, data: PagedData, num_splits: int = 0, **features):
+def ours_fn(data: PagedData, num_splits: int = 0, **features):
+    """fn(k): pagedattn.flash_attn_varlen_func on input set k of `data`, as the suites call it."""
+    fa = flash_fn()
     if data.kv != "auto":  # the caches are float8 tensors: their dtype names the format
         features.update(k_descale=data.k_descale, v_descale=data.v_descale)
 
@@ -265,25 +290,27 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
     sets = _sets(ctx, p)
     data = build(ctx, p, sets)
     rec.extra(sets=sets, kv_bytes=kv_bytes, num_blocks=data.kc.shape[0], methods=list(METHODS))
-    fa = flash_fn()
-    ours = _ours_fn(fa, data, **feats)
+    ours = ours_fn(data, p.get("num_splits", 0), **feats)
 
-    # correctness once, then timing (a failure is the case's error; the peers still run)
+    # correctness once, then timing (a failure is the case's error; the peers still run). The reference
+    # holds [Hq, q_len, ctx] float32 scores per sequence: beyond 4096 x 4096 the check runs at B=1, 4096.
+    big = sq * L > 4096 * 4096
+    checked = build(ctx, dict(p, B=1, q_len=min(sq, 4096), ctx=min(L, 4096)), 1, gen_seed=2) if big else data
     box: dict = {}
-    rec.attempt("float32 reference", lambda: box.update(ref=reference_out(data, **feats)))
-    ref = box.get("ref")
+    rec.attempt("float32 reference", lambda: box.update(ref=reference_out(checked, **feats)))
+    ref = None if big else box.get("ref")  # the peers' check (peers.fastest)
 
     def check_and_time():
         try:
-            out = ours(0)
+            out = ours_fn(checked, p.get("num_splits", 0), **feats)(0) if big else ours(0)
         except (pagedattn.UnsupportedError, NotImplementedError) as exc:
             box["refused"] = short_error(exc)
             return
         ctx.sync()
-        if tuple(out.shape) != (B * sq, hq, d):
-            rec.check(False, "rel_l2", f"output shape {tuple(out.shape)}, expected {(B * sq, hq, d)}")
-        elif ref is not None:
-            rec.check_close(out, ref, TOLERANCE)
+        if tuple(out.shape) != tuple(checked.q[0].shape):
+            rec.check(False, "rel_l2", f"output shape {tuple(out.shape)}, expected {tuple(checked.q[0].shape)}")
+        elif box.get("ref") is not None:
+            rec.check_close(out, box["ref"], TOLERANCE)
         del out
         rec.ours("pagedattn" + (" " + "+".join(feats) if feats else ""), ours, sets, methods=METHODS)
     rec.attempt("pagedattn", check_and_time)
@@ -294,14 +321,14 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
     if role == "base":  # ours on a plain NHD cache, default block size (or at `base`): what a case is held to
         base = dict(p, layout="NHD", bs=_dims(ctx)["bs"], features={}, **p.get("base", {}))
         base_sets = _sets(ctx, base)
-        rec.peer(p.get("base_name", BASE_PEER), lambda: _ours_fn(fa, build(ctx, base, base_sets, gen_seed=1)),
+        rec.peer(p.get("base_name", BASE_PEER), lambda: ours_fn(build(ctx, base, base_sets, gen_seed=1)),
                  base_sets, methods=METHODS)
     elif role == "none":
         rec.note("no peers: they would read the same bf16 copy as the fp8_e4m3 case")
-    elif role in ("all", "torch"):
-        _torch_peers(ctx, rec, data, ref, sets, flex=role == "all")
+    elif role in ("all", "torch"):  # (role "ours": no peers)
+        peerlib.torch_peers(ctx, rec, data, ref, sets)
         if role == "all":
-            _paged_peers(ctx, rec, data, ref, sets)
+            peerlib.fa4_peer(ctx, rec, data, ref, sets)
     if fp8 and role != "none":
         rec.note("torch peers read a bf16 dequantised copy (torch has no fp8-KV attention)")
     goals = goals or {}
@@ -310,65 +337,3 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
             rec.target(goals[key], unit)
     if goals.get("vs"):
         rec.goal_ratio(*goals["vs"])
-
-
-def fastest_peer(ctx: Ctx, rec: Recorder, name: str, candidates, ref, sets: int, context=None,
-                 methods=METHODS) -> None:
-    """Time peer `name` at its fastest correct configuration (peers.fastest); the record names it."""
-    info: dict = {}
-    impl = rec.peer(name, lambda: peerlib.fastest(ctx, candidates, ref, info, sets), sets, context=context,
-                    methods=methods)
-    if not impl.get("error"):
-        impl.update({k: v for k, v in info.items() if v is None or isinstance(v, (str, int, float))})
-
-
-def _torch_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int, flex: bool) -> None:
-    B, sq, L = data.B, data.q_len, data.ctx_len
-    kv_sets = [data.contiguous_kv(s) for s in range(sets)]
-    for backend in ("cudnn", "flash"):
-        if not ctx.is_cuda:
-            rec.peer_failed(f"sdpa {backend}", "needs CUDA")
-            continue
-        fastest_peer(ctx, rec, f"sdpa {backend}", peerlib.sdpa_candidates(data, data.q, lambda k: kv_sets[k]),
-                     ref, sets, context=_sdpa_backend(backend))
-    gather = [(f"gather then sdpa {variant}, default backend", factory) for variant, factory
-              in peerlib.sdpa_candidates(data, data.q, data.gathered_kv, repeat=False)]
-    fastest_peer(ctx, rec, "gather+sdpa", gather, ref, sets)
-    flex_skip = ("needs CUDA" if not ctx.is_cuda else "--quick" if ctx.quick else "--no-flex" if ctx.no_flex
-                 else "fp8 case (its peers read the bf16 copy the bf16 case measures)" if not flex
-                 else f"one compile per shape: decode runs it at (B, ctx) in {FLEX_DECODE} only"
-                 if (sq == 1 and (B, L) not in FLEX_DECODE) else None)
-    if flex_skip is None:
-        fastest_peer(ctx, rec, "flex", [("torch.compile(flex_attention), unpaged", lambda: _flex(ctx, data, kv_sets))],
-                     ref, sets)
-    else:
-        rec.note(f"flex not run: {flex_skip}")
-
-
-def _paged_peers(ctx: Ctx, rec: Recorder, data: PagedData, ref, sets: int) -> None:
-    """FA4 and vLLM's Triton kernel on our paged cache (optional packages)."""
-    for name, candidates in (("fa4 paged", peerlib.fa4_candidates), ("vllm triton", peerlib.vllm_candidates)):
-        if not ctx.is_cuda:
-            rec.peer_failed(name, "needs CUDA")
-            continue
-        try:
-            cands = candidates(data)
-        except Exception as exc:  # noqa: BLE001 - ImportError, or the package breaks on import
-            rec.peer_failed(name, f"not available: {short_error(exc, 300)}")
-            continue
-        fastest_peer(ctx, rec, name, cands, ref, sets)
-
-
-def _flex(ctx: Ctx, data: PagedData, kv_sets):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    B, sq, hq, d = data.B, data.q_len, data.hq, data.d
-    compiled = torch.compile(flex_attention, dynamic=False)
-    qp = [q.view(B, sq, hq, d).transpose(1, 2).contiguous() for q in data.q]
-    mask = (create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, sq, data.ctx_len, device=ctx.device)
-            if sq > 1 else None)
-
-    def fn(k):
-        o = compiled(qp[k], *kv_sets[k], block_mask=mask, scale=data.scale, enable_gqa=True)
-        return o.transpose(1, 2).reshape(B * sq, hq, d)
-    return fn

@@ -26,7 +26,7 @@ class Ctx:
     l2_bytes: int = H200_L2
     say: Callable[[str], None] = print
     case_timeout_s: float = 600.0
-    no_flex: bool = False         # skip the FlexAttention peer (its compile takes tens of seconds)
+    write_overrides: dict | None = None  # the write op's overrides= in every write (--overrides "write")
 
     @property
     def is_cuda(self) -> bool:
@@ -34,7 +34,7 @@ class Ctx:
 
     @classmethod
     def make(cls, device: str, quick: bool, tiny: bool = False, ceilings: dict | None = None,
-             say=print, case_timeout_s: float = 600.0, no_flex: bool = False) -> "Ctx":
+             say=print, case_timeout_s: float = 600.0, write_overrides: dict | None = None) -> "Ctx":
         dev = torch.device(device)
         if dev.type == "cuda":
             dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
@@ -44,9 +44,10 @@ class Ctx:
         else:
             l2 = 4 * 2**20
             timer = CpuTimer(budget_s=0.01, min_reps=3, max_reps=50, flush_nbytes=2**20, device=dev)
-        return cls(dev, quick, tiny, timer, dict(ceilings or {}), l2, say, case_timeout_s, no_flex)
+        return cls(dev, quick, tiny, timer, dict(ceilings or {}), l2, say, case_timeout_s, write_overrides)
 
     def sets_for(self, working_set_bytes: float, cap: int = 64) -> int:
+        """Input sets to rotate through so that the inputs are not in L2 (timing.rotation_sets)."""
         return rotation_sets(working_set_bytes, self.l2_bytes, cap=cap)
 
     def sync(self) -> None:
@@ -72,10 +73,11 @@ class Recorder:
         self.record = schema.new_case(case.id, case.suite, case.params)
         self._emit = emit_partial or (lambda rec: None)
 
-    def _update(self, key: str | None = None, name: str | None = None, impl: dict | None = None) -> dict:
-        if key == "ours":
+    def _update(self, name: str | None = None, impl: dict | None = None) -> dict:
+        """Record ours (name None) or peer `name`, derive the numbers, send the record so far."""
+        if name is None:
             self.record["ours"] = impl
-        elif key == "peers":
+        else:
             self.record["peers"][name] = impl
         schema.derive(self.record, self.ctx.ceilings)
         self._emit(self.record)
@@ -107,11 +109,11 @@ class Recorder:
 
     def ours(self, name: str, fn, sets: int = 1, methods=("rot",)) -> dict:
         """Time our implementation under each of `methods` (timing.METHODS); failures propagate."""
-        return self._update("ours", impl=self._time(name, fn, sets, methods))
+        return self._update(None, self._time(name, fn, sets, methods))
 
     def ours_value(self, name: str, value: float, us: float | None = None, **stats) -> dict:
         """A number that is not a CUDA-event timing (jit suite: seconds, host µs)."""
-        return self._update("ours", impl=_value_impl(name, value, us, stats))
+        return self._update(None, _value_impl(name, value, us, stats))
 
     def peer(self, name: str, make_fn, sets: int = 1, context=None, methods=("rot",)) -> dict:
         """Time a peer under each of `methods`. `make_fn()` builds the callable fn(k) (and may raise:
@@ -124,13 +126,13 @@ class Recorder:
             impl = schema.impl_error(name, short_error(exc))
             if self.ctx.is_cuda:
                 assert_cuda_healthy()
-        return self._update("peers", name, impl)
+        return self._update(name, impl)
 
     def peer_value(self, name: str, value: float, us: float | None = None, **stats) -> dict:
-        return self._update("peers", name, _value_impl(name, value, us, stats))
+        return self._update(name, _value_impl(name, value, us, stats))
 
     def peer_failed(self, name: str, reason: str) -> None:
-        self._update("peers", name, schema.impl_error(name, reason))
+        self._update(name, schema.impl_error(name, reason))
 
     def check(self, ok: bool, kind: str, detail: str = "", **numbers) -> None:
         self.record["check"] = {"ok": bool(ok), "kind": kind, "detail": detail, **numbers}
@@ -210,10 +212,6 @@ def shuffled_tables(num_blocks: int, batch: int, blocks_per_seq: int, sets: int,
         raise ValueError(f"need {n * sets} blocks, cache has {num_blocks}")
     perm = torch.randperm(num_blocks)
     return [perm[s * n:(s + 1) * n].view(batch, blocks_per_seq).to(torch.int32).to(device) for s in range(sets)]
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def nan_fill_(t: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """jit suite: what the JIT costs a user (perf/README.md, "jit suite"): cold and warm first calls in fresh
-processes (_jit_worker.py), steady-state host µs per API call, and the raw launcher's µs per launch.
+processes (`worker`) and steady-state host µs per API call. `capture_launches` records a call's
+launches for replay (perf/launch_overhead.py times the raw launcher with it).
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from .attention import build, ours_fn
 from .common import Case, Ctx, Recorder
+from .runner import read_jsonl
 from .timing import host_loops
 
 NAME = "jit"
@@ -31,7 +34,7 @@ def available(ctx: Ctx):
 
 
 # -- the workloads: setup(device) -> {"fn": our call, "peer": (name, torch call) or None} --------------
-# (shared with _jit_worker.py, which measures their first calls in fresh processes)
+# (`worker` measures their first calls in fresh processes)
 def _write(layout: str, kv: str):
     def setup(device):
         import pagedattn
@@ -51,19 +54,23 @@ def _write(layout: str, kv: str):
     return setup
 
 
+def _paged(device, L: int, kv: str = "auto", q_len: int = 1):
+    """The bench's paged inputs for one request (Hq=32, Hkv=8, D=128, block 16), one input set."""
+    p = dict(B=1, q_len=q_len, ctx=L, hq=32, hkv=H, d=D, bs=BLOCK, kv_cache_dtype=kv)
+    return build(Ctx(torch.device(device)), p, sets=1)
+
+
 def _attention(kv: str, q_len: int, L: int):
     def setup(device):
         import torch.nn.functional as F
 
-        from .sweeps import ours, paged
-
-        data = paged(1, L, kv, q_len, device=device)  # the bench's inputs: Hq=32, Hkv=8, D=128, block 16
+        data = _paged(device, L, kv, q_len)
         peer = None
         if kv == "auto" and q_len == 1:
             kk, vv = data.contiguous_kv(0)
             qf = data.q[0].view(1, H, 4, D)
             peer = ("torch sdpa (unpaged, default backend)", lambda: F.scaled_dot_product_attention(qf, kk, vv))
-        fn = ours(data)
+        fn = ours_fn(data)
         return {"fn": lambda: fn(0), "peer": peer}
     return setup
 
@@ -73,9 +80,8 @@ def _legacy(variant: str, L: int = 1024):
         import pagedattn.legacy as legacy
 
         from .legacy import to_legacy
-        from .sweeps import paged
 
-        data = paged(1, L, device=device)
+        data = _paged(device, L)
         kl, vl = to_legacy(data.kc, data.vc)
         out = torch.empty(1, 32, D, dtype=torch.bfloat16, device=device)
         args = (data.q[0], kl, vl, H, 1 / math.sqrt(D), data.tables[0], data.seqused, BLOCK, L)
@@ -101,86 +107,96 @@ def _names(ctx: Ctx) -> list[str]:
 
 
 def cases(ctx: Ctx) -> list[Case]:
-    names, host = _names(ctx), HOST
+    names = _names(ctx)
     kinds = (("cold", names, "first call, empty cache", _cold),
              ("warm", names, "first call, disk hit", _warm),
-             ("host", host, "host µs per API call", _host),
-             ("launcher", host, "raw launcher µs per launch", _launcher))
+             ("host", HOST, "host µs per API call", _host))
     return [Case(f"jit/{kind}/{n}", NAME, {"workload": n, "what": what},
                  lambda ctx, rec, n=n, run=run: run(ctx, rec, n))
             for kind, which, what, run in kinds for n in which]
 
 
-# -- fresh processes -------------------------------------------------------------------------------
-def _run_worker(ctx: Ctx, names: list[str], cache_dir: str, timeout_s: float) -> dict:
-    fd, out_path = tempfile.mkstemp(prefix="pagedattn-jit-", suffix=".jsonl")
-    os.close(fd)
+# -- fresh processes: `python -m pagedattn.bench.jit WORKLOADS OUT` (`worker`) ------------------------
+def worker(names: str, out_path: str) -> None:
+    """Time the first call of each workload (with a sync) in this fresh process, and note which kernel
+    variants it compiled and how long each took (the cache entries' meta.json): with an empty
+    PAGEDATTN_CACHE_DIR the cold path, on a filled one the warm path. One JSON line per workload."""
+    from pagedattn import envs
+    from pagedattn.codegen.cache import kernel_cache
+
+    def entries() -> dict:  # the disk cache's entries: folder name -> its meta.json
+        return {m.parent.name: json.loads(m.read_text()) for m in envs.cache_dir().glob("*/meta.json")}
+
+    torch.zeros(1, device="cuda").add_(1)
+    torch.cuda.synchronize()  # context creation stays out of the first-call times
+    with open(out_path, "a", buffering=1) as out:
+        for name in names.split(","):
+            rec = {"workload": name}
+            try:
+                work = WORKLOADS[name]("cuda")
+                torch.cuda.synchronize()
+                before, compiles = entries(), kernel_cache().compiles
+                t0 = time.perf_counter()
+                work["fn"]()
+                torch.cuda.synchronize()
+                rec.update(first_call_s=time.perf_counter() - t0, compiles=kernel_cache().compiles - compiles,
+                           variants={m.get("variant", k): m.get("compile_seconds")
+                                     for k, m in entries().items() if k not in before},
+                           origins=sorted({a.origin for a in kernel_cache()._memory.values()}))
+            except Exception as exc:  # noqa: BLE001
+                rec["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"
+            out.write(json.dumps(rec) + "\n")
+
+
+def _run_worker(ctx: Ctx, cache_dir: str, timeout_s: float) -> dict:
+    """workload -> its worker record, and "_failed": why the others are missing."""
+    out_path = Path(cache_dir) / "jit_worker.jsonl"
     env = dict(os.environ, PAGEDATTN_CACHE_DIR=cache_dir, PAGEDATTN_AOT_DIR="", PAGEDATTN_DISABLE_JIT="0")
     env.pop("PAGEDATTN_ARCH", None)
-    cmd = [sys.executable, str(Path(__file__).with_name("_jit_worker.py")), "--workloads", ",".join(names),
-           "--out", out_path]
     # same process group as this suite process: if the runner kills us, the worker goes too
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "pagedattn.bench.jit", ",".join(_names(ctx)), str(out_path)],
+                            env=env)
     try:
-        rc, timed_out = proc.wait(timeout=timeout_s), False
+        failed = f"the fresh process exited with code {proc.wait(timeout=timeout_s)} before this workload finished"
     except subprocess.TimeoutExpired:
         proc.kill()
-        rc, timed_out = proc.wait(), True
-    result = {"rc": rc, "timed_out": timed_out, "timeout_s": timeout_s, "workloads": {}, "start": None}
-    for line in Path(out_path).read_text().splitlines():
-        try:
-            obj = json.loads(line)
-        except ValueError:  # the last line of a worker killed while writing it
-            continue
-        if obj["event"] == "workload":
-            result["workloads"][obj["workload"]] = obj
-        elif obj["event"] == "start":
-            result["start"] = obj
-    os.unlink(out_path)
-    return result
-
-
-def _fresh_run(ctx: Ctx, which: str) -> dict:
-    """The cold run (an empty cache folder), then the warm one (the same folder, filled), once each."""
-    if "cold" not in _MEMO:
-        _MEMO["cache_dir"] = cache_dir = tempfile.mkdtemp(prefix="pagedattn-bench-cold-")
-        # stay inside the runner's no-progress limit, which would otherwise kill this case
-        timeout = min(150.0 if ctx.quick else 360.0, 0.8 * ctx.case_timeout_s)
-        ctx.say(f"  jit: cold compiles in a fresh process, empty cache {cache_dir} (up to {timeout:.0f} s)")
-        _MEMO["cold"] = _run_worker(ctx, _names(ctx), cache_dir, timeout)
-    if which == "warm" and "warm" not in _MEMO:
-        ctx.say("  jit: warm first calls in a fresh process (disk hit)")
-        _MEMO["warm"] = _run_worker(ctx, _names(ctx), _MEMO["cache_dir"], min(180.0, 0.8 * ctx.case_timeout_s))
-        shutil.rmtree(_MEMO["cache_dir"], ignore_errors=True)
-    return _MEMO[which]
+        proc.wait()
+        failed = f"the fresh process timed out after {timeout_s:.0f} s before this workload finished"
+    records = {r["workload"]: r for r in read_jsonl(out_path)} if out_path.exists() else {}
+    out_path.unlink(missing_ok=True)
+    return {**records, "_failed": failed}
 
 
 def _first_call(ctx: Ctx, rec: Recorder, name: str, which: str) -> dict:
-    """Record the fresh process's first call of workload `name`; its worker result."""
-    run = _fresh_run(ctx, which)
-    w = run["workloads"].get(name)
-    if w is None:
-        raise RuntimeError(f"the fresh process timed out after {run['timeout_s']:.0f} s before this workload "
-                           "finished" if run["timed_out"] else
-                           f"the fresh process exited with code {run['rc']} before this workload finished")
+    """The first call of workload `name` in the cold run (an empty cache folder) or the warm one (the
+    same folder, filled); each runs once, for every workload."""
+    if "cold" not in _MEMO:
+        _MEMO["dir"] = tempfile.mkdtemp(prefix="pagedattn-bench-cold-")
+        # stay inside the runner's no-progress limit, which would otherwise kill this case
+        timeout = min(150.0 if ctx.quick else 360.0, 0.8 * ctx.case_timeout_s)
+        ctx.say(f"  jit: cold compiles in a fresh process, empty cache {_MEMO['dir']} (up to {timeout:.0f} s)")
+        _MEMO["cold"] = _run_worker(ctx, _MEMO["dir"], timeout)
+    if which == "warm" and "warm" not in _MEMO:
+        ctx.say("  jit: warm first calls in a fresh process (disk hit)")
+        _MEMO["warm"] = _run_worker(ctx, _MEMO["dir"], min(180.0, 0.8 * ctx.case_timeout_s))
+        shutil.rmtree(_MEMO["dir"], ignore_errors=True)
+    w = _MEMO[which].get(name) or {"error": _MEMO[which]["_failed"]}
     if w.get("error"):
         raise RuntimeError(w["error"])
     rec.work("s" if which == "cold" else "ms")
-    rec.extra(compiles=w.get("compiles"), origins=w.get("origins"),
-              import_pagedattn_s=(run.get("start") or {}).get("import_pagedattn_s"))
+    rec.extra(compiles=w["compiles"], origins=w["origins"])
     return w
 
 
 def _cold(ctx: Ctx, rec: Recorder, name: str) -> None:
     w = _first_call(ctx, rec, name, "cold")
-    variants = w.get("variants") or {}
-    rec.extra(variants=variants, compile_s_total=sum(v for v in variants.values() if isinstance(v, (int, float))))
+    rec.extra(variants=w["variants"], compile_s_total=sum(v or 0 for v in w["variants"].values()))
     rec.ours_value("pagedattn", w["first_call_s"], us=w["first_call_s"] * 1e6)
 
 
 def _warm(ctx: Ctx, rec: Recorder, name: str) -> None:
     w = _first_call(ctx, rec, name, "warm")
-    if w.get("compiles"):
+    if w["compiles"]:
         rec.note(f"{w['compiles']} compile(s) on a filled cache: the disk cache missed")
     rec.ours_value("pagedattn", w["first_call_s"] * 1e3, us=w["first_call_s"] * 1e6)
 
@@ -223,15 +239,13 @@ class Launch(NamedTuple):
 
 
 def capture_launches(fn):
-    """Run fn once (plans forgotten first), recording every launch and every kernel looked up (spec,
-    device). A launch is a Launcher call (its values repacked on replay) or a Prepared launch (the
-    attention and write ops' own; its leading fields read back from the launch buffer and repacked on
-    replay). Returns (launches, specs, fn's result)."""
-    from pagedattn import registry
+    """Run fn once (plans forgotten first), recording every launch: a Launcher call (its values repacked
+    on replay) or a Prepared launch (the attention and write ops' own; its leading fields read back from
+    the launch buffer and repacked on replay). Returns (launches, fn's result)."""
     from pagedattn.codegen import launch
 
-    orig_call, orig_init, orig_lookup = launch.Launcher.__call__, launch.Prepared.__init__, registry.Kernel.launcher
-    launches, specs, prepared = [], [], []
+    orig_call, orig_init = launch.Launcher.__call__, launch.Prepared.__init__
+    launches, prepared = [], []
 
     def recording_call(self, grid, block, values, stream=None):
         launches.append(Launch(self, lambda: orig_call(self, grid, block, values, stream)))
@@ -248,56 +262,17 @@ def capture_launches(fn):
         prepared.append((self, raw))
         self._launch = recording_launch
 
-    def recording_lookup(self, device):
-        specs.append((self.spec, device))
-        return orig_lookup(self, device)
-
     forget_plans()  # a known call would take a launch prepared before, unrecorded
     launch.Launcher.__call__, launch.Prepared.__init__ = recording_call, recording_init
-    registry.Kernel.launcher = recording_lookup
     try:
         result = fn()
         torch.cuda.synchronize()
     finally:
         launch.Launcher.__call__, launch.Prepared.__init__ = orig_call, orig_init
-        registry.Kernel.launcher = orig_lookup
         for p, raw in prepared:  # the launches prepared meanwhile launch unrecorded from now on
             p._launch = raw
-    return launches, specs, result
+    return launches, result
 
 
-def _launcher(ctx: Ctx, rec: Recorder, name: str) -> None:
-    import gc
-
-    import pagedattn
-    from pagedattn import registry
-
-    work = WORKLOADS[name](ctx.device)
-    calls, specs, keep = capture_launches(work["fn"])  # keep: outputs stay alive during the replay
-    if not calls:
-        raise RuntimeError("no launches were captured (the op does not launch through "
-                           "pagedattn.codegen.launch's Launcher or Prepared)")
-    n = 500 if ctx.quick else 2000
-
-    def replay():
-        for c in calls:
-            c.replay()
-    host, synced = _host_us(ctx, replay, n)
-    rec.work("us")
-    if not specs:  # the op cached its launcher (no lookup per call): find the kernel that owns it (gc scan)
-        ids = {id(c.launcher) for c in calls}
-        specs = [(obj.spec, dev) for obj in gc.get_objects() if isinstance(obj, registry.Kernel)
-                 for dev, launcher in getattr(obj, "_launchers", {}).items() if id(launcher) in ids]
-    lookup_us = None
-    if specs:
-        spec, dev = specs[0]
-        t0 = time.perf_counter()
-        for _ in range(n):
-            pagedattn.get_kernel(spec).launcher(dev)
-        lookup_us = (time.perf_counter() - t0) / n * 1e6
-    rec.extra(launches_per_call=len(calls), lookup_us=lookup_us,
-              kernels=sorted({pagedattn.variant_name(s) for s, _ in specs}),
-              us_per_launch_with_final_sync=synced / len(calls))
-    rec.ours_value("launcher", host / len(calls), us=host / len(calls), reps=n)
-    rec.target(HOST_TARGET_US, "us")
-    del keep
+if __name__ == "__main__":
+    worker(*sys.argv[1:3])

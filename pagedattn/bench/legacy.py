@@ -10,7 +10,8 @@ import torch
 import pagedattn.legacy
 from pagedattn.legacy import allocate_partials, num_partitions
 
-from . import attention, peers
+from . import attention
+from . import peers as peerlib
 from .common import Case, Ctx, Recorder
 
 NAME = "legacy"
@@ -58,59 +59,38 @@ def to_legacy(kc: torch.Tensor, vc: torch.Tensor):
 
 
 def _shared(ctx: Ctx, p: dict) -> dict:
+    """The data, its legacy layout, the reference and the peers' records of this case's shape and
+    block size: made for its first variant, kept for the next ones."""
     key = (p["B"], p["ctx"], p["kv_cache_dtype"], p["bs"], ctx.tiny)
     if _MEMO.get("key") != key:
         _MEMO.clear()
-        _MEMO["key"] = key
         if ctx.is_cuda:
             torch.cuda.empty_cache()
-        elem = 1 if p["kv_cache_dtype"] != "auto" else 2
-        kv_bytes = 2 * p["B"] * p["ctx"] * p["hkv"] * p["d"] * elem
+        kv_bytes = 2 * p["B"] * p["ctx"] * p["hkv"] * p["d"] * (1 if p["kv_cache_dtype"] != "auto" else 2)
         sets = ctx.sets_for(kv_bytes, cap=8)
         data = attention.build(ctx, p, sets)
-        k_leg, v_leg = to_legacy(data.kc, data.vc)
-        ref = attention.reference_out(data, causal=False)
-        _MEMO.update(data=data, k_leg=k_leg, v_leg=v_leg, ref=ref, sets=sets, kv_bytes=kv_bytes, peers={})
+        _MEMO.update(key=key, data=data, legacy_kv=to_legacy(data.kc, data.vc), ref=attention.reference_out(
+            data, causal=False), sets=sets, kv_bytes=kv_bytes, peers={})
     return _MEMO
-
-
-def _make_fn(p: dict, shared: dict):
-    """(out, fn(k)): the case's variant on input set k (v2 with its partial-result scratch)."""
-    legacy = _legacy()
-    data = shared["data"]
-    fp8 = p["kv_cache_dtype"] != "auto"
-    out = torch.empty(data.B, data.hq, data.d, dtype=torch.bfloat16, device=data.q[0].device)
-    scratch = allocate_partials(out, data.ctx_len) if p["variant"] == "v2" else ()
-    opts = {"alibi_slopes": None, "kv_cache_dtype": "fp8" if fp8 else "auto",
-            "k_scale": data.k_descale if fp8 else None, "v_scale": data.v_descale if fp8 else None}
-    op = {"v1": legacy.paged_attention_v1, "v2": legacy.paged_attention_v2,
-          "auto": legacy.paged_attention}[p["variant"]]
-
-    def fn(k):
-        return op(out, *scratch, data.q[k], shared["k_leg"], shared["v_leg"], data.hkv, data.scale, data.tables[k],
-                  data.seqused, data.bs, data.ctx_len, **opts)
-    return out, fn
-
-
-def _peers(ctx: Ctx, rec: Recorder, shared: dict) -> None:
-    data, sets = shared["data"], shared["sets"]
-    rec.peer("pagedattn flash", lambda: attention._ours_fn(attention.flash_fn(), data), sets)
-    if not ctx.is_cuda:
-        return rec.peer_failed("sdpa cudnn", "needs CUDA")
-    kv_sets = [data.contiguous_kv(s) for s in range(sets)]
-    attention.fastest_peer(ctx, rec, "sdpa cudnn", peers.sdpa_candidates(data, data.q, lambda k: kv_sets[k]),
-                           shared["ref"], sets, context=attention._sdpa_backend("cudnn"), methods=("rot",))
 
 
 def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
     shared = _shared(ctx, p)
-    sets = shared["sets"]
+    data, sets, fp8 = shared["data"], shared["sets"], p["kv_cache_dtype"] != "auto"
     rec.work("GB/s", shared["kv_bytes"], "copy")
     rec.extra(sets=sets, partitions=num_partitions(p["ctx"]))
-    out, fn = _make_fn(p, shared)
+    out = torch.empty(data.B, data.hq, data.d, dtype=torch.bfloat16, device=data.q[0].device)
+    legacy = _legacy()
+    op = {"v1": legacy.paged_attention_v1, "v2": legacy.paged_attention_v2, "auto": legacy.paged_attention}
+    scratch = allocate_partials(out, data.ctx_len) if p["variant"] == "v2" else ()
+    opts = {"alibi_slopes": None, "kv_cache_dtype": "fp8" if fp8 else "auto",
+            "k_scale": data.k_descale, "v_scale": data.v_descale}
 
-    # -- correctness once, then timing (a failure is the case's error; the peers still run) -------
-    def check_and_time():
+    def fn(k):  # the case's variant on input set k (v2 with its partial-result scratch)
+        return op[p["variant"]](out, *scratch, data.q[k], *shared["legacy_kv"], data.hkv, data.scale,
+                                data.tables[k], data.seqused, data.bs, data.ctx_len, **opts)
+
+    def check_and_time():  # correctness once, then timing (a failure is the case's error; the peers still run)
         out.fill_(float("nan"))
         picked = fn(0)
         ctx.sync()
@@ -121,12 +101,17 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
         rec.ours(f"legacy {p['variant']}", fn, sets)
     rec.attempt("pagedattn.legacy", check_and_time)
 
-    # the peers, measured once per shape and shared by its variants
-    if not shared["peers"]:
-        _peers(ctx, rec, shared)
+    if not shared["peers"]:  # the peers: measured once per shape and block size
+        rec.peer("pagedattn flash", lambda: attention.ours_fn(data), sets)
+        if not ctx.is_cuda:
+            rec.peer_failed("sdpa cudnn", "needs CUDA")
+        else:
+            kv_sets = [data.contiguous_kv(s) for s in range(sets)]
+            peerlib.fastest_peer(ctx, rec, "sdpa cudnn", peerlib.sdpa_candidates(data, data.q, lambda k: kv_sets[k]),
+                                 shared["ref"], sets, context=peerlib.sdpa_backend("cudnn"), methods=("rot",))
         shared["peers"].update(rec.record["peers"])
     else:
         rec.record["peers"].update({name: dict(impl) for name, impl in shared["peers"].items()})
     rec.note("peers measured once per shape and block size, shared by v1/v2/auto")
-    if p["kv_cache_dtype"] != "auto":
+    if fp8:
         rec.note("sdpa reads a bf16 dequantised copy")

@@ -1,17 +1,20 @@
-"""Metadata of a run: GPU, driver, CUDA, torch, pagedattn version and commit, clocks (read, never set)."""
+"""Metadata of a run: GPU, driver, CUDA, torch, pagedattn version and commit, clocks (read, never set);
+`host` and `write_quick` for the perf/ scripts."""
 from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 from . import report
 
-SMI_FIELDS = ("index", "uuid", "name", "driver_version", "pstate", "clocks.sm", "clocks.mem",
-              "clocks.max.sm", "clocks.max.mem", "power.draw", "power.limit", "temperature.gpu")
+SMI_FIELDS = ("driver_version", "pstate", "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem",
+              "power.draw", "power.limit", "temperature.gpu")
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -22,24 +25,24 @@ def _run(cmd: list[str]) -> str | None:
     return r.stdout if r.returncode == 0 else None
 
 
-def nvidia_smi(uuid: str | None = None, index: int | None = None) -> dict | None:
-    """One GPU's row of nvidia-smi (read-only query), or None when nvidia-smi is not usable."""
-    out = _run(["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"]) or ""
-    rows = []
-    for line in out.strip().splitlines():
-        vals = [v.strip() for v in line.split(",")]
-        if len(vals) == len(SMI_FIELDS):
-            rows.append(dict(zip(SMI_FIELDS, vals)))
-    bare = lambda u: u.lower().removeprefix("gpu-")  # noqa: E731
-    by_uuid = [r for r in rows if uuid and bare(r["uuid"]) == bare(uuid)]
-    if by_uuid or len(rows) <= 1:
-        return (by_uuid or rows or [None])[0]
-    return rows[index] if index is not None and index < len(rows) else rows[0]  # CUDA's order may differ
+def nvidia_smi(index: int = 0) -> dict | None:
+    """CUDA device `index`'s row of nvidia-smi (a read-only query; the GPU named by its UUID, as
+    nvidia-smi's order may differ from CUDA's), or None when nvidia-smi is not usable."""
+    import torch
+
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    which = "GPU-" + str(uuid).removeprefix("GPU-") if uuid else str(index)
+    out = _run(["nvidia-smi", f"--id={which}", f"--query-gpu={','.join(SMI_FIELDS)}",
+                "--format=csv,noheader,nounits"])
+    vals = [v.strip() for v in (out or "").strip().split(",")]
+    return dict(zip(SMI_FIELDS, vals)) if len(vals) == len(SMI_FIELDS) else None
 
 
-def clocks(uuid: str | None = None, index: int | None = None) -> dict | None:
-    row = nvidia_smi(uuid, index)
-    return None if row is None else {**{k: row.get(k) for k in SMI_FIELDS[4:]}, "time": now()}  # pstate on
+def clocks() -> dict | None:
+    import torch
+
+    row = nvidia_smi(torch.cuda.current_device()) if torch.cuda.is_available() else None
+    return None if row is None else {**{k: row[k] for k in SMI_FIELDS[1:]}, "time": now()}
 
 
 def now() -> str:
@@ -47,19 +50,16 @@ def now() -> str:
 
 
 def git_info() -> tuple[str | None, bool | None]:
-    import pagedattn
+    """The commit (pagedattn.info.git_commit) and whether the checkout has uncommitted changes (None
+    for an installed copy)."""
+    from pagedattn.info import git_commit
 
-    root = Path(pagedattn.__file__).resolve().parent.parent
-    if not (root / ".git").exists():  # an installed copy: the commit comes from the environment
-        from pagedattn.info import git_commit
-
-        return git_commit(), None
-    head = _run(["git", "-C", str(root), "rev-parse", "HEAD"])
+    root = Path(__file__).resolve().parents[2]
     status = _run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
-    return (head.strip() if head else None), (bool(status.strip()) if status is not None else None)
+    return git_commit(), bool(status.strip()) if status is not None and (root / ".git").exists() else None
 
 
-def collect(device: str, quick: bool, suites: list[str]) -> dict:
+def collect(device: str, quick: bool, suites: list[str], overrides: dict | None = None) -> dict:
     """The run's metadata: `pagedattn info`'s versions and GPU, the commit, nvidia-smi's driver and clocks."""
     import torch
 
@@ -71,7 +71,7 @@ def collect(device: str, quick: bool, suites: list[str]) -> dict:
             "date": now(), "quick": quick, "suites": list(suites), "torch": torch.__version__,
             "cuda": torch.version.cuda, "python": about["python"], "argv": ["pagedattn"] + sys.argv[1:],
             "nvrtc": about.get("nvrtc") or f"unavailable ({about.get('toolchain_error')})",
-            "driver_cuda": about.get("driver_cuda")}
+            "driver_cuda": about.get("driver_cuda"), "overrides": overrides or None}
     if device == "cpu":
         meta.update(sample=True, dry_run=True, gpu="cpu (dry run, not a measurement)", sm_count=0,
                     capability="-", arch="-", driver=None, clocks=None)
@@ -81,17 +81,18 @@ def collect(device: str, quick: bool, suites: list[str]) -> dict:
     meta.update(gpu=gpu["name"], sm_count=gpu["sms"], capability=gpu["capability"], arch=gpu["arch"],
                 memory_gib=gpu["memory_gib"], l2_bytes=int(getattr(props, "L2_cache_size", 0) or 0) or None,
                 cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
-    uuid = str(props.uuid) if getattr(props, "uuid", None) else None
-    row = nvidia_smi(uuid, idx)
-    meta["driver"] = (row.get("driver_version") if row else None) or (
+    row = nvidia_smi(idx)
+    meta["driver"] = (row or {}).get("driver_version") or (
         f"CUDA {meta['driver_cuda']} (nvidia-smi unavailable)" if meta["driver_cuda"] else None)
-    meta.update(clocks={"start": clocks(uuid, idx)} if row else None, _uuid=uuid, _index=idx)
+    meta["clocks"] = {"start": clocks()} if row else None
     return meta
 
 
 def results_name(meta: dict, folder: Path) -> Path:
-    """<gpu>_<sm>_<yyyymmdd>.json in folder; _2, _3 ... when that name is taken."""
+    """<gpu>_<sm>_<yyyymmdd>[_<overrides>].json in folder; _2, _3 ... when that name is taken."""
     base = f"{report.gpu_key(meta)}_{meta['date'][:10].replace('-', '')}"
+    if meta.get("overrides"):
+        base += "_" + re.sub(r"[^A-Za-z0-9=]+", "-", json.dumps(meta["overrides"])).strip("-")[:80]
     path, n = folder / f"{base}.json", 2
     while path.exists():
         path, n = folder / f"{base}_{n}.json", n + 1
@@ -101,8 +102,6 @@ def results_name(meta: dict, folder: Path) -> Path:
 def host() -> dict:
     """This machine's CPU side, for the perf/ scripts that need no GPU: host, CPU, cores, memory,
     python, platform, pagedattn version and commit, date."""
-    import os
-
     import pagedattn
     from pagedattn.info import git_commit
 
@@ -117,18 +116,17 @@ def host() -> dict:
 
 
 def write_quick(out_dir, kind: str, results, suffix: str = "", **extra) -> Path:
-    """<out_dir>/<kind>_<gpu>_<yyyymmdd><suffix>.json, as the perf/ scripts and `bench sweep` write it:
+    """<out_dir>/<kind>_<gpu>_<yyyymmdd><suffix>.json, as the perf/ scripts write it:
     {kind, metadata: GPU, capability, driver, software, commit, date and `extra`, results}."""
     import torch
 
     import pagedattn
     from pagedattn.info import git_commit
 
-    smi = nvidia_smi(index=torch.cuda.current_device()) or {}
     meta = dict(gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-                driver=smi.get("driver_version"), torch=torch.__version__, cuda=torch.version.cuda,
-                pagedattn=pagedattn.__version__, python=sys.version.split()[0], commit=git_commit(),
-                date=_dt.date.today().isoformat(), **extra)
+                driver=(nvidia_smi(torch.cuda.current_device()) or {}).get("driver_version"),
+                torch=torch.__version__, cuda=torch.version.cuda, pagedattn=pagedattn.__version__,
+                python=sys.version.split()[0], commit=git_commit(), date=_dt.date.today().isoformat(), **extra)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{kind}_{meta['gpu'].replace(' ', '_').lower()}_{meta['date'].replace('-', '')}{suffix}.json"

@@ -3,22 +3,20 @@
 A peer is a list of candidates `(variant, factory)`; `factory()` returns fn(k) -> out [total_q, Hq, D] for
 input set k, or raises. `fastest` runs each once, rejects those that fail or disagree with the float32
 reference, probes the rest (Timer.probe) and keeps the fastest; the record names the variant chosen
-and what each candidate did. FA4 and vLLM are optional: when they do not import, the peer is reported as
+and what each candidate did. FA4 is optional: when it does not import, the peer is reported as
 unavailable with the reason.
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 
-import torch
 import torch.nn.functional as F
 
-from .common import Ctx, rel_l2, short_error
+from .common import Ctx, Recorder, rel_l2, short_error
+from .timing import METHODS
 
 WRONG = 5e-2  # relative L2 above which a candidate's output is wrong (ours passes at 2e-2)
-VLLM_MODULES = ("vllm.v1.attention.ops.triton_unified_attention",
-                "vllm.attention.ops.triton_unified_attention")
+FA4 = "fa4 paged"
 
 
 # -- SDPA on contiguous KV -------------------------------------------------------------------------
@@ -37,7 +35,7 @@ def sdpa_candidates(data, q_sets, kv_of, repeat: bool = True):
     contiguous copies, or pages gathered inside the timing (gather+sdpa: then repeat=False, no KV
     repeated to Hq heads beforehand). Decode offers enable_gqa and the group folded into the query
     length (exact for one query token, no causal mask); prefill enable_gqa and KV repeated to Hq heads."""
-    B, sq, hq, hkv, d, g = data.B, data.q_len, data.hq, data.hkv, data.d, data.groups
+    B, sq, hq, hkv, d, g = data.B, data.q_len, data.hq, data.hkv, data.d, data.hq // data.hkv
     scale = data.scale
     if sq == 1:
         def gqa():
@@ -76,7 +74,7 @@ def sdpa_candidates(data, q_sets, kv_of, repeat: bool = True):
     return candidates + [("kv repeated to Hq heads (outside timing)", repeated)] if repeat else candidates
 
 
-# -- FA4 and vLLM on the paged cache ---------------------------------------------------------------
+# -- FA4 on the paged cache ---------------------------------------------------------------
 def _only_known(fn, kwargs: dict) -> dict:
     params = inspect.signature(fn).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -103,47 +101,6 @@ def fa4_candidates(data):
             return fn
         return factory
     return [("paged, num_splits=0 (its heuristic)", make(0)), ("paged, num_splits=1", make(1))]
-
-
-def vllm_candidates(data):
-    """vLLM's Triton unified_attention over our paged cache; raises ImportError without vLLM."""
-    errors = []
-    for name in VLLM_MODULES:
-        try:
-            ua = importlib.import_module(name).unified_attention
-            break
-        except Exception as exc:  # noqa: BLE001 - vLLM failing to import is "not available"
-            errors.append(f"{name}: {short_error(exc, 160)}")
-    else:
-        raise ImportError("; ".join(errors))
-    dev = data.q[0].device
-    one = torch.ones(1, dtype=torch.float32, device=dev)
-    out = torch.empty_like(data.q[0])
-    total_q = out.shape[0]
-    d_pad = 1 << (data.d - 1).bit_length()
-
-    def make(segments: int):
-        def factory():
-            kw = {"cu_seqlens_q": data.cu_q, "max_seqlen_q": data.q_len, "seqused_k": data.seqused,
-                  "max_seqlen_k": data.ctx_len, "softmax_scale": data.scale, "causal": True,
-                  "window_size": (-1, -1), "softcap": 0.0, "q_descale": None, "k_descale": one,
-                  "v_descale": one}
-            if segments:
-                if "num_par_softmax_segments" not in inspect.signature(ua).parameters:
-                    raise RuntimeError("this vLLM has no segmented (3D) decode path")
-                f32 = dict(dtype=torch.float32, device=dev)
-                kw.update(seq_threshold_3D=data.B, num_par_softmax_segments=segments,
-                          softmax_segm_output=torch.empty(total_q, data.hq, segments, d_pad, **f32),
-                          softmax_segm_max=torch.empty(total_q, data.hq, segments, **f32),
-                          softmax_segm_expsum=torch.empty(total_q, data.hq, segments, **f32))
-            kw = _only_known(ua, kw)
-
-            def fn(k):
-                ua(q=data.q[k], k=data.kc, v=data.vc, out=out, block_table=data.tables[k], **kw)
-                return out
-            return fn
-        return factory
-    return [("2D (whole sequence per program)", make(0)), ("3D, 16 segments + reduce", make(16))]
 
 
 # -- choosing -------------------------------------------------------------------------------------
@@ -176,3 +133,47 @@ def fastest(ctx: Ctx, candidates, ref, info: dict, sets: int = 1):
         raise RuntimeError(info["candidates"])
     _, info["variant"], fn, info["rel_l2"] = best
     return fn
+
+
+# -- running the peers of a case ------------------------------------------------------------------
+def sdpa_backend(name: str):
+    """A context factory: SDPA inside it runs on backend `name` (cudnn, flash)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name]
+    return lambda: sdpa_kernel([backend])
+
+
+def fastest_peer(ctx: Ctx, rec: Recorder, name: str, candidates, ref, sets: int, context=None,
+                 methods=METHODS) -> None:
+    """Time peer `name` at its fastest correct configuration (peers.fastest); the record names it."""
+    info: dict = {}
+    impl = rec.peer(name, lambda: fastest(ctx, candidates, ref, info, sets), sets, context=context,
+                    methods=methods)
+    if not impl.get("error"):
+        impl.update({k: v for k, v in info.items() if v is None or isinstance(v, (str, int, float))})
+
+
+def torch_peers(ctx: Ctx, rec: Recorder, data, ref, sets: int) -> None:
+    """cuDNN and flash SDPA on unpaged copies (CUDA only), and SDPA after a gather of the pages."""
+    kv_sets = [data.contiguous_kv(s) for s in range(sets)]
+    for backend in ("cudnn", "flash"):
+        if not ctx.is_cuda:
+            rec.peer_failed(f"sdpa {backend}", "needs CUDA")
+            continue
+        fastest_peer(ctx, rec, f"sdpa {backend}", sdpa_candidates(data, data.q, lambda k: kv_sets[k]),
+                     ref, sets, context=sdpa_backend(backend))
+    gather = [(f"gather then sdpa {variant}, default backend", factory) for variant, factory
+              in sdpa_candidates(data, data.q, data.gathered_kv, repeat=False)]
+    fastest_peer(ctx, rec, "gather+sdpa", gather, ref, sets)
+
+
+def fa4_peer(ctx: Ctx, rec: Recorder, data, ref, sets: int) -> None:
+    """FA4 on our paged cache, when flash_attn.cute imports."""
+    if not ctx.is_cuda:
+        return rec.peer_failed(FA4, "needs CUDA")
+    try:
+        cands = fa4_candidates(data)
+    except Exception as exc:  # noqa: BLE001 - ImportError, or the package breaks on import
+        return rec.peer_failed(FA4, f"not available: {short_error(exc, 300)}")
+    fastest_peer(ctx, rec, FA4, cands, ref, sets)

@@ -16,6 +16,7 @@ SUITE_TITLES = {
     "features": "features: window, softcap, ALiBi, sinks against the plain kernel; head dim 512 (Hq=32, Hkv=8)",
     "legacy": "legacy: paged_attention v1 / v2 / auto (legacy cache layout)",
     "jit": "jit: compile, first-call and host costs",
+    "sweep": "sweep: ours alone at the tile and mode studies' shapes (Hq=32, Hkv=8, block 16)",
 }
 MARK = {True: " ✓", False: " ✗"}
 
@@ -28,10 +29,9 @@ def load(path) -> dict:
 
 
 def gpu_key(meta: dict) -> str:
-    slug = re.sub(r"[^a-z0-9]+", "-", str(meta.get("gpu", "gpu")).lower().replace("nvidia", "").strip())
-    slug = slug.strip("-") or "gpu"
+    slug = re.sub(r"[^a-z0-9]+", "-", str(meta.get("gpu", "gpu")).lower().replace("nvidia", "")).strip("-")
     cap = str(meta.get("capability", "")).replace(".", "")
-    return f"{slug}_sm{cap}" if cap and cap != "-" else slug
+    return f"{slug or 'gpu'}_sm{cap}" if cap and cap != "-" else slug or "gpu"
 
 
 def gpu_label(meta: dict) -> str:
@@ -41,8 +41,9 @@ def gpu_label(meta: dict) -> str:
 
 
 def load_folder(folder, include_samples: bool = False, warn=None) -> list[tuple[Path, dict]]:
-    """Every valid results file in `folder`, oldest first. Files marked sample are left out unless
-    asked for; invalid files are reported through `warn` and left out."""
+    """Every valid results file in `folder` measured with the library's defaults, oldest first. Files
+    marked sample are left out unless asked for, and so are runs under --overrides; invalid files are
+    reported through `warn` and left out."""
     out = []
     for path in sorted(Path(folder).glob("*.json")):
         try:
@@ -54,7 +55,7 @@ def load_folder(folder, include_samples: bool = False, warn=None) -> list[tuple[
             if warn:
                 warn(f"skipping {path}: {str(exc).splitlines()[0]}")
             continue
-        if include_samples or not data["metadata"].get("sample"):
+        if (include_samples or not data["metadata"].get("sample")) and not data["metadata"].get("overrides"):
             out.append((path, data))
     return sorted(out, key=lambda pr: (str(pr[1]["metadata"].get("date", "")), pr[0].name))
 
@@ -66,24 +67,20 @@ def latest_per_gpu(files: list[tuple[Path, dict]], suite: str | None = None) -> 
 
 
 # -- formatting ------------------------------------------------------------------------------------
-def fmt_us(us) -> str:
-    if us is None:
-        return "-"
-    if us >= 1e6:
-        return f"{us / 1e6:.2f} s"
-    if us >= 1e4:
-        return f"{us / 1e3:.2f} ms"
-    return f"{us:.0f} µs" if us >= 100 else f"{us:.1f} µs" if us >= 10 else f"{us:.2f} µs"
-
-
 VALUE_FORMATS = {"GB/s": "{:,.0f} GB/s", "TFLOP/s": "{:.1f} TFLOP/s", "s": "{:.2f} s", "ms": "{:.1f} ms",
                  "us": "{:.2f} µs"}
 
 
-def fmt_value(value, unit) -> str:
-    if value is None or unit is None:
+def fmt_us(us) -> str:
+    if us is None:
         return "-"
-    return VALUE_FORMATS.get(unit, "{:g} " + unit).format(value)
+    if us >= 1e4:
+        return f"{us / 1e6:.2f} s" if us >= 1e6 else f"{us / 1e3:.2f} ms"
+    return f"{us:.0f} µs" if us >= 100 else f"{us:.1f} µs" if us >= 10 else f"{us:.2f} µs"
+
+
+def fmt_value(value, unit) -> str:
+    return "-" if value is None or unit is None else VALUE_FORMATS.get(unit, "{:g} " + unit).format(value)
 
 
 def fmt_frac(f) -> str:
@@ -98,18 +95,16 @@ def fmt_target(t) -> str:
     if not t:
         return ""
     unit, v = t.get("unit"), t.get("value")
-    if unit == "fraction":
-        goal = f"≥ {100 * v:.0f}%"
-    else:
-        goal = f"{'≤' if unit in ('us', 's', 'ms') else '≥'} {v:g} {'µs' if unit == 'us' else unit}"
+    goal = (f"≥ {100 * v:.0f}%" if unit == "fraction"
+            else f"{'≤' if unit in ('us', 's', 'ms') else '≥'} {v:g} {'µs' if unit == 'us' else unit}")
     return goal + MARK.get(t.get("met"), " ?")
 
 
 def goals_cell(case: dict) -> str:
-    """The target and the relative goals: "≥ 1× sdpa cudnn ✓" = ours at least that fast as the peer."""
-    parts = [fmt_target(case.get("target"))] + [
-        f"≥ {g.get('value', 0):.2g}× {g.get('peer')}{MARK.get(g.get('met'), ' ?')}"
-        for g in case.get("goals") or [] if isinstance(g, dict)]
+    """The target and the relative goals: "≥ 1× sdpa cudnn ✓" = ours at least as fast as the peer."""
+    parts = [fmt_target(case.get("target"))]
+    for g in case.get("goals") or []:
+        parts.append(f"≥ {g.get('value', 0):.2g}× {g.get('peer')}{MARK.get(g.get('met'), ' ?')}")
     return "; ".join(p for p in parts if p)
 
 
@@ -118,9 +113,7 @@ def method_us(impl: dict | None, method: str):
     if not impl or impl.get("error"):
         return None
     entry = (impl.get("methods") or {}).get(method)
-    if entry is not None:
-        return entry.get("us")
-    return impl.get("us") if method == impl.get("method", "rot") else None
+    return entry.get("us") if entry is not None else impl.get("us") if method == impl.get("method", "rot") else None
 
 
 def fmt_methods(impl: dict | None) -> str:
@@ -175,6 +168,16 @@ def peer_names(cases: list[dict]) -> list[str]:
     return list(dict.fromkeys(n for c in cases for n in c.get("peers", {})))
 
 
+def _jit_detail(c: dict) -> str:
+    ex = c.get("extra") or {}
+    parts = [", ".join(f"{k} {v:.1f} s" if isinstance(v, (int, float)) else k for k, v in ex["variants"].items())
+             if ex.get("variants") else f"{ex['compiles']} compiles" if ex.get("compiles") is not None else ""]
+    n = ex.get("launches_per_call")  # the launcher cases of older runs
+    parts.append(f"{n} launch{'es' if n != 1 else ''} per call" if n else "")
+    parts.append(f"get_kernel().launcher() {ex['lookup_us']:.2f} µs" if ex.get("lookup_us") is not None else "")
+    return "; ".join(p for p in parts if p)
+
+
 def suite_table(data: dict, suite: str) -> tuple[list[str], list[list[str]]]:
     """(header, rows) of one suite of one results file, the same for markdown and the console. Cases
     timed under both methods get a time column per method (throughput, ratios and goals from the worse),
@@ -187,13 +190,10 @@ def suite_table(data: dict, suite: str) -> tuple[list[str], list[list[str]]]:
                   "; ".join(f"{n}: {peer_cell(c, n)}" for n in c.get("peers", {})), _jit_detail(c), status_cell(c)]
                  for c in cases])
     unit = next((c.get("unit") for c in cases if c.get("unit")), "") or "value"
-    ceiling = next((c.get("ceiling") for c in cases if c.get("ceiling")), None)
-    of = f"of {ceiling}" if ceiling else "of ceiling"
-    methods = any((impl or {}).get("methods") for c in cases
-                  for impl in [c.get("ours")] + list((c.get("peers") or {}).values()))
+    of = "of " + next((c.get("ceiling") for c in cases if c.get("ceiling")), "ceiling")
+    methods = any((impl or {}).get("methods") for c in cases for impl in [c.get("ours"), *c.get("peers", {}).values()])
     if methods:
-        header = (["case"] + [f"us_{m}" for m in schema.METHODS]
-                  + [f"{unit} (worse)", f"{of} ({' / '.join(schema.METHODS)})", "floor"])
+        header = ["case", *(f"us_{m}" for m in schema.METHODS), f"{unit} (worse)", f"{of} (rot / flush)", "floor"]
     else:
         header = ["case", "ours", unit, of]
     rows = []
@@ -202,8 +202,8 @@ def suite_table(data: dict, suite: str) -> tuple[list[str], list[list[str]]]:
         if methods:
             per = [(ours.get("methods") or {}).get(m) or {} for m in schema.METHODS]
             fracs = " / ".join(fmt_frac(e.get("fraction")) for e in per) if any(per) else "-"
-            row = ([case_label(c)] + [fmt_us(method_us(ours, m)) for m in schema.METHODS]
-                   + [fmt_value(ours.get("value"), c.get("unit")), fracs, fmt_us(c.get("floor_us"))])
+            row = [case_label(c), *(fmt_us(method_us(ours, m)) for m in schema.METHODS),
+                   fmt_value(ours.get("value"), c.get("unit")), fracs, fmt_us(c.get("floor_us"))]
         else:
             row = [case_label(c), ours_cell(c), fmt_value(ours.get("value"), c.get("unit")),
                    fmt_frac(ours.get("fraction"))]
@@ -212,39 +212,9 @@ def suite_table(data: dict, suite: str) -> tuple[list[str], list[list[str]]]:
     return header + ["goal (H200)", "check"] + peers + ["status"], rows
 
 
-def _jit_detail(c: dict) -> str:
-    ex = c.get("extra") or {}
-    parts = []
-    if ex.get("variants"):
-        parts.append(", ".join(f"{k} {v:.1f} s" if isinstance(v, (int, float)) else k
-                               for k, v in ex["variants"].items()))
-    elif ex.get("compiles") is not None:
-        parts.append(f"{ex['compiles']} compiles")
-    if ex.get("launches_per_call"):
-        n = ex["launches_per_call"]
-        parts.append(f"{n} launch{'es' if n != 1 else ''} per call")
-    if ex.get("lookup_us") is not None:
-        parts.append(f"get_kernel().launcher() {ex['lookup_us']:.2f} µs")
-    return "; ".join(parts)
-
-
 def _kept_columns(header: list[str], rows: list[list[str]]) -> list[int]:
     """The first column, and those not empty in every row (e.g. "status" when all are ok)."""
     return [i for i in range(len(header)) if i == 0 or any(r[i] for r in rows)]
-
-
-def console_table(title: str, header: list[str], rows: list[list[str]]):
-    """A rich Table (the console's form of markdown_table): names left, numbers right."""
-    from rich.table import Table
-
-    keep = _kept_columns(header, rows)
-    table = Table(title=title)
-    for i in keep:
-        left = header[i] in ("suite", "case", "impl", "status")
-        table.add_column(header[i], overflow="fold", justify="left" if left else "right")
-    for r in rows:
-        table.add_row(*[r[i] for i in keep])
-    return table
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -259,82 +229,66 @@ def _ceiling(data: dict, which: str):
     return (data.get("ceilings", {}).get(which) or {}).get("value")
 
 
-def _meta_line(path: Path, data: dict) -> str:
-    m = data["metadata"]
-    commit = (m.get("git_commit") or "-")[:10] + ("+dirty" if m.get("git_dirty") else "")
-    return (f"| `{path.name}` | {gpu_label(m)} | {m.get('sm_count')} | {m.get('date', '-')[:19]} | {commit} | "
-            f"{'quick' if m.get('quick') else 'full'} | {fmt_value(_ceiling(data, 'copy'), 'GB/s')} | "
-            f"{fmt_value(_ceiling(data, 'matmul'), 'TFLOP/s')} | torch {m.get('torch')}, CUDA {m.get('cuda')}, "
-            f"driver {m.get('driver')} |")
-
-
-def with_history(files, history) -> dict[str, dict[str, tuple[Path, dict]]]:
-    """suite -> gpu key -> the newest run with that suite: from `files`, else (a suite no current run
-    of the GPU has, e.g. jit) from `history` (results_dir/history/, superseded runs)."""
-    out = {}
-    for suite in schema.SUITES:
-        latest = latest_per_gpu(files, suite)
-        out[suite] = {**latest, **{k: v for k, v in latest_per_gpu(history, suite).items() if k not in latest}}
-    return out
-
-
 INTRO = ("Generated by `pagedattn bench` from every results file in `perf/results/` (files marked "
-         "`\"sample\": true` are ignored); do not edit by hand. How to run and read: [README.md](README.md).")
+         "`\"sample\": true` and runs under `--overrides` are ignored); do not edit by hand. How to run and "
+         "read: [README.md](README.md).")
 LEGEND = ("Times are medians of CUDA-event timings (µs); `ours N×` = the peer's time over ours (above 1: ours "
           "is faster); `of copy` / `of matmul` = fraction of the ceiling measured in the same run. `n/a`: the "
           "peer could not run (reason in the JSON). Where a suite shows `us_rot` / `us_flush`, each case is "
           "timed back to back with rotated inputs and with the L2 flushed before every call (as "
           "`triton.testing.do_bench`); throughput, `N×` and goals use the worse of the two, and `floor` is "
           "the case's bytes (or flops) at the ceiling.")
+RUNS_HEADER = ["file", "GPU", "SMs", "date (UTC)", "commit", "mode", "copy ceiling", "bf16 matmul ceiling", "software"]
+
+
+def _run_row(path: Path, data: dict) -> list[str]:
+    m = data["metadata"]
+    commit = (m.get("git_commit") or "-")[:10] + ("+dirty" if m.get("git_dirty") else "")
+    return [f"`{path.name}`", gpu_label(m), str(m.get("sm_count")), m.get("date", "-")[:19], commit,
+            "quick" if m.get("quick") else "full", fmt_value(_ceiling(data, "copy"), "GB/s"),
+            fmt_value(_ceiling(data, "matmul"), "TFLOP/s"),
+            f"torch {m.get('torch')}, CUDA {m.get('cuda')}, driver {m.get('driver')}"]
 
 
 def render_markdown(files: list[tuple[Path, dict]], plots_rel: str | None = "plots",
                     history: list[tuple[Path, dict]] = ()) -> str:
+    """RESULTS.md: the runs, per suite and GPU the newest run with that suite (a suite that no current
+    run has, e.g. jit, from `history`, marked older), and ours across architectures."""
     out = ["# pagedattn performance results", "", INTRO, ""]
     if not files:
         return "\n".join(out + ["No results yet: run `pagedattn bench --suite all` on a GPU.", ""])
-    out += ["## Runs", "",
-            "| file | GPU | SMs | date (UTC) | commit | mode | copy ceiling | bf16 matmul ceiling | software |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    out += [_meta_line(p, d) for p, d in files] + ["", LEGEND, ""]
-    current = {p for p, _ in files}
-    for suite, latest in with_history(files, history).items():
-        if latest:
+    out += ["## Runs", "", markdown_table(RUNS_HEADER, [_run_row(p, d) for p, d in files]), "", LEGEND, ""]
+    for suite in schema.SUITES:
+        latest = latest_per_gpu(files, suite)
+        older = {k: v for k, v in latest_per_gpu(history, suite).items() if k not in latest}
+        if latest or older:
             out += [f"## {SUITE_TITLES.get(suite, suite)}", ""]
-        for key, (path, data) in latest.items():
-            m, old = data["metadata"], path not in current
-            where = (f"`history/{path.name}` ({m.get('date', '-')[:10]}, commit {(m.get('git_commit') or '-')[:10]}:"
-                     " the newest run with this suite, older than the runs above)" if old else f"`{path.name}`")
+        for key, (path, data) in {**latest, **older}.items():
+            m = data["metadata"]
+            where = f"`{path.name}`"
+            if key in older:
+                commit = (m.get("git_commit") or "-")[:10]
+                where = (f"`history/{path.name}` ({m.get('date', '-')[:10]}, commit {commit}: the newest run with "
+                         "this suite, older than the runs above)")
             out += [f"### {gpu_label(m)} — {where}", "", markdown_table(*suite_table(data, suite)), ""]
-            if plots_rel and not old and suite in MEASURED_SUITES + ("jit",):
+            if plots_rel and key not in older and suite in MEASURED_SUITES:
                 out += [f"![{suite} on {key}]({plots_rel}/{key}_{suite}.png)", ""]
-    across = across_table(files)
-    if across:
-        out += ["## Across architectures (ours, newest run per GPU)", "", across, ""]
-        if plots_rel:
-            out += [f"![across architectures]({plots_rel}/across_arch.png)", ""]
-    return "\n".join(out)
+    return "\n".join(out + ["## Across architectures (ours, newest run per GPU)", "", across_table(files), ""])
 
 
 def across_table(files: list[tuple[Path, dict]]) -> str:
+    """Per case id of the measured suites: ours (fraction of its ceiling) on each GPU's newest run."""
     latest = latest_per_gpu(files)
-    if not latest:
-        return ""
-    newest = {s: latest_per_gpu(files, s) for s in MEASURED_SUITES}  # a suite may come from its own run
-    by_key = {k: {c["id"]: c for s in MEASURED_SUITES if k in newest[s] for c in newest[s][k][1]["suites"][s]["cases"]}
-              for k in latest}
+    by_key = {k: {} for k in latest}
+    for s in MEASURED_SUITES:  # a suite may come from its own run
+        for k, (_, data) in latest_per_gpu(files, s).items():
+            by_key[k].update({c["id"]: c for c in data["suites"][s]["cases"]})
     rows = [["copy ceiling"] + [fmt_value(_ceiling(d, "copy"), "GB/s") for _, d in latest.values()],
             ["bf16 matmul ceiling"] + [fmt_value(_ceiling(d, "matmul"), "TFLOP/s") for _, d in latest.values()]]
     for cid in dict.fromkeys(cid for cases in by_key.values() for cid in cases):
-        row = [cid]
-        for k in latest:
-            c = by_key[k].get(cid)
-            ours = (c or {}).get("ours") or {}
-            if not c or ours.get("error") or ours.get("us") is None:
-                row.append("-" if not c else c.get("status", "-"))
-            else:
-                row.append(f"{fmt_us(ours['us'])} ({fmt_frac(ours.get('fraction'))})")
-        rows.append(row)
+        cells = [by_key[k].get(cid) for k in latest]
+        rows.append([cid] + ["-" if c is None else f"{fmt_us(c['ours']['us'])} ({fmt_frac(c['ours'].get('fraction'))})"
+                             if (c.get("ours") or {}).get("us") else c.get("status", "-") for c in cells])
     return markdown_table(["case"] + [gpu_label(d["metadata"]) for _, d in latest.values()], rows)
 
 
@@ -344,18 +298,17 @@ def write_results_md(results_dir, md_path, plots_dir=None, include_samples: bool
     files = load_folder(results_dir, include_samples=include_samples, warn=warn)
     history = load_folder(Path(results_dir) / "history", include_samples=include_samples, warn=warn)
     md_path, plots, plots_rel = Path(md_path), [], None
-    if plots_dir is not None:
+    if plots_dir is not None and files:
         try:
             from . import plots as plotting
 
             plots = plotting.make_all(files, plots_dir)
-            try:
-                plots_rel = str(Path(plots_dir).resolve().relative_to(md_path.parent.resolve()))
-            except ValueError:
-                plots_rel = str(Path(plots_dir).resolve())
+            plots_rel = str(Path(plots_dir).resolve().relative_to(md_path.parent.resolve()))
         except ImportError as exc:
             if warn:
                 warn(f"no plots: {exc} (pip install matplotlib)")
+        except ValueError:  # the plots are not below RESULTS.md's folder
+            plots_rel = str(Path(plots_dir).resolve())
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text(render_markdown(files, plots_rel, history))
     return md_path, plots
@@ -366,18 +319,14 @@ def compare(a: dict, b: dict, peers: bool = False) -> tuple[list[str], list[list
     """Case-by-case: (header, rows, summary lines). speed = A's time / B's time (above 1: B faster)."""
     header = ["suite", "case", "impl", "A", "B", "B speed vs A", "A of ceiling", "B of ceiling"]
     rows: list[list[str]] = []
-    for name in schema.CEILINGS:
+    for name, unit in schema.CEILING_UNIT.items():
         va, vb = _ceiling(a, name), _ceiling(b, name)
-        unit = schema.CEILING_UNIT[name]
         rows.append(["ceiling", name, "torch", fmt_value(va, unit), fmt_value(vb, unit),
                      fmt_ratio(vb / va) if va and vb else "-", "", ""])
     per_suite: dict[str, list[float]] = {}
-    cases_b = {c["id"]: c for c in schema.all_cases(b)}
-    ids_a = {c["id"]: c for c in schema.all_cases(a)}
-    for ca in schema.all_cases(a):
-        cb = cases_b.get(ca["id"])
-        if cb is None:
-            continue
+    cases_a, cases_b = ({c["id"]: c for c in schema.all_cases(x)} for x in (a, b))
+    for cid in (i for i in cases_a if i in cases_b):
+        ca, cb = cases_a[cid], cases_b[cid]
         impls = [("ours", ca.get("ours"), cb.get("ours"))]
         impls += [(n, ca["peers"].get(n), cb["peers"].get(n)) for n in (peer_names([ca, cb]) if peers else [])]
         for label, ia, ib in impls:
@@ -396,9 +345,9 @@ def compare(a: dict, b: dict, peers: bool = False) -> tuple[list[str], list[list
                "B speed vs A = A's time / B's time: above 1, B is faster."]
     for suite, speeds in per_suite.items():
         gm = math.exp(sum(math.log(s) for s in speeds) / len(speeds))
-        summary.append(f"{suite}: geometric mean B speed vs A = {gm:.2f}× over {len(speeds)} "
-                       f"case{'s' if len(speeds) != 1 else ''}")
-    for side, only in (("A", [i for i in ids_a if i not in cases_b]), ("B", [i for i in cases_b if i not in ids_a])):
+        summary.append(f"{suite}: geometric mean B speed vs A = {gm:.2f}× over {len(speeds)} case(s)")
+    for side, mine, other in (("A", cases_a, cases_b), ("B", cases_b, cases_a)):
+        only = [i for i in mine if i not in other]
         if only:
             summary.append(f"only in {side} ({len(only)}): {', '.join(only[:8])}{' ...' if len(only) > 8 else ''}")
     return header, rows, summary
@@ -406,25 +355,6 @@ def compare(a: dict, b: dict, peers: bool = False) -> tuple[list[str], list[list
 
 # -- progress --------------------------------------------------------------------------------------
 def describe(case: dict) -> str:
-    """One line for the progress output."""
-    ours, unit = case.get("ours") or {}, case.get("unit")
-    parts = [f"{case['id']}:"]
-    measured = case.get("status") in ("ok", "check_failed")
-    if not measured:
-        parts.append(f"{case['status'].upper()} {case.get('error') or ''}".strip())
-        if ours.get("us") is not None:
-            parts.append(f"| ours {ours_cell(case)}")
-    elif ours.get("methods"):
-        parts.append(f"{' / '.join(schema.METHODS)} {fmt_methods(ours)}")
-    else:
-        parts.append(ours_cell(case))
-    if measured and ours.get("value") is not None and unit in ("GB/s", "TFLOP/s"):
-        of = f", {fmt_frac(ours['fraction'])} of {case.get('ceiling')}" if ours.get("fraction") is not None else ""
-        parts.append(f"({'worse: ' if ours.get('methods') else ''}{fmt_value(ours['value'], unit)}{of})")
-    if case.get("target") or case.get("goals"):
-        parts.append(f"goal {goals_cell(case)}")
-    parts += [f"| {name} {peer_cell(case, name)}" for name in case.get("peers", {})]
-    chk = case.get("check")
-    if chk is not None:
-        parts.append("| check ok" if chk.get("ok") else f"| CHECK FAILED: {chk.get('detail')}")
-    return " ".join(parts)
+    """One line for the progress output: the case's row of its suite's table."""
+    header, (row,) = suite_table({"suites": {case["suite"]: {"cases": [case]}}}, case["suite"])
+    return f"{case['id']}: " + "; ".join(f"{h} {v}" for h, v in zip(header[1:], row[1:]) if v)

@@ -1,7 +1,8 @@
 """Suite name -> (available(ctx) -> (bool, reason), cases(ctx) -> [Case]), the suites' modules loaded
-lazily; the machine's two ceilings, measured first in every run: a device-to-device copy of 2 GiB
-(1 GiB with --quick; bytes read + written) and a bf16 8192^3 matmul on random data (never zeros: they run
-faster; flops = 2 n^3); and `_selftest`, the harness's own test on the CPU (hidden from --help).
+lazily ("sweep" runs only when named); the machine's two ceilings, measured first in every run: a
+device-to-device copy of 2 GiB (1 GiB with --quick; bytes read + written) and a bf16 8192^3 matmul on
+random data (never zeros: they run faster; flops = 2 n^3); and `_selftest`, the harness's own test on
+the CPU (hidden from --help).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ _TABLE = {  # name -> (module, its cases function); a module without `available`
     "write": ("write", "cases"),
     "decode": ("attention", "decode_cases"),
     "prefill": ("attention", "prefill_cases"),
-    "features": ("features", "cases"),
+    "features": ("attention", "feature_cases"),
+    "sweep": ("attention", "sweep_cases"),
     "legacy": ("legacy", "cases"),
     "jit": ("jit", "cases"),
     "_selftest": ("suites", "selftest_cases"),
@@ -39,7 +41,7 @@ def parse(spec: str) -> list[str]:
         return list(ORDER)
     unknown = [n for n in names if n not in _TABLE or n == "ceilings"]
     if unknown:
-        raise ValueError(f"unknown suite(s) {', '.join(unknown)}; choose from all, {', '.join(ORDER)}")
+        raise ValueError(f"unknown suite(s) {', '.join(unknown)}; choose from all, {', '.join(ORDER)}, sweep")
     return [n for n in ORDER if n in names] + [n for n in names if n not in ORDER]
 
 
@@ -69,6 +71,9 @@ def ceiling_cases(ctx: Ctx) -> list[Case]:
 # -- the harness's self-test: a normal case, a failing case, a failing peer, a process crash and a hang;
 # the crash and the hang only with PAGEDATTN_BENCH_SELFTEST=crash / =hang, to test the restart logic
 def _ok(ctx: Ctx, rec: Recorder) -> None:
+    from pagedattn.ops.attention import overrides
+
+    rec.extra(forced=repr(overrides.current()), write_overrides=ctx.write_overrides)  # what --overrides set
     a = torch.randn(64, 64, device=ctx.device)
     b = torch.empty_like(a)
     rec.work("GB/s", 2 * a.numel() * 4, "copy")

@@ -1,8 +1,7 @@
-"""The one timer of the bench, the sweeps and the perf/ scripts (perf/README.md, "Timing", says how
-it measures). Device time: `Timer.measure(fn, sets, methods)` with the methods of METHODS ("rot": back
-to back, inputs rotated over `sets`; "flush": the L2 flushed before every call, as do_bench); `CpuTimer`
-is the same on the host clock (CPU tests). `median_us`: one synchronised call at a time. `host_loops`:
-the host's cost of a call, no sync in the loop. `Timer.probe`: a quick comparison, not a measurement.
+"""The one timer of the bench and the perf/ scripts (perf/README.md, "Timing", says how it measures).
+Device time: `Timer.measure(fn, sets, methods)`, "rot": back to back, inputs rotated over `sets`;
+"flush": the L2 flushed before every call, as do_bench. `CpuTimer`: the same on the host clock (CPU
+tests). `median_us`: one synchronised call at a time. `host_loops`: the host's cost of a call.
 """
 from __future__ import annotations
 
@@ -14,12 +13,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 METHODS = ("rot", "flush")
-FLUSH_MIN_BYTES = 256 * 2**20
 
 
 @dataclass
 class Timing:
-    us: float         # median
+    us: float  # median
     p10: float
     p90: float
     min: float
@@ -30,7 +28,7 @@ class Timing:
     @classmethod
     def from_samples(cls, samples_us: list[float], sets: int, method: str = "rot") -> "Timing":
         s = sorted(samples_us)
-        q = lambda f: s[min(len(s) - 1, max(0, int(round(f * (len(s) - 1)))))]  # noqa: E731
+        q = lambda f: s[round(f * (len(s) - 1))]  # noqa: E731
         return cls(statistics.median(s), q(0.1), q(0.9), s[0], len(s), sets, method)
 
     def as_dict(self) -> dict:
@@ -48,7 +46,7 @@ def rotation_sets(working_set_bytes: float, l2_bytes: int, *, factor: float = 4.
 
 def flush_bytes(l2_bytes: int | None) -> int:
     """Bytes written between calls by the "flush" method: 4x the L2, at least 256 MiB (H200: 60 MiB L2)."""
-    return max(FLUSH_MIN_BYTES, 4 * int(l2_bytes or 0))
+    return max(256 * 2**20, 4 * int(l2_bytes or 0))
 
 
 class L2Flush:
@@ -75,8 +73,7 @@ class Timer:
                  l2_bytes: int | None = None, flush_nbytes: int | None = None, device="cuda"):
         self.budget_s, self.min_reps, self.max_reps = budget_s, min_reps, max_reps
         self.warmup_s, self.warmup_calls, self.batch = warmup_s, warmup_calls, batch
-        self.flush_nbytes = flush_nbytes or flush_bytes(l2_bytes)
-        self.device = device
+        self.flush_nbytes, self.device = flush_nbytes or flush_bytes(l2_bytes), device
         self.flusher = None  # an L2Flush, made on first use (tests put a stand-in here)
         self._cycles_per_s: float | None = None
 
@@ -98,7 +95,7 @@ class Timer:
         return self.measure(fn, sets, ("rot",))["rot"]
 
     def probe(self, fn, sets: int = 1, calls: int = 10, warmup: int = 3) -> float:
-        """Mean µs per call of `calls` back-to-back calls fn(k) after `warmup`: a quick comparison of
+        """Mean µs per call of `calls` back-to-back calls after `warmup`: a quick comparison of
         configurations (peers.fastest), not a measurement."""
         for k in range(warmup):
             fn(k % sets)
@@ -115,35 +112,32 @@ class Timer:
         return int(min(self.max_reps, max(self.min_reps, self.budget_s / max(per_call_s, 1e-7))))
 
     def _sleep(self, seconds: float) -> None:
+        """Keep the GPU busy for `seconds` (torch.cuda._sleep, calibrated once)."""
         if self._cycles_per_s is None:
             try:
-                cycles = 2_000_000
-                torch.cuda._sleep(cycles)  # first call loads the kernel
+                torch.cuda._sleep(2_000_000)  # the first call loads the kernel
                 a, b = _event(), _event()
                 a.record()
-                torch.cuda._sleep(cycles)
+                torch.cuda._sleep(2_000_000)
                 b.record()
                 b.synchronize()
-                self._cycles_per_s = cycles / max(a.elapsed_time(b) * 1e-3, 1e-6)
-            except Exception:  # no _sleep in this torch: time without the head start
+                self._cycles_per_s = 2_000_000 / max(a.elapsed_time(b) * 1e-3, 1e-6)
+            except Exception:  # noqa: BLE001 - no _sleep in this torch: time without the head start
                 self._cycles_per_s = 0.0
         if self._cycles_per_s > 0 and seconds > 0:
             torch.cuda._sleep(int(min(seconds, 0.2) * self._cycles_per_s))
 
     def _measure(self, fn, sets: int, before, method: str) -> Timing:
         k, t0 = 0, time.perf_counter()
-        while k < max(self.warmup_calls, sets) or time.perf_counter() - t0 < self.warmup_s:
+        while (k < max(self.warmup_calls, sets) or time.perf_counter() - t0 < self.warmup_s) and k <= 10_000:
             before()
             fn(k % sets)
             k += 1
             if k % 8 == 0:  # don't queue seconds of work on a slow op
                 torch.cuda.synchronize()
-            if k > 10_000:
-                break
         torch.cuda.synchronize()
         n_probe = max(3, min(sets, 8))
-        e0, e1 = _event(), _event()
-        h0 = time.perf_counter()
+        e0, e1, h0 = _event(), _event(), time.perf_counter()
         e0.record()
         for _ in range(n_probe):
             before()
@@ -152,8 +146,7 @@ class Timer:
         e1.record()
         host = (time.perf_counter() - h0) / n_probe
         e1.synchronize()
-        reps = self._reps(max(host, e0.elapsed_time(e1) * 1e-3 / n_probe))
-        samples: list[float] = []
+        reps, samples = self._reps(max(host, e0.elapsed_time(e1) * 1e-3 / n_probe)), []
         while len(samples) < reps:
             nb = min(self.batch, reps - len(samples))
             starts, ends = [_event() for _ in range(nb)], [_event() for _ in range(nb)]
@@ -187,14 +180,10 @@ class CpuTimer(Timer):
         return Timing.from_samples(samples, sets, method)
 
 
-def median_us(fn, reps: int = 30, warmup: int = 5, flush: bool = False, before=None) -> float:
+def median_us(fn, reps: int = 30, warmup: int = 5, before=None) -> float:
     """Median µs of CUDA-event times of `fn()`, one synchronised call at a time, after `warmup` untimed
-    calls. `before()` runs before each call, outside the events (flush=True: an L2 flush, as do_bench;
-    perf/multigpu.py: a barrier). Includes any gap while the GPU waits for the host: for the quick
-    scripts and the demo, not for the suites."""
-    if flush:
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        before = L2Flush(flush_bytes(getattr(props, "L2_cache_size", 0)), "cuda")
+    calls; `before()` runs before each call, outside the events (perf/multigpu.py: a barrier). Includes
+    any gap while the GPU waits for the host: for the quick scripts and the demo, not for the suites."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -215,7 +204,7 @@ def host_loops(fn, calls: int, loops: int = 5, warmup: int = 200, before=None, s
                clock=time.perf_counter) -> list[tuple[float, float]]:
     """The host's cost of `fn()`: for each of `loops` loops of `calls` calls with no sync inside, (µs per
     call, µs per call up to the end of the sync after the loop). `before()` runs untimed before each loop
-    (a sleep kernel that keeps the GPU busy: perf/launch_overhead.py); off the GPU pass sync=lambda: None
+    (perf/launch_overhead.py: a sleep kernel that keeps the GPU busy); off the GPU pass sync=lambda: None
     (and clock=time.thread_time for this thread's CPU time: perf/host_profile.py)."""
     sync = sync or torch.cuda.synchronize
     for _ in range(warmup):

@@ -1,11 +1,12 @@
 """write suite: `reshape_and_cache_flash` against torch `index_copy_` into the same cache (perf/README.md
 has the shapes, the bytes counted and the goals). The cache holds max(4T, 256 MiB worth of) slots; each
 call writes random distinct slots, or (params "slots": "pages") whole pages drawn at random as a prefill
-writes them. The check (`_check`) is bit-exact against pagedattn.reference. `inputs` and `ours_fn` are
-also the write sweep's (sweeps.py), which passes `overrides=` to the op.
+writes them. The check (`_check`) is bit-exact against pagedattn.reference. `--overrides '{"write": {...}}'`
+passes the op's `overrides=` in every write (the write-path sweeps; perf/README.md, "Write path").
 """
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import torch
@@ -13,7 +14,7 @@ import torch
 import pagedattn
 from pagedattn import reference
 
-from .common import Case, Ctx, Recorder, ceil_div, nan_fill_
+from .common import Case, Ctx, Recorder, nan_fill_
 
 NAME = "write"
 H, D, BLOCK = 8, 128, 16
@@ -43,7 +44,7 @@ def cases(ctx: Ctx) -> list[Case]:
 def page_slots(num_blocks: int, t: int, device) -> torch.Tensor:
     """Slots of t tokens written the way a prefill writes them: consecutive slots filling whole
     pages (BLOCK tokens each), the pages drawn at random from the cache."""
-    pages = torch.randperm(num_blocks, device=device)[: ceil_div(t, BLOCK)]
+    pages = torch.randperm(num_blocks, device=device)[: math.ceil(t / BLOCK)]
     return (pages[:, None] * BLOCK + torch.arange(BLOCK, device=device)).flatten()[:t].contiguous()
 
 
@@ -53,7 +54,7 @@ def inputs(ctx: Ctx, p: dict) -> SimpleNamespace:
     dev, t, kv = ctx.device, p["T"], p["kv_cache_dtype"]
     elem_c = 1 if kv != "auto" else 2
     nbytes = 2 * t * H * D * 2 + 2 * t * H * D * elem_c + 8 * t  # bf16 K/V read, the cache written, slots
-    num_blocks = ceil_div(max(4 * t, ((2 if ctx.tiny else 256) * 2**20) // (H * D * elem_c)), BLOCK)
+    num_blocks = math.ceil(max(4 * t, ((2 if ctx.tiny else 256) * 2**20) // (H * D * elem_c)) / BLOCK)
     spec = pagedattn.CacheSpec(num_blocks, BLOCK, H, D, torch.uint8 if elem_c == 1 else torch.bfloat16,
                                kv_cache_dtype=kv, layout=p["layout"], scale=p.get("scale", "tensor"))
     kc, vc = spec.allocate(dev)
@@ -120,7 +121,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
     rec.work("GB/s", inp.nbytes, "copy")
     rec.extra(sets=inp.sets, num_blocks=inp.spec.num_blocks,
               cache_bytes=2 * inp.spec.num_slots * H * D * (1 if fp8 else 2))
-    ours = ours_fn(inp)
+    ours = ours_fn(inp, ctx.write_overrides)
 
     def check_and_time():  # correctness once, then timing (a failure is the case's error; the peer still runs)
         _check(ctx, rec, inp, ours)
