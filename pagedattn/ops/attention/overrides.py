@@ -1,6 +1,6 @@
 """What benchmarks and tests put in place of the measured dispatch: `with forced(prefill="prefill_ws"):`
-runs every attention call of the block on that prefill. The bench sweeps, `perf/ws_tiles.py` and the
-tests use it instead of replacing the dispatch's functions.
+runs every attention call of the block on that prefill. The bench's `--overrides` (its `attention`
+entry) and the tests use it instead of replacing the dispatch's functions.
 
 One `Forced` value is in force at a time. Each plan reads it when the plan is made (plans are dropped
 when a block is entered and when it is left, so none outlives it), and `tile_config` applies its tile
