@@ -269,6 +269,9 @@ def child(suite: str, jsonl: str, opts: dict) -> int:
             try:
                 case.run(ctx, rec)
                 ctx.sync()
+            except CudaContextLost as exc:  # the harness saw it already: no second check
+                rec.fail(exc)
+                fatal = str(exc)
             except Exception as exc:  # noqa: BLE001 - one case's failure is data
                 rec.fail(exc)
                 try:
