@@ -72,8 +72,12 @@ def main(out_dir="perf/results"):
     from pagedattn.bench.timing import host_loops
 
     cases = api_cases("cuda")
-    # the raw launcher: the write's launch as the op made it, replayed (jit suite's "launcher" cases)
-    cases = {"raw_launcher": (capture_launches(cases["reshape_and_cache_flash"][0])[0][0].replay, 20000), **cases}
+    # the raw launchers: the write's and the decode's launch as the op made it, replayed (the driver's
+    # cost and the pack, without the op's Python)
+    # cost and the pack, without the op's Python); decode_out keeps the output the decode replays write
+    (write, *_), _ = capture_launches(cases["reshape_and_cache_flash"][0])
+    (decode, *_), decode_out = capture_launches(cases["flash_attn_decode"][0])
+    cases = {"raw_launcher": (write.replay, 20000), "raw_launcher_decode": (decode.replay, 5000), **cases}
     # the middle (upper middle of an even count) of the loops' host µs per call
     middle = lambda loops: sorted(host for host, _ in loops)[len(loops) // 2]  # noqa: E731
     rounds = max(1, int(os.environ.get("LAUNCH_OVERHEAD_ROUNDS", "3")))
