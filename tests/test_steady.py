@@ -91,8 +91,10 @@ def _base(form: str) -> dict:
         kw.update(kv_cache_dtype=kv, k_descale=ks, v_descale=ks if form == "fp8_same" else torch.full((2,), 0.25))
     if form == "out":
         kw["out"] = torch.empty_like(q)
-    if form == "split4":
-        kw["num_splits"] = 4
+    if form == "split4":  # keys for four splits of a 64-key stage
+        kw["k"], kw["v"] = CacheSpec(64, 16, 2, 64, torch.bfloat16).allocate("cpu", fill=0.0)
+        kw.update(block_table=torch.randperm(64, generator=gen)[:48].view(3, 16).int(), max_seqlen_k=256,
+                  seqused_k=torch.tensor([256, 100, 7], dtype=torch.int32), num_splits=4)
     if form == "lse":
         kw["return_softmax_lse"] = True
     return kw
@@ -125,6 +127,7 @@ def test_a_warm_call_launches_what_a_cold_one_does(form, monkeypatch):
     kw = _base(form)
     cold = _outcome(kw)
     assert len(cold) == 3 and cold[2], cold
+    assert cold[2][0][3] == (form == "split4")  # a split-KV launch (o_accum) for split4 only
     (guard,) = attention._PLANS.steady.forms[form in ("out", "fp8", "fp8_same")]  # the first call's
     # a warm call never reaches the checks
     monkeypatch.setattr(attention, "check_call", lambda *a, **k: pytest.fail("the steady path ran check_call"))
@@ -151,6 +154,35 @@ def test_a_warm_call_launches_on_the_current_stream_and_asks_for_capture_off_the
         STREAM[0] = stream
         assert _outcome(kw) == cold
     assert asked == [7, 9] and len(workspace.GRAPH_REFS) == 1  # the maps, kept by the capturing call
+
+
+def test_a_warm_split_call_takes_the_scratch_handed_out_now(monkeypatch):
+    """A _Launch keeps its split-KV scratch addresses (workspace.GENERATION), so a warm call skips the
+    workspace lookup; once another batch shape grows the workspace, the next call of the first shape
+    takes the new buffers' addresses; a capturing call never keeps what it was handed."""
+    def accum():
+        return AttnParams.from_buffer_copy(LAUNCHES[0][1]).o_accum
+
+    small = _base("split4")
+    large = dict(small, q=torch.randn(300, 4, 64).to(torch.bfloat16),
+                 cu_seqlens_q=torch.tensor([0, 100, 200, 300], dtype=torch.int32))
+    _outcome(small)
+    first = accum()
+    (run,) = [r for plan in attention._PLANS.values() for r in plan.launches.values() if r.total_q == 3]
+    assert first and run.scratch[2] == first
+    generation = workspace.GENERATION
+    _outcome(small)
+    assert accum() == first and workspace.GENERATION == generation
+    _outcome(large)  # grows the workspace: new buffers, a new generation
+    grown = accum()
+    assert workspace.GENERATION == generation + 1 and grown != first
+    _outcome(small)
+    assert accum() == grown and run.scratch[1:3] == (workspace.GENERATION, grown)
+    kept = run.scratch
+    STREAM[0] = 9
+    monkeypatch.setattr(attention, "_is_capturing", lambda: True)
+    _outcome(small)
+    assert run.scratch == kept
 
 
 def test_clearing_the_plans_clears_the_guards():

@@ -28,6 +28,11 @@ class _Buffer:
 
 
 _BUFFERS: dict[tuple[str, int, int], _Buffer] = {}
+# Bumped whenever split_scratch hands out other buffers for a (device, stream) than the last time (grown,
+# or allocated during a capture): a caller that keeps the addresses it got reuses them only while
+# GENERATION is the one it got them under (attention's _Launch.run; never while capturing).
+GENERATION = 0
+_HANDED: dict[tuple[int, int], tuple[_Buffer, _Buffer]] = {}
 _KEPT: list[torch.Tensor] = []   # outgrown buffers that a graph may still use
 GRAPH_REFS: dict[int, torch.Tensor] = {}   # other device memory graphs hold (tensor maps), by address
 
@@ -58,11 +63,16 @@ def split_scratch(device: int, splits: int, total_q: int, heads: int, head_dim: 
     `tiles` int32 arrival counters (attn_fwd.cuh: the last split of a tile merges them all), zero on
     entry. Addresses, not views: a view costs more host time than the whole lookup. `stream`: the
     device's current raw stream, when the caller has it already."""
+    global GENERATION
     if stream is None:
         stream = _raw_stream(device)
     n_o = splits * total_q * heads * head_dim
-    work = _get("workspace", device, stream, n_o + splits * heads * total_q, torch.float32, capturing).tensor
-    counters = _get("counters", device, stream, tiles, torch.int32, capturing)
+    buffers = (_get("workspace", device, stream, n_o + splits * heads * total_q, torch.float32, capturing),
+               _get("counters", device, stream, tiles, torch.int32, capturing))
+    if _HANDED.get((device, stream)) != buffers:  # _Buffer compares by identity
+        _HANDED[(device, stream)] = buffers
+        GENERATION += 1
+    work, counters = buffers[0].tensor, buffers[1]
     if counters.dirty:
         if capturing:  # this graph zeroes what it uses, whichever graph allocated the buffer
             counters.tensor[:tiles].zero_()

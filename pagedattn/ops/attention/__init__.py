@@ -338,7 +338,7 @@ class _Launch(Prepared):
     with every Params field but the addresses packed once (a Prepared launch). A call of this shape
     allocates the outputs, fills in the addresses and launches."""
     __slots__ = ("empty_batch", "splits", "ctas", "tma", "capture", "head_dim", "total_q", "dtype", "out_shape",
-                 "out_stride", "lse_shape")
+                 "out_stride", "lse_shape", "scratch")
 
     def __init__(self, plan: _Plan, q, k, v, out, max_seqlen_q, max_seqlen_k, num_splits, causal, scale,
                  features, lse: bool):
@@ -348,6 +348,8 @@ class _Launch(Prepared):
         self.dtype = q.dtype
         self.out_shape, self.out_stride = tuple(q.shape), (torch.empty_like(q) if out is None else out).stride()
         self.lse_shape = (call.Hq, total_q) if lse else None
+        # split-KV scratch addresses as last handed out: (stream, workspace.GENERATION, o, lse, counters)
+        self.scratch = (None, -1, 0, 0, 0)
         self.empty_batch = total_q == 0 or call.B == 0
         if self.empty_batch:
             return
@@ -410,9 +412,14 @@ class _Launch(Prepared):
             # CUDA never captures the legacy default stream (0): no capture query on it
             capturing = stream != 0 and _is_capturing()
             if self.splits > 1:
-                o_ptr, lse_ptr, counters = workspace.split_scratch(plan.device, self.splits, self.total_q,
-                                                                   plan.call.Hq, self.head_dim, self.ctas, capturing,
-                                                                   stream)
+                scratch = self.scratch
+                if capturing or scratch[0] != stream or scratch[1] != workspace.GENERATION:
+                    scratch = (stream, -1, *workspace.split_scratch(plan.device, self.splits, self.total_q,
+                                                                    plan.call.Hq, self.head_dim, self.ctas,
+                                                                    capturing, stream))
+                    if not capturing:  # kept only outside capture: a capture's new buffers need an eager zeroing
+                        self.scratch = scratch = (stream, workspace.GENERATION, *scratch[2:])
+                o_ptr, lse_ptr, counters = scratch[2:]
             if self.tma:
                 maps = plan._maps_ptr.get((kp, vp), 0) if not capturing else 0
                 if not maps:
