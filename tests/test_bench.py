@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pagedattn
-from pagedattn.bench import attention, common, legacy, peers, report, schema, suites, timing, write
+from pagedattn.bench import attention, common, peers, report, schema, suites, timing, write
 from pagedattn.bench.common import Ctx, Recorder
 
 DATA = Path(__file__).parent / "data"
@@ -206,7 +206,7 @@ def test_no_gpu_message():
 
 # -- the harness on the CPU ------------------------------------------------------------------------
 def test_suite_names():
-    assert suites.parse("all") == ["write", "decode", "prefill", "features", "legacy", "jit"]
+    assert suites.parse("all") == ["write", "decode", "prefill", "features", "jit"]
     assert suites.parse("jit,write") == ["write", "jit"]
     assert suites.parse("sweep,decode") == ["decode", "sweep"]   # sweep: only when named
     with pytest.raises(ValueError):
@@ -655,30 +655,6 @@ def test_write_peers_write_what_the_reference_writes():
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), case.id
 
 
-def test_legacy_layout_and_cases_with_the_legacy_reference(monkeypatch):
-    legacy_reference = pytest.importorskip("pagedattn.legacy_reference")
-
-    def v1(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
-           max_seq_len, alibi_slopes=None, kv_cache_dtype="auto", k_scale=None, v_scale=None):
-        out.copy_(legacy_reference.paged_attention(query, key_cache, value_cache, num_kv_heads, scale,
-                                                   block_tables, seq_lens, alibi_slopes, kv_cache_dtype,
-                                                   k_scale, v_scale).to(out.dtype))
-
-    def v2(out, exp_sums, max_logits, tmp_out, *rest, **kw):
-        v1(out, *rest, **kw)
-
-    fake = types.SimpleNamespace(paged_attention_v1=v1, paged_attention_v2=v2, paged_attention=v1)
-    monkeypatch.setattr(legacy, "_legacy", lambda: fake)
-    ctx = _cpu_ctx()
-    cases = legacy.cases(ctx)
-    assert {c.params["variant"] for c in cases} == {"v1", "v2", "auto"}
-    for case in cases:
-        rec = _run_case(case, ctx)
-        assert rec["status"] == "ok", (case.id, rec["error"], rec["check"])
-        assert rec["check"]["rel_l2"] < 1e-2      # to_legacy() lays the cache out as the reference reads it
-        assert set(rec["peers"]) == {"pagedattn flash", "sdpa cudnn"}
-
-
 def test_runner_end_to_end_survives_errors_and_crashes(tmp_path):
     """The real runner on the CPU: a case that raises, a process that dies in a case; the other cases
     complete, the results file validates, RESULTS.md is regenerated (and ignores this dry run)."""
@@ -764,8 +740,8 @@ def test_runner_kills_a_hung_case(tmp_path):
 
 
 def test_attention_check_uses_pagedattn_reference(monkeypatch):
-    """The decode / prefill / legacy checks ask pagedattn.reference (the one oracle), and a case passes
-    its check against it."""
+    """The decode / prefill checks ask pagedattn.reference (the one oracle), and a case passes its check
+    against it."""
     from pagedattn import reference
 
     calls = []
@@ -784,7 +760,7 @@ def test_attention_check_uses_pagedattn_reference(monkeypatch):
         assert rec["check"]["ok"] is True and rec["check"]["rel_l2"] < 1e-2, (case.id, rec["check"])
     data = attention.build(ctx, attention.decode_cases(ctx)[0].params, sets=1)
     calls.clear()
-    attention.reference_out(data, causal=False)  # what legacy.py asks for
+    attention.reference_out(data, causal=False)
     assert calls == [False]
 
 
@@ -818,7 +794,7 @@ def test_jit_worker_writes_one_line_per_workload(monkeypatch, tmp_path):
 
 
 def test_jit_workloads_build_on_the_bench_data():
-    """The jit suite's attention / legacy workloads set up on the CPU (attention.build) and the decode
+    """The jit suite's attention workloads set up on the CPU (attention.build) and the decode
     workload's torch peer runs on them."""
     from pagedattn.bench import jit
 
