@@ -1,9 +1,9 @@
-"""Cost of reading kernels from an AOT bundle (issue 19: <= 50 ms per kernel; <= 40 MiB on disk).
+"""Cost of reading kernels from an AOT bundle (issue 19: <= 50 ms per kernel; <= 40 MiB on disk): times
+bundle.read_checked (read, xz-decompress, size and sha256 check) of every entry, --reps times each (median), on
+this machine's CPU; no GPU needed. With --out writes OUT/bundle_load_cpu<cores>_<date>.json.
 
-    python perf/bundle_load.py BUNDLE_DIR [--out perf/results]
-
-Times bundle.read_checked (read, xz-decompress, size and sha256 check) for every entry, several
-times each (median), on this machine's CPU; no GPU needed. Writes bundle_load_<host>_<date>.json."""
+    python perf/bundle_load.py BUNDLE_DIR [--out perf/results] [--reps 5]
+"""
 from __future__ import annotations
 
 import argparse
@@ -13,8 +13,8 @@ import statistics
 import time
 from pathlib import Path
 
-from pagedattn.codegen import bundle
 from pagedattn.bench.meta import host
+from pagedattn.codegen import bundle
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
         times = []
         for _ in range(args.reps):
             t0 = time.perf_counter()
-            cubin, why = bundle.read_checked(args.folder, v)
+            _, why = bundle.read_checked(args.folder, v)
             times.append(time.perf_counter() - t0)
             if why:
                 raise SystemExit(f"{v['name']}: {why}")
@@ -39,8 +39,7 @@ def main() -> None:
                      "stored_size": v.get("stored_size", v["size"]), "ms": 1e3 * statistics.median(times)})
     ms = [r["ms"] for r in rows]
     summary = {"kernels": len(rows), "stored_mib": sum(r["stored_size"] for r in rows) / 2**20,
-               "cubin_mib": sum(r["size"] for r in rows) / 2**20, "median_ms": statistics.median(ms),
-               "max_ms": max(ms)}
+               "cubin_mib": sum(r["size"] for r in rows) / 2**20, "median_ms": statistics.median(ms), "max_ms": max(ms)}
     print(json.dumps(summary, indent=1))
     if args.out:
         meta = dict(host(), folder=str(args.folder))

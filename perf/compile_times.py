@@ -1,11 +1,11 @@
-"""Cold NVRTC compile time of attention variants on this machine (issue 19: <= 6 s per variant on 2
-cores), split into NVRTC's phases (`-time`: front end, NVVM optimiser, PTX translation), no GPU needed.
+"""Cold NVRTC compile time of attention variants on this machine (issue 19: <= 6 s per variant on 2 cores), split
+into NVRTC's phases (`-time`: front end, NVVM optimiser, PTX translation), no GPU needed.
 
-    python perf/compile_times.py [--out perf/results] [--tag NAME] [--repeat 1]
+    python perf/compile_times.py [--out perf/results] [--tag NAME] [--repeat 1] [--commit SHA]
 
-Each variant compiles in this process, one at a time, with the package as installed (to compare two
-builds, run this once per build with its install on PYTHONPATH, interleaved). Writes
-<out>/compile_times_<host>_<date>[_<tag>].json.
+Each variant compiles in this process, one at a time, with the package as installed (to compare two builds, run
+this once per build with its install on PYTHONPATH, interleaved). Writes
+<out>/compile_times_cpu<cores>_<date>[_<tag>].json.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def compile_one(arch, dtype, kv, d, mode, flags) -> dict:
     k = Kernel(AttnFwdSpec.for_arch(arch, dtype, kv, d, mode, tuple(flags) or (False,) * 4))
     with tempfile.TemporaryDirectory() as tmp:
         trace = os.path.join(tmp, "time.csv")
-        r = compile_source(k.source, variant=k.name, arch=arch, options=nvrtc_options(arch, toolchain()) +
-                           [f"-time={trace}"])
+        r = compile_source(k.source, variant=k.name, arch=arch, options=nvrtc_options(arch, toolchain())
+                           + [f"-time={trace}"])
         phases = {}
         for line in Path(trace).read_text().splitlines()[1:]:
             _, phase, ms, _ = (x.strip() for x in line.split(","))
@@ -50,16 +50,15 @@ def main(argv=None) -> None:
     from pagedattn.bench.meta import host
 
     rows = []
-    for _ in range(args.repeat):
-        for v in VARIANTS:
-            rows.append(compile_one(*v))
-            print(f"{rows[-1]['variant']:58s} {rows[-1]['arch']:7s} {rows[-1]['seconds']:6.1f} s  "
-                  + "  ".join(f"{p} {s:.1f}" for p, s in rows[-1]["phases_s"].items()), flush=True)
+    for v in VARIANTS * args.repeat:
+        rows.append(compile_one(*v))
+        print(f"{rows[-1]['variant']:58s} {rows[-1]['arch']:7s} {rows[-1]['seconds']:6.1f} s  "
+              + "  ".join(f"{p} {s:.1f}" for p, s in rows[-1]["phases_s"].items()), flush=True)
     meta = host()
     meta.update(package=str(Path(pagedattn.__file__).parent), commit=args.commit or meta["commit"], tag=args.tag)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"compile_times_cpu{os.cpu_count()}_{meta['date'].replace('-', '')}{'_' + args.tag if args.tag else ''}.json"
+    path = Path(args.out) / (f"compile_times_cpu{os.cpu_count()}_{meta['date'].replace('-', '')}"
+                             f"{'_' + args.tag if args.tag else ''}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(kind="compile_times", metadata=meta, results=rows), indent=1) + "\n")
     print("wrote", path)
 

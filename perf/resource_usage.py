@@ -1,9 +1,9 @@
-"""Registers, stack frame and spills of attention variants, read from ptxas on this machine (no GPU).
+"""Registers, stack frame and spills of kernel variants, read from ptxas on this machine (no GPU): each variant
+compiled with NVRTC plus `-Xptxas -v` (not cached), ptxas' summary lines printed, so that a template change can be
+checked for register pressure and local memory before it reaches a GPU.
 
-    python perf/resource_usage.py --arch sm_90a 'attn_fwd:dtype=bf16 kv_cache_dtype=auto head_dim=128 mode=decode_tma' ...
-
-Compiles each variant with NVRTC plus `-Xptxas -v` (not cached) and prints ptxas' summary lines, so a
-template change can be checked for register pressure and local memory before it reaches a GPU."""
+    python perf/resource_usage.py --arch sm_90a 'attn_fwd:dtype=bf16 kv_cache_dtype=auto head_dim=128 mode=decode_tma'
+"""
 from __future__ import annotations
 
 import argparse
@@ -17,22 +17,17 @@ from pagedattn.registry import Kernel
 LINE = re.compile(r"(Used \d+ registers.*|\d+ bytes stack frame.*)")
 
 
-def usage(spec, arch: str) -> list[str]:
-    kernel = Kernel(spec)
-    options = nvrtc_options(arch, toolchain()) + ["-Xptxas=-v"]
-    result = compile_source(kernel.source, variant=kernel.name, arch=arch, options=options)
-    return LINE.findall(result.log)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("variants", nargs="+", metavar="'FAMILY:FIELD=VALUE ...'")
     p.add_argument("--arch", default="sm_90a")
     args = p.parse_args()
     for text in args.variants:
-        spec = parse_variant(text)
-        print(Kernel(spec).name)
-        for line in usage(spec, args.arch):
+        kernel = Kernel(parse_variant(text))
+        print(kernel.name)
+        result = compile_source(kernel.source, variant=kernel.name, arch=args.arch,
+                                options=nvrtc_options(args.arch, toolchain()) + ["-Xptxas=-v"])
+        for line in LINE.findall(result.log):
             print("   ", line.strip())
 
 

@@ -1,4 +1,4 @@
-"""CPU tests of `pagedattn bench`: the results schema, RESULTS.md and plots from the stored samples,
+"""CPU tests of `pagedattn bench`: the results schema, RESULTS.md from the stored samples,
 `bench compare`, the no-GPU message, and the harness itself (timer control flow, suites driven on the
 CPU with torch stand-ins for the kernels, crash / hang recovery of the runner)."""
 from __future__ import annotations
@@ -103,27 +103,19 @@ def test_derive_fraction_ratio_and_goal():
     assert schema.target_met({"unit": "us", "value": 6.0}, None) is None
 
 
-# -- RESULTS.md, plots, compare --------------------------------------------------------------------
-def test_results_md_and_plots_from_samples(tmp_path):
+# -- RESULTS.md, compare --------------------------------------------------------------------------
+def test_results_md_from_samples(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
     for p in SAMPLES:
         (results / p.name).write_text(p.read_text())
-    md, plots = report.write_results_md(results, tmp_path / "RESULTS.md", tmp_path / "plots",
-                                        include_samples=True)
-    text = md.read_text()
+    text = report.write_results_md(results, tmp_path / "RESULTS.md", include_samples=True).read_text()
     for suite in ("write", "decode", "prefill", "legacy", "jit"):
         assert f"## {report.SUITE_TITLES[suite]}" in text
     assert "| NHD/bf16/T65536 |" in text and "B64/ctx4096/bf16" in text
     assert "torch index_copy_" in text and "sdpa cudnn" in text
     assert "## Across architectures" in text
     assert text.count("| `bench_sample_") == len(SAMPLES)
-    names = {p.name for p in plots}
-    for suite in ("write", "decode", "prefill", "legacy"):
-        assert any(n.endswith(f"_{suite}.png") for n in names), suite
-    for p in plots:
-        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
-    assert "](plots/" in text
 
 
 def test_results_md_ignores_sample_files(tmp_path):
@@ -138,11 +130,8 @@ def test_results_md_ignores_sample_files(tmp_path):
     bad["suites"]["write"]["cases"][0]["status"] = "bogus"
     (results / "broken_bench.json").write_text(json.dumps(bad))
     warnings = []
-    md, plots = report.write_results_md(results, tmp_path / "RESULTS.md", tmp_path / "plots",
-                                        warn=warnings.append)
-    text = md.read_text()
+    text = report.write_results_md(results, tmp_path / "RESULTS.md", warn=warnings.append).read_text()
     assert "No results yet" in text and "bench_sample" not in text
-    assert plots == []
     assert sorted(w.split()[1].rsplit("/", 1)[-1].rstrip(":") for w in warnings) == \
         ["broken_bench.json", "garbage.json"]
 
@@ -768,7 +757,7 @@ def test_report_renders_the_stored_h200_results():
     """The results already in perf/results still load and render (the schema reads them unchanged)."""
     files = [(p, report.load(p)) for p in sorted((REPO / "perf" / "results").glob("h200_sm90_*.json"))]
     assert len(files) >= 2
-    md = report.render_markdown(files, plots_rel=None)
+    md = report.render_markdown(files)
     for path, data in files:
         assert path.name in md
         for suite, body in data["suites"].items():

@@ -43,12 +43,12 @@ def add_parser(sub) -> None:
     out = str(bench_results_dir())
     p = sub.add_parser("bench", help="benchmark the kernels against torch peers and the machine's ceilings",
                        description="Measure the kernels on this GPU against torch peers and the ceilings measured "
-                                   "in the same run; write OUT/<gpu>_<sm>_<date>.json, and RESULTS.md and plots/ "
+                                   "in the same run; write OUT/<gpu>_<sm>_<date>.json, and RESULTS.md "
                                    "beside OUT. See perf/README.md.")
     p.add_argument("--suite", default="all", help="write|decode|prefill|features|jit|all, or a comma-separated "
                    "list (default: all); sweep: ours alone at the tile and mode studies' shapes (not in all)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions and cases (~3 min on an H200)")
-    p.add_argument("--out", default=out, help="results folder; RESULTS.md and plots/ go beside it (default: "
+    p.add_argument("--out", default=out, help="results folder; RESULTS.md goes beside it (default: "
                    "$XDG_DATA_HOME/pagedattn/bench/results, here %(default)s; the repository's: perf/results)")
     p.add_argument("--only", default="", help="run only the cases whose id contains one of these comma-separated "
                                                "substrings")
@@ -56,7 +56,7 @@ def add_parser(sub) -> None:
                    'pagedattn.ops.attention.forced (e.g. {"prefill": "prefill_ws", "tiles": {"prefill_ws": '
                    '{"kStages": 3}}}), "write": reshape_and_cache_flash\'s overrides= (e.g. {"flat": false})}, for '
                    'every case; the run is left out of RESULTS.md')
-    p.add_argument("--no-report", action="store_true", help="don't regenerate RESULTS.md and the plots")
+    p.add_argument("--no-report", action="store_true", help="don't regenerate RESULTS.md")
     p.add_argument("--case-timeout", type=float, default=600.0,
                    help="seconds without progress before a case is declared hung (default 600)")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": harness self-test only
@@ -68,8 +68,8 @@ def add_parser(sub) -> None:
     c.add_argument("b", help="results file B")
     c.add_argument("--peers", action="store_true", help="also compare each peer")
     c.set_defaults(func=_cmd_compare)
-    r = bsub.add_parser("report", help="regenerate RESULTS.md and plots from a results folder (no GPU needed)")
-    r.add_argument("--results", default=out, help="results folder, RESULTS.md and plots/ are written beside it "
+    r = bsub.add_parser("report", help="regenerate RESULTS.md from a results folder (no GPU needed)")
+    r.add_argument("--results", default=out, help="results folder, RESULTS.md is written beside it "
                    "(default: where `pagedattn bench` writes, %(default)s; the repository's: perf/results)")
     r.add_argument("--include-samples", action="store_true", help=argparse.SUPPRESS)
     r.set_defaults(func=_cmd_report)

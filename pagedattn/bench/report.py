@@ -224,8 +224,7 @@ def _run_row(path: Path, data: dict) -> list[str]:
             f"torch {m.get('torch')}, CUDA {m.get('cuda')}, driver {m.get('driver')}"]
 
 
-def render_markdown(files: list[tuple[Path, dict]], plots_rel: str | None = "plots",
-                    history: list[tuple[Path, dict]] = ()) -> str:
+def render_markdown(files: list[tuple[Path, dict]], history: list[tuple[Path, dict]] = ()) -> str:
     """RESULTS.md: the runs, per suite and GPU the newest run with that suite (a suite that no current run has,
     e.g. jit, from `history`, marked older), and ours across architectures."""
     out = ["# pagedattn performance results", "", INTRO, ""]
@@ -243,8 +242,6 @@ def render_markdown(files: list[tuple[Path, dict]], plots_rel: str | None = "plo
             where = (f"`history/{path.name}` ({m.get('date', '-')[:10]}, commit {(m.get('git_commit') or '-')[:10]}: "
                      "the newest run with this suite, older than the runs above)" if key in older else f"`{path.name}`")
             out += [f"### {gpu_label(m)} — {where}", "", markdown_table(*suite_table(data, suite)), ""]
-            if plots_rel and key not in older and suite in MEASURED_SUITES:
-                out += [f"![{suite} on {key}]({plots_rel}/{key}_{suite}.png)", ""]
     return "\n".join(out + ["## Across architectures (ours, newest run per GPU)", "", across_table(files), ""])
 
 
@@ -264,26 +261,14 @@ def across_table(files: list[tuple[Path, dict]]) -> str:
     return markdown_table(["case"] + [gpu_label(d["metadata"]) for _, d in latest.values()], rows)
 
 
-def write_results_md(results_dir, md_path, plots_dir=None, include_samples: bool = False,
-                     warn=None) -> tuple[Path, list[Path]]:
-    """Regenerate RESULTS.md (and the plots, when matplotlib is there) from every results file."""
+def write_results_md(results_dir, md_path, include_samples: bool = False, warn=None) -> Path:
+    """Regenerate RESULTS.md from every results file in `results_dir` (and its history/ folder)."""
     files = load_folder(results_dir, include_samples=include_samples, warn=warn)
     history = load_folder(Path(results_dir) / "history", include_samples=include_samples, warn=warn)
-    md_path, plots, plots_rel = Path(md_path), [], None
-    if plots_dir is not None and files:
-        try:
-            from . import plots as plotting
-
-            plots = plotting.make_all(files, plots_dir)
-            plots_rel = str(Path(plots_dir).resolve().relative_to(md_path.parent.resolve()))
-        except ImportError as exc:
-            if warn:
-                warn(f"no plots: {exc} (pip install matplotlib)")
-        except ValueError:  # the plots are not below RESULTS.md's folder
-            plots_rel = str(Path(plots_dir).resolve())
+    md_path = Path(md_path)
     md_path.parent.mkdir(parents=True, exist_ok=True)
-    md_path.write_text(render_markdown(files, plots_rel, history))
-    return md_path, plots
+    md_path.write_text(render_markdown(files, history))
+    return md_path
 
 
 # -- compare ---------------------------------------------------------------------------------------------

@@ -22,8 +22,8 @@ from . import report, schema, suites
 
 NO_GPU_MESSAGE = ("pagedattn bench: no CUDA GPU is available (torch {torch} reports torch.cuda.is_available() = "
                   "False; CUDA build: {cuda}).\nThe benchmark times kernels on an NVIDIA GPU, so there is nothing "
-                  "to measure here.\nWithout a GPU you can still run `pagedattn bench report` (RESULTS.md and "
-                  "plots from perf/results) and `pagedattn bench compare A.json B.json`.")
+                  "to measure here.\nWithout a GPU you can still run `pagedattn bench report` (RESULTS.md from "
+                  "perf/results) and `pagedattn bench compare A.json B.json`.")
 MAX_ATTEMPTS = 8
 
 
@@ -210,18 +210,15 @@ def run(args) -> int:
         try:
             regenerate(Path(args.out))
         except Exception as exc:  # noqa: BLE001 - the results file is safe; say what failed
-            print(f"RESULTS.md / plots not regenerated: {type(exc).__name__}: {exc} "
+            print(f"RESULTS.md not regenerated: {type(exc).__name__}: {exc} "
                   f"(retry with `pagedattn bench report --results {args.out}`)")
     return 130 if interrupted else 0
 
 
 def regenerate(results_dir: Path, include_samples: bool = False) -> None:
-    """RESULTS.md and plots/ beside `results_dir`, from the results files in it."""
-    results_dir = Path(results_dir)
-    plots = results_dir.parent / "plots"
-    md, made = report.write_results_md(results_dir, results_dir.parent / "RESULTS.md", plots,
-                                       include_samples=include_samples, warn=print)
-    print(f"wrote {md} and {len(made)} plot(s) in {plots}")
+    """RESULTS.md beside `results_dir`, from the results files in it."""
+    md = report.write_results_md(results_dir, Path(results_dir).parent / "RESULTS.md", include_samples, warn=print)
+    print(f"wrote {md}")
 
 
 # -- the child: one suite in this process ------------------------------------------------------------
