@@ -2,7 +2,7 @@
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
 # (info precompile packbundle bundle tests alltests sanitize racecheck fuzz fuzzsanitize overhead overheadab sweep benchwrite aotcheck ncu ncusrc
 # benchdw benchp benchs benchq bench-full demo multigpu hfcb aot16).
-# Logs and results go under $OUT; RESULTS.md and plots are regenerated here with `pagedattn bench report`.
+# Logs and results go under $OUT; RESULTS.md is regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
 # tests: PYTEST_FILES, PYTEST_K, PYTEST_N (xdist workers), PYTEST_ARGS (e.g. "-vv --tb=line": with the -q
 # the stage passes, one -v is cancelled out), PYTEST_TIMEOUT seconds (then SIGINT: pytest still prints
@@ -53,7 +53,7 @@ for stage in "$@"; do
                python3 -m pagedattn.cli precompile --arch sm_90a --ops "${PRECOMPILE_OPS:-attn_fwd,kv_write,legacy_attn,legacy_reduce,legacy_cache_write}" ${PRECOMPILE_ARGS:---preset default} --jobs 16 --out "$PAGEDATTN_AOT_DIR" -q 2>&1 | tail -n 15 ;;
     # the bundle as it now stands, back to the CPU machine (carry it in the next call)
     packbundle) tar -C "$(dirname "$PAGEDATTN_AOT_DIR")" -cf - "$(basename "$PAGEDATTN_AOT_DIR")" | xz -T16 -6 > "$OUT/bundle.tar.xz"; ls -la "$OUT/bundle.tar.xz" ;;
-    aot16)     python3 "$ROOT/perf/aot_precompile.py" --arch sm_90a --jobs 16 --output "$OUT/results/aot_precompile_cpu16.json" 2>&1 | tail -n 5 ;;
+    aot16)     python3 "$ROOT/perf/compile_costs.py" precompile --arch sm_90a --jobs 16 --output "$OUT/results/aot_precompile_cpu16.json" 2>&1 | tail -n 5 ;;
     benchwrite) python3 -m pagedattn.cli bench --suite write --quick --no-report --out "$OUT/results" ;;
     # the sweeps: `pagedattn bench` once per entry of SWEEP_OVERRIDES (JSON objects separated by ';', each
     # {"attention": pagedattn.ops.attention.forced's arguments, "write": reshape_and_cache_flash's overrides=};

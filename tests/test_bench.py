@@ -322,7 +322,7 @@ def test_flush_buffer_size_and_l2flush_on_cpu():
 
 
 def test_host_loops_and_median_us_before(monkeypatch):
-    """The host-cost loops (jit suite, perf/launch_overhead.py, perf/host_profile.py) and median_us's
+    """The host-cost loops (jit suite, perf/launch_overhead.py, its --cpu mode) and median_us's
     `before` (perf/multigpu.py's barrier): what runs where, on fake clocks and events."""
     log = []
     ticks = iter(range(0, 10**6, 10))

@@ -33,7 +33,7 @@ def _cmd_compare(args) -> int:
 def _cmd_report(args) -> int:
     from . import runner
 
-    runner.regenerate(args.results, include_samples=args.include_samples)
+    runner.regenerate(args.results)
     return 0
 
 
@@ -71,5 +71,4 @@ def add_parser(sub) -> None:
     r = bsub.add_parser("report", help="regenerate RESULTS.md from a results folder (no GPU needed)")
     r.add_argument("--results", default=out, help="results folder, RESULTS.md is written beside it "
                    "(default: where `pagedattn bench` writes, %(default)s; the repository's: perf/results)")
-    r.add_argument("--include-samples", action="store_true", help=argparse.SUPPRESS)
     r.set_defaults(func=_cmd_report)

@@ -24,7 +24,6 @@ class Ctx:
     timer: Timer = None
     ceilings: dict = field(default_factory=dict)
     l2_bytes: int = H200_L2
-    say: Callable[[str], None] = print
     case_timeout_s: float = 600.0
     write_overrides: dict | None = None  # the write op's overrides= in every write (--overrides "write")
 
@@ -33,7 +32,7 @@ class Ctx:
         return self.device.type == "cuda"
 
     @classmethod
-    def make(cls, device: str, quick: bool, tiny: bool = False, ceilings: dict | None = None, say=print,
+    def make(cls, device: str, quick: bool, tiny: bool = False, ceilings: dict | None = None,
              case_timeout_s: float = 600.0, write_overrides: dict | None = None) -> "Ctx":
         dev = torch.device(device)
         if dev.type == "cuda":
@@ -44,7 +43,7 @@ class Ctx:
         else:
             l2 = 4 * 2**20
             timer = CpuTimer(budget_s=0.01, min_reps=3, max_reps=50, flush_nbytes=2**20, device=dev)
-        return cls(dev, quick, tiny, timer, dict(ceilings or {}), l2, say, case_timeout_s, write_overrides)
+        return cls(dev, quick, tiny, timer, dict(ceilings or {}), l2, case_timeout_s, write_overrides)
 
     def sets_for(self, working_set_bytes: float, cap: int = 64) -> int:
         """Input sets to rotate through so that the inputs are not in L2 (timing.rotation_sets)."""

@@ -84,7 +84,8 @@ def _names(ctx: Ctx) -> list[str]:
 def cases(ctx: Ctx) -> list[Case]:
     kinds = (("cold", _names(ctx), "first call, empty cache", _cold), ("warm", _names(ctx), "first call, disk hit",
              _warm), ("host", HOST, "host µs per API call", _host))
-    return [Case(f"jit/{kind}/{n}", "jit", {"workload": n, "what": what}, lambda ctx, rec, n=n, run=run: run(ctx, rec, n))
+    return [Case(f"jit/{kind}/{n}", "jit", {"workload": n, "what": what},
+                 lambda ctx, rec, n=n, run=run: run(ctx, rec, n))
             for kind, names, what, run in kinds for n in names]
 
 
@@ -125,14 +126,11 @@ def _run_worker(ctx: Ctx, cache_dir: str, timeout_s: float) -> dict:
     out_path = Path(cache_dir) / "jit_worker.jsonl"
     env = dict(os.environ, PAGEDATTN_CACHE_DIR=cache_dir, PAGEDATTN_AOT_DIR="", PAGEDATTN_DISABLE_JIT="0")
     env.pop("PAGEDATTN_ARCH", None)
-    # same process group as this suite process: if the runner kills us, the worker goes too
-    proc = subprocess.Popen([sys.executable, "-m", "pagedattn.bench.jit", ",".join(_names(ctx)), str(out_path)],
-                            env=env)
-    try:
-        failed = f"the fresh process exited with code {proc.wait(timeout=timeout_s)} before this workload finished"
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    try:  # in this suite process's group: if the runner kills it, the worker goes too
+        rc = subprocess.run([sys.executable, "-m", "pagedattn.bench.jit", ",".join(_names(ctx)), str(out_path)],
+                            env=env, timeout=timeout_s).returncode
+        failed = f"the fresh process exited with code {rc} before this workload finished"
+    except subprocess.TimeoutExpired:  # (killed by subprocess.run)
         failed = f"the fresh process timed out after {timeout_s:.0f} s before this workload finished"
     records = {r["workload"]: r for r in read_jsonl(out_path)} if out_path.exists() else {}
     out_path.unlink(missing_ok=True)
@@ -145,10 +143,11 @@ def _first_call(ctx: Ctx, rec: Recorder, name: str, which: str) -> dict:
     if "cold" not in _MEMO:
         _MEMO["dir"] = tempfile.mkdtemp(prefix="pagedattn-bench-cold-")
         timeout = min(150.0 if ctx.quick else 360.0, 0.8 * ctx.case_timeout_s)
-        ctx.say(f"  jit: cold compiles in a fresh process, empty cache {_MEMO['dir']} (up to {timeout:.0f} s)")
+        print(f"  jit: cold compiles in a fresh process, empty cache {_MEMO['dir']} (up to {timeout:.0f} s)",
+              flush=True)
         _MEMO["cold"] = _run_worker(ctx, _MEMO["dir"], timeout)
     if which == "warm" and "warm" not in _MEMO:
-        ctx.say("  jit: warm first calls in a fresh process (disk hit)")
+        print("  jit: warm first calls in a fresh process (disk hit)", flush=True)
         _MEMO["warm"] = _run_worker(ctx, _MEMO["dir"], min(180.0, 0.8 * ctx.case_timeout_s))
         shutil.rmtree(_MEMO["dir"], ignore_errors=True)
     w = _MEMO[which].get(name) or {"error": _MEMO[which]["_failed"]}

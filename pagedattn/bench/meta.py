@@ -116,7 +116,8 @@ def write_quick(out_dir, kind: str, results, suffix: str = "", **extra) -> Path:
                 driver=(nvidia_smi(torch.cuda.current_device()) or {}).get("driver_version"),
                 torch=torch.__version__, cuda=torch.version.cuda, pagedattn=pagedattn.__version__,
                 python=sys.version.split()[0], commit=git_commit(), date=_dt.date.today().isoformat(), **extra)
-    path = Path(out_dir) / f"{kind}_{meta['gpu'].replace(' ', '_').lower()}_{meta['date'].replace('-', '')}{suffix}.json"
+    gpu, date = meta["gpu"].replace(" ", "_").lower(), meta["date"].replace("-", "")
+    path = Path(out_dir) / f"{kind}_{gpu}_{date}{suffix}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(kind=kind, metadata=meta, results=results), indent=1))
     return path

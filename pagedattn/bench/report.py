@@ -34,9 +34,7 @@ LEGEND = ("Times are medians of CUDA-event timings (µs); `ours N×` = the peer'
 
 # -- loading ---------------------------------------------------------------------------------------------
 def load(path) -> dict:
-    data = json.loads(Path(path).read_text())
-    schema.check(data, str(path))
-    return data
+    return schema.check(json.loads(Path(path).read_text()), str(path))
 
 
 def gpu_key(meta: dict) -> str:
@@ -59,7 +57,7 @@ def load_folder(folder, include_samples: bool = False, warn=None) -> list[tuple[
         try:
             data = json.loads(path.read_text())
             if not (isinstance(data, dict) and str(data.get("schema", "")).startswith("pagedattn-bench/")):
-                continue  # another tool's JSON (e.g. perf/aot_precompile.py's) shares the folder
+                continue  # another tool's JSON (e.g. perf/compile_costs.py's) shares the folder
             schema.check(data, str(path))
         except (OSError, ValueError) as exc:  # schema.SchemaError is a ValueError
             if warn:
@@ -126,14 +124,6 @@ def fmt_methods(impl: dict | None) -> str:
     return " / ".join(parts)
 
 
-def fmt_check(c) -> str:
-    if not c:
-        return "-"
-    if c.get("ok"):
-        return f"ok ({c['rel_l2']:.1e})" if isinstance(c.get("rel_l2"), float) else "ok"
-    return "FAIL: " + (c.get("detail") or "")[:120]
-
-
 def case_label(case: dict) -> str:
     return case["id"].split("/", 1)[-1]
 
@@ -198,8 +188,10 @@ def suite_table(data: dict, suite: str) -> tuple[list[str], list[list[str]]]:
         else:
             row = [time_cell(c.get("ours"), c.get("unit")), fmt_value(ours.get("value"), c.get("unit")),
                    fmt_frac(ours.get("fraction"))]
-        rows.append([case_label(c), *row, goals_cell(c), fmt_check(c.get("check")),
-                     *(peer_cell(c, n) for n in peers), status_cell(c)])
+        check = c.get("check") or {}
+        check = ("-" if not check else "FAIL: " + (check.get("detail") or "")[:120] if not check.get("ok") else
+                 f"ok ({check['rel_l2']:.1e})" if isinstance(check.get("rel_l2"), float) else "ok")
+        rows.append([case_label(c), *row, goals_cell(c), check, *(peer_cell(c, n) for n in peers), status_cell(c)])
     return header + ["goal (H200)", "check"] + peers + ["status"], rows
 
 

@@ -215,10 +215,9 @@ def run(args) -> int:
     return 130 if interrupted else 0
 
 
-def regenerate(results_dir: Path, include_samples: bool = False) -> None:
+def regenerate(results_dir: Path) -> None:
     """RESULTS.md beside `results_dir`, from the results files in it."""
-    md = report.write_results_md(results_dir, Path(results_dir).parent / "RESULTS.md", include_samples, warn=print)
-    print(f"wrote {md}")
+    print(f"wrote {report.write_results_md(results_dir, Path(results_dir).parent / 'RESULTS.md', warn=print)}")
 
 
 # -- the child: one suite in this process ------------------------------------------------------------
@@ -244,7 +243,7 @@ def _run_case(ctx, case, emit) -> str | None:
     record = rec.finish()
     record["seconds"] = round(time.perf_counter() - t0, 3)
     emit({"event": "case", "id": case.id, "record": record})
-    ctx.say("  " + report.describe(record))
+    print("  " + report.describe(record), flush=True)
     return fatal
 
 
@@ -262,8 +261,8 @@ def child(suite: str, jsonl: str, opts: dict) -> int:
     emit = lambda obj: out.write(json.dumps(jsonable(obj)) + "\n")  # noqa: E731
     done = {e["id"] for e in read_jsonl(Path(jsonl)) if e["event"] == "case"}
     overrides = opts["overrides"] or {}
-    ctx = Ctx.make(opts["device"], opts["quick"], opts["tiny"], opts["ceilings"],
-                   lambda text: print(text, flush=True), opts["case_timeout"], overrides.get("write"))
+    ctx = Ctx.make(opts["device"], opts["quick"], opts["tiny"], opts["ceilings"], opts["case_timeout"],
+                   overrides.get("write"))
     available, make_cases = suites.get(suite)
     plan = {"event": "plan", "suite": suite, "status": "ok", "reason": None, "cases": []}
     try:
@@ -285,8 +284,7 @@ def child(suite: str, jsonl: str, opts: dict) -> int:
             fatal = _run_case(ctx, case, emit)
             if fatal is not None:
                 emit({"event": "fatal", "id": case.id, "error": fatal})
-                ctx.say(f"  CUDA context lost after {case.id} ({fatal}); continuing in a fresh process")
-                sys.stdout.flush()
+                print(f"  CUDA context lost after {case.id} ({fatal}); continuing in a fresh process", flush=True)
                 os._exit(3)
             gc.collect()
             if ctx.is_cuda:

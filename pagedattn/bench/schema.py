@@ -158,10 +158,12 @@ def validate(results) -> list[str]:
     return errors
 
 
-def check(results, source: str = "results") -> None:
+def check(results, source: str = "results"):
+    """`results`, or SchemaError with what `validate` found."""
     errors = validate(results)
     if errors:
         raise SchemaError(f"{source} is not a valid {SCHEMA} file:\n  " + "\n  ".join(errors[:20]))
+    return results
 
 
 def all_cases(results: dict):
