@@ -1,10 +1,5 @@
-"""`pagedattn bench`: per-architecture performance comparisons (issue 6; perf/README.md explains the lot).
-
-    pagedattn bench [--suite write|decode|prefill|features|jit|sweep|all] [--quick] [--out DIR] [--only IDS]
-                    [--overrides JSON]
-    pagedattn bench compare A.json B.json [--peers]
-    pagedattn bench report [--results DIR]
-"""
+"""`pagedattn bench` [--suite ...] [--quick] [--out DIR] [--only IDS] [--overrides JSON], `bench compare A B`,
+`bench report`: per-architecture performance comparisons (issue 6; perf/README.md explains the lot)."""
 from __future__ import annotations
 
 import argparse

@@ -1,9 +1,7 @@
-"""The attention peers, each at its best configuration (perf/README.md says which configurations).
-
-A peer is a list of candidates `(variant, factory)`; `factory()` returns fn(k) -> out [total_q, Hq, D] for
-input set k, or raises. `fastest` runs each once, rejects those that fail or disagree with the float32
-reference, probes the rest (Timer.probe) and keeps the fastest; the record names the variant chosen and what
-each candidate did. FA4 is optional: when it does not import, the peer is unavailable with the reason.
+"""The attention peers, each at its best configuration (perf/README.md says which): a list of candidates
+`(variant, factory)`, `factory()` -> fn(k) -> out [total_q, Hq, D] for input set k (or raises). `fastest` runs
+each once, rejects those that fail or disagree with the float32 reference, probes the rest (Timer.probe) and
+keeps the fastest; the record names it and what each candidate did. FA4 is optional (unavailable: the reason).
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""`pagedattn bench`: run the suites, one child process each, and write the results file.
-
-A kernel fault poisons the CUDA context and a hang never returns: when the child dies inside a case or makes
-no progress for --case-timeout seconds, that case is recorded as crashed / timeout with what it had measured,
-and a fresh child runs the remaining cases. The child (`python -m pagedattn.bench.runner SUITE JSONL OPTIONS`)
-writes JSON lines: `plan` (the case ids), per case `start`, `partial` (after each measurement) and `case`;
-`fatal` when the CUDA context is lost (then exit code 3); `done`. A fresh child skips the cases done.
+"""`pagedattn bench`: run the suites, one child process each, and write the results file. A kernel fault
+poisons the CUDA context and a hang never returns: when the child dies in a case or makes no progress for
+--case-timeout seconds, the case is recorded as crashed / timeout with what it had measured, and a fresh child
+runs the rest. The child (`python -m pagedattn.bench.runner SUITE JSONL OPTIONS`) writes JSON lines: `plan`,
+per case `start`, `partial` (after each measurement) and `case`; `fatal` (CUDA context lost; exit 3); `done`.
 """
 from __future__ import annotations
 
