@@ -115,9 +115,11 @@ class SuiteRunner:
         if plan is None or plan["status"] != "ok":
             return {"status": plan["status"] if plan else "error", "cases": [], "seconds": seconds,
                     "reason": plan["reason"] if plan else problem or f"the suite process exited with code {rc}"}
-        cases = [jsonable(schema.derive(records.get(c["id"]) or dict(
-            schema.new_case(c["id"], suite, c.get("params")), status="error",
-            error="not run: " + (problem or "suite aborted")), self.ceilings)) for c in plan["cases"]]
+        cases = []
+        for c in plan["cases"]:
+            rec = records.get(c["id"]) or dict(schema.new_case(c["id"], suite, c.get("params")), status="error",
+                                               error="not run: " + (problem or "suite aborted"))
+            cases.append(jsonable(schema.derive(rec, self.ceilings)))
         status = "ok" if all(c["status"] in ("ok", "skipped") for c in cases) else "partial"
         return {"status": status, "reason": problem, "seconds": seconds, "cases": cases}
 
