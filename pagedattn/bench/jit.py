@@ -82,11 +82,12 @@ def _names(ctx: Ctx) -> list[str]:
 
 
 def cases(ctx: Ctx) -> list[Case]:
-    kinds = (("cold", _names(ctx), "first call, empty cache", _cold), ("warm", _names(ctx), "first call, disk hit",
-             _warm), ("host", HOST, "host µs per API call", _host))
-    return [Case(f"jit/{kind}/{n}", "jit", {"workload": n, "what": what},
-                 lambda ctx, rec, n=n, run=run: run(ctx, rec, n))
-            for kind, names, what, run in kinds for n in names]
+    first = [Case(f"jit/{kind}/{n}", "jit", {"workload": n, "what": what},
+                  lambda ctx, rec, n=n, kind=kind: _first_call(ctx, rec, n, kind))
+             for kind, what in (("cold", "first call, empty cache"), ("warm", "first call, disk hit"))
+             for n in _names(ctx)]
+    return first + [Case(f"jit/host/{n}", "jit", {"workload": n, "what": "host µs per API call"},
+                         lambda ctx, rec, n=n: _host(ctx, rec, n)) for n in HOST]
 
 
 # -- fresh processes: `python -m pagedattn.bench.jit WORKLOADS OUT` (`worker`) --------------------------
@@ -137,9 +138,9 @@ def _run_worker(ctx: Ctx, cache_dir: str, timeout_s: float) -> dict:
     return {**records, "_failed": failed}
 
 
-def _first_call(ctx: Ctx, rec: Recorder, name: str, which: str) -> dict:
-    """The first call of workload `name` in the cold run (an empty cache folder) or the warm one (the same
-    folder, filled); each runs once, for every workload, within the runner's no-progress limit."""
+def _first_call(ctx: Ctx, rec: Recorder, name: str, which: str) -> None:
+    """The first call of workload `name` in the cold run (an empty cache folder: s) or the warm one (the same
+    folder, filled: ms); each runs once, for every workload, within the runner's no-progress limit."""
     if "cold" not in _MEMO:
         _MEMO["dir"] = tempfile.mkdtemp(prefix="pagedattn-bench-cold-")
         timeout = min(150.0 if ctx.quick else 360.0, 0.8 * ctx.case_timeout_s)
@@ -155,20 +156,11 @@ def _first_call(ctx: Ctx, rec: Recorder, name: str, which: str) -> dict:
         raise RuntimeError(w["error"])
     rec.work("s" if which == "cold" else "ms")
     rec.extra(compiles=w["compiles"], origins=w["origins"])
-    return w
-
-
-def _cold(ctx: Ctx, rec: Recorder, name: str) -> None:
-    w = _first_call(ctx, rec, name, "cold")
-    rec.extra(variants=w["variants"], compile_s_total=sum(v or 0 for v in w["variants"].values()))
-    rec.value(None, w["first_call_s"], us=w["first_call_s"] * 1e6)
-
-
-def _warm(ctx: Ctx, rec: Recorder, name: str) -> None:
-    w = _first_call(ctx, rec, name, "warm")
-    if w["compiles"]:
+    if which == "cold":
+        rec.extra(variants=w["variants"], compile_s_total=sum(v or 0 for v in w["variants"].values()))
+    elif w["compiles"]:
         rec.note(f"{w['compiles']} compile(s) on a filled cache: the disk cache missed")
-    rec.value(None, w["first_call_s"] * 1e3, us=w["first_call_s"] * 1e6)
+    rec.value(None, w["first_call_s"] * (1 if which == "cold" else 1e3), us=w["first_call_s"] * 1e6)
 
 
 def _host(ctx: Ctx, rec: Recorder, name: str) -> None:
