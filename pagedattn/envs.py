@@ -50,7 +50,7 @@ def data_dir() -> Path:
 
 
 def bench_results_dir() -> Path:
-    """`pagedattn bench --out` / `bench report --results` default; RESULTS.md and plots/ go beside it."""
+    """`pagedattn bench --out` / `bench report --results` default; RESULTS.md goes beside it."""
     return data_dir() / "bench" / "results"
 
 

@@ -2,7 +2,7 @@
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
 # (info precompile packbundle bundle tests alltests sanitize racecheck fuzz fuzzsanitize overhead overheadab sweep benchwrite aotcheck ncu ncusrc
 # benchdw benchp benchs benchq bench-full demo multigpu hfcb aot16).
-# Logs and results go under $OUT; RESULTS.md and plots are regenerated here with `pagedattn bench report`.
+# Logs and results go under $OUT; RESULTS.md is regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
 # tests: PYTEST_FILES, PYTEST_K, PYTEST_N (xdist workers), PYTEST_ARGS (e.g. "-vv --tb=line": with the -q
 # the stage passes, one -v is cancelled out), PYTEST_TIMEOUT seconds (then SIGINT: pytest still prints
@@ -35,13 +35,13 @@ for stage in "$@"; do
     # logs go to $OUT as they are written (a stage killed by its timeout keeps what it printed)
     tests)     PAGEDATTN_TEST_BUNDLE=${PAGEDATTN_AOT_DIR:-} timeout -s INT -k 30 ${PYTEST_TIMEOUT:-86400} python3 -m pytest -q -ra -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} ${PYTEST_N:+-n "$PYTEST_N"} ${PYTEST_FILES:-"$ROOT/tests"} ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/gpu_tests${PYTEST_TAG:-}.log" 2>&1; rc=$?; tail -n 40 "$OUT/gpu_tests${PYTEST_TAG:-}.log"; (exit $rc) ;;
     alltests)  python3 -m pytest -q -ra -p no:cacheprovider "$ROOT/tests" 2>&1 | tail -n 60 | tee "$OUT/all_tests.log" ;;
-    # the kernels compiled first by 12 processes at once (sanitize_cases.py part I/12), then memcheck on the warm cache
-    sanitize)  for i in $(seq 0 11); do python3 "$ROOT/perf/sanitize_cases.py" part $i/12 > "$OUT/sanitize_warm_$i.log" 2>&1 & done; wait
+    # the kernels compiled first by 12 processes at once (tests/tools/sanitize_cases.py part I/12), then memcheck on the warm cache
+    sanitize)  for i in $(seq 0 11); do python3 "$ROOT/tests/tools/sanitize_cases.py" part $i/12 > "$OUT/sanitize_warm_$i.log" 2>&1 & done; wait
                cat "$OUT"/sanitize_warm_*.log > "$OUT/sanitize_warm.log"; rm -f "$OUT"/sanitize_warm_*.log
-               compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" > "$OUT/sanitize.log" 2>&1; rc=$?; tail -n 30 "$OUT/sanitize.log"; (exit $rc) ;;
+               compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/tests/tools/sanitize_cases.py" > "$OUT/sanitize.log" 2>&1; rc=$?; tail -n 30 "$OUT/sanitize.log"; (exit $rc) ;;
     # the warp-specialised prefill under memcheck, racecheck (shared memory) and synccheck (barriers)
     racecheck) rc=0; for tool in memcheck racecheck synccheck; do
-                 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 "$ROOT/perf/sanitize_cases.py" ws > "$OUT/$tool.log" 2>&1 || rc=9
+                 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 "$ROOT/tests/tools/sanitize_cases.py" ws > "$OUT/$tool.log" 2>&1 || rc=9
                  tail -n 4 "$OUT/$tool.log"
                done; (exit $rc) ;;
     fuzz)      python3 "$ROOT/tests/fuzz/fuzz_metadata.py" --cases ${FUZZ_CASES:-2000} --seed ${FUZZ_SEED:-0} ${FUZZ_ARGS:-} --out "$OUT/results" 2>&1 | tail -n 40 ;;
@@ -53,7 +53,7 @@ for stage in "$@"; do
                python3 -m pagedattn.cli precompile --arch sm_90a --ops "${PRECOMPILE_OPS:-attn_fwd,kv_write,legacy_attn,legacy_reduce,legacy_cache_write}" ${PRECOMPILE_ARGS:---preset default} --jobs 16 --out "$PAGEDATTN_AOT_DIR" -q 2>&1 | tail -n 15 ;;
     # the bundle as it now stands, back to the CPU machine (carry it in the next call)
     packbundle) tar -C "$(dirname "$PAGEDATTN_AOT_DIR")" -cf - "$(basename "$PAGEDATTN_AOT_DIR")" | xz -T16 -6 > "$OUT/bundle.tar.xz"; ls -la "$OUT/bundle.tar.xz" ;;
-    aot16)     python3 "$ROOT/perf/aot_precompile.py" --arch sm_90a --jobs 16 --output "$OUT/results/aot_precompile_cpu16.json" 2>&1 | tail -n 5 ;;
+    aot16)     python3 "$ROOT/perf/compile_costs.py" precompile --arch sm_90a --jobs 16 --output "$OUT/results/aot_precompile_cpu16.json" 2>&1 | tail -n 5 ;;
     benchwrite) python3 -m pagedattn.cli bench --suite write --quick --no-report --out "$OUT/results" ;;
     # the sweeps: `pagedattn bench` once per entry of SWEEP_OVERRIDES (JSON objects separated by ';', each
     # {"attention": pagedattn.ops.attention.forced's arguments, "write": reshape_and_cache_flash's overrides=};
@@ -68,7 +68,7 @@ for stage in "$@"; do
                python3 -c "import sys, pathlib; from pagedattn.codegen import bundle; sys.exit(0 if bundle.read_manifest(pathlib.Path('/tmp/bundle')) else 1)" \
                  && echo "carried bundle accepted ($(ls /tmp/bundle/kernels | wc -l) kernels; others compile on first use)" \
                  || echo "carried bundle REJECTED: kernels compile on first use" ;;
-    aotcheck)  PAGEDATTN_DISABLE_JIT=1 python3 "$ROOT/perf/aot_check.py" ;;
+    aotcheck)  PAGEDATTN_DISABLE_JIT=1 python3 "$ROOT/tests/tools/aot_check.py" ;;
     ncu)       for k in ${NCU_CASES:-decode}; do
                  ncu --clock-control none --kernel-name regex:"${NCU_KERNELS:-attn_fwd_kernel}" --launch-skip 2 --launch-count ${NCU_COUNT:-1} \
                      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \

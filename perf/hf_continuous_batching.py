@@ -1,15 +1,11 @@
-"""Tokens/s of transformers' continuous batching (`generate_batch`, greedy) on pagedattn
-("paged|pagedattn") against transformers' own "paged|sdpa", same model, same batch.
+"""Tokens/s of transformers' continuous batching (`generate_batch`, greedy) on pagedattn ("paged|pagedattn")
+against transformers' own "paged|sdpa", same tiny random-weight model (pagedattn/integrations/hf_tiny.py, no
+download), same batch. Each runs once untimed (compiles, allocator), then --reps timed runs, alternating; the
+median is recorded in perf/results/hf_continuous_batching_<gpu>_<date>_<commit>.json. paged|sdpa ignores
+Gemma-2's attention softcap, so its gemma2 tokens differ from ours (the shapes are the same).
 
-The tiny random-weight models of pagedattn/integrations/hf_tiny.py (no download). Each
-implementation runs once untimed (kernel compiles, allocator warm-up), then `--reps` timed runs,
-alternating; the median is recorded. Writes perf/results/hf_continuous_batching_<gpu>_<date>_<commit>.json.
-
-    python perf/hf_continuous_batching.py [--kinds llama,mistral,gemma2] [--prompts 32]
-        [--max-prompt 256] [--max-new-tokens 128] [--reps 3] [--out perf/results]
-
-Note: paged|sdpa ignores Gemma-2's attention softcap, so its gemma2 tokens differ from ours (the
-throughput comparison still runs the same shapes).
+    python perf/hf_continuous_batching.py [--kinds llama,mistral,gemma2] [--prompts 32] [--max-prompt 256]
+        [--max-new-tokens 128] [--reps 3] [--out perf/results]
 """
 from __future__ import annotations
 
@@ -24,17 +20,10 @@ from pagedattn.integrations import hf_tiny
 from pagedattn.integrations import transformers as pa_hf
 
 
-def prompt_lengths(n: int, longest: int) -> tuple[int, ...]:
-    """n lengths spread evenly over [longest / 8, longest]."""
-    low = max(2, longest // 8)
-    return tuple(low + (longest - low) * i // max(1, n - 1) for i in range(n))
-
-
 def measure(kind: str, prompts, max_new_tokens: int, reps: int) -> dict:
-    name = pa_hf.register()
+    impls = {"pagedattn": pa_hf.register(), "sdpa": "paged|sdpa"}
     model = hf_tiny.tiny_model(kind, torch.bfloat16, "cuda")
     config = hf_tiny.cb_config(prompts, max_new_tokens)
-    impls = {"pagedattn": name, "sdpa": "paged|sdpa"}
     run = lambda impl: hf_tiny.generate(model, impl, prompts, max_new_tokens, config=config,  # noqa: E731
                                         record_logits=False)
     tokens = {key: run(impl).tokens for key, impl in impls.items()}  # untimed: compiles, allocator
@@ -62,14 +51,15 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2
-    prompts = hf_tiny.tiny_prompts(args.prompts, lengths=prompt_lengths(args.prompts, args.max_prompt))
+    n, longest = args.prompts, args.max_prompt
+    low = max(2, longest // 8)  # n prompt lengths spread evenly over [longest / 8, longest]
+    prompts = hf_tiny.tiny_prompts(n, lengths=tuple(low + (longest - low) * i // max(1, n - 1) for i in range(n)))
     results = []
     for kind in args.kinds.split(","):
         r = measure(kind, prompts, args.max_new_tokens, args.reps)
         results.append(r)
-        print(f"{kind:8s} pagedattn {r['pagedattn_tokens_per_s']:9.1f} tok/s   paged|sdpa "
-              f"{r['sdpa_tokens_per_s']:9.1f} tok/s   x{r['speedup']:.2f}   identical sequences "
-              f"{r['identical_sequences']}/{r['prompts']}")
+        print(f"{kind:8s} pagedattn {r['pagedattn_tokens_per_s']:9.1f} tok/s   paged|sdpa {r['sdpa_tokens_per_s']:9.1f}"
+              f" tok/s   x{r['speedup']:.2f}   identical sequences {r['identical_sequences']}/{r['prompts']}")
     import transformers
 
     path = write_quick(args.out, "hf_continuous_batching", results, suffix="_" + (git_commit() or "nocommit")[:7],

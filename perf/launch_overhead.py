@@ -1,36 +1,44 @@
-"""Steady-state host cost of one kernel launch (µs), through the raw launcher, the public API and
-the torch.ops.pagedattn ops (the dispatcher: what a compiled graph's op call costs in eager).
+"""Steady-state host cost of one call (µs): the raw launcher, the public API, the torch.ops.pagedattn ops (the
+dispatcher: what a compiled graph's op call costs in eager) and two torch controls, on tiny problems.
 
-Tiny problems (one token per request), no synchronisation inside the timed loop. Two regimes:
+    python perf/launch_overhead.py [OUT_DIR]                   # GPU; OUT_DIR/launch_overhead_<gpu>_<date>.json
+    python perf/launch_overhead.py --cpu [--json] [--profile [CASE]]      # no GPU: the launches stubbed
+
+GPU, no synchronisation inside the timed loop, in two regimes:
   idle: the GPU drains the queue as fast as the host fills it (launches meet an idle GPU);
-  busy: each batch of BATCH calls queues behind a torch.cuda._sleep kernel that outlasts it, so
-        every launch is made while the GPU is busy (issue 15's budget: <= 10 µs per decode call,
-        <= 8 µs per write call); only the calls are timed, the queue is drained between batches.
-The cases run round-robin ROUNDS times (env LAUNCH_OVERHEAD_ROUNDS, default 3), each round a share of
-the calls, and a case reports the median of its rounds (each round's figure is kept in the metadata):
-a transient slowdown of the host (seen on the H200 host: one run's decode at 14.4 µs busy, the next at
-9.7) then moves one round, not the result.
-Writes perf/results/launch_overhead_<gpu>_<date>.json.
+  busy: each batch of BATCH calls queues behind a torch.cuda._sleep kernel that outlasts it, so every launch is
+        made while the GPU is busy (issue 15's budget: <= 10 µs per decode call, <= 8 µs per write call).
+The cases run round-robin ROUNDS times (env LAUNCH_OVERHEAD_ROUNDS, default 3), each round a share of the calls;
+a case reports the median of its rounds (each round's figure is kept in the metadata): a transient slowdown of
+the host (one H200 run's decode at 14.4 µs busy, the next at 9.7) then moves one round, not the result.
+--cpu: the eager Python path on CPU tensors with the driver stubbed (the real Launcher packs its Params and calls
+a no-op C function in place of cuLaunchKernelEx; device queries, tensor maps, capture state are constants): this
+thread's CPU time per call, best of 7 loops; the Python/torch work per call of the GPU figure, minus the driver.
 """
 from __future__ import annotations
 
+import cProfile
+import ctypes
+import json
 import os
+import pstats
 import statistics
 import sys
+import time
 
 import torch
 
 import pagedattn
 from pagedattn import CacheSpec
+from pagedattn.bench.timing import host_loops
 
-BATCH = 200            # calls queued behind one sleep kernel (the launch queue holds ~1000)
+BATCH = 200  # calls queued behind one sleep kernel (the launch queue holds ~1000)
 SLEEP_CYCLES = 40_000_000  # ~20 ms at 2 GHz: longer than BATCH calls at 100 µs each
 
 
 def api_cases(device) -> dict:
-    """{name: (the call, calls to time)}: the public API, the torch ops and two torch controls on tiny
-    problems (shared with perf/host_profile.py): a write of one token, a decode of 4 requests over 256
-    keys each (Hq=32, Hkv=8, D=128)."""
+    """{name: (the call, calls to time)}: a write of one token, a decode of 4 requests over 256 keys each
+    (Hq=32, Hkv=8, D=128), through the public API and the torch ops, and two torch controls."""
     kc, vc = CacheSpec(16, 16, 8, 128, torch.bfloat16).allocate(device, fill=0.0)
     key = torch.randn(1, 8, 128, dtype=torch.bfloat16, device=device)
     slots = torch.tensor([3], device=device)
@@ -66,25 +74,22 @@ def api_cases(device) -> dict:
     }
 
 
-def main(out_dir="perf/results"):
+def gpu(out_dir="perf/results"):
     from pagedattn.bench.jit import capture_launches
     from pagedattn.bench.meta import write_quick
-    from pagedattn.bench.timing import host_loops
 
     cases = api_cases("cuda")
-    # the raw launchers: the write's and the decode's launch as the op made it, replayed (the driver's
-    # cost and the pack, without the op's Python)
-    # cost and the pack, without the op's Python); decode_out keeps the output the decode replays write
+    # the raw launchers: the write's and the decode's launch as the op made it, replayed (the driver's cost
+    # and the pack, without the op's Python); decode_out keeps the output the decode replays write
     (write, *_), _ = capture_launches(cases["reshape_and_cache_flash"][0])
     (decode, *_), decode_out = capture_launches(cases["flash_attn_decode"][0])
     cases = {"raw_launcher": (write.replay, 20000), "raw_launcher_decode": (decode.replay, 5000), **cases}
-    # the middle (upper middle of an even count) of the loops' host µs per call
-    middle = lambda loops: sorted(host for host, _ in loops)[len(loops) // 2]  # noqa: E731
+    middle = lambda loops: sorted(host for host, _ in loops)[len(loops) // 2]  # noqa: E731 - upper middle if even
     rounds = max(1, int(os.environ.get("LAUNCH_OVERHEAD_ROUNDS", "3")))
     samples = {}
     for _ in range(rounds):
         for name, (fn, n) in cases.items():
-            # idle: median of 5 timed loops; busy: over batches of BATCH calls, each behind a sleep kernel
+            # idle: 5 timed loops; busy: batches of BATCH calls, each behind a sleep kernel
             samples.setdefault(f"{name}_us", []).append(middle(host_loops(fn, max(1000, n // rounds))))
             busy = max(BATCH, min(n, 10000) // rounds)
             samples.setdefault(f"{name}_busy_us", []).append(middle(host_loops(
@@ -97,5 +102,73 @@ def main(out_dir="perf/results"):
     print(f"wrote {path}")
 
 
+def stub_cuda():
+    """Make the eager paths run on CPU tensors with a stubbed launch."""
+    from pagedattn.codegen import launch
+    from pagedattn.ops import attention, kv_write, workspace
+
+    class FakeKernel:
+        def __init__(self, spec):
+            self.spec = spec
+
+        def launcher(self, device):
+            # cuLaunchKernel(Ex)'s stand-in: a C function that ignores its arguments and returns 0 (NULL: no
+            # Python error is set); called with the GIL held, as PyDLL does
+            noop = ctypes.PyDLL(None).PyErr_Occurred
+            noop.restype = ctypes.c_int
+            lau = launch.Launcher.stand_in(noop, self.spec.PARAMS, device)
+            lau.max_active_blocks = lambda threads: 4
+            return lau
+
+    def cpu_get(kind, device, stream, numel, dtype, capturing):
+        buf = workspace._BUFFERS.get((kind, device, stream))
+        if buf is None or buf.tensor.numel() < numel:
+            buf = workspace._Buffer(torch.zeros(max(numel, 1024), dtype=dtype), False)
+            workspace._BUFFERS[(kind, device, stream)] = buf
+        return buf
+
+    attention.get_kernel = kv_write.get_kernel = FakeKernel
+    attention._require_cuda = kv_write._require_cuda = lambda t: None
+    attention.arch_for_device = lambda device: "sm_90a"
+    attention.sm_count = kv_write.sm_count = lambda device: 132
+    attention.tma_maps = lambda k, v, call, head_dim: (torch.zeros(256, dtype=torch.uint8), 2)
+    attention._is_capturing = lambda: False
+    workspace._raw_stream = lambda device: 0
+    workspace._get = cpu_get
+    torch.cuda.is_current_stream_capturing = lambda: False
+    torch.cuda.current_device = lambda: 0
+
+
+def cpu(argv):
+    stub_cuda()
+    torch.set_num_threads(1)
+    cases, results = api_cases("cpu"), {}
+    for name, (fn, _) in cases.items():
+        try:
+            fn()
+        except (AttributeError, RuntimeError) as exc:  # an older tree without the op
+            print(f"{name:40s}    n/a ({type(exc).__name__})")
+            continue
+        n = 4000 if "kvcache" in name or name.startswith("op_") else 20000
+        # this thread's CPU time (other processes on a shared machine do not count), the best of 7 loops
+        results[name] = min(h for h, _ in host_loops(fn, n, loops=7, warmup=500, sync=lambda: None,
+                                                      clock=time.thread_time))
+        print(f"{name:40s} {results[name]:6.2f} us")
+    if "--json" in argv:  # one line of results, for perf/results/host_profile_*.json
+        print(json.dumps(results))
+    if "--profile" in argv:
+        rest = argv[argv.index("--profile") + 1:]
+        fn = cases[rest[0] if rest else "flash_attn_decode"][0]
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20000):
+            fn()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1:2] == ["--cpu"]:
+        cpu(sys.argv[2:])
+    else:
+        gpu(*sys.argv[1:2])

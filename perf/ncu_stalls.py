@@ -1,9 +1,8 @@
-"""Where a kernel's warps wait, per SASS instruction: reads the CSV of ncu's source page
-(`ncu -i REPORT --page source --csv --print-source sass`, collected with `--section SourceCounters`;
-perf/h200.sh stage `ncusrc`) and prints the instructions with the most warp-stall samples, and the
-share of the main loop: the span of the most executed instructions among those whose execution count
-at least 100 instructions share (a loop body's straight-line code; a spin-wait is a few), and
-everything between them.
+"""Where a kernel's warps wait, per SASS instruction: reads the CSV of ncu's source page (`ncu -i REPORT --page
+source --csv --print-source sass`, collected with `--section SourceCounters`; perf/h200.sh stage `ncusrc`) and
+prints the instructions with the most warp-stall samples, and the share of the main loop: the span of the most
+executed instructions among those whose execution count at least 100 instructions share (a loop body's
+straight-line code; a spin-wait is a few), and everything between them.
 
     python perf/ncu_stalls.py ws_src.csv [--top 25]
 """
@@ -27,9 +26,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25, help="instructions to list")
     args = ap.parse_args()
     rows = list(csv.reader(open(args.csv)))
-    header = rows[1]  # row 0 names the kernel
-    col = {name: header.index(name) for name in ("Address", "Source", "Warp Stall Sampling (All Samples)",
-                                                 "Instructions Executed")}
+    col = {n: rows[1].index(n) for n in ("Address", "Source", "Warp Stall Sampling (All Samples)",
+                                         "Instructions Executed")}  # row 0 names the kernel
     data = [r for r in rows[2:] if len(r) > max(col.values())]
     base = int(data[0][col["Address"]], 16)
     insts = [(int(r[col["Address"]], 16) - base, number(r[col["Warp Stall Sampling (All Samples)"]]),
@@ -39,8 +37,7 @@ def main() -> None:
     loop = [off for off, _, n, _ in insts if n == body]
     in_loop = sum(s for off, s, _, _ in insts if loop[0] <= off <= loop[-1])
     print(f"{len(insts)} instructions, {total:.0f} samples; the main loop ({loop[0]:#x}-{loop[-1]:#x}, its body "
-          f"executed {body} times) holds {in_loop / total:.1%} of them")
-    print("share   offset   executed  instruction")
+          f"executed {body} times) holds {in_loop / total:.1%} of them\nshare   offset   executed  instruction")
     for off, s, n, src in sorted(insts, key=lambda t: -t[1])[:args.top]:
         print(f"{s / total:5.1%} {off:#8x} {n:10d}  {src[:80]}")
 

@@ -1,4 +1,4 @@
-"""CPU tests of `pagedattn bench`: the results schema, RESULTS.md and plots from the stored samples,
+"""CPU tests of `pagedattn bench`: the results schema, RESULTS.md from the stored samples,
 `bench compare`, the no-GPU message, and the harness itself (timer control flow, suites driven on the
 CPU with torch stand-ins for the kernels, crash / hang recovery of the runner)."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pagedattn
-from pagedattn.bench import attention, common, legacy, peers, report, schema, suites, timing, write
+from pagedattn.bench import attention, common, peers, report, schema, suites, timing, write
 from pagedattn.bench.common import Ctx, Recorder
 
 DATA = Path(__file__).parent / "data"
@@ -103,27 +103,19 @@ def test_derive_fraction_ratio_and_goal():
     assert schema.target_met({"unit": "us", "value": 6.0}, None) is None
 
 
-# -- RESULTS.md, plots, compare --------------------------------------------------------------------
-def test_results_md_and_plots_from_samples(tmp_path):
+# -- RESULTS.md, compare --------------------------------------------------------------------------
+def test_results_md_from_samples(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
     for p in SAMPLES:
         (results / p.name).write_text(p.read_text())
-    md, plots = report.write_results_md(results, tmp_path / "RESULTS.md", tmp_path / "plots",
-                                        include_samples=True)
-    text = md.read_text()
+    text = report.write_results_md(results, tmp_path / "RESULTS.md", include_samples=True).read_text()
     for suite in ("write", "decode", "prefill", "legacy", "jit"):
         assert f"## {report.SUITE_TITLES[suite]}" in text
     assert "| NHD/bf16/T65536 |" in text and "B64/ctx4096/bf16" in text
     assert "torch index_copy_" in text and "sdpa cudnn" in text
     assert "## Across architectures" in text
     assert text.count("| `bench_sample_") == len(SAMPLES)
-    names = {p.name for p in plots}
-    for suite in ("write", "decode", "prefill", "legacy"):
-        assert any(n.endswith(f"_{suite}.png") for n in names), suite
-    for p in plots:
-        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
-    assert "](plots/" in text
 
 
 def test_results_md_ignores_sample_files(tmp_path):
@@ -138,11 +130,8 @@ def test_results_md_ignores_sample_files(tmp_path):
     bad["suites"]["write"]["cases"][0]["status"] = "bogus"
     (results / "broken_bench.json").write_text(json.dumps(bad))
     warnings = []
-    md, plots = report.write_results_md(results, tmp_path / "RESULTS.md", tmp_path / "plots",
-                                        warn=warnings.append)
-    text = md.read_text()
+    text = report.write_results_md(results, tmp_path / "RESULTS.md", warn=warnings.append).read_text()
     assert "No results yet" in text and "bench_sample" not in text
-    assert plots == []
     assert sorted(w.split()[1].rsplit("/", 1)[-1].rstrip(":") for w in warnings) == \
         ["broken_bench.json", "garbage.json"]
 
@@ -206,7 +195,7 @@ def test_no_gpu_message():
 
 # -- the harness on the CPU ------------------------------------------------------------------------
 def test_suite_names():
-    assert suites.parse("all") == ["write", "decode", "prefill", "features", "legacy", "jit"]
+    assert suites.parse("all") == ["write", "decode", "prefill", "features", "jit"]
     assert suites.parse("jit,write") == ["write", "jit"]
     assert suites.parse("sweep,decode") == ["decode", "sweep"]   # sweep: only when named
     with pytest.raises(ValueError):
@@ -333,7 +322,7 @@ def test_flush_buffer_size_and_l2flush_on_cpu():
 
 
 def test_host_loops_and_median_us_before(monkeypatch):
-    """The host-cost loops (jit suite, perf/launch_overhead.py, perf/host_profile.py) and median_us's
+    """The host-cost loops (jit suite, perf/launch_overhead.py, its --cpu mode) and median_us's
     `before` (perf/multigpu.py's barrier): what runs where, on fake clocks and events."""
     log = []
     ticks = iter(range(0, 10**6, 10))
@@ -655,30 +644,6 @@ def test_write_peers_write_what_the_reference_writes():
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), case.id
 
 
-def test_legacy_layout_and_cases_with_the_legacy_reference(monkeypatch):
-    legacy_reference = pytest.importorskip("pagedattn.legacy_reference")
-
-    def v1(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
-           max_seq_len, alibi_slopes=None, kv_cache_dtype="auto", k_scale=None, v_scale=None):
-        out.copy_(legacy_reference.paged_attention(query, key_cache, value_cache, num_kv_heads, scale,
-                                                   block_tables, seq_lens, alibi_slopes, kv_cache_dtype,
-                                                   k_scale, v_scale).to(out.dtype))
-
-    def v2(out, exp_sums, max_logits, tmp_out, *rest, **kw):
-        v1(out, *rest, **kw)
-
-    fake = types.SimpleNamespace(paged_attention_v1=v1, paged_attention_v2=v2, paged_attention=v1)
-    monkeypatch.setattr(legacy, "_legacy", lambda: fake)
-    ctx = _cpu_ctx()
-    cases = legacy.cases(ctx)
-    assert {c.params["variant"] for c in cases} == {"v1", "v2", "auto"}
-    for case in cases:
-        rec = _run_case(case, ctx)
-        assert rec["status"] == "ok", (case.id, rec["error"], rec["check"])
-        assert rec["check"]["rel_l2"] < 1e-2      # to_legacy() lays the cache out as the reference reads it
-        assert set(rec["peers"]) == {"pagedattn flash", "sdpa cudnn"}
-
-
 def test_runner_end_to_end_survives_errors_and_crashes(tmp_path):
     """The real runner on the CPU: a case that raises, a process that dies in a case; the other cases
     complete, the results file validates, RESULTS.md is regenerated (and ignores this dry run)."""
@@ -764,8 +729,8 @@ def test_runner_kills_a_hung_case(tmp_path):
 
 
 def test_attention_check_uses_pagedattn_reference(monkeypatch):
-    """The decode / prefill / legacy checks ask pagedattn.reference (the one oracle), and a case passes
-    its check against it."""
+    """The decode / prefill checks ask pagedattn.reference (the one oracle), and a case passes its check
+    against it."""
     from pagedattn import reference
 
     calls = []
@@ -784,7 +749,7 @@ def test_attention_check_uses_pagedattn_reference(monkeypatch):
         assert rec["check"]["ok"] is True and rec["check"]["rel_l2"] < 1e-2, (case.id, rec["check"])
     data = attention.build(ctx, attention.decode_cases(ctx)[0].params, sets=1)
     calls.clear()
-    attention.reference_out(data, causal=False)  # what legacy.py asks for
+    attention.reference_out(data, causal=False)
     assert calls == [False]
 
 
@@ -792,7 +757,7 @@ def test_report_renders_the_stored_h200_results():
     """The results already in perf/results still load and render (the schema reads them unchanged)."""
     files = [(p, report.load(p)) for p in sorted((REPO / "perf" / "results").glob("h200_sm90_*.json"))]
     assert len(files) >= 2
-    md = report.render_markdown(files, plots_rel=None)
+    md = report.render_markdown(files)
     for path, data in files:
         assert path.name in md
         for suite, body in data["suites"].items():
@@ -818,7 +783,7 @@ def test_jit_worker_writes_one_line_per_workload(monkeypatch, tmp_path):
 
 
 def test_jit_workloads_build_on_the_bench_data():
-    """The jit suite's attention / legacy workloads set up on the CPU (attention.build) and the decode
+    """The jit suite's attention workloads set up on the CPU (attention.build) and the decode
     workload's torch peer runs on them."""
     from pagedattn.bench import jit
 

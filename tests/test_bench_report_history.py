@@ -27,8 +27,7 @@ def test_jit_suite_comes_from_history_when_no_current_run_has_it(tmp_path):
     old["suites"]["decode"]["cases"][0]["id"] = "decode/FROM_HISTORY"
     _write(results / "history" / "h200_old.json", old)
 
-    md, _ = report.write_results_md(results, tmp_path / "RESULTS.md", None, include_samples=True)
-    text = md.read_text()
+    text = report.write_results_md(results, tmp_path / "RESULTS.md", include_samples=True).read_text()
     jit = text.split(f"## {report.SUITE_TITLES['jit']}", 1)[1]
     assert "`history/h200_old.json` (2026-11-01" in jit and "the newest run with this suite" in jit
     assert "| cold/" in jit and "| warm/" in jit and "| host/" in jit
@@ -40,5 +39,5 @@ def test_jit_suite_comes_from_history_when_no_current_run_has_it(tmp_path):
 def test_no_history_folder_changes_nothing(tmp_path):
     results = tmp_path / "results"
     _write(results / "h200.json", json.loads(SAMPLE.read_text()))
-    md, _ = report.write_results_md(results, tmp_path / "RESULTS.md", None, include_samples=True)
+    md = report.write_results_md(results, tmp_path / "RESULTS.md", include_samples=True)
     assert "history/" not in md.read_text()

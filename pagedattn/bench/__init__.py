@@ -1,20 +1,9 @@
-"""`pagedattn bench`: per-architecture performance comparisons (issue 6; perf/README.md explains the lot).
-
-    pagedattn bench [--suite write|decode|prefill|features|legacy|jit|sweep|all] [--quick] [--out DIR]
-                    [--only IDS] [--overrides JSON]
-    pagedattn bench compare A.json B.json [--peers] [--markdown]
-    pagedattn bench report [--results DIR]
-"""
+"""`pagedattn bench` [--suite ...] [--quick] [--out DIR] [--only IDS] [--overrides JSON], `bench compare A B`,
+`bench report`: per-architecture performance comparisons (issue 6; perf/README.md explains the lot)."""
 from __future__ import annotations
 
 import argparse
 import sys
-
-SUITE_HELP = ("write|decode|prefill|features|legacy|jit|all, or a comma-separated list (default: all); sweep: "
-              "ours alone at the tile and mode studies' shapes (not in all)")
-OVERRIDES_HELP = ('JSON: {"attention": the arguments of pagedattn.ops.attention.forced (e.g. {"prefill": '
-                  '"prefill_ws", "tiles": {"prefill_ws": {"kStages": 3}}}), "write": reshape_and_cache_flash\'s '
-                  'overrides= (e.g. {"flat": false})}, for every case; the run is left out of RESULTS.md')
 
 
 def _cmd_run(args) -> int:
@@ -39,29 +28,30 @@ def _cmd_compare(args) -> int:
 def _cmd_report(args) -> int:
     from . import runner
 
-    runner.regenerate(args.results, include_samples=args.include_samples)
+    runner.regenerate(args.results)
     return 0
 
 
 def add_parser(sub) -> None:
     from ..envs import bench_results_dir
 
-    default_out = bench_results_dir()
-    where = "(default: where `pagedattn bench` writes, %(default)s; the repository's: perf/results)"
+    out = str(bench_results_dir())
     p = sub.add_parser("bench", help="benchmark the kernels against torch peers and the machine's ceilings",
-                       description="Measure the kernels on this GPU against torch peers and the ceilings "
-                                   "measured in the same run; write OUT/<gpu>_<sm>_<date>.json, and "
-                                   "RESULTS.md and plots/ beside OUT. See perf/README.md.")
-    p.add_argument("--suite", default="all", help=SUITE_HELP)
+                       description="Measure the kernels on this GPU against torch peers and the ceilings measured "
+                                   "in the same run; write OUT/<gpu>_<sm>_<date>.json, and RESULTS.md "
+                                   "beside OUT. See perf/README.md.")
+    p.add_argument("--suite", default="all", help="write|decode|prefill|features|jit|all, or a comma-separated "
+                   "list (default: all); sweep: ours alone at the tile and mode studies' shapes (not in all)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions and cases (~3 min on an H200)")
-    p.add_argument("--out", default=str(default_out),
-                   help="results folder; RESULTS.md and plots/ go beside it (default: "
-                        "$XDG_DATA_HOME/pagedattn/bench/results, here %(default)s; the repository's "
-                        "recorded results: perf/results)")
-    p.add_argument("--only", default="", help="run only the cases whose id contains one of these "
-                                               "comma-separated substrings")
-    p.add_argument("--overrides", default="", help=OVERRIDES_HELP)
-    p.add_argument("--no-report", action="store_true", help="don't regenerate RESULTS.md and the plots")
+    p.add_argument("--out", default=out, help="results folder; RESULTS.md goes beside it (default: "
+                   "$XDG_DATA_HOME/pagedattn/bench/results, here %(default)s; the repository's: perf/results)")
+    p.add_argument("--only", default="", help="run only the cases whose id contains one of these comma-separated "
+                                               "substrings")
+    p.add_argument("--overrides", default="", help='JSON: {"attention": the arguments of '
+                   'pagedattn.ops.attention.forced (e.g. {"prefill": "prefill_ws", "tiles": {"prefill_ws": '
+                   '{"kStages": 3}}}), "write": reshape_and_cache_flash\'s overrides= (e.g. {"flat": false})}, for '
+                   'every case; the run is left out of RESULTS.md')
+    p.add_argument("--no-report", action="store_true", help="don't regenerate RESULTS.md")
     p.add_argument("--case-timeout", type=float, default=600.0,
                    help="seconds without progress before a case is declared hung (default 600)")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": harness self-test only
@@ -73,8 +63,7 @@ def add_parser(sub) -> None:
     c.add_argument("b", help="results file B")
     c.add_argument("--peers", action="store_true", help="also compare each peer")
     c.set_defaults(func=_cmd_compare)
-    r = bsub.add_parser("report", help="regenerate RESULTS.md and plots from a results folder (no GPU needed)")
-    r.add_argument("--results", default=str(default_out),
-                   help=f"results folder, RESULTS.md and plots/ are written beside it {where}")
-    r.add_argument("--include-samples", action="store_true", help=argparse.SUPPRESS)
+    r = bsub.add_parser("report", help="regenerate RESULTS.md from a results folder (no GPU needed)")
+    r.add_argument("--results", default=out, help="results folder, RESULTS.md is written beside it "
+                   "(default: where `pagedattn bench` writes, %(default)s; the repository's: perf/results)")
     r.set_defaults(func=_cmd_report)

@@ -1,8 +1,7 @@
-"""decode, prefill, features and sweep suites: `pagedattn.flash_attn_varlen_func` over a paged cache
-against torch SDPA and FA4 (perf/README.md, "What is measured", has the cases, the work counted, the
-peers and the goals). Every case is checked once against `pagedattn.reference` (float32,
-`reference_out`, relative L2 <= TOLERANCE), then timed under both methods of timing.py. A cache dtype
-the op does not list is reported skipped ("unsupported by pagedattn").
+"""decode, prefill, features and sweep suites: `pagedattn.flash_attn_varlen_func` over a paged cache against
+torch SDPA and FA4 (perf/README.md, "What is measured": cases, work counted, peers, goals). Every case is
+checked once against `pagedattn.reference` (float32, relative L2 <= TOLERANCE), then timed under both
+methods of timing.py. A cache dtype the op does not list is reported skipped ("unsupported by pagedattn").
 """
 from __future__ import annotations
 
@@ -18,10 +17,12 @@ from .common import Case, Ctx, Recorder, short_error, shuffled_tables
 from .timing import METHODS
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
-# goal_us: at most (µs, under both methods); vs: (peer, ratio) — ours at least `ratio` times the
-# peer's speed; HND / other block sizes are held to within 3 % of NHD bs16 (ratio 1 / 1.03).
-WITHIN_3PCT = 1 / 1.03
-BASE_PEER = "pagedattn NHD bs16"
+TINY = {"hq": 4, "hkv": 2, "d": 64, "bs": 16}
+TOLERANCE = 2e-2
+FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# decode (issue 17): goal_us at most (µs, under both methods); vs (peer, ratio): ours at least `ratio` times
+# the peer's speed; HND and other block sizes within 3 % of ours on NHD bs16
+BASE_PEER, WITHIN_3PCT = "pagedattn NHD bs16", 1 / 1.03
 DECODE = (
     {"B": 1, "ctx": 32768, "goal_us": 40.0},
     {"B": 1, "ctx": 131072, "vs": ("sdpa cudnn", 0.85)},
@@ -31,94 +32,26 @@ DECODE = (
     {"B": 64, "ctx": 4096, "kv": "fp8_e4m3", "goal_us": 130.0},
     {"B": 64, "ctx": 4096, "kv": "fp8_e5m2", "goal_us": 130.0},
     {"B": 64, "ctx": 4096, "layout": "HND", "vs": (BASE_PEER, WITHIN_3PCT)},
-    {"B": 64, "ctx": 4096, "bs": 32, "vs": (BASE_PEER, WITHIN_3PCT)},
-    {"B": 64, "ctx": 4096, "bs": 64, "vs": (BASE_PEER, WITHIN_3PCT)},
-    {"B": 64, "ctx": 4096, "bs": 128, "vs": (BASE_PEER, WITHIN_3PCT)},
+    *({"B": 64, "ctx": 4096, "bs": bs, "vs": (BASE_PEER, WITHIN_3PCT)} for bs in (32, 64, 128)),
 )
-PREFILL = ({"B": 4, "S": 4096}, {"B": 4, "S": 4096, "kv": "fp8_e4m3"})
-MULTI = ({"B": 32, "q": 8, "ctx": 4096}, {"B": 32, "q": 32, "ctx": 4096})  # multi-token decode
-TINY = {"hq": 4, "hkv": 2, "d": 64, "bs": 16}
 TINY_DECODE = ({"B": 2, "ctx": 80}, {"B": 3, "ctx": 48, "kv": "fp8_e4m3"}, {"B": 2, "ctx": 48, "kv": "fp8_e5m2"},
                {"B": 2, "ctx": 80, "layout": "HND", "vs": (BASE_PEER, WITHIN_3PCT)},
                {"B": 2, "ctx": 80, "bs": 32, "vs": (BASE_PEER, WITHIN_3PCT)})
-TINY_PREFILL = ({"B": 2, "S": 40},)
+# prefill (causal, q = ctx) and multi-token decode (q queries over ctx keys), goal in TFLOP/s
+PREFILL = ({"B": 4, "q": 4096, "ctx": 4096}, {"B": 4, "q": 4096, "ctx": 4096, "kv": "fp8_e4m3"},
+           {"B": 32, "q": 8, "ctx": 4096}, {"B": 32, "q": 32, "ctx": 4096})
+TINY_PREFILL = ({"B": 2, "q": 40, "ctx": 40},)
 PREFILL_GOAL_TFLOPS = 330.0
-TOLERANCE = 2e-2
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
-
-def flash_fn():
-    """pagedattn.flash_attn_varlen_func, looked up at each case (tests put stand-ins there)."""
-    return pagedattn.flash_attn_varlen_func
-
-
-def _dims(ctx: Ctx) -> dict:
-    return dict(TINY) if ctx.tiny else {"hq": HQ, "hkv": HKV, "d": D, "bs": BLOCK}
-
-
-def _cache_name(kv: str) -> str:
-    return "bf16" if kv == "auto" else kv
-
-
-def decode_shape(shape: dict, bs_default: int = BLOCK) -> dict:
-    """A DECODE entry with its defaults: kv, layout, bs and which peers it runs ("all": the bf16
-    cases; "torch": the fp8 e4m3 case (SDPA on a bf16 copy, gather); "none": fp8 e5m2; "base": the
-    layout / block-size cases, against ours on a plain NHD bs16 cache)."""
-    out = {"kv": "auto", "layout": "NHD", "bs": bs_default, "goal_us": None, "vs": None, **shape}
-    plain = out["layout"] == "NHD" and out["bs"] == bs_default
-    out["peers"] = ("base" if not plain else "all" if out["kv"] == "auto"
-                    else "torch" if out["kv"] == "fp8_e4m3" else "none")
-    return out
-
-
-def decode_case_id(shape: dict, bs_default: int = BLOCK) -> str:
-    return (f"decode/B{shape['B']}/ctx{shape['ctx']}/{_cache_name(shape['kv'])}"
-            + (f"/{shape['layout']}" if shape["layout"] != "NHD" else "")
-            + (f"/bs{shape['bs']}" if shape["bs"] != bs_default else ""))
-
-
-def _params(ctx: Ctx, B: int, q_len: int, L: int, kv: str, **more) -> dict:
-    return {"B": B, "q_len": q_len, "ctx": L, "kv_cache_dtype": kv, "cache": _cache_name(kv), "dtype": "bf16",
-            "causal": True, **_dims(ctx), **more}
-
-
-def decode_cases(ctx: Ctx) -> list[Case]:
-    out, bs = [], _dims(ctx)["bs"]
-    for entry in (TINY_DECODE if ctx.tiny else DECODE):
-        s = decode_shape(entry, bs)
-        params = _params(ctx, s["B"], 1, s["ctx"], s["kv"], layout=s["layout"], bs=s["bs"], peers=s["peers"])
-        goals = {"us": s["goal_us"], "vs": s["vs"]}
-        out.append(Case(decode_case_id(s, bs), "decode", params,
-                        lambda ctx, rec, p=params, g=goals: run_case(ctx, rec, p, g)))
-    return out
-
-
-def prefill_cases(ctx: Ctx) -> list[Case]:
-    out = []
-    shapes = [dict(s, q=s["S"], ctx=s["S"]) for s in (TINY_PREFILL if ctx.tiny else PREFILL)]
-    for shape in shapes + ([] if ctx.tiny else list(MULTI)):
-        kv = shape.get("kv", "auto")
-        params = _params(ctx, shape["B"], shape["q"], shape["ctx"], kv, layout="NHD",
-                         peers="all" if kv == "auto" else "none")
-        cid = (f"prefill/B{shape['B']}/S{shape['q']}/causal" if "S" in shape
-               else f"multi/B{shape['B']}/q{shape['q']}/ctx{shape['ctx']}/causal")
-        out.append(Case(cid + ("" if kv == "auto" else f"/{kv}"), "prefill", params,
-                        lambda ctx, rec, p=params: run_case(ctx, rec, p, {"tflops": PREFILL_GOAL_TFLOPS})))
-    return out
-
-
-# features suite: the variants of issue 14 against the plain kernel at the goal's shape (PLAIN, a ratio
-# goal each), and head dim 512 against the copy ceiling: (id, shape, the op's features, goal)
-SOFTCAP = 30.0
+# features (issue 14): each variant against the plain kernel (PLAIN) at the goal's shape, or (`base`) at the
+# window's keys, a ratio goal each; head dim 512 against the copy ceiling: (id, shape, features, goal)
 PLAIN = "pagedattn plain"
 FEATURES = (
     ("decode/B16/ctx32768/window4096", dict(B=16, ctx=32768, q_len=1), dict(window_size=(4096, 0)),
      dict(base=dict(B=16, ctx=4096, q_len=1), ratio=1 / 1.15)),
-    ("decode/B16/ctx4096/softcap", dict(B=16, ctx=4096, q_len=1), dict(softcap=SOFTCAP), dict(ratio=1 / 1.05)),
+    ("decode/B16/ctx4096/softcap", dict(B=16, ctx=4096, q_len=1), dict(softcap=30.0), dict(ratio=1 / 1.05)),
     ("decode/B16/ctx4096/alibi", dict(B=16, ctx=4096, q_len=1), dict(alibi_slopes="head"), dict(ratio=1 / 1.05)),
     ("decode/B16/ctx4096/sinks", dict(B=16, ctx=4096, q_len=1), dict(s_aux="head"), dict(ratio=1 / 1.05)),
-    ("prefill/B4/S4096/softcap", dict(B=4, ctx=4096, q_len=4096), dict(softcap=SOFTCAP), dict(ratio=1 / 1.15)),
+    ("prefill/B4/S4096/softcap", dict(B=4, ctx=4096, q_len=4096), dict(softcap=30.0), dict(ratio=1 / 1.15)),
     ("decode/B16/ctx4096/d512", dict(B=16, ctx=4096, q_len=1, d=512), {}, dict(fraction=0.85)),
 )
 TINY_FEATURES = (
@@ -126,24 +59,8 @@ TINY_FEATURES = (
      dict(base=dict(B=2, ctx=64, q_len=1), ratio=1 / 1.15)),
     ("decode/B2/ctx80/sinks", dict(B=2, ctx=80, q_len=1), dict(s_aux="head"), dict(ratio=1 / 1.05)),
 )
-
-
-def feature_cases(ctx: Ctx) -> list[Case]:
-    out = []
-    for cid, shape, feats, goal in (TINY_FEATURES if ctx.tiny else FEATURES):
-        params = _params(ctx, shape["B"], shape["q_len"], shape["ctx"], "auto", layout="NHD",
-                         d=shape.get("d", _dims(ctx)["d"]), peers="base" if "ratio" in goal else "ours")
-        params["features"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in feats.items()}
-        goals = {"fraction": goal.get("fraction")}
-        if "ratio" in goal:  # the plain kernel at the same shape, or at `base` (the window's keys)
-            params.update(base=goal.get("base", {}), base_name=PLAIN)
-            goals["vs"] = (PLAIN, goal["ratio"])
-        out.append(Case(cid, "features", params, lambda ctx, rec, p=params, g=goals: run_case(ctx, rec, p, g)))
-    return out
-
-
-# sweep suite (not in "all"): ours alone at the shapes the tile and mode studies use, to run under
-# `--overrides` (e.g. tiles forced) and compare runs: (id, B, q_len, ctx, head dim, num_splits)
+# sweep (not in "all"): ours alone at the tile and mode studies' shapes, to run under --overrides:
+# (id, B, q_len, ctx, head dim, num_splits)
 SWEEP = ([(f"decode/B1/ctx32768/splits{n}", 1, 1, 32768, D, n) for n in (8, 16, 32, 64)]
          + [(f"decode/B16/ctx4096/splits{n}", 16, 1, 4096, D, n) for n in (1, 2, 4, 8)]
          + [(f"prefill/d{d}/B4/S4096", 4, 4096, 4096, d, 0) for d in (64, 128, 192, 256)]
@@ -153,18 +70,76 @@ SWEEP = ([(f"decode/B1/ctx32768/splits{n}", 1, 1, 32768, D, n) for n in (8, 16, 
 TINY_SWEEP = (("decode/B2/ctx80/splits2", 2, 1, 80, 64, 2), ("short/B2/q5/ctx48", 2, 5, 48, 64, 0))
 
 
-def sweep_cases(ctx: Ctx) -> list[Case]:
-    out = []
-    for cid, B, q_len, L, d, splits in (TINY_SWEEP if ctx.tiny else SWEEP):
-        params = _params(ctx, B, q_len, L, "auto", layout="NHD", peers="ours", num_splits=splits, d=d)
-        out.append(Case(cid, "sweep", params, lambda ctx, rec, p=params: run_case(ctx, rec, p)))
+def _dims(ctx: Ctx) -> dict:
+    return dict(TINY) if ctx.tiny else {"hq": HQ, "hkv": HKV, "d": D, "bs": BLOCK}
+
+
+def _params(ctx: Ctx, B: int, q_len: int, L: int, kv: str = "auto", **more) -> dict:
+    return {"B": B, "q_len": q_len, "ctx": L, "kv_cache_dtype": kv, "cache": "bf16" if kv == "auto" else kv,
+            "dtype": "bf16", "causal": True, "layout": "NHD", **_dims(ctx), **more}
+
+
+def _case(cid: str, suite: str, params: dict, goals: dict | None = None) -> Case:
+    return Case(cid, suite, params, lambda ctx, rec: run_case(ctx, rec, params, goals))
+
+
+def decode_shape(shape: dict, bs_default: int = BLOCK) -> dict:
+    """A DECODE entry with its defaults and the peers it runs: "all" (bf16), "torch" (fp8 e4m3: SDPA on a bf16
+    copy, gather), "none" (fp8 e5m2), "base" (layout / block size: ours on a plain NHD bs16 cache)."""
+    out = {"kv": "auto", "layout": "NHD", "bs": bs_default, "goal_us": None, "vs": None, **shape}
+    plain = out["layout"] == "NHD" and out["bs"] == bs_default
+    out["peers"] = "base" if not plain else {"auto": "all", "fp8_e4m3": "torch"}.get(out["kv"], "none")
     return out
+
+
+def decode_case_id(shape: dict, bs_default: int = BLOCK) -> str:
+    return (f"decode/B{shape['B']}/ctx{shape['ctx']}/{'bf16' if shape['kv'] == 'auto' else shape['kv']}"
+            + (f"/{shape['layout']}" if shape["layout"] != "NHD" else "")
+            + (f"/bs{shape['bs']}" if shape["bs"] != bs_default else ""))
+
+
+def decode_cases(ctx: Ctx) -> list[Case]:
+    bs = _dims(ctx)["bs"]
+    shapes = [decode_shape(e, bs) for e in (TINY_DECODE if ctx.tiny else DECODE)]
+    return [_case(decode_case_id(s, bs), "decode", _params(ctx, s["B"], 1, s["ctx"], s["kv"], layout=s["layout"],
+                                                           bs=s["bs"], peers=s["peers"]),
+                  {"us": s["goal_us"], "vs": s["vs"]}) for s in shapes]
+
+
+def prefill_cases(ctx: Ctx) -> list[Case]:
+    out = []
+    for s in (TINY_PREFILL if ctx.tiny else PREFILL):
+        kv = s.get("kv", "auto")
+        cid = (f"prefill/B{s['B']}/S{s['q']}/causal" if s["q"] == s["ctx"]
+               else f"multi/B{s['B']}/q{s['q']}/ctx{s['ctx']}/causal") + ("" if kv == "auto" else f"/{kv}")
+        params = _params(ctx, s["B"], s["q"], s["ctx"], kv, peers="all" if kv == "auto" else "none")
+        out.append(_case(cid, "prefill", params, {"tflops": PREFILL_GOAL_TFLOPS}))
+    return out
+
+
+def feature_cases(ctx: Ctx) -> list[Case]:
+    out = []
+    for cid, shape, feats, goal in (TINY_FEATURES if ctx.tiny else FEATURES):
+        params = _params(ctx, shape["B"], shape["q_len"], shape["ctx"], d=shape.get("d", _dims(ctx)["d"]),
+                         peers="base" if "ratio" in goal else "ours")
+        params["features"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in feats.items()}
+        goals = {"fraction": goal.get("fraction")}
+        if "ratio" in goal:
+            params.update(base=goal.get("base", {}), base_name=PLAIN)
+            goals["vs"] = (PLAIN, goal["ratio"])
+        out.append(_case(cid, "features", params, goals))
+    return out
+
+
+def sweep_cases(ctx: Ctx) -> list[Case]:
+    return [_case(cid, "sweep", _params(ctx, B, q_len, L, peers="ours", num_splits=splits, d=d))
+            for cid, B, q_len, L, d, splits in (TINY_SWEEP if ctx.tiny else SWEEP)]
 
 
 # -- data ------------------------------------------------------------------------------------------
 def gather_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """[num_blocks, bs, H, D] cache, [B, nb] table -> [B, nb * bs, H, D] (fp8 through uint8)."""
-    fp8 = cache.dtype in FP8_DTYPES
+    fp8 = cache.dtype in FP8_TORCH.values()
     g = (cache.view(torch.uint8) if fp8 else cache)[table.long()]
     b, nb, bs, h, d = g.shape
     g = g.reshape(b, nb * bs, h, d)  # reshape: an HND cache is a permuted view
@@ -172,9 +147,9 @@ def gather_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 class PagedData(SimpleNamespace):
-    """One case's inputs (`build`): B, q_len, ctx_len, hq, hkv, d, bs, kv (cache dtype), scale; per input
-    set q [B * q_len, Hq, D] and tables int32 [B, nb]; the caches kc, vc [num_blocks, bs, Hkv, D] (HND:
-    a view of [num_blocks, Hkv, bs, D]); seqused, cu_q; k_descale, v_descale (fp8) or None."""
+    """One case's inputs (`build`): B, q_len, ctx_len, hq, hkv, d, bs, kv (cache dtype), scale; per input set
+    q [B * q_len, Hq, D] and tables int32 [B, nb]; the caches kc, vc [num_blocks, bs, Hkv, D] (HND: a view of
+    [num_blocks, Hkv, bs, D]); seqused, cu_q; k_descale, v_descale (fp8) or None."""
 
     def gathered_kv(self, s: int, dtype=torch.bfloat16):
         """[B, Hkv, ctx, D] views of set s's pages (dequantised for fp8)."""
@@ -193,10 +168,9 @@ def build(ctx: Ctx, p: dict, sets: int, gen_seed: int = 0) -> PagedData:
     dev = ctx.device
     B, q_len, L, hq, hkv, d, bs, kv = (p[k] for k in ("B", "q_len", "ctx", "hq", "hkv", "d", "bs", "kv_cache_dtype"))
     nb = math.ceil(L / bs)
-    need = B * nb * sets
-    num_blocks = need + max(need // 4, 8)
+    num_blocks = B * nb * sets + max(B * nb * sets // 4, 8)
     torch.manual_seed(gen_seed)
-    hnd = p.get("layout") == "HND"  # "legacy" (legacy.py) starts from NHD and converts
+    hnd = p.get("layout") == "HND"
     shape = (num_blocks, hkv, bs, d) if hnd else (num_blocks, bs, hkv, d)
     kd = vd = None
     if kv == "auto":
@@ -215,7 +189,6 @@ def build(ctx: Ctx, p: dict, sets: int, gen_seed: int = 0) -> PagedData:
                      cu_q=torch.arange(0, B * q_len + 1, q_len, dtype=torch.int32, device=dev))
 
 
-# -- the reference ---------------------------------------------------------------------------------
 def reference_out(data: PagedData, s: int = 0, causal: bool = True, **features) -> torch.Tensor:
     """float32 output of input set `s` by pagedattn.reference (the one oracle), matmuls in full fp32;
     `features` are the op's feature arguments (window_size, softcap, alibi_slopes, s_aux)."""
@@ -233,31 +206,23 @@ def reference_out(data: PagedData, s: int = 0, causal: bool = True, **features) 
         torch.set_float32_matmul_precision(prev)
 
 
-# -- ours and the peers ----------------------------------------------------------------------------
-def unsupported(p: dict) -> str | None:
-    """Why the op cannot run this case (its registry does not list the cache dtype), or None."""
-    from pagedattn.ops.attention import AttnFwdSpec  # noqa: PLC0415
-
-    kv, supported = p["kv_cache_dtype"], AttnFwdSpec.SUPPORTED["kv_cache_dtype"]
-    return None if kv in supported else f"kv_cache_dtype {kv!r} (supported: {', '.join(supported)})"
-
-
+# -- a case: ours checked and timed, then the peers -------------------------------------------------
 def ours_fn(data: PagedData, num_splits: int = 0, **features):
     """fn(k): pagedattn.flash_attn_varlen_func on input set k of `data`, as the suites call it."""
-    fa = flash_fn()
+    fa = pagedattn.flash_attn_varlen_func  # looked up per case: tests put stand-ins there
     if data.kv != "auto":  # the caches are float8 tensors: their dtype names the format
         features.update(k_descale=data.k_descale, v_descale=data.v_descale)
 
     def ours(k):
         res = fa(data.q[k], data.kc, data.vc, data.q_len, data.cu_q, data.ctx_len, seqused_k=data.seqused,
-                 causal=True, block_table=data.tables[k], softmax_scale=data.scale,
-                 return_softmax_lse=False, num_splits=num_splits, **features)
+                 causal=True, block_table=data.tables[k], softmax_scale=data.scale, return_softmax_lse=False,
+                 num_splits=num_splits, **features)
         return res[0] if isinstance(res, (tuple, list)) else res
     return ours
 
 
 def feature_kwargs(feats: dict, hq: int, device) -> dict:
-    """The op's feature arguments of params "features" (features.py), per-head tensors drawn for "head"."""
+    """The op's feature arguments of params "features", per-head tensors drawn for "head"."""
     kw = {k: tuple(v) if isinstance(v, list) else v for k, v in feats.items()}
     if kw.get("alibi_slopes") == "head":
         kw["alibi_slopes"] = (2.0 ** (-8.0 * torch.arange(1, hq + 1) / hq)).float().to(device)
@@ -273,32 +238,29 @@ def _sets(ctx: Ctx, p: dict) -> int:
 
 
 def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> None:
-    """One case of params `p` (B, q_len, ctx, heads, kv_cache_dtype, layout, bs; `features`: the op's
-    feature arguments; `peers`: all | torch | none | base, base: ours at params `p` | `base` named
-    `base_name`) with `goals` us / tflops / fraction (targets, not in tiny runs) and vs (peer, ratio)."""
+    """One case of params `p` (`features`: the op's feature arguments; `peers`: all | torch | none | ours |
+    base: ours at params `p` | `base`, named `base_name`) with `goals` us / tflops / fraction (targets, not in
+    tiny runs) and vs (peer, ratio)."""
     B, sq, L, hq, hkv, d = p["B"], p["q_len"], p["ctx"], p["hq"], p["hkv"], p["d"]
-    fp8 = p["kv_cache_dtype"] != "auto"
+    kv, supported = p["kv_cache_dtype"], pagedattn.ops.attention.AttnFwdSpec.SUPPORTED["kv_cache_dtype"]
     feats = feature_kwargs(p.get("features") or {}, hq, ctx.device)
-    kv_bytes = 2 * B * L * hkv * d * (1 if fp8 else 2)
+    kv_bytes = 2 * B * L * hkv * d * (1 if kv != "auto" else 2)
     if sq == 1 or sq < L // 8:  # decode and multi-token decode: bound by the KV bytes (a window's only)
         rec.work("GB/s", kv_bytes * min(L, feats.get("window_size", (L,))[0] + 1) // L, "copy")
     else:  # query i sees L - sq + i + 1 keys (bottom-right causal)
         rec.work("TFLOP/s", 4 * B * hq * d * (sq * (L - sq) + sq * (sq + 1) / 2), "matmul")
-    why = unsupported(p)
-    if why is not None:
-        return rec.skip(f"unsupported by pagedattn: {why}")
+    if kv not in supported:
+        return rec.skip(f"unsupported by pagedattn: kv_cache_dtype {kv!r} (supported: {', '.join(supported)})")
     sets = _sets(ctx, p)
     data = build(ctx, p, sets)
     rec.extra(sets=sets, kv_bytes=kv_bytes, num_blocks=data.kc.shape[0], methods=list(METHODS))
     ours = ours_fn(data, p.get("num_splits", 0), **feats)
-
-    # correctness once, then timing (a failure is the case's error; the peers still run). The reference
-    # holds [Hq, q_len, ctx] float32 scores per sequence: beyond 4096 x 4096 the check runs at B=1, 4096.
+    # correctness once, then timing (a failure is the case's error; the peers still run). The reference holds
+    # [Hq, q_len, ctx] float32 scores per sequence: beyond 4096 x 4096 the check runs at B=1, 4096.
     big = sq * L > 4096 * 4096
     checked = build(ctx, dict(p, B=1, q_len=min(sq, 4096), ctx=min(L, 4096)), 1, gen_seed=2) if big else data
     box: dict = {}
     rec.attempt("float32 reference", lambda: box.update(ref=reference_out(checked, **feats)))
-    ref = None if big else box.get("ref")  # the peers' check (peers.fastest)
 
     def check_and_time():
         try:
@@ -316,8 +278,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
     rec.attempt("pagedattn", check_and_time)
     if "refused" in box:
         return rec.skip(f"unsupported by pagedattn: {box['refused']}")
-
-    role = p.get("peers", "all")
+    role, ref = p.get("peers", "all"), None if big else box.get("ref")  # ref: the peers' check
     if role == "base":  # ours on a plain NHD cache, default block size (or at `base`): what a case is held to
         base = dict(p, layout="NHD", bs=_dims(ctx)["bs"], features={}, **p.get("base", {}))
         base_sets = _sets(ctx, base)
@@ -325,11 +286,11 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
                  base_sets, methods=METHODS)
     elif role == "none":
         rec.note("no peers: they would read the same bf16 copy as the fp8_e4m3 case")
-    elif role in ("all", "torch"):  # (role "ours": no peers)
+    elif role in ("all", "torch"):
         peerlib.torch_peers(ctx, rec, data, ref, sets)
         if role == "all":
             peerlib.fa4_peer(ctx, rec, data, ref, sets)
-    if fp8 and role != "none":
+    if kv != "auto" and role != "none":
         rec.note("torch peers read a bf16 dequantised copy (torch has no fp8-KV attention)")
     goals = goals or {}
     for key, unit in (("us", "us"), ("tflops", "TFLOP/s"), ("fraction", "fraction")):

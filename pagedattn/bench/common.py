@@ -20,11 +20,10 @@ class Ctx:
     """Everything a case needs to know about this run."""
     device: torch.device
     quick: bool = False
-    tiny: bool = False            # test shapes (CPU tests); never used for real measurements
+    tiny: bool = False  # test shapes (CPU tests); never used for real measurements
     timer: Timer = None
     ceilings: dict = field(default_factory=dict)
     l2_bytes: int = H200_L2
-    say: Callable[[str], None] = print
     case_timeout_s: float = 600.0
     write_overrides: dict | None = None  # the write op's overrides= in every write (--overrides "write")
 
@@ -34,7 +33,7 @@ class Ctx:
 
     @classmethod
     def make(cls, device: str, quick: bool, tiny: bool = False, ceilings: dict | None = None,
-             say=print, case_timeout_s: float = 600.0, write_overrides: dict | None = None) -> "Ctx":
+             case_timeout_s: float = 600.0, write_overrides: dict | None = None) -> "Ctx":
         dev = torch.device(device)
         if dev.type == "cuda":
             dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
@@ -44,7 +43,7 @@ class Ctx:
         else:
             l2 = 4 * 2**20
             timer = CpuTimer(budget_s=0.01, min_reps=3, max_reps=50, flush_nbytes=2**20, device=dev)
-        return cls(dev, quick, tiny, timer, dict(ceilings or {}), l2, say, case_timeout_s, write_overrides)
+        return cls(dev, quick, tiny, timer, dict(ceilings or {}), l2, case_timeout_s, write_overrides)
 
     def sets_for(self, working_set_bytes: float, cap: int = 64) -> int:
         """Input sets to rotate through so that the inputs are not in L2 (timing.rotation_sets)."""
@@ -64,16 +63,16 @@ class Case:
 
 
 class Recorder:
-    """Builds one case record. Every measurement goes through here, so that one failing peer is
-    reported in the record and the others still run; each one sends the record so far to `emit_partial`
-    (the child's `partial` event: a case that crashes later keeps it)."""
+    """Builds one case record. Every measurement goes through here, so that one failing peer is reported in
+    the record and the others still run; each sends the record so far to `emit_partial` (the child's
+    `partial` event: a case that crashes later keeps it)."""
 
     def __init__(self, case: Case, ctx: Ctx, emit_partial: Callable[[dict], None] | None = None):
         self.case, self.ctx = case, ctx
         self.record = schema.new_case(case.id, case.suite, case.params)
         self._emit = emit_partial or (lambda rec: None)
 
-    def _update(self, name: str | None = None, impl: dict | None = None) -> dict:
+    def _update(self, name: str | None, impl: dict) -> dict:
         """Record ours (name None) or peer `name`, derive the numbers, send the record so far."""
         if name is None:
             self.record["ours"] = impl
@@ -100,7 +99,7 @@ class Recorder:
 
     def goal_ratio(self, peer: str, value: float) -> None:
         """A relative goal: ours at least `value` times as fast as `peer` (schema.goal_met)."""
-        self.record.setdefault("goals", []).append({"value": value, "unit": "ratio", "peer": peer, "met": None})
+        self.record["goals"].append({"value": value, "unit": "ratio", "peer": peer, "met": None})
         schema.derive(self.record, self.ctx.ceilings)
 
     def _time(self, name: str, fn, sets: int, methods) -> dict:
@@ -111,14 +110,9 @@ class Recorder:
         """Time our implementation under each of `methods` (timing.METHODS); failures propagate."""
         return self._update(None, self._time(name, fn, sets, methods))
 
-    def ours_value(self, name: str, value: float, us: float | None = None, **stats) -> dict:
-        """A number that is not a CUDA-event timing (jit suite: seconds, host µs)."""
-        return self._update(None, _value_impl(name, value, us, stats))
-
     def peer(self, name: str, make_fn, sets: int = 1, context=None, methods=("rot",)) -> dict:
-        """Time a peer under each of `methods`. `make_fn()` builds the callable fn(k) (and may raise:
-        the peer is then reported as unavailable with the reason). `context()` wraps the whole
-        measurement."""
+        """Time a peer: `make_fn()` builds fn(k) (or raises: the peer is reported unavailable with the
+        reason); `context()` wraps the whole measurement."""
         try:
             with (context() if context is not None else contextlib.nullcontext()):
                 impl = self._time(name, make_fn(), sets, methods)
@@ -128,8 +122,10 @@ class Recorder:
                 assert_cuda_healthy()
         return self._update(name, impl)
 
-    def peer_value(self, name: str, value: float, us: float | None = None, **stats) -> dict:
-        return self._update(name, _value_impl(name, value, us, stats))
+    def value(self, name: str | None, value: float, us: float | None = None, reps: int = 1) -> dict:
+        """Ours (name None) or a peer as a number that is not a CUDA-event timing (jit suite: s, ms, host µs)."""
+        return self._update(name, {"name": name or "pagedattn", "us": value if us is None else us, "value": value,
+                                   "fraction": None, "error": None, "reps": reps, "sets": 1})
 
     def peer_failed(self, name: str, reason: str) -> None:
         self._update(name, schema.impl_error(name, reason))
@@ -143,15 +139,14 @@ class Recorder:
     def check_close(self, out: torch.Tensor, ref: torch.Tensor, tolerance: float) -> None:
         """Relative L2 of `out` against the float32 reference, at most `tolerance`."""
         err = rel_l2(out, ref)
-        if math.isfinite(err):
-            self.check(err <= tolerance, "rel_l2",
-                       f"relative L2 {err:.2e} vs float32 reference (tolerance {tolerance:g})", rel_l2=err)
-        else:
-            self.check(False, "rel_l2", "output has NaN/Inf (or is unwritten)", rel_l2=None)
+        if not math.isfinite(err):
+            return self.check(False, "rel_l2", "output has NaN/Inf (or is unwritten)", rel_l2=None)
+        self.check(err <= tolerance, "rel_l2", f"relative L2 {err:.2e} vs float32 reference (tolerance "
+                   f"{tolerance:g})", rel_l2=err)
 
     def attempt(self, what: str, fn) -> bool:
-        """Run fn(); on an exception record it as this case's error (the case goes on to its peers,
-        which are still worth having) and return False. A lost CUDA context is re-raised."""
+        """Run fn(); an exception becomes this case's error (the case goes on to its peers, still worth
+        having) and False. A lost CUDA context is raised."""
         try:
             fn()
             return True
@@ -171,11 +166,6 @@ class Recorder:
 
     def finish(self) -> dict:
         return schema.derive(self.record, self.ctx.ceilings)
-
-
-def _value_impl(name: str, value: float, us: float | None, stats: dict) -> dict:
-    return {"name": name, "us": us if us is not None else value, "value": value, "fraction": None,
-            "error": None, "reps": stats.pop("reps", 1), "sets": 1, **stats}
 
 
 def short_error(exc: BaseException, limit: int = 600) -> str:

@@ -1,11 +1,10 @@
 """jit suite: what the JIT costs a user (perf/README.md, "jit suite"): cold and warm first calls in fresh
-processes (`worker`) and steady-state host µs per API call. `capture_launches` records a call's
-launches for replay (perf/launch_overhead.py times the raw launcher with it).
+processes (`worker`) and steady-state host µs per API call. `capture_launches` records a call's launches for
+replay (perf/launch_overhead.py times the raw launcher with it).
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import statistics
@@ -23,25 +22,23 @@ from .common import Case, Ctx, Recorder
 from .runner import read_jsonl
 from .timing import host_loops
 
-NAME = "jit"
 HOST_TARGET_US = 6.0
-_MEMO: dict = {}
 H, D, BLOCK = 8, 128, 16
+_MEMO: dict = {}
 
 
 def available(ctx: Ctx):
     return (True, None) if ctx.is_cuda else (False, "needs CUDA")
 
 
-# -- the workloads: setup(device) -> {"fn": our call, "peer": (name, torch call) or None} --------------
-# (`worker` measures their first calls in fresh processes)
+# -- the workloads: setup(device) -> {"fn": our call, "peer": (name, torch call) or None} ----------------
 def _write(layout: str, kv: str):
     def setup(device):
         import pagedattn
 
         fp8 = kv != "auto"
-        spec = pagedattn.CacheSpec(64, BLOCK, H, D, torch.uint8 if fp8 else torch.bfloat16,
-                                   kv_cache_dtype=kv, layout=layout)
+        spec = pagedattn.CacheSpec(64, BLOCK, H, D, torch.uint8 if fp8 else torch.bfloat16, kv_cache_dtype=kv,
+                                   layout=layout)
         kc, vc = spec.allocate(device)
         k, v = (torch.randn(1, H, D, dtype=torch.bfloat16, device=device) for _ in range(2))
         slots = torch.tensor([37], dtype=torch.int64, device=device)
@@ -54,17 +51,13 @@ def _write(layout: str, kv: str):
     return setup
 
 
-def _paged(device, L: int, kv: str = "auto", q_len: int = 1):
-    """The bench's paged inputs for one request (Hq=32, Hkv=8, D=128, block 16), one input set."""
-    p = dict(B=1, q_len=q_len, ctx=L, hq=32, hkv=H, d=D, bs=BLOCK, kv_cache_dtype=kv)
-    return build(Ctx(torch.device(device)), p, sets=1)
-
-
 def _attention(kv: str, q_len: int, L: int):
+    """The bench's paged inputs for one request (Hq=32, Hkv=8, D=128, block 16), one input set."""
     def setup(device):
         import torch.nn.functional as F
 
-        data = _paged(device, L, kv, q_len)
+        p = dict(B=1, q_len=q_len, ctx=L, hq=32, hkv=H, d=D, bs=BLOCK, kv_cache_dtype=kv)
+        data = build(Ctx(torch.device(device)), p, sets=1)
         peer = None
         if kv == "auto" and q_len == 1:
             kk, vv = data.contiguous_kv(0)
@@ -75,31 +68,13 @@ def _attention(kv: str, q_len: int, L: int):
     return setup
 
 
-def _legacy(variant: str, L: int = 1024):
-    def setup(device):
-        import pagedattn.legacy as legacy
-
-        from .legacy import to_legacy
-
-        data = _paged(device, L)
-        kl, vl = to_legacy(data.kc, data.vc)
-        out = torch.empty(1, 32, D, dtype=torch.bfloat16, device=device)
-        args = (data.q[0], kl, vl, H, 1 / math.sqrt(D), data.tables[0], data.seqused, BLOCK, L)
-        if variant == "v1":
-            return {"fn": lambda: legacy.paged_attention_v1(out, *args), "peer": None}
-        scratch = legacy.allocate_partials(out, L)
-        return {"fn": lambda: legacy.paged_attention_v2(out, *scratch, *args), "peer": None}
-    return setup
-
-
-WORKLOADS = {  # name -> setup
+WORKLOADS = {
     "write_nhd_bf16": _write("NHD", "auto"), "write_hnd_bf16": _write("HND", "auto"),
     "write_nhd_fp8": _write("NHD", "fp8_e4m3"), "write_hnd_fp8": _write("HND", "fp8_e4m3"),
     "decode_bf16": _attention("auto", 1, 256), "decode_fp8": _attention("fp8_e4m3", 1, 256),
-    "prefill_bf16": _attention("auto", 256, 256), "legacy_v1": _legacy("v1"), "legacy_v2": _legacy("v2"),
+    "prefill_bf16": _attention("auto", 256, 256),
 }
-QUICK = ("write_nhd_bf16", "write_nhd_fp8", "decode_bf16", "legacy_v1")
-HOST = QUICK  # steady-state host overhead is measured on these (tiny sizes)
+QUICK = HOST = ("write_nhd_bf16", "write_nhd_fp8", "decode_bf16")  # HOST: steady-state host cost (tiny sizes)
 
 
 def _names(ctx: Ctx) -> list[str]:
@@ -107,20 +82,19 @@ def _names(ctx: Ctx) -> list[str]:
 
 
 def cases(ctx: Ctx) -> list[Case]:
-    names = _names(ctx)
-    kinds = (("cold", names, "first call, empty cache", _cold),
-             ("warm", names, "first call, disk hit", _warm),
-             ("host", HOST, "host µs per API call", _host))
-    return [Case(f"jit/{kind}/{n}", NAME, {"workload": n, "what": what},
-                 lambda ctx, rec, n=n, run=run: run(ctx, rec, n))
-            for kind, which, what, run in kinds for n in which]
+    first = [Case(f"jit/{kind}/{n}", "jit", {"workload": n, "what": what},
+                  lambda ctx, rec, n=n, kind=kind: _first_call(ctx, rec, n, kind))
+             for kind, what in (("cold", "first call, empty cache"), ("warm", "first call, disk hit"))
+             for n in _names(ctx)]
+    return first + [Case(f"jit/host/{n}", "jit", {"workload": n, "what": "host µs per API call"},
+                         lambda ctx, rec, n=n: _host(ctx, rec, n)) for n in HOST]
 
 
-# -- fresh processes: `python -m pagedattn.bench.jit WORKLOADS OUT` (`worker`) ------------------------
+# -- fresh processes: `python -m pagedattn.bench.jit WORKLOADS OUT` (`worker`) --------------------------
 def worker(names: str, out_path: str) -> None:
-    """Time the first call of each workload (with a sync) in this fresh process, and note which kernel
-    variants it compiled and how long each took (the cache entries' meta.json): with an empty
-    PAGEDATTN_CACHE_DIR the cold path, on a filled one the warm path. One JSON line per workload."""
+    """Time the first call of each workload (with a sync) in this fresh process, and note which kernel variants
+    it compiled and how long each took (the cache entries' meta.json): with an empty PAGEDATTN_CACHE_DIR the
+    cold path, on a filled one the warm path. One JSON line per workload."""
     from pagedattn import envs
     from pagedattn.codegen.cache import kernel_cache
 
@@ -153,31 +127,28 @@ def _run_worker(ctx: Ctx, cache_dir: str, timeout_s: float) -> dict:
     out_path = Path(cache_dir) / "jit_worker.jsonl"
     env = dict(os.environ, PAGEDATTN_CACHE_DIR=cache_dir, PAGEDATTN_AOT_DIR="", PAGEDATTN_DISABLE_JIT="0")
     env.pop("PAGEDATTN_ARCH", None)
-    # same process group as this suite process: if the runner kills us, the worker goes too
-    proc = subprocess.Popen([sys.executable, "-m", "pagedattn.bench.jit", ",".join(_names(ctx)), str(out_path)],
-                            env=env)
-    try:
-        failed = f"the fresh process exited with code {proc.wait(timeout=timeout_s)} before this workload finished"
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    try:  # in this suite process's group: if the runner kills it, the worker goes too
+        rc = subprocess.run([sys.executable, "-m", "pagedattn.bench.jit", ",".join(_names(ctx)), str(out_path)],
+                            env=env, timeout=timeout_s).returncode
+        failed = f"the fresh process exited with code {rc} before this workload finished"
+    except subprocess.TimeoutExpired:  # (killed by subprocess.run)
         failed = f"the fresh process timed out after {timeout_s:.0f} s before this workload finished"
     records = {r["workload"]: r for r in read_jsonl(out_path)} if out_path.exists() else {}
     out_path.unlink(missing_ok=True)
     return {**records, "_failed": failed}
 
 
-def _first_call(ctx: Ctx, rec: Recorder, name: str, which: str) -> dict:
-    """The first call of workload `name` in the cold run (an empty cache folder) or the warm one (the
-    same folder, filled); each runs once, for every workload."""
+def _first_call(ctx: Ctx, rec: Recorder, name: str, which: str) -> None:
+    """The first call of workload `name` in the cold run (an empty cache folder: s) or the warm one (the same
+    folder, filled: ms); each runs once, for every workload, within the runner's no-progress limit."""
     if "cold" not in _MEMO:
         _MEMO["dir"] = tempfile.mkdtemp(prefix="pagedattn-bench-cold-")
-        # stay inside the runner's no-progress limit, which would otherwise kill this case
         timeout = min(150.0 if ctx.quick else 360.0, 0.8 * ctx.case_timeout_s)
-        ctx.say(f"  jit: cold compiles in a fresh process, empty cache {_MEMO['dir']} (up to {timeout:.0f} s)")
+        print(f"  jit: cold compiles in a fresh process, empty cache {_MEMO['dir']} (up to {timeout:.0f} s)",
+              flush=True)
         _MEMO["cold"] = _run_worker(ctx, _MEMO["dir"], timeout)
     if which == "warm" and "warm" not in _MEMO:
-        ctx.say("  jit: warm first calls in a fresh process (disk hit)")
+        print("  jit: warm first calls in a fresh process (disk hit)", flush=True)
         _MEMO["warm"] = _run_worker(ctx, _MEMO["dir"], min(180.0, 0.8 * ctx.case_timeout_s))
         shutil.rmtree(_MEMO["dir"], ignore_errors=True)
     w = _MEMO[which].get(name) or {"error": _MEMO[which]["_failed"]}
@@ -185,64 +156,46 @@ def _first_call(ctx: Ctx, rec: Recorder, name: str, which: str) -> dict:
         raise RuntimeError(w["error"])
     rec.work("s" if which == "cold" else "ms")
     rec.extra(compiles=w["compiles"], origins=w["origins"])
-    return w
-
-
-def _cold(ctx: Ctx, rec: Recorder, name: str) -> None:
-    w = _first_call(ctx, rec, name, "cold")
-    rec.extra(variants=w["variants"], compile_s_total=sum(v or 0 for v in w["variants"].values()))
-    rec.ours_value("pagedattn", w["first_call_s"], us=w["first_call_s"] * 1e6)
-
-
-def _warm(ctx: Ctx, rec: Recorder, name: str) -> None:
-    w = _first_call(ctx, rec, name, "warm")
-    if w["compiles"]:
+    if which == "cold":
+        rec.extra(variants=w["variants"], compile_s_total=sum(v or 0 for v in w["variants"].values()))
+    elif w["compiles"]:
         rec.note(f"{w['compiles']} compile(s) on a filled cache: the disk cache missed")
-    rec.ours_value("pagedattn", w["first_call_s"] * 1e3, us=w["first_call_s"] * 1e6)
-
-
-# -- in-process host overhead ----------------------------------------------------------------------
-def _host_us(ctx: Ctx, fn, n: int) -> tuple[float, float]:
-    """(host µs per call, µs per call with the final sync): medians of 5 loops of n calls."""
-    loops = host_loops(fn, n, warmup=min(n, 50), sync=ctx.sync)
-    return statistics.median(h for h, _ in loops), statistics.median(s for _, s in loops)
+    rec.value(None, w["first_call_s"] * (1 if which == "cold" else 1e3), us=w["first_call_s"] * 1e6)
 
 
 def _host(ctx: Ctx, rec: Recorder, name: str) -> None:
-    work = WORKLOADS[name](ctx.device)
-    n = 500 if ctx.quick else 2000
+    """Host µs per call: the median of 5 loops of n calls without a sync (and with the final sync)."""
+    work, n = WORKLOADS[name](ctx.device), 500 if ctx.quick else 2000
+
+    def host_us(fn) -> tuple[float, float]:
+        loops = host_loops(fn, n, warmup=min(n, 50), sync=ctx.sync)
+        return statistics.median(h for h, _ in loops), statistics.median(s for _, s in loops)
     rec.work("us")
-    host, synced = _host_us(ctx, work["fn"], n)
+    host, synced = host_us(work["fn"])
     rec.extra(calls=n, us_per_call_with_final_sync=synced)
-    rec.ours_value("pagedattn", host, us=host, reps=n)
+    rec.value(None, host, reps=n)
     rec.target(HOST_TARGET_US, "us")
     if work.get("peer"):
         pname, pfn = work["peer"]
         try:
-            rec.peer_value(pname, _host_us(ctx, pfn, n)[0], reps=n)
+            rec.value(pname, host_us(pfn)[0], reps=n)
         except Exception as exc:  # noqa: BLE001
             rec.peer_failed(pname, f"{type(exc).__name__}: {exc}")
 
 
-def forget_plans() -> None:
-    """Empty every op's plan cache (and the steady-state guards in front of it): the next call of
-    each op validates its metadata and builds its launches anew, as a first call does."""
-    from pagedattn.ops import attention, kv_write, legacy_attention
-
-    for plans in (attention._PLANS, kv_write._PLANS, legacy_attention._PLANS):
-        plans.clear()
-
-
+# -- the raw launcher (perf/launch_overhead.py) --------------------------------------------------------
 class Launch(NamedTuple):
     launcher: object  # the pagedattn.codegen.launch.Launcher
     replay: Callable[[], None]  # the launch again, packed as the op packed it
 
 
 def capture_launches(fn):
-    """Run fn once (plans forgotten first), recording every launch: a Launcher call (its values repacked
-    on replay) or a Prepared launch (the attention and write ops' own; its leading fields read back from
-    the launch buffer and repacked on replay). Returns (launches, fn's result)."""
+    """Run fn once, every op's plan cache emptied first (a known call would take a launch prepared before,
+    unrecorded), recording every launch: a Launcher call (its values repacked on replay) or a Prepared launch
+    (the attention and write ops' own; its leading fields read back from the launch buffer and repacked on
+    replay). Returns (launches, fn's result)."""
     from pagedattn.codegen import launch
+    from pagedattn.ops import attention, kv_write, legacy_attention
 
     orig_call, orig_init = launch.Launcher.__call__, launch.Prepared.__init__
     launches, prepared = [], []
@@ -262,7 +215,8 @@ def capture_launches(fn):
         prepared.append((self, raw))
         self._launch = recording_launch
 
-    forget_plans()  # a known call would take a launch prepared before, unrecorded
+    for plans in (attention._PLANS, kv_write._PLANS, legacy_attention._PLANS):
+        plans.clear()
     launch.Launcher.__call__, launch.Prepared.__init__ = recording_call, recording_init
     try:
         result = fn()

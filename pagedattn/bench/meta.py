@@ -26,14 +26,13 @@ def _run(cmd: list[str]) -> str | None:
 
 
 def nvidia_smi(index: int = 0) -> dict | None:
-    """CUDA device `index`'s row of nvidia-smi (a read-only query; the GPU named by its UUID, as
-    nvidia-smi's order may differ from CUDA's), or None when nvidia-smi is not usable."""
+    """CUDA device `index`'s row of nvidia-smi (read only; by UUID, as nvidia-smi's order may differ from
+    CUDA's), or None when nvidia-smi is not usable."""
     import torch
 
     uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
     which = "GPU-" + str(uuid).removeprefix("GPU-") if uuid else str(index)
-    out = _run(["nvidia-smi", f"--id={which}", f"--query-gpu={','.join(SMI_FIELDS)}",
-                "--format=csv,noheader,nounits"])
+    out = _run(["nvidia-smi", f"--id={which}", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"])
     vals = [v.strip() for v in (out or "").strip().split(",")]
     return dict(zip(SMI_FIELDS, vals)) if len(vals) == len(SMI_FIELDS) else None
 
@@ -49,43 +48,34 @@ def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def git_info() -> tuple[str | None, bool | None]:
-    """The commit (pagedattn.info.git_commit) and whether the checkout has uncommitted changes (None
-    for an installed copy)."""
-    from pagedattn.info import git_commit
-
-    root = Path(__file__).resolve().parents[2]
-    status = _run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
-    return git_commit(), bool(status.strip()) if status is not None and (root / ".git").exists() else None
-
-
 def collect(device: str, quick: bool, suites: list[str], overrides: dict | None = None) -> dict:
-    """The run's metadata: `pagedattn info`'s versions and GPU, the commit, nvidia-smi's driver and clocks."""
+    """The run's metadata: `pagedattn info`'s versions and GPU, the commit and whether the checkout has
+    uncommitted changes (None for an installed copy), nvidia-smi's driver and clocks."""
     import torch
 
     from pagedattn import info
 
-    commit, dirty = git_info()
+    root = Path(__file__).resolve().parents[2]
+    status = _run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
     about = info.collect()
-    meta = {"sample": False, "pagedattn": about["pagedattn"], "git_commit": commit, "git_dirty": dirty,
+    meta = {"sample": False, "pagedattn": about["pagedattn"], "git_commit": info.git_commit(),
+            "git_dirty": bool(status.strip()) if status is not None and (root / ".git").exists() else None,
             "date": now(), "quick": quick, "suites": list(suites), "torch": torch.__version__,
             "cuda": torch.version.cuda, "python": about["python"], "argv": ["pagedattn"] + sys.argv[1:],
             "nvrtc": about.get("nvrtc") or f"unavailable ({about.get('toolchain_error')})",
             "driver_cuda": about.get("driver_cuda"), "overrides": overrides or None}
     if device == "cpu":
-        meta.update(sample=True, dry_run=True, gpu="cpu (dry run, not a measurement)", sm_count=0,
-                    capability="-", arch="-", driver=None, clocks=None)
-        return meta
+        return {**meta, "sample": True, "dry_run": True, "gpu": "cpu (dry run, not a measurement)", "sm_count": 0,
+                "capability": "-", "arch": "-", "driver": None, "clocks": None}
     idx = torch.cuda.current_device()
     gpu, props = about["gpus"][idx], torch.cuda.get_device_properties(idx)
-    meta.update(gpu=gpu["name"], sm_count=gpu["sms"], capability=gpu["capability"], arch=gpu["arch"],
-                memory_gib=gpu["memory_gib"], l2_bytes=int(getattr(props, "L2_cache_size", 0) or 0) or None,
-                cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
     row = nvidia_smi(idx)
-    meta["driver"] = (row or {}).get("driver_version") or (
-        f"CUDA {meta['driver_cuda']} (nvidia-smi unavailable)" if meta["driver_cuda"] else None)
-    meta["clocks"] = {"start": clocks()} if row else None
-    return meta
+    return {**meta, "gpu": gpu["name"], "sm_count": gpu["sms"], "capability": gpu["capability"], "arch": gpu["arch"],
+            "memory_gib": gpu["memory_gib"], "l2_bytes": int(getattr(props, "L2_cache_size", 0) or 0) or None,
+            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+            "driver": (row or {}).get("driver_version") or (
+                f"CUDA {meta['driver_cuda']} (nvidia-smi unavailable)" if meta["driver_cuda"] else None),
+            "clocks": {"start": clocks()} if row else None}
 
 
 def results_name(meta: dict, folder: Path) -> Path:
@@ -100,8 +90,7 @@ def results_name(meta: dict, folder: Path) -> Path:
 
 
 def host() -> dict:
-    """This machine's CPU side, for the perf/ scripts that need no GPU: host, CPU, cores, memory,
-    python, platform, pagedattn version and commit, date."""
+    """This machine's CPU side, for the perf/ scripts that need no GPU."""
     import pagedattn
     from pagedattn.info import git_commit
 
@@ -116,8 +105,8 @@ def host() -> dict:
 
 
 def write_quick(out_dir, kind: str, results, suffix: str = "", **extra) -> Path:
-    """<out_dir>/<kind>_<gpu>_<yyyymmdd><suffix>.json, as the perf/ scripts write it:
-    {kind, metadata: GPU, capability, driver, software, commit, date and `extra`, results}."""
+    """<out_dir>/<kind>_<gpu>_<yyyymmdd><suffix>.json, as the perf/ scripts write it: {kind, metadata: GPU,
+    capability, driver, software, commit, date and `extra`, results}."""
     import torch
 
     import pagedattn
@@ -127,8 +116,8 @@ def write_quick(out_dir, kind: str, results, suffix: str = "", **extra) -> Path:
                 driver=(nvidia_smi(torch.cuda.current_device()) or {}).get("driver_version"),
                 torch=torch.__version__, cuda=torch.version.cuda, pagedattn=pagedattn.__version__,
                 python=sys.version.split()[0], commit=git_commit(), date=_dt.date.today().isoformat(), **extra)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{kind}_{meta['gpu'].replace(' ', '_').lower()}_{meta['date'].replace('-', '')}{suffix}.json"
+    gpu, date = meta["gpu"].replace(" ", "_").lower(), meta["date"].replace("-", "")
+    path = Path(out_dir) / f"{kind}_{gpu}_{date}{suffix}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(kind=kind, metadata=meta, results=results), indent=1))
     return path

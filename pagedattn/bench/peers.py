@@ -1,10 +1,7 @@
-"""The attention peers, each at its best configuration (perf/README.md says which configurations).
-
-A peer is a list of candidates `(variant, factory)`; `factory()` returns fn(k) -> out [total_q, Hq, D] for
-input set k, or raises. `fastest` runs each once, rejects those that fail or disagree with the float32
-reference, probes the rest (Timer.probe) and keeps the fastest; the record names the variant chosen
-and what each candidate did. FA4 is optional: when it does not import, the peer is reported as
-unavailable with the reason.
+"""The attention peers, each at its best configuration (perf/README.md says which): a list of candidates
+`(variant, factory)`, `factory()` -> fn(k) -> out [total_q, Hq, D] for input set k (or raises). `fastest` runs
+each once, rejects those that fail or disagree with the float32 reference, probes the rest (Timer.probe) and
+keeps the fastest; the record names it and what each candidate did. FA4 is optional (unavailable: the reason).
 """
 from __future__ import annotations
 
@@ -19,10 +16,9 @@ WRONG = 5e-2  # relative L2 above which a candidate's output is wrong (ours pass
 FA4 = "fa4 paged"
 
 
-# -- SDPA on contiguous KV -------------------------------------------------------------------------
 def causal_kwargs(q_len: int, k_len: int) -> dict:
-    """SDPA's arguments for our causal mask, aligned bottom-right: `is_causal` is top-left aligned, the
-    same only when q_len == k_len; shorter queries over a longer history take torch's lower-right bias."""
+    """SDPA's arguments for our causal mask, aligned bottom-right: `is_causal` is top-left aligned, the same
+    only when q_len == k_len; shorter queries over a longer history take torch's lower-right bias."""
     if q_len == k_len:
         return {"is_causal": True}
     from torch.nn.attention.bias import causal_lower_right  # noqa: PLC0415
@@ -31,69 +27,48 @@ def causal_kwargs(q_len: int, k_len: int) -> dict:
 
 
 def sdpa_candidates(data, q_sets, kv_of, repeat: bool = True):
-    """SDPA configurations for the current backend. `kv_of(k)` gives input set k's (K, V) [B, Hkv, L, D]:
-    contiguous copies, or pages gathered inside the timing (gather+sdpa: then repeat=False, no KV
-    repeated to Hq heads beforehand). Decode offers enable_gqa and the group folded into the query
-    length (exact for one query token, no causal mask); prefill enable_gqa and KV repeated to Hq heads."""
-    B, sq, hq, hkv, d, g = data.B, data.q_len, data.hq, data.hkv, data.d, data.hq // data.hkv
-    scale = data.scale
+    """SDPA configurations. `kv_of(k)` gives input set k's (K, V) [B, Hkv, L, D]: contiguous copies, or pages
+    gathered inside the timing (gather+sdpa: repeat=False). Decode offers enable_gqa ([B, Hq, 1, D]) and the
+    group folded into the query length (exact for one query, no mask); prefill enable_gqa and KV repeated to
+    Hq heads beforehand."""
+    B, sq, hq, hkv, d, scale = data.B, data.q_len, data.hq, data.hkv, data.d, data.scale
+
+    def sdpa(qs, out_shape, kv=kv_of, transpose=False, **kw):
+        def factory():
+            def fn(k):
+                o = F.scaled_dot_product_attention(qs[k], *kv(k), scale=scale, **kw)
+                return (o.transpose(1, 2) if transpose else o).reshape(out_shape)
+            return fn
+        return factory
     if sq == 1:
-        def gqa():
-            qg = [q.view(B, hq, 1, d) for q in q_sets]
-
-            def fn(k):
-                o = F.scaled_dot_product_attention(qg[k], *kv_of(k), scale=scale, enable_gqa=True)
-                return o.reshape(B, hq, d)
-            return fn
-
-        def folded():
-            qf = [q.view(B, hkv, g, d) for q in q_sets]
-
-            def fn(k):
-                o = F.scaled_dot_product_attention(qf[k], *kv_of(k), scale=scale)
-                return o.reshape(B, hq, d)
-            return fn
-        return [("enable_gqa", gqa), ("gqa folded into q_len", folded)]
+        return [("enable_gqa", sdpa([q.view(B, hq, 1, d) for q in q_sets], (B, hq, d), enable_gqa=True)),
+                ("gqa folded into q_len", sdpa([q.view(B, hkv, hq // hkv, d) for q in q_sets], (B, hq, d)))]
     qp = [q.view(B, sq, hq, d).transpose(1, 2).contiguous() for q in q_sets]
     causal = causal_kwargs(sq, data.ctx_len)
-
-    def gqa_prefill():
-        def fn(k):
-            o = F.scaled_dot_product_attention(qp[k], *kv_of(k), scale=scale, enable_gqa=True, **causal)
-            return o.transpose(1, 2).reshape(B * sq, hq, d)
-        return fn
-
-    def repeated():
-        kv = [[x.repeat_interleave(g, dim=1) for x in kv_of(k)] for k in range(len(q_sets))]
-
-        def fn(k):
-            o = F.scaled_dot_product_attention(qp[k], *kv[k], scale=scale, **causal)
-            return o.transpose(1, 2).reshape(B * sq, hq, d)
-        return fn
-    candidates = [("enable_gqa", gqa_prefill)]
-    return candidates + [("kv repeated to Hq heads (outside timing)", repeated)] if repeat else candidates
-
-
-# -- FA4 on the paged cache ---------------------------------------------------------------
-def _only_known(fn, kwargs: dict) -> dict:
-    params = inspect.signature(fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
+    out = [("enable_gqa", sdpa(qp, (B * sq, hq, d), transpose=True, enable_gqa=True, **causal))]
+    if repeat:
+        def repeated():
+            kv = [[x.repeat_interleave(hq // hkv, dim=1) for x in kv_of(k)] for k in range(len(q_sets))]
+            return sdpa(qp, (B * sq, hq, d), kv=lambda k: kv[k], transpose=True, **causal)()
+        out.append(("kv repeated to Hq heads (outside timing)", repeated))
+    return out
 
 
 def fa4_candidates(data):
     """flash_attn.cute.flash_attn_varlen_func over our paged cache; raises ImportError without it."""
     from flash_attn.cute import flash_attn_varlen_func as fa4  # noqa: PLC0415 - optional peer
 
-    if "page_table" not in inspect.signature(fa4).parameters:
+    params = inspect.signature(fa4).parameters
+    if "page_table" not in params:
         raise ImportError("this flash_attn.cute.flash_attn_varlen_func has no page_table argument")
+    any_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
 
     def make(num_splits: int):
         def factory():
-            kw = _only_known(fa4, {"cu_seqlens_q": data.cu_q, "max_seqlen_q": data.q_len,
-                                   "max_seqlen_k": data.ctx_len, "seqused_k": data.seqused,
-                                   "softmax_scale": data.scale, "causal": True, "num_splits": num_splits})
+            kw = {k: v for k, v in {"cu_seqlens_q": data.cu_q, "max_seqlen_q": data.q_len,
+                                    "max_seqlen_k": data.ctx_len, "seqused_k": data.seqused,
+                                    "softmax_scale": data.scale, "causal": True,
+                                    "num_splits": num_splits}.items() if any_kw or k in params}
 
             def fn(k):
                 res = fa4(data.q[k], data.kc, data.vc, page_table=data.tables[k], **kw)
@@ -103,10 +78,9 @@ def fa4_candidates(data):
     return [("paged, num_splits=0 (its heuristic)", make(0)), ("paged, num_splits=1", make(1))]
 
 
-# -- choosing -------------------------------------------------------------------------------------
 def fastest(ctx: Ctx, candidates, ref, info: dict, sets: int = 1):
-    """The fastest candidate whose output matches `ref` (any that runs, off CUDA); `info` gets
-    variant, rel_l2 and candidates (what each did). Raises RuntimeError when none can run."""
+    """The fastest candidate whose output matches `ref` (off CUDA: the first that runs); `info` gets variant,
+    rel_l2 and candidates (what each did). Raises RuntimeError when none can run."""
     tried, best = [], None
     for variant, factory in candidates:
         try:
@@ -127,7 +101,7 @@ def fastest(ctx: Ctx, candidates, ref, info: dict, sets: int = 1):
         if best is None or (us is not None and us < best[0]):
             best = (us if us is not None else 0.0, variant, fn, err)
         if not ctx.is_cuda:
-            break  # no timing to compare: the first that runs
+            break
     info["candidates"] = "; ".join(tried)
     if best is None:
         raise RuntimeError(info["candidates"])
@@ -135,7 +109,6 @@ def fastest(ctx: Ctx, candidates, ref, info: dict, sets: int = 1):
     return fn
 
 
-# -- running the peers of a case ------------------------------------------------------------------
 def sdpa_backend(name: str):
     """A context factory: SDPA inside it runs on backend `name` (cudnn, flash)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -146,10 +119,9 @@ def sdpa_backend(name: str):
 
 def fastest_peer(ctx: Ctx, rec: Recorder, name: str, candidates, ref, sets: int, context=None,
                  methods=METHODS) -> None:
-    """Time peer `name` at its fastest correct configuration (peers.fastest); the record names it."""
+    """Time peer `name` at its fastest correct configuration (`fastest`); the record names it."""
     info: dict = {}
-    impl = rec.peer(name, lambda: fastest(ctx, candidates, ref, info, sets), sets, context=context,
-                    methods=methods)
+    impl = rec.peer(name, lambda: fastest(ctx, candidates, ref, info, sets), sets, context=context, methods=methods)
     if not impl.get("error"):
         impl.update({k: v for k, v in info.items() if v is None or isinstance(v, (str, int, float))})
 
@@ -161,8 +133,8 @@ def torch_peers(ctx: Ctx, rec: Recorder, data, ref, sets: int) -> None:
         if not ctx.is_cuda:
             rec.peer_failed(f"sdpa {backend}", "needs CUDA")
             continue
-        fastest_peer(ctx, rec, f"sdpa {backend}", sdpa_candidates(data, data.q, lambda k: kv_sets[k]),
-                     ref, sets, context=sdpa_backend(backend))
+        fastest_peer(ctx, rec, f"sdpa {backend}", sdpa_candidates(data, data.q, lambda k: kv_sets[k]), ref, sets,
+                     context=sdpa_backend(backend))
     gather = [(f"gather then sdpa {variant}, default backend", factory) for variant, factory
               in sdpa_candidates(data, data.q, data.gathered_kv, repeat=False)]
     fastest_peer(ctx, rec, "gather+sdpa", gather, ref, sets)

@@ -1,11 +1,8 @@
-"""`pagedattn bench`: run the suites, one child process each, and write the results file.
-
-A kernel fault poisons the CUDA context and a hang never returns: when the child dies inside a case or
-makes no progress for --case-timeout seconds, that case is recorded as crashed / timeout with what it had
-measured, and a fresh child runs the remaining cases. The results file is rewritten after every suite.
-The child (`python -m pagedattn.bench.runner SUITE JSONL OPTIONS`, `child` below) writes JSON lines:
-`plan` (the case ids), per case `start`, `partial` (after each measurement) and `case`; `fatal` when the
-CUDA context is lost (then exit code 3); `done`. A fresh child skips the cases already in the file.
+"""`pagedattn bench`: run the suites, one child process each, and write the results file. A kernel fault
+poisons the CUDA context and a hang never returns: when the child dies in a case or makes no progress for
+--case-timeout seconds, the case is recorded as crashed / timeout with what it had measured, and a fresh child
+runs the rest. The child (`python -m pagedattn.bench.runner SUITE JSONL OPTIONS`) writes JSON lines: `plan`,
+per case `start`, `partial` (after each measurement) and `case`; `fatal` (CUDA context lost; exit 3); `done`.
 """
 from __future__ import annotations
 
@@ -21,10 +18,9 @@ from pathlib import Path
 
 from . import report, schema, suites
 
-NO_GPU_MESSAGE = ("pagedattn bench: no CUDA GPU is available (torch {torch} reports "
-                  "torch.cuda.is_available() = False; CUDA build: {cuda}).\n"
-                  "The benchmark times kernels on an NVIDIA GPU, so there is nothing to measure here.\n"
-                  "Without a GPU you can still run `pagedattn bench report` (RESULTS.md and plots from "
+NO_GPU_MESSAGE = ("pagedattn bench: no CUDA GPU is available (torch {torch} reports torch.cuda.is_available() = "
+                  "False; CUDA build: {cuda}).\nThe benchmark times kernels on an NVIDIA GPU, so there is nothing "
+                  "to measure here.\nWithout a GPU you can still run `pagedattn bench report` (RESULTS.md from "
                   "perf/results) and `pagedattn bench compare A.json B.json`.")
 MAX_ATTEMPTS = 8
 
@@ -40,9 +36,9 @@ def jsonable(obj):
     return obj if obj is None or isinstance(obj, (str, int, bool)) else str(obj)
 
 
-def read_jsonl(jsonl: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
     events = []
-    for line in jsonl.read_text().splitlines():
+    for line in Path(path).read_text().splitlines():
         try:
             events.append(json.loads(line))
         except ValueError:  # a line cut short by a killed child
@@ -81,7 +77,7 @@ class SuiteRunner:
         opts = {k: getattr(self.args, k) for k in ("device", "quick", "tiny", "case_timeout", "overrides")}
         opts.update(ceilings={k: v for k, v in self.ceilings.items() if v},
                     only=self.args.only if suite != "ceilings" else "")
-        records, problem = {}, None
+        records, problem, plan, rc = {}, None, None, None
         with tempfile.TemporaryDirectory(prefix="pagedattn-bench-") as tmp:
             jsonl = Path(tmp) / "log.jsonl"
             jsonl.touch()
@@ -101,14 +97,14 @@ class SuiteRunner:
                 if current is not None:  # what it measured before it died, and why
                     partial = [e["record"] for e in events if e["event"] == "partial" and e["id"] == current]
                     params = next(c.get("params") for c in plan["cases"] if c["id"] == current)
-                    rec = dict(partial[-1] if partial else schema.new_case(current, suite, params))
                     fatal = [e["error"] for e in events if e["event"] == "fatal"]
+                    rec = dict(partial[-1] if partial else schema.new_case(current, suite, params))
                     rec.update(status="timeout" if stalled else "crashed",
                                error=f"no progress for {timeout:.0f} s; process killed" if stalled else
                                f"the process died in this case (exit {rc})" + (f": {fatal[-1]}" if fatal else ""))
                     records[current] = rec
-                    jsonl.write_text(jsonl.read_text() + json.dumps({"event": "case", "id": current,
-                                                                     "record": rec}) + "\n")
+                    with jsonl.open("a") as f:
+                        f.write(json.dumps({"event": "case", "id": current, "record": rec}) + "\n")
                     print("  " + report.describe(schema.derive(rec, self.ceilings)))
                 if all(c["id"] in records for c in plan["cases"]):
                     break
@@ -144,11 +140,15 @@ def _ceilings(runner: SuiteRunner) -> dict:
             extra = {k: v for k, v in (case.get("extra") or {}).items() if k != "traceback"}
             out[which] = {**impl, "value": schema.throughput(case["unit"], case["work"], impl["us"]),
                           "work": case["work"], **extra}
+            print(f"  {which}: " + report.fmt_value(out[which]["value"], schema.CEILING_UNIT[which]))
         else:
             out[which] = {"name": which, "error": case.get("error") or case["status"]}
-        print(f"  {which}: " + (f"FAILED: {out[which]['error']}" if out[which].get("error") else
-                                report.fmt_value(out[which]["value"], schema.CEILING_UNIT[which])))
+            print(f"  {which}: FAILED: {out[which]['error']}")
     return out
+
+
+def rule(title: str) -> None:
+    print(f"── {title} " + "─" * max(3, 100 - len(title)), flush=True)
 
 
 def run(args) -> int:
@@ -173,8 +173,7 @@ def run(args) -> int:
          f"{'quick' if args.quick else 'full'} — {', '.join(names)}")
     print(f"results: {path}" + (f" (overrides {args.overrides}: left out of RESULTS.md)" if args.overrides else ""))
     results = {"schema": schema.SCHEMA, "metadata": metadata, "ceilings": {}, "suites": {}}
-    runner = SuiteRunner(args, {})
-    interrupted = False
+    runner, interrupted = SuiteRunner(args, {}), False
     try:
         rule("ceilings")
         ceilings = _ceilings(runner)
@@ -211,25 +210,43 @@ def run(args) -> int:
         try:
             regenerate(Path(args.out))
         except Exception as exc:  # noqa: BLE001 - the results file is safe; say what failed
-            print(f"RESULTS.md / plots not regenerated: {type(exc).__name__}: {exc} "
+            print(f"RESULTS.md not regenerated: {type(exc).__name__}: {exc} "
                   f"(retry with `pagedattn bench report --results {args.out}`)")
     return 130 if interrupted else 0
 
 
-def rule(title: str) -> None:
-    print(f"── {title} " + "─" * max(3, 100 - len(title)), flush=True)
-
-
-def regenerate(results_dir: Path, include_samples: bool = False) -> None:
-    """RESULTS.md and plots/ beside `results_dir`, from the results files in it."""
-    results_dir = Path(results_dir)
-    plots = results_dir.parent / "plots"
-    md, made = report.write_results_md(results_dir, results_dir.parent / "RESULTS.md", plots,
-                                       include_samples=include_samples, warn=print)
-    print(f"wrote {md} and {len(made)} plot(s) in {plots}")
+def regenerate(results_dir: Path) -> None:
+    """RESULTS.md beside `results_dir`, from the results files in it."""
+    print(f"wrote {report.write_results_md(results_dir, Path(results_dir).parent / 'RESULTS.md', warn=print)}")
 
 
 # -- the child: one suite in this process ------------------------------------------------------------
+def _run_case(ctx, case, emit) -> str | None:
+    """Run and record one case; the error when the CUDA context is lost (the process must end)."""
+    from .common import CudaContextLost, Recorder, assert_cuda_healthy
+
+    rec = Recorder(case, ctx, lambda r: emit({"event": "partial", "id": case.id, "record": r}))
+    t0, fatal = time.perf_counter(), None
+    try:
+        case.run(ctx, rec)
+        ctx.sync()
+    except CudaContextLost as exc:  # the harness saw it already: no second check
+        rec.fail(exc)
+        fatal = str(exc)
+    except Exception as exc:  # noqa: BLE001 - one case's failure is data
+        rec.fail(exc)
+        try:
+            if ctx.is_cuda:
+                assert_cuda_healthy()
+        except CudaContextLost as lost:
+            fatal = str(lost)
+    record = rec.finish()
+    record["seconds"] = round(time.perf_counter() - t0, 3)
+    emit({"event": "case", "id": case.id, "record": record})
+    print("  " + report.describe(record), flush=True)
+    return fatal
+
+
 def child(suite: str, jsonl: str, opts: dict) -> int:
     import contextlib
     import gc
@@ -238,14 +255,14 @@ def child(suite: str, jsonl: str, opts: dict) -> int:
 
     from pagedattn.ops.attention import forced
 
-    from .common import Ctx, CudaContextLost, Recorder, assert_cuda_healthy, short_error
+    from .common import Ctx, short_error
 
     out = open(jsonl, "a", buffering=1)
     emit = lambda obj: out.write(json.dumps(jsonable(obj)) + "\n")  # noqa: E731
     done = {e["id"] for e in read_jsonl(Path(jsonl)) if e["event"] == "case"}
     overrides = opts["overrides"] or {}
-    ctx = Ctx.make(opts["device"], opts["quick"], opts["tiny"], opts["ceilings"],
-                   lambda text: print(text, flush=True), opts["case_timeout"], overrides.get("write"))
+    ctx = Ctx.make(opts["device"], opts["quick"], opts["tiny"], opts["ceilings"], opts["case_timeout"],
+                   overrides.get("write"))
     available, make_cases = suites.get(suite)
     plan = {"event": "plan", "suite": suite, "status": "ok", "reason": None, "cases": []}
     try:
@@ -264,31 +281,11 @@ def child(suite: str, jsonl: str, opts: dict) -> int:
     with forced(**overrides["attention"]) if "attention" in overrides else contextlib.nullcontext():
         for case in (c for c in case_list if c.id not in done):
             emit({"event": "start", "id": case.id, "time": time.time()})
-            rec = Recorder(case, ctx, lambda r, cid=case.id: emit({"event": "partial", "id": cid, "record": r}))
-            t0, fatal = time.perf_counter(), None
-            try:
-                case.run(ctx, rec)
-                ctx.sync()
-            except CudaContextLost as exc:  # the harness saw it already: no second check
-                rec.fail(exc)
-                fatal = str(exc)
-            except Exception as exc:  # noqa: BLE001 - one case's failure is data
-                rec.fail(exc)
-                try:
-                    if ctx.is_cuda:
-                        assert_cuda_healthy()
-                except CudaContextLost as lost:
-                    fatal = str(lost)
-            record = rec.finish()
-            record["seconds"] = round(time.perf_counter() - t0, 3)
-            emit({"event": "case", "id": case.id, "record": record})
-            ctx.say("  " + report.describe(record))
+            fatal = _run_case(ctx, case, emit)
             if fatal is not None:
                 emit({"event": "fatal", "id": case.id, "error": fatal})
-                ctx.say(f"  CUDA context lost after {case.id} ({fatal}); continuing in a fresh process")
-                sys.stdout.flush()
+                print(f"  CUDA context lost after {case.id} ({fatal}); continuing in a fresh process", flush=True)
                 os._exit(3)
-            del rec, record
             gc.collect()
             if ctx.is_cuda:
                 torch.cuda.empty_cache()

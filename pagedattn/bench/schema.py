@@ -1,32 +1,34 @@
-"""The results file (`pagedattn-bench/1`, described in perf/README.md "The results file"): new records,
-the derived numbers (throughput, fraction of the ceiling, ratios, goals met) and a light validator.
-
-Timed under several methods (timing.METHODS), an Impl's headline numbers are the WORSE method's and each
-ratio is the smallest over the methods both sides have, so a goal met on the headline holds under every
-method.
+"""The results file (`pagedattn-bench/1`, perf/README.md "The results file"): new records, the derived numbers
+(throughput, fraction of the ceiling, ratios, goals met) and a light validator. Timed under several methods,
+an Impl's headline numbers are the WORSE method's and each ratio is the smallest over the methods both sides
+have, so a goal met on the headline holds under every method.
 """
 from __future__ import annotations
 
 import math
 
 SCHEMA = "pagedattn-bench/1"
-SUITES = ("write", "decode", "prefill", "features", "legacy", "jit", "sweep")
+SUITES = ("write", "decode", "prefill", "features", "legacy", "jit", "sweep")  # legacy: files up to issue 20
 STATUSES = ("ok", "check_failed", "error", "skipped", "crashed", "timeout")
 METHODS = ("rot", "flush")  # timing.METHODS (not imported: this module needs no torch)
 CEILING_UNIT = {"copy": "GB/s", "matmul": "TFLOP/s"}
 CEILINGS = tuple(CEILING_UNIT)
-REQUIRED_METADATA = ("sample", "gpu", "sm_count", "capability", "arch", "driver", "cuda", "torch",
-                     "pagedattn", "git_commit", "date", "quick", "suites")
+REQUIRED_METADATA = ("sample", "gpu", "sm_count", "capability", "arch", "driver", "cuda", "torch", "pagedattn",
+                     "git_commit", "date", "quick", "suites")
+
+
+class SchemaError(ValueError):
+    pass
 
 
 def new_case(case_id: str, suite: str, params: dict | None = None) -> dict:
-    return {"id": case_id, "suite": suite, "params": dict(params or {}), "status": "ok", "error": None,
-            "unit": None, "work": None, "ceiling": None, "ours": None, "peers": {}, "ratios": {},
-            "check": None, "target": None, "goals": [], "notes": None, "extra": {}}
+    return {"id": case_id, "suite": suite, "params": dict(params or {}), "status": "ok", "error": None, "unit": None,
+            "work": None, "ceiling": None, "ours": None, "peers": {}, "ratios": {}, "check": None, "target": None,
+            "goals": [], "notes": None, "extra": {}}
 
 
 def impl_from_timing(name: str, timing: dict) -> dict:
-    """An Impl from timing.Timing.as_dict() (value/fraction filled by `derive`)."""
+    """An Impl from timing.Timing.as_dict() (value / fraction filled by `derive`)."""
     return {"name": name, "value": None, "fraction": None, "error": None, **timing}
 
 
@@ -56,15 +58,16 @@ def ceiling_value(ceilings: dict | None, which: str | None) -> float | None:
     return v if isinstance(v, (int, float)) and v > 0 else None
 
 
+def _ok(impl: dict | None) -> bool:
+    return bool(impl) and not impl.get("error") and bool(impl.get("us"))
+
+
 def derive(case: dict, ceilings: dict | None) -> dict:
-    """Fill value (throughput), fraction of the ceiling (per method too), the floor (the work at the
-    ceiling, µs), the ratio to each peer (the method least favourable to ours) and whether the goals
-    are met. Idempotent."""
-    ceil = ceiling_value(ceilings, case.get("ceiling"))
-    ours, peers, unit = case.get("ours"), case.get("peers", {}), case.get("unit")
-    for impl in ([ours] if ours else []) + list(peers.values()):
-        if impl.get("error") or impl.get("us") is None:
-            continue
+    """Fill value (throughput), fraction of the ceiling (per method too), the floor (the work at the ceiling,
+    µs), the ratio to each peer (the method least favourable to ours) and whether the goals are met."""
+    ceil, unit = ceiling_value(ceilings, case.get("ceiling")), case.get("unit")
+    ours, peers = case.get("ours"), case.get("peers", {})
+    for impl in [i for i in [ours, *peers.values()] if i and not i.get("error") and i.get("us") is not None]:
         for entry in [impl] + [e for e in (impl.get("methods") or {}).values() if e.get("us")]:
             if unit in ("GB/s", "TFLOP/s"):
                 entry["value"] = throughput(unit, case.get("work"), entry["us"])
@@ -73,14 +76,11 @@ def derive(case: dict, ceilings: dict | None) -> dict:
     floor = throughput(unit, case.get("work"), 1.0)  # the throughput of one µs, so work / ceiling in µs
     case["floor_us"] = floor / ceil if floor and ceil else None
     ratios, by_method = {}, {}
-    if ours and not ours.get("error") and ours.get("us"):
-        om = ours.get("methods") or {}
-        for name, peer in peers.items():
-            if peer.get("error") or not peer.get("us"):
-                continue
-            pm = peer.get("methods") or {}
-            by = {m: pm[m]["us"] / om[m]["us"] for m in METHODS
-                  if m in pm and m in om and pm[m].get("us") and om[m].get("us")}
+    for name, peer in peers.items() if _ok(ours) else ():
+        if _ok(peer):
+            om, pm = ours.get("methods") or {}, peer.get("methods") or {}
+            by = {m: pm[m]["us"] / om[m]["us"] for m in METHODS if m in pm and m in om and pm[m].get("us")
+                  and om[m].get("us")}
             ratios[name] = min(by.values()) if by else peer["us"] / ours["us"]
             for m, r in by.items():
                 by_method.setdefault(m, {})[name] = r
@@ -90,23 +90,14 @@ def derive(case: dict, ceilings: dict | None) -> dict:
         case["ratios_by_method"] = by_method
     if isinstance(case.get("target"), dict):
         case["target"]["met"] = target_met(case["target"], ours)
-    for goal in case.get("goals") or []:
-        goal["met"] = goal_met(goal, case)
+    for goal in case.get("goals") or []:  # unit "ratio": ratios[peer] >= value
+        r = ratios.get(goal.get("peer"))
+        goal["met"] = None if not _ok(ours) or r is None or goal.get("value") is None else bool(r >= goal["value"])
     return case
 
 
-def goal_met(goal: dict, case: dict) -> bool | None:
-    """A relative goal: unit "ratio", ratios[peer] >= value (the worse method's ratio)."""
-    ours = case.get("ours")
-    r = case.get("ratios", {}).get(goal.get("peer"))
-    if not ours or ours.get("error") or r is None or goal.get("value") is None:
-        return None
-    return bool(r >= goal["value"])
-
-
 def target_met(target: dict, ours: dict | None) -> bool | None:
-    """Goal units: "us", "s", "ms" (at most), "fraction" (of the ceiling, at least), "GB/s" and
-    "TFLOP/s" (at least)."""
+    """Units "us", "s", "ms" (at most), "fraction" (of the ceiling, at least), "GB/s", "TFLOP/s" (at least)."""
     if not ours or ours.get("error"):
         return None
     unit, goal = target.get("unit"), target.get("value")
@@ -116,7 +107,7 @@ def target_met(target: dict, ours: dict | None) -> bool | None:
     return bool(have <= goal) if unit in ("us", "s", "ms") else bool(have >= goal)
 
 
-# -- validation: the structure that report.py and compare rely on ----------------------------------
+# -- validation: the structure that report.py and compare rely on ----------------------------------------
 def _positive(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
@@ -143,10 +134,10 @@ def validate_case(case: dict, where: str = "case") -> list[str]:
              (all(name in peers for name in case.get("ratios") or {}), "a ratio for an unknown peer"),
              (all(g.get("unit") == "ratio" and g.get("peer") for g in case.get("goals") or []),
               "goals must be {'unit': 'ratio', 'value', 'peer', 'met'}")]
-    errors = [f"{where}: {message}" for ok, message in rules if not ok]
     impls = {".ours": case["ours"]} if case.get("ours") is not None else {}
     impls.update({f".peers[{n!r}]": impl for n, impl in peers.items()})
-    return errors + [p for at, impl in impls.items() for p in _impl_problems(where + at, impl)]
+    return ([f"{where}: {message}" for ok, message in rules if not ok]
+            + [p for at, impl in impls.items() for p in _impl_problems(where + at, impl)])
 
 
 def validate(results) -> list[str]:
@@ -167,14 +158,12 @@ def validate(results) -> list[str]:
     return errors
 
 
-class SchemaError(ValueError):
-    pass
-
-
-def check(results, source: str = "results") -> None:
+def check(results, source: str = "results"):
+    """`results`, or SchemaError with what `validate` found."""
     errors = validate(results)
     if errors:
         raise SchemaError(f"{source} is not a valid {SCHEMA} file:\n  " + "\n  ".join(errors[:20]))
+    return results
 
 
 def all_cases(results: dict):

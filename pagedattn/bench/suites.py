@@ -1,8 +1,7 @@
-"""Suite name -> (available(ctx) -> (bool, reason), cases(ctx) -> [Case]), the suites' modules loaded
-lazily ("sweep" runs only when named); the machine's two ceilings, measured first in every run: a
-device-to-device copy of 2 GiB (1 GiB with --quick; bytes read + written) and a bf16 8192^3 matmul on
-random data (never zeros: they run faster; flops = 2 n^3); and `_selftest`, the harness's own test on
-the CPU (hidden from --help).
+"""Suite name -> its cases, the modules loaded lazily ("sweep" runs only when named); the machine's two
+ceilings, measured first in every run: a device-to-device copy of 2 GiB (1 GiB with --quick; bytes read +
+written) and a bf16 8192^3 matmul on random data (never zeros: they run faster; flops = 2 n^3); and
+`_selftest`, the harness's own test on the CPU (hidden from --help).
 """
 from __future__ import annotations
 
@@ -14,22 +13,16 @@ import torch
 
 from .common import Case, Ctx, Recorder
 
-ORDER = ("write", "decode", "prefill", "features", "legacy", "jit")
-_TABLE = {  # name -> (module, its cases function); a module without `available` is always available
-    "ceilings": ("suites", "ceiling_cases"),
-    "write": ("write", "cases"),
-    "decode": ("attention", "decode_cases"),
-    "prefill": ("attention", "prefill_cases"),
-    "features": ("attention", "feature_cases"),
-    "sweep": ("attention", "sweep_cases"),
-    "legacy": ("legacy", "cases"),
-    "jit": ("jit", "cases"),
-    "_selftest": ("suites", "selftest_cases"),
-}
+ORDER = ("write", "decode", "prefill", "features", "jit")
+_TABLE = {"ceilings": "suites:ceiling_cases", "write": "write:cases", "decode": "attention:decode_cases",
+          "prefill": "attention:prefill_cases", "features": "attention:feature_cases",
+          "sweep": "attention:sweep_cases", "jit": "jit:cases",
+          "_selftest": "suites:selftest_cases"}
 
 
 def get(name: str):
-    module, cases = _TABLE[name]
+    """(available(ctx) -> (ok, reason), cases(ctx) -> [Case]); a module without `available` always is."""
+    module, cases = _TABLE[name].split(":")
     mod = importlib.import_module(f"pagedattn.bench.{module}")
     return getattr(mod, "available", lambda ctx: (True, None)), getattr(mod, cases)
 

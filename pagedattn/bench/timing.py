@@ -1,7 +1,7 @@
 """The one timer of the bench and the perf/ scripts (perf/README.md, "Timing", says how it measures).
-Device time: `Timer.measure(fn, sets, methods)`, "rot": back to back, inputs rotated over `sets`;
-"flush": the L2 flushed before every call, as do_bench. `CpuTimer`: the same on the host clock (CPU
-tests). `median_us`: one synchronised call at a time. `host_loops`: the host's cost of a call.
+`Timer.measure(fn, sets, methods)`: device time by CUDA events, "rot" back to back with the inputs rotated
+over `sets`, "flush" the L2 flushed before every call (as do_bench); `CpuTimer` the same on the host clock
+(CPU tests). `median_us`: one synchronised call at a time. `host_loops`: the host's cost of a call.
 """
 from __future__ import annotations
 
@@ -45,12 +45,12 @@ def rotation_sets(working_set_bytes: float, l2_bytes: int, *, factor: float = 4.
 
 
 def flush_bytes(l2_bytes: int | None) -> int:
-    """Bytes written between calls by the "flush" method: 4x the L2, at least 256 MiB (H200: 60 MiB L2)."""
+    """Bytes zeroed between calls by the "flush" method: 4x the L2, at least 256 MiB (H200: 60 MiB L2)."""
     return max(256 * 2**20, 4 * int(l2_bytes or 0))
 
 
 class L2Flush:
-    """Evicts the L2 by zeroing a buffer larger than it (what do_bench's `cache.zero_()` does)."""
+    """Evicts the L2 by zeroing a buffer larger than it (do_bench's `cache.zero_()`)."""
 
     def __init__(self, nbytes: int, device):
         self.nbytes = int(nbytes)
@@ -68,11 +68,10 @@ class Timer:
     """CUDA-event timer: warm-up, a probe of host and device time per call, then batches of timed calls
     queued behind a sleep kernel (the head start keeps the GPU ahead of the host)."""
 
-    def __init__(self, *, budget_s: float = 0.3, min_reps: int = 20, max_reps: int = 2000,
-                 warmup_s: float = 0.05, warmup_calls: int = 3, batch: int = 100,
-                 l2_bytes: int | None = None, flush_nbytes: int | None = None, device="cuda"):
-        self.budget_s, self.min_reps, self.max_reps = budget_s, min_reps, max_reps
-        self.warmup_s, self.warmup_calls, self.batch = warmup_s, warmup_calls, batch
+    def __init__(self, *, budget_s: float = 0.3, min_reps: int = 20, max_reps: int = 2000, warmup_s: float = 0.05,
+                 batch: int = 100, l2_bytes: int | None = None, flush_nbytes: int | None = None, device="cuda"):
+        self.budget_s, self.min_reps, self.max_reps, self.warmup_s, self.batch = (budget_s, min_reps, max_reps,
+                                                                                   warmup_s, batch)
         self.flush_nbytes, self.device = flush_nbytes or flush_bytes(l2_bytes), device
         self.flusher = None  # an L2Flush, made on first use (tests put a stand-in here)
         self._cycles_per_s: float | None = None
@@ -91,7 +90,6 @@ class Timer:
                 for m in methods}
 
     def __call__(self, fn, sets: int = 1) -> Timing:
-        """The "rot" method alone."""
         return self.measure(fn, sets, ("rot",))["rot"]
 
     def probe(self, fn, sets: int = 1, calls: int = 10, warmup: int = 3) -> float:
@@ -112,7 +110,7 @@ class Timer:
         return int(min(self.max_reps, max(self.min_reps, self.budget_s / max(per_call_s, 1e-7))))
 
     def _sleep(self, seconds: float) -> None:
-        """Keep the GPU busy for `seconds` (torch.cuda._sleep, calibrated once)."""
+        """Keep the GPU busy for `seconds` (torch.cuda._sleep, calibrated once; none in this torch: no head start)."""
         if self._cycles_per_s is None:
             try:
                 torch.cuda._sleep(2_000_000)  # the first call loads the kernel
@@ -122,14 +120,14 @@ class Timer:
                 b.record()
                 b.synchronize()
                 self._cycles_per_s = 2_000_000 / max(a.elapsed_time(b) * 1e-3, 1e-6)
-            except Exception:  # noqa: BLE001 - no _sleep in this torch: time without the head start
+            except Exception:  # noqa: BLE001
                 self._cycles_per_s = 0.0
         if self._cycles_per_s > 0 and seconds > 0:
             torch.cuda._sleep(int(min(seconds, 0.2) * self._cycles_per_s))
 
     def _measure(self, fn, sets: int, before, method: str) -> Timing:
         k, t0 = 0, time.perf_counter()
-        while (k < max(self.warmup_calls, sets) or time.perf_counter() - t0 < self.warmup_s) and k <= 10_000:
+        while (k < max(3, sets) or time.perf_counter() - t0 < self.warmup_s) and k <= 10_000:
             before()
             fn(k % sets)
             k += 1
@@ -163,10 +161,10 @@ class Timer:
 
 
 class CpuTimer(Timer):
-    """Same interface on the host clock (tests and `--device cpu` dry runs)."""
+    """The same interface on the host clock (tests and `--device cpu` dry runs)."""
 
     def _measure(self, fn, sets: int, before, method: str) -> Timing:
-        for k in range(max(self.warmup_calls, sets)):
+        for k in range(max(3, sets)):
             before()
             fn(k % sets)
         t0 = time.perf_counter()
@@ -181,9 +179,9 @@ class CpuTimer(Timer):
 
 
 def median_us(fn, reps: int = 30, warmup: int = 5, before=None) -> float:
-    """Median µs of CUDA-event times of `fn()`, one synchronised call at a time, after `warmup` untimed
-    calls; `before()` runs before each call, outside the events (perf/multigpu.py: a barrier). Includes
-    any gap while the GPU waits for the host: for the quick scripts and the demo, not for the suites."""
+    """Median µs of CUDA-event times of `fn()`, one synchronised call at a time after `warmup` untimed calls;
+    `before()` runs untimed before each (perf/multigpu.py: a barrier). Includes any wait for the host: for
+    the demo and the quick scripts, not the suites."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -202,10 +200,9 @@ def median_us(fn, reps: int = 30, warmup: int = 5, before=None) -> float:
 
 def host_loops(fn, calls: int, loops: int = 5, warmup: int = 200, before=None, sync=None,
                clock=time.perf_counter) -> list[tuple[float, float]]:
-    """The host's cost of `fn()`: for each of `loops` loops of `calls` calls with no sync inside, (µs per
-    call, µs per call up to the end of the sync after the loop). `before()` runs untimed before each loop
-    (perf/launch_overhead.py: a sleep kernel that keeps the GPU busy); off the GPU pass sync=lambda: None
-    (and clock=time.thread_time for this thread's CPU time: perf/host_profile.py)."""
+    """The host's cost of `fn()`: per loop of `calls` calls with no sync inside, (µs per call, µs per call up
+    to the end of the sync after the loop). `before()` runs untimed before each loop (launch_overhead.py: a
+    sleep kernel keeping the GPU busy); off the GPU pass sync=lambda: None (and clock=time.thread_time)."""
     sync = sync or torch.cuda.synchronize
     for _ in range(warmup):
         fn()

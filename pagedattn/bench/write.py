@@ -1,8 +1,8 @@
-"""write suite: `reshape_and_cache_flash` against torch `index_copy_` into the same cache (perf/README.md
-has the shapes, the bytes counted and the goals). The cache holds max(4T, 256 MiB worth of) slots; each
-call writes random distinct slots, or (params "slots": "pages") whole pages drawn at random as a prefill
-writes them. The check (`_check`) is bit-exact against pagedattn.reference. `--overrides '{"write": {...}}'`
-passes the op's `overrides=` in every write (the write-path sweeps; perf/README.md, "Write path").
+"""write suite: `reshape_and_cache_flash` against torch `index_copy_` into the same cache (perf/README.md has
+the shapes, the bytes counted and the goals). The cache holds max(4T, 256 MiB worth of) slots; each call
+writes random distinct slots, or (params "slots": "pages") whole pages drawn at random as a prefill writes
+them. The check (`_check`) is bit-exact against pagedattn.reference. `--overrides '{"write": {...}}'` passes
+the op's `overrides=` in every write.
 """
 from __future__ import annotations
 
@@ -16,36 +16,24 @@ from pagedattn import reference
 
 from .common import Case, Ctx, Recorder, nan_fill_
 
-NAME = "write"
 H, D, BLOCK = 8, 128, 16
-TOKENS = (1, 16, 256, 4096, 65536)
+TOKENS, TINY_TOKENS = (1, 16, 256, 4096, 65536), (1, 16, 40)
 PAGED_TOKENS = (65536,)  # also measured with page-contiguous slots (params "slots": "pages")
-TINY_TOKENS = (1, 16, 40)
-KV_DTYPES = ("auto", "fp8_e4m3")
-LAYOUTS = ("NHD", "HND")
-GOALS = {"T65536_NHD_bf16": 0.90, "T65536_other": 0.80, "T256_us": 6.0}
 
 
 def cases(ctx: Ctx) -> list[Case]:
     out = []
-    for layout in LAYOUTS:
-        for kv in KV_DTYPES:
+    for layout in ("NHD", "HND"):
+        for kv in ("auto", "fp8_e4m3"):
             for t in (TINY_TOKENS if ctx.tiny else TOKENS):
                 cache = "bf16" if kv == "auto" else kv
-                params = {"layout": layout, "kv_cache_dtype": kv, "cache": cache, "T": t, "H": H,
-                          "D": D, "block_size": BLOCK, "input": "bf16", "scale": "tensor"}
-                ids = {f"write/{layout}/{cache}/T{t}": params}
+                p = {"layout": layout, "kv_cache_dtype": kv, "cache": cache, "T": t, "H": H, "D": D,
+                     "block_size": BLOCK, "input": "bf16", "scale": "tensor"}
+                ids = {f"write/{layout}/{cache}/T{t}": p}
                 if t in PAGED_TOKENS:  # also the write as a prefill does it: whole pages, shuffled
-                    ids[f"write/{layout}/{cache}/T{t}/pages"] = {**params, "slots": "pages"}
-                out += [Case(cid, NAME, p, lambda ctx, rec, p=p: run_case(ctx, rec, p)) for cid, p in ids.items()]
+                    ids[f"write/{layout}/{cache}/T{t}/pages"] = {**p, "slots": "pages"}
+                out += [Case(cid, "write", p, lambda ctx, rec, p=p: run_case(ctx, rec, p)) for cid, p in ids.items()]
     return out
-
-
-def page_slots(num_blocks: int, t: int, device) -> torch.Tensor:
-    """Slots of t tokens written the way a prefill writes them: consecutive slots filling whole
-    pages (BLOCK tokens each), the pages drawn at random from the cache."""
-    pages = torch.randperm(num_blocks, device=device)[: math.ceil(t / BLOCK)]
-    return (pages[:, None] * BLOCK + torch.arange(BLOCK, device=device)).flatten()[:t].contiguous()
 
 
 def inputs(ctx: Ctx, p: dict) -> SimpleNamespace:
@@ -60,31 +48,33 @@ def inputs(ctx: Ctx, p: dict) -> SimpleNamespace:
     kc, vc = spec.allocate(dev)
     sets = min(ctx.sets_for(nbytes), max(1, spec.num_slots // t))
     keys, values = ([torch.randn(t, H, D, dtype=torch.bfloat16, device=dev) for _ in range(sets)] for _ in "kv")
-    slots = [page_slots(num_blocks, t, dev) if p.get("slots") == "pages"
-             else torch.randperm(spec.num_slots, device=dev)[:t].contiguous() for _ in range(sets)]
+
+    def slots():
+        if p.get("slots") != "pages":
+            return torch.randperm(spec.num_slots, device=dev)[:t].contiguous()
+        pages = torch.randperm(num_blocks, device=dev)[: math.ceil(t / BLOCK)]
+        return (pages[:, None] * BLOCK + torch.arange(BLOCK, device=dev)).flatten()[:t].contiguous()
     scale = None
     if elem_c == 1:
         amax = max(float(x.abs().amax()) for x in keys + values)
         scale = torch.full((H if spec.scale == "head" else 1,), amax / 448.0, device=dev)
-    return SimpleNamespace(spec=spec, kc=kc, vc=vc, keys=keys, values=values, slots=slots, k_scale=scale,
-                           v_scale=None if scale is None else scale.clone(), sets=sets, nbytes=nbytes, kv=kv)
+    return SimpleNamespace(spec=spec, kc=kc, vc=vc, keys=keys, values=values, slots=[slots() for _ in range(sets)],
+                           k_scale=scale, v_scale=None if scale is None else scale.clone(), sets=sets, nbytes=nbytes,
+                           kv=kv)
 
 
 def ours_fn(inp: SimpleNamespace, overrides: dict | None = None):
     """fn(k): the write of input set k (with `overrides` of the launch when given)."""
     kw = {"overrides": overrides} if overrides is not None else {}
-
-    def ours(k):
-        pagedattn.reshape_and_cache_flash(inp.keys[k], inp.values[k], inp.kc, inp.vc, inp.slots[k], inp.kv,
-                                          inp.k_scale, inp.v_scale, **kw)
-    return ours
+    return lambda k: pagedattn.reshape_and_cache_flash(inp.keys[k], inp.values[k], inp.kc, inp.vc, inp.slots[k],
+                                                       inp.kv, inp.k_scale, inp.v_scale, **kw)
 
 
 def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def _written_view(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def _written(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache[slots // cache.shape[1], slots % cache.shape[1]]  # [T, H, D]
 
 
@@ -93,9 +83,9 @@ def _quantised(inp, x, scale):  # what the cache holds for x (the peer's fp8: to
 
 
 def torch_peer(inp: SimpleNamespace):
-    """fn(k): input set k written by torch index_copy_ into the same caches. HND storage is
-    [num_blocks, H, block_size, D]: row (blk * H + h) * bs + off of its [-1, D] view holds token (blk, off),
-    head h (index_put_ through the permuted logical view would copy the whole cache on every call)."""
+    """fn(k): input set k written by torch index_copy_ into the same caches. HND storage is [num_blocks, H,
+    block_size, D]: row (blk * H + h) * bs + off of its [-1, D] view holds token (blk, off), head h
+    (index_put_ through the permuted logical view would copy the whole cache on every call)."""
     if inp.spec.layout == "NHD":
         kflat, vflat = inp.kc.view(-1, H, D), inp.vc.view(-1, H, D)
 
@@ -133,9 +123,9 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
     if p["layout"] == "HND":
         rec.note("peer computes the HND row ids from the slots")
     if t == 65536:  # the goals of issue 3
-        rec.target(GOALS["T65536_NHD_bf16" if (p["layout"] == "NHD" and not fp8) else "T65536_other"], "fraction")
+        rec.target(0.90 if (p["layout"] == "NHD" and not fp8) else 0.80, "fraction")
     elif t == 256:
-        rec.target(GOALS["T256_us"], "us")
+        rec.target(6.0, "us")
 
 
 def _check(ctx: Ctx, rec: Recorder, inp: SimpleNamespace, ours) -> None:
@@ -148,7 +138,7 @@ def _check(ctx: Ctx, rec: Recorder, inp: SimpleNamespace, ours) -> None:
     ctx.sync()
     problems = []
     for name, src, cache, scale in (("K", inp.keys[0], inp.kc, inp.k_scale), ("V", inp.values[0], inp.vc, inp.v_scale)):
-        if not _bit_equal(_written_view(cache, slots), _quantised(inp, src, scale)):
+        if not _bit_equal(_written(cache, slots), _quantised(inp, src, scale)):
             problems.append(f"{name}: written slots differ from the reference conversion")
         rows = cache.reshape(spec.num_blocks, BLOCK, H * D) if spec.layout == "NHD" else cache
         poisoned = (rows.view(torch.uint8) == 0x7F).all(-1) if inp.kv != "auto" else torch.isnan(rows).all(-1)
@@ -160,7 +150,7 @@ def _check(ctx: Ctx, rec: Recorder, inp: SimpleNamespace, ours) -> None:
     reference.reshape_and_cache_flash(inp.keys[0][:n], inp.values[0][:n], rk, rv, slots[:n], inp.kv,
                                       inp.k_scale, inp.v_scale)
     for name, got, ref in (("K", inp.kc, rk), ("V", inp.vc, rv)):
-        if not _bit_equal(_written_view(got, slots[:n]), _written_view(ref, slots[:n])):
+        if not _bit_equal(_written(got, slots[:n]), _written(ref, slots[:n])):
             problems.append(f"{name}: differs from pagedattn.reference on the first {n} tokens")
     rec.check(not problems, "bit-exact",
               "; ".join(problems) or f"{t} tokens bit-exact, {spec.num_slots - t} other slots untouched")
