@@ -69,9 +69,12 @@ def load_folder(folder, include_samples: bool = False, warn=None) -> list[tuple[
 
 
 def latest_per_gpu(files: list[tuple[Path, dict]], suite: str | None = None) -> dict[str, tuple[Path, dict]]:
-    """gpu key -> the newest file (that has cases in `suite`, when given); `files` oldest first."""
-    return {gpu_key(data["metadata"]): (path, data) for path, data in files
-            if suite is None or data["suites"].get(suite, {}).get("cases")}
+    """gpu key -> the newest file (that has cases in `suite`, when given; a run of whole suites before one
+    limited by --only, which would hide the cases it left out); `files` oldest first."""
+    has = [(path, data) for path, data in files if suite is None or data["suites"].get(suite, {}).get("cases")]
+    whole = {gpu_key(data["metadata"]): (path, data) for path, data in has
+             if "--only" not in data["metadata"].get("argv", ())}
+    return {**{gpu_key(data["metadata"]): (path, data) for path, data in has}, **whole}
 
 
 # -- cells -----------------------------------------------------------------------------------------------
