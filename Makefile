@@ -21,8 +21,8 @@ $(BIN)/python:
 $(DEPS_STAMP): pyproject.toml | $(BIN)/python
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
 	@extra=$$($(BIN)/python -c "import torch; v=torch.version.cuda; print('cu12' if v and v.startswith('12') else 'cu13')"); \
-	  echo "installing pagedattn[$$extra,test,bench] (non-editable)"; \
-	  $(BIN)/pip install -q ".[$$extra,test,bench]"
+	  echo "installing pagedattn[$$extra,test] (non-editable)"; \
+	  $(BIN)/pip install -q ".[$$extra,test]"
 	@touch $@
 
 # (a deps install newer than every package file installed this very tree: nothing to do again)

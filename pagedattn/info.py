@@ -6,8 +6,8 @@ import platform
 from . import __version__, envs
 from .codegen.toolchain import HEADER_PACKAGES, dist_version
 
-DEPENDENCIES = ("torch", "jinja2", "filelock", "cuda-bindings", "cuda-core", "cuda-pathfinder", "rich",
-                "matplotlib") + HEADER_PACKAGES
+DEPENDENCIES = ("torch", "jinja2", "filelock", "cuda-bindings", "cuda-core", "cuda-pathfinder",
+                "rich") + HEADER_PACKAGES
 
 
 def human_bytes(n: float) -> str:
