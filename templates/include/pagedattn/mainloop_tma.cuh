@@ -83,8 +83,14 @@ struct TmaKVLoader {
       CUTE_UNROLL
       for (int col = 0; col < kHeadDim / kBoxCols; ++col) {
         int const dst = (col * kBlockN + 16 * gtid) * kBoxCols * kCacheBytes;
+#if PAGEDATTN_KV_EVICT_FIRST
+        uint64_t const policy = l2_evict_first_policy();
+        tma_load_4d_hint(k_dst + dst, k_map, col * kBoxCols, c1, c2, phys, bars + slot, policy);
+        tma_load_4d_hint(v_dst + dst, v_map, col * kBoxCols, c1, c2, phys, bars + slot, policy);
+#else
         tma_load_4d(k_dst + dst, k_map, col * kBoxCols, c1, c2, phys, bars + slot);
         tma_load_4d(v_dst + dst, v_map, col * kBoxCols, c1, c2, phys, bars + slot);
+#endif
       }
     }
     if (bad) {  // rare: zero-fill the chunks of corrupt pages, all lanes together

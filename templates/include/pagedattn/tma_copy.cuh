@@ -78,4 +78,28 @@ __device__ __forceinline__ void tma_load_4d(void* smem, void const* tensor_map, 
 #endif
 }
 
+// An L2 eviction policy for data read once (decode's K/V stream): its lines go first when their set needs
+// room. After an L2 flush (or any writer) the cache holds dirty lines; loads of normal priority evict them
+// one by one, and every eviction is a write to DRAM that competes with the stream. With evict_first the
+// stream mostly replaces its own clean lines.
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t policy = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+#endif
+  return policy;
+}
+
+// tma_load_4d with an L2 cache policy (l2_evict_first_policy).
+__device__ __forceinline__ void tma_load_4d_hint(void* smem, void const* tensor_map, int c0, int c1, int c2, int c3,
+                                                 uint64_t* bar, uint64_t policy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2], %7;\n"
+      ::"r"(cute::cast_smem_ptr_to_uint(smem)), "l"(reinterpret_cast<uint64_t>(tensor_map)),
+        "r"(cute::cast_smem_ptr_to_uint(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "l"(policy) : "memory");
+#endif
+}
+
 }  // namespace pagedattn
