@@ -12,6 +12,10 @@ _SESSION_DIR = tempfile.mkdtemp(prefix="pagedattn-test-")
 os.environ.setdefault("PAGEDATTN_CACHE_DIR", os.path.join(_SESSION_DIR, "cache"))
 os.environ["PAGEDATTN_TEST_NVRTC_MEMO"] = os.path.join(_SESSION_DIR, "nvrtc")
 os.mkdir(os.environ["PAGEDATTN_TEST_NVRTC_MEMO"])
+# One torch thread per process (and per child process: the bench and fuzz CLIs' workers), unless the
+# caller says otherwise: the tests' tensors are tiny, and on a small machine OpenMP workers spinning
+# beside the NVRTC farm's compiles cost more than they save (2 cores: pytest 3:41 -> 2:57, 436 -> 365 CPU-s).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
