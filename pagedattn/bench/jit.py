@@ -22,8 +22,6 @@ from .common import Case, Ctx, Recorder
 from .runner import read_jsonl
 from .timing import host_loops
 
-# issue 15's budgets per eager call (perf/launch_overhead.py measures them, with the GPU idle and busy)
-HOST_TARGET_US = {"write": 8.0, "decode": 10.0}
 H, D, BLOCK = 8, 128, 16
 _MEMO: dict = {}
 
@@ -177,7 +175,6 @@ def _host(ctx: Ctx, rec: Recorder, name: str) -> None:
     host, synced = host_us(work["fn"])
     rec.extra(calls=n, us_per_call_with_final_sync=synced)
     rec.value(None, host, reps=n)
-    rec.target(HOST_TARGET_US[name.split("_")[0]], "us")
     if work.get("peer"):
         pname, pfn = work["peer"]
         try:
