@@ -255,6 +255,189 @@ struct Sm80Frags {
   }
 };
 
+// The shared -> register copies of the MMA operands: ldmatrix x4 of Q and K, ldmatrix x4.trans of V
+// (Traits::SmemCopyAtom / SmemCopyAtomT). Where Sm80Frags writes the register views out (kViews), each
+// thread's shared-memory addresses are written out too, instead of CuTe's make_tiled_copy_A/B(...)
+// .get_thread_slice(..).partition_S of the swizzled tiles (with retile_D, most of the front end's
+// cost); other tiles keep CuTe's tiled copies. PAGEDATTN_CHECK_TYPES: check_sm80_types asserts, in the
+// front end, the written offsets equal CuTe's for every thread, copy and k-step.
+//
+// An x4 ldmatrix loads four 8x8 matrices of 16-bit values; lane l gives the address of row l % 8 of
+// matrix l / 8 (16 contiguous bytes), and every lane receives register i from matrix i. The MMA
+// fragments fix which matrix goes to which register, hence each lane's (row, column):
+//   Q (A operand, 16 rows x 16 columns per copy): registers a0..a3 are (rows 0-7 | 8-15) x (columns 0-7),
+//     then x (columns 8-15): lane l reads row l % 16, columns l / 16 * 8 + [0, 8);
+//   K (B operand, 16 keys x 16 columns: two 8-key MMA tiles): b0, b1 of keys 0-7, then b0, b1 of keys
+//     8-15: lane l reads key l / 16 * 8 + l % 8, columns l / 8 % 2 * 8 + [0, 8);
+//   V^T (B operand of P V, transposed from V's (key, d) rows: 16 keys x 16 d per copy): b0, b1 of
+//     d 0-7, then of d 8-15: lane l reads key l % 16, d l / 16 * 8 + [0, 8).
+// Each copy's tile (the A operand's rows 16 * kWarpsM * mi + 16 * warp, K's keys 16 * j, V's d 16 * j,
+// and k-step kk's 16 columns or keys) adds a multiple of 16 rows or columns: offset() is additive
+// over it, so the thread's part is computed once and every copy adds a constant before the swizzle.
+template <class Traits, bool kWritten = Sm80Frags<Traits>::kViews>
+struct Sm80Ldsm {  // written
+  using Element = typename Traits::Element;
+  using Frags = Sm80Frags<Traits>;
+  static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+
+  // Element offsets in a tile of kRows rows built from SmemLayoutAtom: 8 x 64 atoms of 512 elements,
+  // down the rows first, then column blocks of kRows * 64 elements. Inside an atom, SmemLayoutAtom's
+  // Swizzle<3, 3, 3> XORs the 16-byte chunk of a 64-column row (offset bits 3..5) with the row within
+  // the atom (bits 6..8); bits 0..2 and 9 up pass through.
+  //
+  // Written as CuTe's partition computes them, so that the compiler emits the same instructions: a
+  // thread's unswizzled offset splits into the bits the swizzle reads or writes (3..8, `zy`) and the
+  // rest; the swizzled base swizzle(zy) + rest is computed once, and each copy adds a constant whose
+  // bits 4 and 5 (16 and 32 columns) the swizzle would XOR with the thread's row bits 7 and 8: +16 or
+  // -16, +32 or -32 as those bits are clear or set. No copy's constant has bits 3 or 6..8.
+  __host__ __device__ static constexpr uint32_t swizzle(uint32_t o) { return o ^ ((o & 0x1c0) >> 3); }
+  struct Thread {
+    uint32_t base;  // swizzle(zy) + rest
+    int s16, s32;   // how 16 and 32 more columns move the swizzled offset
+  };
+  __host__ __device__ static constexpr Thread thread(uint32_t zy, int rest) {
+    return {swizzle(zy) + rest, (zy & 128) == 0 ? 16 : -16, (zy & 256) == 0 ? 32 : -32};
+  }
+  // The thread's offsets, from its row in the atom (r8 < 8, bits 6..8), its 8-column chunk (c8 < 2, bit
+  // 3) and the rest, with the thread index t split into digits as CuTe's partition splits it (the last
+  // digit unbounded). Lane l = t % 32 of warp t / 32 (the kWarpsM warps take different 16-row tiles of
+  // the A operand and the same B operands).
+  __host__ __device__ static constexpr Thread thread(int r8, int c8, int rest) {
+    return thread((uint32_t(r8 * 64) & 448) ^ (uint32_t(c8 * 8) & 8), rest);
+  }
+  __host__ __device__ static constexpr Thread thread_q(int t) {  // row l % 16 + 16 warp, column l / 16 * 8
+    if constexpr (Traits::kWarpsM == 1) return thread(t % 16 % 8, t / 16, t % 16 / 8 * 512);
+    else return thread(t % 16 % 8, t / 16 % 2, t % 16 / 8 * 512 + t / 16 / 2 * 1024);
+  }
+  __host__ __device__ static constexpr Thread thread_k(int t) {  // key l / 16 * 8 + l % 8, column l / 8 % 2 * 8
+    if constexpr (Traits::kWarpsM == 1) return thread(t % 8, t / 8 % 2, t / 8 / 2 * 512);
+    else return thread(t % 8, t / 8 % 2, t / 8 / 2 % 2 * 512);
+  }
+  __host__ __device__ static constexpr Thread thread_vt(int t) {  // V's key l % 16, d l / 16 * 8
+    if constexpr (Traits::kWarpsM == 1) return thread(t % 16 % 8, t / 16, t % 16 / 8 * 512);
+    else return thread(t % 16 % 8, t / 16 % 2, t % 16 / 8 * 512);
+  }
+  // The constant of 16-column block i (k-step i of Q and K, d pair i of V) in a tile of kRows rows
+  template <int kRows>
+  __host__ __device__ static constexpr int columns(Thread const& th, int i) {
+    return i % 2 * th.s16 + i / 2 % 2 * th.s32 + i / 4 * (kRows * 64);
+  }
+  // The offset from the thread's base of copy m (Q: MMA tile mi; K: key pair j; V: d pair j) at k-step
+  // kk, as the copies' rest modes (m, kk) count them
+  __host__ __device__ static constexpr int q_at(Thread const& th, int mi, int kk) {
+    return columns<kBlockM>(th, kk) + mi * 16 * Traits::kWarpsM * 64;
+  }
+  __host__ __device__ static constexpr int k_at(Thread const& th, int j, int kk) {
+    return columns<kBlockN>(th, kk) + j * 16 * 64;
+  }
+  __host__ __device__ static constexpr int vt_at(Thread const& th, int j, int kk) {
+    return kk * 16 * 64 + columns<kBlockN>(th, j);
+  }
+
+  int gtid;
+  __device__ __forceinline__ explicit Sm80Ldsm(int thread) : gtid(thread) {}
+
+  template <class Frag>
+  __device__ __forceinline__ static auto view_q(Frag& f) { return cute::make_tensor(f.data(), typename Frags::ViewQ{}); }
+  template <class Frag>
+  __device__ __forceinline__ static auto view_k(Frag& f) { return cute::make_tensor(f.data(), typename Frags::ViewK{}); }
+  template <class Frag>
+  __device__ __forceinline__ static auto view_vt(Frag& f) { return cute::make_tensor(f.data(), typename Frags::ViewVt{}); }
+  // A tile's thread partition: the thread's swizzled base in the tile and its column steps
+  struct Part {
+    Element const* base;
+    Thread th;
+  };
+  template <class Tile>
+  __device__ __forceinline__ Part partition_q(Tile const& s) const { return part(s, thread_q(gtid)); }
+  template <class Tile>
+  __device__ __forceinline__ Part partition_k(Tile const& s) const { return part(s, thread_k(gtid)); }
+  template <class Tile>
+  __device__ __forceinline__ Part partition_vt(Tile const& s) const { return part(s, thread_vt(gtid)); }
+  template <class Tile>
+  __device__ __forceinline__ static Part part(Tile const& s, Thread const& th) {
+    return {cute::raw_pointer_cast(s.data()) + th.base, th};
+  }
+
+  // One x4 ldmatrix (kTrans: .trans) of the 16 bytes at `src` into the 8 values at `dst`
+  template <bool kTrans>
+  __device__ __forceinline__ static void ldsm(Element const* src, Element& dst) {
+    uint32_t* r = reinterpret_cast<uint32_t*>(&dst);
+    auto const& s = *reinterpret_cast<cute::uint128_t const*>(src);
+    if constexpr (kTrans) cute::SM75_U16x8_LDSM_T::copy(s, r[0], r[1], r[2], r[3]);
+    else cute::SM75_U32x4_LDSM_N::copy(s, r[0], r[1], r[2], r[3]);
+  }
+  // k-step kk of Q into the view of its fragment (every MMA tile mi); all of them
+  template <class View>
+  __device__ __forceinline__ void q(Part const& sQ, View& v, int kk) const {
+    CUTE_UNROLL
+    for (int mi = 0; mi < Traits::kMmaM; ++mi)
+      ldsm<false>(sQ.base + q_at(sQ.th, mi, kk), v(0, mi, kk));
+  }
+  template <class View>
+  __device__ __forceinline__ void q_all(Part const& sQ, View& v) const {
+    CUTE_UNROLL
+    for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) q(sQ, v, kk);
+  }
+  template <class View>
+  __device__ __forceinline__ void k(Part const& sK, View& v, int kk) const {
+    CUTE_UNROLL
+    for (int j = 0; j < kBlockN / 16; ++j)
+      ldsm<false>(sK.base + k_at(sK.th, j, kk), v(0, j, kk));
+  }
+  template <class View>
+  __device__ __forceinline__ void vt(Part const& sVt, View& v, int kk) const {
+    CUTE_UNROLL
+    for (int j = 0; j < Traits::kHeadDimO / 16; ++j)
+      ldsm<true>(sVt.base + vt_at(sVt.th, j, kk), v(0, j, kk));
+  }
+};
+
+template <class Traits>
+struct Sm80Ldsm<Traits, false> {  // CuTe's tiled copies
+  using Frags = Sm80Frags<Traits>;
+  using TiledMma = typename Traits::TiledMma;
+  using CopyQ = decltype(cute::make_tiled_copy_A(typename Traits::SmemCopyAtom{}, TiledMma{}));
+  using CopyK = decltype(cute::make_tiled_copy_B(typename Traits::SmemCopyAtom{}, TiledMma{}));
+  using CopyV = decltype(cute::make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, TiledMma{}));
+  CopyQ s2r_q;
+  CopyK s2r_k;
+  CopyV s2r_v;
+  decltype(CopyQ{}.get_thread_slice(0)) thr_q;
+  decltype(CopyK{}.get_thread_slice(0)) thr_k;
+  decltype(CopyV{}.get_thread_slice(0)) thr_v;
+  __device__ __forceinline__ explicit Sm80Ldsm(int gtid)
+      : thr_q(s2r_q.get_thread_slice(gtid)), thr_k(s2r_k.get_thread_slice(gtid)), thr_v(s2r_v.get_thread_slice(gtid)) {}
+
+  template <class Frag>
+  __device__ __forceinline__ auto view_q(Frag& f) const { return Frags::template view<typename Frags::ViewQ>(thr_q, f); }
+  template <class Frag>
+  __device__ __forceinline__ auto view_k(Frag& f) const { return Frags::template view<typename Frags::ViewK>(thr_k, f); }
+  template <class Frag>
+  __device__ __forceinline__ auto view_vt(Frag& f) const { return Frags::template view<typename Frags::ViewVt>(thr_v, f); }
+  template <class Tile>
+  __device__ __forceinline__ auto partition_q(Tile const& s) const { return thr_q.partition_S(s); }
+  template <class Tile>
+  __device__ __forceinline__ auto partition_k(Tile const& s) const { return thr_k.partition_S(s); }
+  template <class Tile>
+  __device__ __forceinline__ auto partition_vt(Tile const& s) const { return thr_v.partition_S(s); }
+
+  template <class Src, class View>
+  __device__ __forceinline__ void q(Src const& tSsQ, View& v, int kk) const {
+    cute::copy(s2r_q, tSsQ(cute::_, cute::_, kk), v(cute::_, cute::_, kk));
+  }
+  template <class Src, class View>
+  __device__ __forceinline__ void q_all(Src const& tSsQ, View& v) const { cute::copy(s2r_q, tSsQ, v); }
+  template <class Src, class View>
+  __device__ __forceinline__ void k(Src const& tSsK, View& v, int kk) const {
+    cute::copy(s2r_k, tSsK(cute::_, cute::_, kk), v(cute::_, cute::_, kk));
+  }
+  template <class Src, class View>
+  __device__ __forceinline__ void vt(Src const& tOsVt, View& v, int kk) const {
+    cute::copy(s2r_v, tOsVt(cute::_, cute::_, kk), v(cute::_, cute::_, kk));
+  }
+};
+
 // The layout of an SM80 MMA accumulator of (kBlockM, kCols) per thread, ((2,2), kMmaM, kCols/8), as
 // partition_fragment_C(TiledMma, (kBlockM, kCols)) builds it (compact, size-1 modes of stride 0), without
 // that function's layout algebra. PAGEDATTN_CHECK_TYPES: assert it is the same type.
@@ -291,6 +474,45 @@ struct Sm80AccCoord {
 };
 
 #if PAGEDATTN_CHECK_TYPES
+// Sm80Ldsm's written offsets against CuTe's partition of the tile: `TiledCopy::tidfrg_S(layout)` maps
+// (thread, value, (copy, k-step)) to the tile offset partition_S reads; value 0 is the ldmatrix row's
+// address. Every thread, copy and k-step, as a constant expression.
+template <class TiledCopy, class TileLayout, int kThreads, int kCopies, int kSteps, class Written>
+constexpr bool same_ldsm_offsets(Written written) {
+  constexpr auto cute_layout = TiledCopy::tidfrg_S(TileLayout{});  // (thread, value, (copy, k-step))
+  static_assert(cute::size<0>(cute_layout) == kThreads && cute::size<2, 0>(cute_layout) == kCopies &&
+                cute::size<2, 1>(cute_layout) == kSteps, "the copies CuTe partitions");
+  for (int t = 0; t < kThreads; ++t)
+    for (int m = 0; m < kCopies; ++m)
+      for (int kk = 0; kk < kSteps; ++kk)
+        if (int(cute_layout(t, 0, cute::make_coord(m, kk))) != written(t, m, kk)) return false;
+  return true;
+}
+
+template <class Traits>
+constexpr bool check_ldsm_offsets() {
+  using namespace cute;
+  using L = Sm80Ldsm<Traits, true>;
+  using TiledMma = typename Traits::TiledMma;
+  constexpr int kThreads = Traits::kGroupThreads, kSteps = Traits::kHeadDim / 16;
+  static_assert(same_ldsm_offsets<decltype(make_tiled_copy_A(typename Traits::SmemCopyAtom{}, TiledMma{})),
+                                  typename Traits::SmemLayoutQ, kThreads, Traits::kMmaM, kSteps>(
+                    [](int t, int mi, int kk) { return int(L::thread_q(t).base) + L::q_at(L::thread_q(t), mi, kk); }),
+                "Q's ldmatrix offsets");
+  static_assert(same_ldsm_offsets<decltype(make_tiled_copy_B(typename Traits::SmemCopyAtom{}, TiledMma{})),
+                                  typename Traits::SmemLayoutKV, kThreads, Traits::kBlockN / 16, kSteps>(
+                    [](int t, int j, int kk) { return int(L::thread_k(t).base) + L::k_at(L::thread_k(t), j, kk); }),
+                "K's ldmatrix offsets");
+  static_assert(same_ldsm_offsets<decltype(make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, TiledMma{})),
+                                  typename Traits::SmemLayoutVtO, kThreads, Traits::kHeadDimO / 16,
+                                  Traits::kBlockN / 16>(
+                    [](int t, int j, int kk) { return int(L::thread_vt(t).base) + L::vt_at(L::thread_vt(t), j, kk); }),
+                "V's ldmatrix offsets");
+  return true;
+}
+#endif
+
+#if PAGEDATTN_CHECK_TYPES
 // The written-out fragment, view and accumulator types of Traits against CuTe's, without the rest of
 // the kernel: the instantiations mainloop_sm80's setup below makes, from the same types (the kernel
 // body under PAGEDATTN_CHECK_TYPES_ONLY, attn_fwd.cu.j2; tests: front end only).
@@ -311,6 +533,7 @@ __device__ void check_sm80_types(typename Traits::Element* smem, int gtid) {
   Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewQ>(s2r_q_thr, q);
   Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewK>(s2r_k_thr, k);
   Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewVt>(s2r_v_thr, vt);
+  if constexpr (Sm80Frags<Traits>::kViews) static_assert(check_ldsm_offsets<Traits>());
   sm80_acc<Traits, Traits::kHeadDimO>();
   sm80_acc<Traits, Traits::kBlockN>();
 }
@@ -341,16 +564,11 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
   Tensor acc_o = sm80_acc<Traits, kHeadDimO>();  // (MMA, kMmaM, kHeadDimO/8)
   clear(acc_o);
 
-  auto s2r_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
-  auto s2r_q_thr = s2r_q.get_thread_slice(gtid);
-  Tensor tSsQ = s2r_q_thr.partition_S(sQ);
-  Tensor tSrQ_view = Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewQ>(s2r_q_thr, tSrQ);
-  auto s2r_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
-  auto s2r_k_thr = s2r_k.get_thread_slice(gtid);
-  Tensor tSrK_view = Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewK>(s2r_k_thr, tSrK);
-  auto s2r_v = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, tiled_mma);
-  auto s2r_v_thr = s2r_v.get_thread_slice(gtid);
-  Tensor tOrVt_view = Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewVt>(s2r_v_thr, tOrVt);
+  Sm80Ldsm<Traits> const ldsm(gtid);  // the ldmatrix copies
+  auto const tSsQ = ldsm.partition_q(sQ);
+  Tensor tSrQ_view = ldsm.view_q(tSrQ);
+  Tensor tSrK_view = ldsm.view_k(tSrK);
+  Tensor tOrVt_view = ldsm.view_vt(tOrVt);
 
   // (row, key) of each accumulator entry, and the keys each of this thread's rows may see
   Sm80AccCoord<Traits> const tScS(gtid);  // = thr_mma.partition_C(make_identity_tensor((kBlockM, kBlockN)))
@@ -373,7 +591,7 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
         for (int kk = 0; kk < kHeadDim / 16; ++kk) fp8_regs_q<Element>(sQ, kk, gtid, kQScale, q_frag[kk]);
       }
     } else if constexpr (kQInRegs) {
-      copy(s2r_q, tSsQ, tSrQ_view);  // Q stays in registers for the whole mainloop
+      ldsm.q_all(tSsQ, tSrQ_view);  // Q stays in registers for the whole mainloop
     }
   }
   for (int it = 0; it < n_steps; ++it) {
@@ -420,8 +638,8 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
 
     Tensor sK = make_tensor(make_smem_ptr(k_tile), typename Traits::SmemLayoutKV{});
     Tensor sVt = make_tensor(make_smem_ptr(v_tile + c.d_idx * kBlockN * kHeadDimO), typename Traits::SmemLayoutVtO{});
-    Tensor tSsK = s2r_k_thr.partition_S(sK);
-    Tensor tOsVt = s2r_v_thr.partition_S(sVt);
+    auto const tSsK = ldsm.partition_k(sK);
+    auto const tOsVt = ldsm.partition_vt(sVt);
 
     // S = Q K^T. With few independent MMA chains (narrow sub-tiles), even and odd k-steps go to two
     // accumulators so consecutive MMAs do not wait on each other.
@@ -432,8 +650,8 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
     if constexpr (kTwoChains) clear(acc_s_odd);
     CUTE_UNROLL
     for (int k = 0; k < size<2>(tSrQ); ++k) {
-      if constexpr (!kQInRegs) copy(s2r_q, tSsQ(_, _, k), tSrQ_view(_, _, k));
-      copy(s2r_k, tSsK(_, _, k), tSrK_view(_, _, k));
+      if constexpr (!kQInRegs) ldsm.q(tSsQ, tSrQ_view, k);
+      ldsm.k(tSsK, tSrK_view, k);
       if (kTwoChains && k % 2 == 1) {
         cute::gemm(tiled_mma, tSrQ(_, _, k), tSrK(_, _, k), acc_s_odd);
       } else {
@@ -460,7 +678,7 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
     }
     CUTE_UNROLL
     for (int k = 0; k < kBlockN / 16; ++k) {
-      copy(s2r_v, tOsVt(_, _, k), tOrVt_view(_, _, k));
+      ldsm.vt(tOsVt, tOrVt_view, k);
       cute::gemm(tiled_mma, tOrP(_, _, k), tOrVt(_, _, k), acc_o);
     }
   }
