@@ -322,16 +322,22 @@ struct Sm80Ldsm {  // written
   __host__ __device__ static constexpr int columns(Thread const& th, int i) {
     return i % 2 * th.s16 + i / 2 % 2 * th.s32 + i / 4 * (kRows * 64);
   }
-  // The offset from the thread's base of copy m (Q: MMA tile mi; K: key pair j; V: d pair j) at k-step
-  // kk, as the copies' rest modes (m, kk) count them
-  __host__ __device__ static constexpr int q_at(Thread const& th, int mi, int kk) {
-    return columns<kBlockM>(th, kk) + mi * 16 * Traits::kWarpsM * 64;
-  }
-  __host__ __device__ static constexpr int k_at(Thread const& th, int j, int kk) {
-    return columns<kBlockN>(th, kk) + j * 16 * 64;
-  }
-  __host__ __device__ static constexpr int vt_at(Thread const& th, int j, int kk) {
-    return kk * 16 * 64 + columns<kBlockN>(th, j);
+  // The offsets from the thread's base of k-step kk (Q, K: 16 columns; V: 16 keys), and from there
+  // of copy m (Q: MMA tile mi, 16 kWarpsM rows; K: key pair j, 16 rows; V: d pair j, 16 columns)
+  __host__ __device__ static constexpr int q_step(Thread const& th, int kk) { return columns<Traits::kBlockM>(th, kk); }
+  __host__ __device__ static constexpr int q_copy(Thread const&, int mi) { return mi * 16 * Traits::kWarpsM * 64; }
+  __host__ __device__ static constexpr int k_step(Thread const& th, int kk) { return columns<Traits::kBlockN>(th, kk); }
+  __host__ __device__ static constexpr int k_copy(Thread const&, int j) { return j * 16 * 64; }
+  __host__ __device__ static constexpr int vt_step(Thread const&, int kk) { return kk * 16 * 64; }
+  __host__ __device__ static constexpr int vt_copy(Thread const& th, int j) { return columns<Traits::kBlockN>(th, j); }
+
+  // The whole offset of thread t's copy m at k-step kk of operand kOperand (0: Q, 1: K, 2: V^T), as
+  // the copies below compute it (PAGEDATTN_CHECK_TYPES: check_ldsm_offsets compares it with CuTe's)
+  template <int kOperand>
+  __host__ __device__ static constexpr int offset_of(int t, int m, int kk) {
+    if constexpr (kOperand == 0) return int(thread_q(t).base) + q_step(thread_q(t), kk) + q_copy(thread_q(t), m);
+    else if constexpr (kOperand == 1) return int(thread_k(t).base) + k_step(thread_k(t), kk) + k_copy(thread_k(t), m);
+    else return int(thread_vt(t).base) + vt_step(thread_vt(t), kk) + vt_copy(thread_vt(t), m);
   }
 
   int gtid;
@@ -370,9 +376,9 @@ struct Sm80Ldsm {  // written
   // k-step kk of Q into the view of its fragment (every MMA tile mi); all of them
   template <class View>
   __device__ __forceinline__ void q(Part const& sQ, View& v, int kk) const {
+    Element const* s = sQ.base + q_step(sQ.th, kk);
     CUTE_UNROLL
-    for (int mi = 0; mi < Traits::kMmaM; ++mi)
-      ldsm<false>(sQ.base + q_at(sQ.th, mi, kk), v(0, mi, kk));
+    for (int mi = 0; mi < Traits::kMmaM; ++mi) ldsm<false>(s + q_copy(sQ.th, mi), v(0, mi, kk));
   }
   template <class View>
   __device__ __forceinline__ void q_all(Part const& sQ, View& v) const {
@@ -381,15 +387,15 @@ struct Sm80Ldsm {  // written
   }
   template <class View>
   __device__ __forceinline__ void k(Part const& sK, View& v, int kk) const {
+    Element const* s = sK.base + k_step(sK.th, kk);
     CUTE_UNROLL
-    for (int j = 0; j < kBlockN / 16; ++j)
-      ldsm<false>(sK.base + k_at(sK.th, j, kk), v(0, j, kk));
+    for (int j = 0; j < Traits::kBlockN / 16; ++j) ldsm<false>(s + k_copy(sK.th, j), v(0, j, kk));
   }
   template <class View>
   __device__ __forceinline__ void vt(Part const& sVt, View& v, int kk) const {
+    Element const* s = sVt.base + vt_step(sVt.th, kk);
     CUTE_UNROLL
-    for (int j = 0; j < Traits::kHeadDimO / 16; ++j)
-      ldsm<true>(sVt.base + vt_at(sVt.th, j, kk), v(0, j, kk));
+    for (int j = 0; j < Traits::kHeadDimO / 16; ++j) ldsm<true>(s + vt_copy(sVt.th, j), v(0, j, kk));
   }
 };
 
@@ -476,39 +482,45 @@ struct Sm80AccCoord {
 #if PAGEDATTN_CHECK_TYPES
 // Sm80Ldsm's written offsets against CuTe's partition of the tile: `TiledCopy::tidfrg_S(layout)` maps
 // (thread, value, (copy, k-step)) to the tile offset partition_S reads; value 0 is the ldmatrix row's
-// address. Every thread, copy and k-step, as a constant expression.
-template <class TiledCopy, class TileLayout, int kThreads, int kCopies, int kSteps, class Written>
-constexpr bool same_ldsm_offsets(Written written) {
-  constexpr auto cute_layout = TiledCopy::tidfrg_S(TileLayout{});  // (thread, value, (copy, k-step))
-  static_assert(cute::size<0>(cute_layout) == kThreads && cute::size<2, 0>(cute_layout) == kCopies &&
-                cute::size<2, 1>(cute_layout) == kSteps, "the copies CuTe partitions");
-  for (int t = 0; t < kThreads; ++t)
-    for (int m = 0; m < kCopies; ++m)
-      for (int kk = 0; kk < kSteps; ++kk)
-        if (int(cute_layout(t, 0, cute::make_coord(m, kk))) != written(t, m, kk)) return false;
-  return true;
+// address. Every thread and copy of k-step kStep, as one constant expression (the compiler bounds the
+// work of each; one k-step of a 4-warp prefill tile is about a thousand evaluations).
+template <class Traits, int kOperand, class TiledCopy, class TileLayout, int kCopies, int kSteps, int kStep>
+struct LdsmOffsetsCheck {
+  static constexpr bool same() {
+    constexpr auto cute_layout = TiledCopy::tidfrg_S(TileLayout{});  // (thread, value, (copy, k-step))
+    static_assert(cute::size<0>(cute_layout) == Traits::kGroupThreads && cute::size<2, 0>(cute_layout) == kCopies &&
+                      cute::size<2, 1>(cute_layout) == kSteps,
+                  "the copies CuTe partitions");
+    for (int t = 0; t < Traits::kGroupThreads; ++t)
+      for (int m = 0; m < kCopies; ++m)
+        if (int(cute_layout(t, 0, cute::make_coord(m, kStep))) !=
+            Sm80Ldsm<Traits, true>::template offset_of<kOperand>(t, m, kStep))
+          return false;
+    return true;
+  }
+  static_assert(same(), "Sm80Ldsm's ldmatrix offsets (operand kOperand: 0 Q, 1 K, 2 V^T) are CuTe's");
+  static constexpr bool ok = true;
+};
+
+template <class Traits, int kOperand, class TiledCopy, class TileLayout, int kCopies, int kSteps, int... kStep>
+constexpr bool check_ldsm_offsets(cute::int_sequence<kStep...>) {
+  return (LdsmOffsetsCheck<Traits, kOperand, TiledCopy, TileLayout, kCopies, kSteps, kStep>::ok && ...);
 }
 
 template <class Traits>
 constexpr bool check_ldsm_offsets() {
   using namespace cute;
-  using L = Sm80Ldsm<Traits, true>;
   using TiledMma = typename Traits::TiledMma;
-  constexpr int kThreads = Traits::kGroupThreads, kSteps = Traits::kHeadDim / 16;
-  static_assert(same_ldsm_offsets<decltype(make_tiled_copy_A(typename Traits::SmemCopyAtom{}, TiledMma{})),
-                                  typename Traits::SmemLayoutQ, kThreads, Traits::kMmaM, kSteps>(
-                    [](int t, int mi, int kk) { return int(L::thread_q(t).base) + L::q_at(L::thread_q(t), mi, kk); }),
-                "Q's ldmatrix offsets");
-  static_assert(same_ldsm_offsets<decltype(make_tiled_copy_B(typename Traits::SmemCopyAtom{}, TiledMma{})),
-                                  typename Traits::SmemLayoutKV, kThreads, Traits::kBlockN / 16, kSteps>(
-                    [](int t, int j, int kk) { return int(L::thread_k(t).base) + L::k_at(L::thread_k(t), j, kk); }),
-                "K's ldmatrix offsets");
-  static_assert(same_ldsm_offsets<decltype(make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, TiledMma{})),
-                                  typename Traits::SmemLayoutVtO, kThreads, Traits::kHeadDimO / 16,
-                                  Traits::kBlockN / 16>(
-                    [](int t, int j, int kk) { return int(L::thread_vt(t).base) + L::vt_at(L::thread_vt(t), j, kk); }),
-                "V's ldmatrix offsets");
-  return true;
+  using CopyQ = decltype(make_tiled_copy_A(typename Traits::SmemCopyAtom{}, TiledMma{}));
+  using CopyK = decltype(make_tiled_copy_B(typename Traits::SmemCopyAtom{}, TiledMma{}));
+  using CopyV = decltype(make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, TiledMma{}));
+  constexpr int kSteps = Traits::kHeadDim / 16, kStepsV = Traits::kBlockN / 16;
+  return check_ldsm_offsets<Traits, 0, CopyQ, typename Traits::SmemLayoutQ, Traits::kMmaM, kSteps>(
+             make_int_sequence<kSteps>{}) &&
+         check_ldsm_offsets<Traits, 1, CopyK, typename Traits::SmemLayoutKV, Traits::kBlockN / 16, kSteps>(
+             make_int_sequence<kSteps>{}) &&
+         check_ldsm_offsets<Traits, 2, CopyV, typename Traits::SmemLayoutVtO, Traits::kHeadDimO / 16, kStepsV>(
+             make_int_sequence<kStepsV>{});
 }
 #endif
 
