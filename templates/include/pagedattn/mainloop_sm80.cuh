@@ -187,10 +187,12 @@ struct Sm80Frags {
       cute::Shape<cute::Shape<_2, _2>, cute::Shape<cute::_8, I<kAtomsO>>, I<kK16>>,
       cute::Stride<cute::Stride<_1, _2>, cute::Stride<cute::_4, I<32 * kK16>>, S<kK16, 32>>>;
 
-  // The register views the ldmatrix copies write (s2r_*_thr.retile_D(fragment)): written out only for
-  // the shapes whose CuTe types were checked (a wrong view would put values in the wrong registers).
-  static constexpr bool kViews = kWritten && kAtoms == 2 && kAtomsO == 2 &&
-                                 ((kMmaM == 1 && kN8 == 2) || (kMmaM == 2 && kN8 == 8));
+  // The register views the ldmatrix copies write (s2r_*_thr.retile_D(fragment)), with the fragments (a
+  // wrong view would put values in the wrong registers). PAGEDATTN_CHECK_TYPES asserts them for the
+  // tested tiles: (kMmaM, kBlockN / 8, kHeadDim / 64, kHeadDimO / 64) = (1, 2, 2, 2) sm_80 decode,
+  // (2, 8, 2, 2) sm_80 prefill, (1, 4, 4, 4) sm_80 prefill d256, (1, 2, 8, 4) sm_90a decode_tma d512;
+  // also checked once: (2, 2, 2, 2) multi_tma, (1, 4, 2, 2) fp8 decode_tma.
+  static constexpr bool kViews = kWritten;
   using ViewQ = cute::Layout<
       cute::Shape<cute::Shape<cute::_8, _1>, I<kMmaM>, cute::Shape<cute::_4, I<kAtoms>>>,
       cute::Stride<cute::Stride<_1, cute::_0>, S<kMmaM, 8>, cute::Stride<I<8 * kMmaM * kAtoms>, I<8 * kMmaM>>>>;
@@ -274,7 +276,9 @@ struct Sm80Frags {
 // Each copy's tile (the A operand's rows 16 * kWarpsM * mi + 16 * warp, K's keys 16 * j, V's d 16 * j,
 // and k-step kk's 16 columns or keys) adds a multiple of 16 rows or columns: offset() is additive
 // over it, so the thread's part is computed once and every copy adds a constant before the swizzle.
-template <class Traits, bool kWritten = Sm80Frags<Traits>::kViews>
+// Written where the register views are, except for several A-operand tiles per warp (kMmaM > 1) kept
+// in registers (TMA decode's Q): there the same instructions come out in a different order.
+template <class Traits, bool kWritten = Sm80Frags<Traits>::kViews && !(Traits::kTma && Traits::kMmaM > 1)>
 struct Sm80Ldsm {  // written
   using Element = typename Traits::Element;
   using Frags = Sm80Frags<Traits>;
