@@ -273,27 +273,29 @@ struct Sm80Frags {
 //     8-15: lane l reads key l / 16 * 8 + l % 8, columns l / 8 % 2 * 8 + [0, 8);
 //   V^T (B operand of P V, transposed from V's (key, d) rows: 16 keys x 16 d per copy): b0, b1 of
 //     d 0-7, then of d 8-15: lane l reads key l % 16, d l / 16 * 8 + [0, 8).
-// Each copy's tile (the A operand's rows 16 * kWarpsM * mi + 16 * warp, K's keys 16 * j, V's d 16 * j,
-// and k-step kk's 16 columns or keys) adds a multiple of 16 rows or columns: offset() is additive
-// over it, so the thread's part is computed once and every copy adds a constant before the swizzle.
+// Each copy (the A operand's rows 16 * kWarpsM * mi + 16 * warp, K's keys 16 * j, V's d 16 * j) at
+// k-step kk (16 columns of Q and K, 16 keys of V) moves the lane's (row, column) by multiples of 16, so
+// the thread's part of the address is computed once and each copy adds an offset to it (below).
 // Written where the register views are, except for several A-operand tiles per warp (kMmaM > 1) kept
-// in registers (TMA decode's Q): there the same instructions come out in a different order.
+// in registers (TMA decode's Q, multi_tma): there the compiler orders the same instructions
+// differently (not byte-identical SASS), so those keep CuTe's copies.
 template <class Traits, bool kWritten = Sm80Frags<Traits>::kViews && !(Traits::kTma && Traits::kMmaM > 1)>
 struct Sm80Ldsm {  // written
   using Element = typename Traits::Element;
   using Frags = Sm80Frags<Traits>;
-  static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
 
   // Element offsets in a tile of kRows rows built from SmemLayoutAtom: 8 x 64 atoms of 512 elements,
   // down the rows first, then column blocks of kRows * 64 elements. Inside an atom, SmemLayoutAtom's
   // Swizzle<3, 3, 3> XORs the 16-byte chunk of a 64-column row (offset bits 3..5) with the row within
   // the atom (bits 6..8); bits 0..2 and 9 up pass through.
   //
-  // Written as CuTe's partition computes them, so that the compiler emits the same instructions: a
-  // thread's unswizzled offset splits into the bits the swizzle reads or writes (3..8, `zy`) and the
-  // rest; the swizzled base swizzle(zy) + rest is computed once, and each copy adds a constant whose
-  // bits 4 and 5 (16 and 32 columns) the swizzle would XOR with the thread's row bits 7 and 8: +16 or
-  // -16, +32 or -32 as those bits are clear or set. No copy's constant has bits 3 or 6..8.
+  // Written as CuTe's partition computes them (swizzle_layout.hpp, slice_and_offset), so that the
+  // compiler emits the same instructions: a thread's unswizzled offset splits into the bits the
+  // swizzle reads or writes (3..8, `zy`) and the rest; the swizzled base swizzle(zy) + rest is computed
+  // once. A copy's unswizzled offset from there is a multiple of 16 columns: its bits 4 and 5 (16 and
+  // 32 columns), which the swizzle XORs with the thread's row bits 7 and 8, move the swizzled offset
+  // by +16 or -16, +32 or -32 as those row bits are clear or set; its bits 9 up (64-column blocks,
+  // 16-row steps) pass through; it has no bits 3 or 6..8.
   __host__ __device__ static constexpr uint32_t swizzle(uint32_t o) { return o ^ ((o & 0x1c0) >> 3); }
   struct Thread {
     uint32_t base;  // swizzle(zy) + rest
