@@ -259,10 +259,12 @@ def test_small_smem_decode_matches_reference(D, kv, splits, monkeypatch):
 # mainloop_sm80.cuh writes some CuTe fragment, accumulator and register-view layouts out (Sm80Frags,
 # Sm80AccLayout) instead of deriving them: cheaper for the compiler's front end, and only right while they
 # equal what CuTe derives. PAGEDATTN_CHECK_TYPES=1 static_asserts each against CuTe's; the front end alone
-# (-fdevice-syntax-only) runs those asserts. One variant per written shape: the decode tile and the
-# prefill tile of the register views (d128), and a d256 tile (fragments written, views derived).
+# (-fdevice-syntax-only) runs those asserts, and those of the ldmatrix copies' written shared-memory
+# offsets (Sm80Ldsm: every thread, copy and k-step against CuTe's partition). One variant per kind of
+# tile: decode and prefill d128 (one and four warps per group), prefill d256 (four 64-column atoms) and
+# TMA decode d512 (eight atoms, two column groups).
 @pytest.mark.parametrize("arch,dtype,d,mode", [("sm_80", "bf16", 128, "decode"), ("sm_80", "bf16", 128, "prefill"),
-                                               ("sm_80", "fp16", 256, "prefill")])
+                                               ("sm_80", "fp16", 256, "prefill"), ("sm_90a", "bf16", 512, "decode_tma")])
 def test_written_sm80_layouts_are_cutes(arch, dtype, d, mode):
     from pagedattn.codegen.compile import compile_source, nvrtc_options
     from pagedattn.codegen.toolchain import toolchain

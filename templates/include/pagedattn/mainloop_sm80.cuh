@@ -187,10 +187,12 @@ struct Sm80Frags {
       cute::Shape<cute::Shape<_2, _2>, cute::Shape<cute::_8, I<kAtomsO>>, I<kK16>>,
       cute::Stride<cute::Stride<_1, _2>, cute::Stride<cute::_4, I<32 * kK16>>, S<kK16, 32>>>;
 
-  // The register views the ldmatrix copies write (s2r_*_thr.retile_D(fragment)): written out only for
-  // the shapes whose CuTe types were checked (a wrong view would put values in the wrong registers).
-  static constexpr bool kViews = kWritten && kAtoms == 2 && kAtomsO == 2 &&
-                                 ((kMmaM == 1 && kN8 == 2) || (kMmaM == 2 && kN8 == 8));
+  // The register views the ldmatrix copies write (s2r_*_thr.retile_D(fragment)), with the fragments (a
+  // wrong view would put values in the wrong registers). PAGEDATTN_CHECK_TYPES asserts them for the
+  // tested tiles: (kMmaM, kBlockN / 8, kHeadDim / 64, kHeadDimO / 64) = (1, 2, 2, 2) sm_80 decode,
+  // (2, 8, 2, 2) sm_80 prefill, (1, 4, 4, 4) sm_80 prefill d256, (1, 2, 8, 4) sm_90a decode_tma d512;
+  // also checked once: (2, 2, 2, 2) multi_tma, (1, 4, 2, 2) fp8 decode_tma.
+  static constexpr bool kViews = kWritten;
   using ViewQ = cute::Layout<
       cute::Shape<cute::Shape<cute::_8, _1>, I<kMmaM>, cute::Shape<cute::_4, I<kAtoms>>>,
       cute::Stride<cute::Stride<_1, cute::_0>, S<kMmaM, 8>, cute::Stride<I<8 * kMmaM * kAtoms>, I<8 * kMmaM>>>>;
@@ -255,6 +257,199 @@ struct Sm80Frags {
   }
 };
 
+// The shared -> register copies of the MMA operands: ldmatrix x4 of Q and K, ldmatrix x4.trans of V
+// (Traits::SmemCopyAtom / SmemCopyAtomT). Where Sm80Frags writes the register views out (kViews), each
+// thread's shared-memory addresses are written out too, instead of CuTe's make_tiled_copy_A/B(...)
+// .get_thread_slice(..).partition_S of the swizzled tiles (with retile_D, most of the front end's
+// cost); other tiles keep CuTe's tiled copies. PAGEDATTN_CHECK_TYPES: check_sm80_types asserts, in the
+// front end, the written offsets equal CuTe's for every thread, copy and k-step.
+//
+// An x4 ldmatrix loads four 8x8 matrices of 16-bit values; lane l gives the address of row l % 8 of
+// matrix l / 8 (16 contiguous bytes), and every lane receives register i from matrix i. The MMA
+// fragments fix which matrix goes to which register, hence each lane's (row, column):
+//   Q (A operand, 16 rows x 16 columns per copy): registers a0..a3 are (rows 0-7 | 8-15) x (columns 0-7),
+//     then x (columns 8-15): lane l reads row l % 16, columns l / 16 * 8 + [0, 8);
+//   K (B operand, 16 keys x 16 columns: two 8-key MMA tiles): b0, b1 of keys 0-7, then b0, b1 of keys
+//     8-15: lane l reads key l / 16 * 8 + l % 8, columns l / 8 % 2 * 8 + [0, 8);
+//   V^T (B operand of P V, transposed from V's (key, d) rows: 16 keys x 16 d per copy): b0, b1 of
+//     d 0-7, then of d 8-15: lane l reads key l % 16, d l / 16 * 8 + [0, 8).
+// Each copy (the A operand's rows 16 * kWarpsM * mi + 16 * warp, K's keys 16 * j, V's d 16 * j) at
+// k-step kk (16 columns of Q and K, 16 keys of V) moves the lane's (row, column) by multiples of 16, so
+// the thread's part of the address is computed once and each copy adds an offset to it (below).
+// Written where the register views are, except for several A-operand tiles per warp (kMmaM > 1) kept
+// in registers (TMA decode's Q, multi_tma): there the compiler orders the same instructions
+// differently (not byte-identical SASS), so those keep CuTe's copies.
+template <class Traits, bool kWritten = Sm80Frags<Traits>::kViews && !(Traits::kTma && Traits::kMmaM > 1)>
+struct Sm80Ldsm {  // written
+  using Element = typename Traits::Element;
+  using Frags = Sm80Frags<Traits>;
+
+  // Element offsets in a tile of kRows rows built from SmemLayoutAtom: 8 x 64 atoms of 512 elements,
+  // down the rows first, then column blocks of kRows * 64 elements. Inside an atom, SmemLayoutAtom's
+  // Swizzle<3, 3, 3> XORs the 16-byte chunk of a 64-column row (offset bits 3..5) with the row within
+  // the atom (bits 6..8); bits 0..2 and 9 up pass through.
+  //
+  // Written as CuTe's partition computes them (swizzle_layout.hpp, slice_and_offset), so that the
+  // compiler emits the same instructions: a thread's unswizzled offset splits into the bits the
+  // swizzle reads or writes (3..8, `zy`) and the rest; the swizzled base swizzle(zy) + rest is computed
+  // once. A copy's unswizzled offset from there is a multiple of 16 columns: its bits 4 and 5 (16 and
+  // 32 columns), which the swizzle XORs with the thread's row bits 7 and 8, move the swizzled offset
+  // by +16 or -16, +32 or -32 as those row bits are clear or set; its bits 9 up (64-column blocks,
+  // 16-row steps) pass through; it has no bits 3 or 6..8.
+  __host__ __device__ static constexpr uint32_t swizzle(uint32_t o) { return o ^ ((o & 0x1c0) >> 3); }
+  struct Thread {
+    uint32_t base;  // swizzle(zy) + rest
+    int s16, s32;   // how 16 and 32 more columns move the swizzled offset
+  };
+  __host__ __device__ static constexpr Thread thread(uint32_t zy, int rest) {
+    return {swizzle(zy) + rest, (zy & 128) == 0 ? 16 : -16, (zy & 256) == 0 ? 32 : -32};
+  }
+  // The thread's offsets, from its row in the atom (r8 < 8, bits 6..8), its 8-column chunk (c8 < 2, bit
+  // 3) and the rest, with the thread index t split into digits as CuTe's partition splits it (the last
+  // digit unbounded). Lane l = t % 32 of warp t / 32 (the kWarpsM warps take different 16-row tiles of
+  // the A operand and the same B operands).
+  __host__ __device__ static constexpr Thread thread(int r8, int c8, int rest) {
+    return thread((uint32_t(r8 * 64) & 448) ^ (uint32_t(c8 * 8) & 8), rest);
+  }
+  __host__ __device__ static constexpr Thread thread_q(int t) {  // row l % 16 + 16 warp, column l / 16 * 8
+    if constexpr (Traits::kWarpsM == 1) return thread(t % 16 % 8, t / 16, t % 16 / 8 * 512);
+    else return thread(t % 16 % 8, t / 16 % 2, t % 16 / 8 * 512 + t / 16 / 2 * 1024);
+  }
+  __host__ __device__ static constexpr Thread thread_k(int t) {  // key l / 16 * 8 + l % 8, column l / 8 % 2 * 8
+    if constexpr (Traits::kWarpsM == 1) return thread(t % 8, t / 8 % 2, t / 8 / 2 * 512);
+    else return thread(t % 8, t / 8 % 2, t / 8 / 2 % 2 * 512);
+  }
+  __host__ __device__ static constexpr Thread thread_vt(int t) {  // V's key l % 16, d l / 16 * 8
+    if constexpr (Traits::kWarpsM == 1) return thread(t % 16 % 8, t / 16, t % 16 / 8 * 512);
+    else return thread(t % 16 % 8, t / 16 % 2, t % 16 / 8 * 512);
+  }
+  // The constant of 16-column block i (k-step i of Q and K, d pair i of V) in a tile of kRows rows
+  template <int kRows>
+  __host__ __device__ static constexpr int columns(Thread const& th, int i) {
+    return i % 2 * th.s16 + i / 2 % 2 * th.s32 + i / 4 * (kRows * 64);
+  }
+  // The offsets from the thread's base of k-step kk (Q, K: 16 columns; V: 16 keys), and from there
+  // of copy m (Q: MMA tile mi, 16 kWarpsM rows; K: key pair j, 16 rows; V: d pair j, 16 columns)
+  __host__ __device__ static constexpr int q_step(Thread const& th, int kk) { return columns<Traits::kBlockM>(th, kk); }
+  __host__ __device__ static constexpr int q_copy(Thread const&, int mi) { return mi * 16 * Traits::kWarpsM * 64; }
+  __host__ __device__ static constexpr int k_step(Thread const& th, int kk) { return columns<Traits::kBlockN>(th, kk); }
+  __host__ __device__ static constexpr int k_copy(Thread const&, int j) { return j * 16 * 64; }
+  __host__ __device__ static constexpr int vt_step(Thread const&, int kk) { return kk * 16 * 64; }
+  __host__ __device__ static constexpr int vt_copy(Thread const& th, int j) { return columns<Traits::kBlockN>(th, j); }
+
+  // The whole offset of thread t's copy m at k-step kk of operand kOperand (0: Q, 1: K, 2: V^T), as
+  // the copies below compute it (PAGEDATTN_CHECK_TYPES: check_ldsm_offsets compares it with CuTe's)
+  template <int kOperand>
+  __host__ __device__ static constexpr int offset_of(int t, int m, int kk) {
+    if constexpr (kOperand == 0) return int(thread_q(t).base) + q_step(thread_q(t), kk) + q_copy(thread_q(t), m);
+    else if constexpr (kOperand == 1) return int(thread_k(t).base) + k_step(thread_k(t), kk) + k_copy(thread_k(t), m);
+    else return int(thread_vt(t).base) + vt_step(thread_vt(t), kk) + vt_copy(thread_vt(t), m);
+  }
+
+  int gtid;
+  __device__ __forceinline__ explicit Sm80Ldsm(int thread) : gtid(thread) {}
+
+  template <class Frag>
+  __device__ __forceinline__ static auto view_q(Frag& f) { return cute::make_tensor(f.data(), typename Frags::ViewQ{}); }
+  template <class Frag>
+  __device__ __forceinline__ static auto view_k(Frag& f) { return cute::make_tensor(f.data(), typename Frags::ViewK{}); }
+  template <class Frag>
+  __device__ __forceinline__ static auto view_vt(Frag& f) { return cute::make_tensor(f.data(), typename Frags::ViewVt{}); }
+  // A tile's thread partition: the thread's swizzled base in the tile and its column steps
+  struct Part {
+    Element const* base;
+    Thread th;
+  };
+  template <class Tile>
+  __device__ __forceinline__ Part partition_q(Tile const& s) const { return part(s, thread_q(gtid)); }
+  template <class Tile>
+  __device__ __forceinline__ Part partition_k(Tile const& s) const { return part(s, thread_k(gtid)); }
+  template <class Tile>
+  __device__ __forceinline__ Part partition_vt(Tile const& s) const { return part(s, thread_vt(gtid)); }
+  template <class Tile>
+  __device__ __forceinline__ static Part part(Tile const& s, Thread const& th) {
+    return {cute::raw_pointer_cast(s.data()) + th.base, th};
+  }
+
+  // One x4 ldmatrix (kTrans: .trans) of the 16 bytes at `src` into the 8 values at `dst`
+  template <bool kTrans>
+  __device__ __forceinline__ static void ldsm(Element const* src, Element& dst) {
+    uint32_t* r = reinterpret_cast<uint32_t*>(&dst);
+    auto const& s = *reinterpret_cast<cute::uint128_t const*>(src);
+    if constexpr (kTrans) cute::SM75_U16x8_LDSM_T::copy(s, r[0], r[1], r[2], r[3]);
+    else cute::SM75_U32x4_LDSM_N::copy(s, r[0], r[1], r[2], r[3]);
+  }
+  // k-step kk of Q into the view of its fragment (every MMA tile mi); all of them
+  template <class View>
+  __device__ __forceinline__ void q(Part const& sQ, View& v, int kk) const {
+    Element const* s = sQ.base + q_step(sQ.th, kk);
+    CUTE_UNROLL
+    for (int mi = 0; mi < Traits::kMmaM; ++mi) ldsm<false>(s + q_copy(sQ.th, mi), v(0, mi, kk));
+  }
+  template <class View>
+  __device__ __forceinline__ void q_all(Part const& sQ, View& v) const {
+    CUTE_UNROLL
+    for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) q(sQ, v, kk);
+  }
+  template <class View>
+  __device__ __forceinline__ void k(Part const& sK, View& v, int kk) const {
+    Element const* s = sK.base + k_step(sK.th, kk);
+    CUTE_UNROLL
+    for (int j = 0; j < Traits::kBlockN / 16; ++j) ldsm<false>(s + k_copy(sK.th, j), v(0, j, kk));
+  }
+  template <class View>
+  __device__ __forceinline__ void vt(Part const& sVt, View& v, int kk) const {
+    Element const* s = sVt.base + vt_step(sVt.th, kk);
+    CUTE_UNROLL
+    for (int j = 0; j < Traits::kHeadDimO / 16; ++j) ldsm<true>(s + vt_copy(sVt.th, j), v(0, j, kk));
+  }
+};
+
+template <class Traits>
+struct Sm80Ldsm<Traits, false> {  // CuTe's tiled copies
+  using Frags = Sm80Frags<Traits>;
+  using TiledMma = typename Traits::TiledMma;
+  using CopyQ = decltype(cute::make_tiled_copy_A(typename Traits::SmemCopyAtom{}, TiledMma{}));
+  using CopyK = decltype(cute::make_tiled_copy_B(typename Traits::SmemCopyAtom{}, TiledMma{}));
+  using CopyV = decltype(cute::make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, TiledMma{}));
+  CopyQ s2r_q;
+  CopyK s2r_k;
+  CopyV s2r_v;
+  decltype(CopyQ{}.get_thread_slice(0)) thr_q;
+  decltype(CopyK{}.get_thread_slice(0)) thr_k;
+  decltype(CopyV{}.get_thread_slice(0)) thr_v;
+  __device__ __forceinline__ explicit Sm80Ldsm(int gtid)
+      : thr_q(s2r_q.get_thread_slice(gtid)), thr_k(s2r_k.get_thread_slice(gtid)), thr_v(s2r_v.get_thread_slice(gtid)) {}
+
+  template <class Frag>
+  __device__ __forceinline__ auto view_q(Frag& f) const { return Frags::template view<typename Frags::ViewQ>(thr_q, f); }
+  template <class Frag>
+  __device__ __forceinline__ auto view_k(Frag& f) const { return Frags::template view<typename Frags::ViewK>(thr_k, f); }
+  template <class Frag>
+  __device__ __forceinline__ auto view_vt(Frag& f) const { return Frags::template view<typename Frags::ViewVt>(thr_v, f); }
+  template <class Tile>
+  __device__ __forceinline__ auto partition_q(Tile const& s) const { return thr_q.partition_S(s); }
+  template <class Tile>
+  __device__ __forceinline__ auto partition_k(Tile const& s) const { return thr_k.partition_S(s); }
+  template <class Tile>
+  __device__ __forceinline__ auto partition_vt(Tile const& s) const { return thr_v.partition_S(s); }
+
+  template <class Src, class View>
+  __device__ __forceinline__ void q(Src const& tSsQ, View& v, int kk) const {
+    cute::copy(s2r_q, tSsQ(cute::_, cute::_, kk), v(cute::_, cute::_, kk));
+  }
+  template <class Src, class View>
+  __device__ __forceinline__ void q_all(Src const& tSsQ, View& v) const { cute::copy(s2r_q, tSsQ, v); }
+  template <class Src, class View>
+  __device__ __forceinline__ void k(Src const& tSsK, View& v, int kk) const {
+    cute::copy(s2r_k, tSsK(cute::_, cute::_, kk), v(cute::_, cute::_, kk));
+  }
+  template <class Src, class View>
+  __device__ __forceinline__ void vt(Src const& tOsVt, View& v, int kk) const {
+    cute::copy(s2r_v, tOsVt(cute::_, cute::_, kk), v(cute::_, cute::_, kk));
+  }
+};
+
 // The layout of an SM80 MMA accumulator of (kBlockM, kCols) per thread, ((2,2), kMmaM, kCols/8), as
 // partition_fragment_C(TiledMma, (kBlockM, kCols)) builds it (compact, size-1 modes of stride 0), without
 // that function's layout algebra. PAGEDATTN_CHECK_TYPES: assert it is the same type.
@@ -291,6 +486,51 @@ struct Sm80AccCoord {
 };
 
 #if PAGEDATTN_CHECK_TYPES
+// Sm80Ldsm's written offsets against CuTe's partition of the tile: `TiledCopy::tidfrg_S(layout)` maps
+// (thread, value, (copy, k-step)) to the tile offset partition_S reads; value 0 is the ldmatrix row's
+// address. Every thread and copy of k-step kStep, as one constant expression (the compiler bounds the
+// work of each; one k-step of a 4-warp prefill tile is about a thousand evaluations).
+template <class Traits, int kOperand, class TiledCopy, class TileLayout, int kCopies, int kSteps, int kStep>
+struct LdsmOffsetsCheck {
+  static constexpr bool same() {
+    constexpr auto cute_layout = TiledCopy::tidfrg_S(TileLayout{});  // (thread, value, (copy, k-step))
+    static_assert(cute::size<0>(cute_layout) == Traits::kGroupThreads && cute::size<2, 0>(cute_layout) == kCopies &&
+                      cute::size<2, 1>(cute_layout) == kSteps,
+                  "the copies CuTe partitions");
+    for (int t = 0; t < Traits::kGroupThreads; ++t)
+      for (int m = 0; m < kCopies; ++m)
+        if (int(cute_layout(t, 0, cute::make_coord(m, kStep))) !=
+            Sm80Ldsm<Traits, true>::template offset_of<kOperand>(t, m, kStep))
+          return false;
+    return true;
+  }
+  static_assert(same(), "Sm80Ldsm's ldmatrix offsets (operand kOperand: 0 Q, 1 K, 2 V^T) are CuTe's");
+  static constexpr bool ok = true;
+};
+
+template <class Traits, int kOperand, class TiledCopy, class TileLayout, int kCopies, int kSteps, int... kStep>
+constexpr bool check_ldsm_offsets(cute::int_sequence<kStep...>) {
+  return (LdsmOffsetsCheck<Traits, kOperand, TiledCopy, TileLayout, kCopies, kSteps, kStep>::ok && ...);
+}
+
+template <class Traits>
+constexpr bool check_ldsm_offsets() {
+  using namespace cute;
+  using TiledMma = typename Traits::TiledMma;
+  using CopyQ = decltype(make_tiled_copy_A(typename Traits::SmemCopyAtom{}, TiledMma{}));
+  using CopyK = decltype(make_tiled_copy_B(typename Traits::SmemCopyAtom{}, TiledMma{}));
+  using CopyV = decltype(make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, TiledMma{}));
+  constexpr int kSteps = Traits::kHeadDim / 16, kStepsV = Traits::kBlockN / 16;
+  return check_ldsm_offsets<Traits, 0, CopyQ, typename Traits::SmemLayoutQ, Traits::kMmaM, kSteps>(
+             make_int_sequence<kSteps>{}) &&
+         check_ldsm_offsets<Traits, 1, CopyK, typename Traits::SmemLayoutKV, Traits::kBlockN / 16, kSteps>(
+             make_int_sequence<kSteps>{}) &&
+         check_ldsm_offsets<Traits, 2, CopyV, typename Traits::SmemLayoutVtO, Traits::kHeadDimO / 16, kStepsV>(
+             make_int_sequence<kStepsV>{});
+}
+#endif
+
+#if PAGEDATTN_CHECK_TYPES
 // The written-out fragment, view and accumulator types of Traits against CuTe's, without the rest of
 // the kernel: the instantiations mainloop_sm80's setup below makes, from the same types (the kernel
 // body under PAGEDATTN_CHECK_TYPES_ONLY, attn_fwd.cu.j2; tests: front end only).
@@ -311,6 +551,7 @@ __device__ void check_sm80_types(typename Traits::Element* smem, int gtid) {
   Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewQ>(s2r_q_thr, q);
   Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewK>(s2r_k_thr, k);
   Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewVt>(s2r_v_thr, vt);
+  if constexpr (Sm80Frags<Traits>::kViews) static_assert(check_ldsm_offsets<Traits>());
   sm80_acc<Traits, Traits::kHeadDimO>();
   sm80_acc<Traits, Traits::kBlockN>();
 }
@@ -341,16 +582,11 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
   Tensor acc_o = sm80_acc<Traits, kHeadDimO>();  // (MMA, kMmaM, kHeadDimO/8)
   clear(acc_o);
 
-  auto s2r_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
-  auto s2r_q_thr = s2r_q.get_thread_slice(gtid);
-  Tensor tSsQ = s2r_q_thr.partition_S(sQ);
-  Tensor tSrQ_view = Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewQ>(s2r_q_thr, tSrQ);
-  auto s2r_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
-  auto s2r_k_thr = s2r_k.get_thread_slice(gtid);
-  Tensor tSrK_view = Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewK>(s2r_k_thr, tSrK);
-  auto s2r_v = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, tiled_mma);
-  auto s2r_v_thr = s2r_v.get_thread_slice(gtid);
-  Tensor tOrVt_view = Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewVt>(s2r_v_thr, tOrVt);
+  Sm80Ldsm<Traits> const ldsm(gtid);  // the ldmatrix copies
+  auto const tSsQ = ldsm.partition_q(sQ);
+  Tensor tSrQ_view = ldsm.view_q(tSrQ);
+  Tensor tSrK_view = ldsm.view_k(tSrK);
+  Tensor tOrVt_view = ldsm.view_vt(tOrVt);
 
   // (row, key) of each accumulator entry, and the keys each of this thread's rows may see
   Sm80AccCoord<Traits> const tScS(gtid);  // = thr_mma.partition_C(make_identity_tensor((kBlockM, kBlockN)))
@@ -373,7 +609,7 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
         for (int kk = 0; kk < kHeadDim / 16; ++kk) fp8_regs_q<Element>(sQ, kk, gtid, kQScale, q_frag[kk]);
       }
     } else if constexpr (kQInRegs) {
-      copy(s2r_q, tSsQ, tSrQ_view);  // Q stays in registers for the whole mainloop
+      ldsm.q_all(tSsQ, tSrQ_view);  // Q stays in registers for the whole mainloop
     }
   }
   for (int it = 0; it < n_steps; ++it) {
@@ -420,8 +656,8 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
 
     Tensor sK = make_tensor(make_smem_ptr(k_tile), typename Traits::SmemLayoutKV{});
     Tensor sVt = make_tensor(make_smem_ptr(v_tile + c.d_idx * kBlockN * kHeadDimO), typename Traits::SmemLayoutVtO{});
-    Tensor tSsK = s2r_k_thr.partition_S(sK);
-    Tensor tOsVt = s2r_v_thr.partition_S(sVt);
+    auto const tSsK = ldsm.partition_k(sK);
+    auto const tOsVt = ldsm.partition_vt(sVt);
 
     // S = Q K^T. With few independent MMA chains (narrow sub-tiles), even and odd k-steps go to two
     // accumulators so consecutive MMAs do not wait on each other.
@@ -432,8 +668,8 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
     if constexpr (kTwoChains) clear(acc_s_odd);
     CUTE_UNROLL
     for (int k = 0; k < size<2>(tSrQ); ++k) {
-      if constexpr (!kQInRegs) copy(s2r_q, tSsQ(_, _, k), tSrQ_view(_, _, k));
-      copy(s2r_k, tSsK(_, _, k), tSrK_view(_, _, k));
+      if constexpr (!kQInRegs) ldsm.q(tSsQ, tSrQ_view, k);
+      ldsm.k(tSsK, tSrK_view, k);
       if (kTwoChains && k % 2 == 1) {
         cute::gemm(tiled_mma, tSrQ(_, _, k), tSrK(_, _, k), acc_s_odd);
       } else {
@@ -460,7 +696,7 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
     }
     CUTE_UNROLL
     for (int k = 0; k < kBlockN / 16; ++k) {
-      copy(s2r_v, tOsVt(_, _, k), tOrVt_view(_, _, k));
+      ldsm.vt(tOsVt, tOrVt_view, k);
       cute::gemm(tiled_mma, tOrP(_, _, k), tOrVt(_, _, k), acc_o);
     }
   }
