@@ -414,12 +414,13 @@ class _Launch(Prepared):
             if self.splits > 1:
                 scratch = self.scratch
                 if capturing or scratch[0] != stream or scratch[1] != workspace.GENERATION:
-                    scratch = (stream, -1, *workspace.split_scratch(plan.device, self.splits, self.total_q,
-                                                                    plan.call.Hq, self.head_dim, self.ctas,
-                                                                    capturing, stream))
+                    o_ptr, lse_ptr, counters = workspace.split_scratch(plan.device, self.splits, self.total_q,
+                                                                       plan.call.Hq, self.head_dim, self.ctas,
+                                                                       capturing, stream)
                     if not capturing:  # kept only outside capture: a capture's new buffers need an eager zeroing
-                        self.scratch = scratch = (stream, workspace.GENERATION, *scratch[2:])
-                o_ptr, lse_ptr, counters = scratch[2:]
+                        self.scratch = (stream, workspace.GENERATION, o_ptr, lse_ptr, counters)
+                else:
+                    o_ptr, lse_ptr, counters = scratch[2:]
             if self.tma:
                 maps = plan._maps_ptr.get((kp, vp), 0) if not capturing else 0
                 if not maps:
