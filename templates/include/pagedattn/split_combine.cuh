@@ -68,36 +68,46 @@ __device__ __forceinline__ void combine_split_row(float const* part, int64_t par
     w_mine[c] = total == kNegInf || lse_mine[c] == kNegInf ? 0.f : expf(lse_mine[c] - total);
   }
 
-  for (int d0 = 0; d0 < head_size; d0 += 32 * 4) {  // uniform over the warp: shuffles below
+  // acc += the weighted partial rows o of splits 32 c + j0 + u (u < kBatch), in split order; w_c is
+  // this lane's weight in chunk c (split 32 c + lane), n the chunk's number of splits.
+  auto add_batch = [&](float4& acc, float4 const (&o)[kBatch], float w_c, int j0, int n) {
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      float const w = __shfl_sync(0xffffffffu, w_c, min(j0 + u, n - 1));
+      if (j0 + u < n && w != 0.f) {  // an empty split adds nothing (and never a NaN)
+        acc.x += w * o[u].x;
+        acc.y += w * o[u].y;
+        acc.z += w * o[u].z;
+        acc.w += w * o[u].w;
+      }
+    }
+  };
+  float4 const zero = make_float4(0.f, 0.f, 0.f, 0.f);
+  float4 acc_first = zero;  // the preloaded batch, added before the loops so that its registers go free
+  add_batch(acc_first, first, w_mine[0], 0, min(32, num_splits));
+  // The loops stay rolled: one copy of a batch's loads in the kernel, not one per chunk and column
+  // block (unrolled, the combine was most of every attention kernel's code and of its compile time).
+  // The chunk's weight is picked from the registers by selects, never by an indexed (local) read.
+#pragma unroll 1
+  for (int d0 = 0; d0 < head_size; d0 += 32 * 4) {  // uniform over the warp: shuffles inside
     int const d = d0 + lane * 4;
     bool const active = d < head_size;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 acc = d0 == 0 ? acc_first : zero;
+#pragma unroll 1
+    for (int c = 0; c < chunks; ++c) {
+      float w_c = w_mine[0];
 #pragma unroll
-    for (int c = 0; c < kMaxChunks; ++c) {
-      if (c >= chunks) break;
+      for (int k = 1; k < kMaxChunks; ++k) w_c = c == k ? w_mine[k] : w_c;
       int const n = min(32, num_splits - 32 * c);
-      for (int j0 = 0; j0 < n; j0 += kBatch) {  // kBatch loads in flight, then their sums in split order
+#pragma unroll 1
+      for (int j0 = d0 == 0 && c == 0 ? kBatch : 0; j0 < n; j0 += kBatch) {  // kBatch loads in flight
         float4 o[kBatch];
-        float wgt[kBatch];
-        bool const preloaded = d0 == 0 && c == 0 && j0 == 0;
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
           int const j = min(j0 + u, n - 1);
-          float const w_j = __shfl_sync(0xffffffffu, w_mine[c], j);
-          wgt[u] = j0 + u < n ? w_j : 0.f;
-          o[u] = preloaded ? first[u]
-                 : active  ? __ldcg(reinterpret_cast<float4 const*>(part + (32 * c + j) * part_stride + d))
-                           : make_float4(0.f, 0.f, 0.f, 0.f);
+          o[u] = active ? __ldcg(reinterpret_cast<float4 const*>(part + (32 * c + j) * part_stride + d)) : zero;
         }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          if (wgt[u] != 0.f) {  // an empty split adds nothing (and never a NaN)
-            acc.x += wgt[u] * o[u].x;
-            acc.y += wgt[u] * o[u].y;
-            acc.z += wgt[u] * o[u].z;
-            acc.w += wgt[u] * o[u].w;
-          }
-        }
+        add_batch(acc, o, w_c, j0, n);
       }
     }
     if (active) {
