@@ -508,6 +508,30 @@ def test_split_counters_reset_and_are_per_stream():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D,splits,sinks", [(128, 33, False), (128, 256, True), (256, 100, False),
+                                            (512, 70, True), (64, 64, False)])
+def test_many_splits_combine_matches_reference(D, splits, sinks):
+    """The in-kernel combine over more than one warp's worth of splits (its chunk loop), head dims over
+    128 columns (its column loop), sinks, and rows whose splits are mostly empty (a short request in a
+    batch split for a long one): against the float64 reference, NaN-poisoned cache and output."""
+    gen = torch.Generator().manual_seed(D + splits)
+    lens_k = [splits * 128 + 77, 300, 1]
+    Hq, Hkv = 16, 4
+    case = build_case([1, 1, 1], lens_k, Hq, Hkv, D, 16, "NHD", torch.bfloat16, "auto", "tensor", gen)
+    sink = (torch.randn(Hq, generator=gen) * 2).cuda() if sinks else None
+    out = torch.full_like(case["q"], float("nan"))
+    o, lse = flash_attn_varlen_func(case["q"], case["kc"], case["vc"], 1, case["cu_q"], max(lens_k),
+                                    seqused_k=case["seqused"], block_table=case["table"], num_splits=splits,
+                                    return_softmax_lse=True, out=out, sinks=sink)
+    ref, ref_lse = reference.paged_attention(case["q"], case["kc"], case["vc"], case["cu_q"], case["seqused"],
+                                             case["table"], return_lse=True, sinks=sink,
+                                             compute_dtype=torch.float64)
+    assert not o.isnan().any(), "NaN in the output"
+    assert rel_l2(o, ref) < 1e-2
+    assert torch.allclose(lse, ref_lse.float(), atol=2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
 def test_writer_reader_round_trip(layout, kv):
