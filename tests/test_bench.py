@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _env(**extra):
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])  # _selftest
     env.update(extra)
     return env
 
