@@ -315,6 +315,7 @@ class VerifyReport:
     corrupt: list[tuple[dict, str]] = field(default_factory=list)
     stray: list[str] = field(default_factory=list)   # files in kernels/ the manifest does not name
     total_bytes: int = 0
+    read_ms: list[float] = field(default_factory=list)  # per entry: read, decompress, size and sha256 check
 
     @property
     def ok(self) -> bool:
@@ -336,7 +337,9 @@ def verify(folder: Path) -> VerifyReport:
     for entry in manifest["variants"]:
         report.checked += 1
         named.add(entry.get("file"))
+        t0 = time.perf_counter()
         bad = check_entry(folder, entry)
+        report.read_ms.append(1e3 * (time.perf_counter() - t0))
         if bad:
             report.corrupt.append((entry, bad))
         else:

@@ -77,21 +77,14 @@ def _transformers(num_prompts: int = 32, max_new_tokens: int = 64) -> bool:
     except ImportError as e:
         print(f"transformers continuous batching: skipped ({e})")
         return True
-    name = pa_hf.register()
-    model = hf_tiny.tiny_model("llama", torch.bfloat16, "cuda")
     prompts = hf_tiny.tiny_prompts(num_prompts, lengths=tuple(range(32, 512, 15)))
-    config = hf_tiny.cb_config(prompts, max_new_tokens)
-    runs = {}
-    for impl in (name, "paged|sdpa"):
-        hf_tiny.generate(model, impl, prompts, max_new_tokens, config=config, record_logits=False)  # warm
-        runs[impl] = hf_tiny.generate(model, impl, prompts, max_new_tokens, config=config, record_logits=False)
-    same = sum(a == b for a, b in zip(runs[name].tokens, runs["paged|sdpa"].tokens))
+    r = hf_tiny.throughput("llama", prompts, max_new_tokens)
     print(f"transformers {_hf_version()} generate_batch, tiny Llama, {num_prompts} prompts of "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {max_new_tokens} new tokens each (greedy):")
-    for impl, run in runs.items():
-        print(f"  {impl:16s} {run.tokens_per_s:9.1f} tokens/s  ({run.seconds:.2f} s)")
-    print(f"  identical sequences: {same}/{num_prompts} (bf16 near-ties of a random model may break "
-          "either way; tests/test_hf_transformers.py checks every step's logits)")
+    for impl in ("pagedattn", "sdpa"):
+        print(f"  paged|{impl:10s} {r[impl + '_tokens_per_s']:9.1f} tokens/s")
+    print(f"  identical sequences: {r['identical_sequences']}/{num_prompts} (bf16 near-ties of a random model may "
+          "break either way; tests/test_hf_transformers.py checks every step's logits)")
     return True
 
 

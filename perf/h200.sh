@@ -53,7 +53,7 @@ for stage in "$@"; do
                python3 -m pagedattn.cli precompile --arch sm_90a --ops "${PRECOMPILE_OPS:-attn_fwd,kv_write,legacy_attn,legacy_reduce,legacy_cache_write}" ${PRECOMPILE_ARGS:---preset default} --jobs 16 --out "$PAGEDATTN_AOT_DIR" -q 2>&1 | tail -n 15 ;;
     # the bundle as it now stands, back to the CPU machine (carry it in the next call)
     packbundle) tar -C "$(dirname "$PAGEDATTN_AOT_DIR")" -cf - "$(basename "$PAGEDATTN_AOT_DIR")" | xz -T16 -6 > "$OUT/bundle.tar.xz"; ls -la "$OUT/bundle.tar.xz" ;;
-    aot16)     python3 "$ROOT/perf/compile_costs.py" precompile --arch sm_90a --jobs 16 --output "$OUT/results/aot_precompile_cpu16.json" 2>&1 | tail -n 5 ;;
+    aot16)     python3 "$ROOT/perf/compile_costs.py" precompile --arch sm_90a --jobs 16 --out "$OUT/results" 2>&1 | tail -n 5 ;;
     benchwrite) python3 -m pagedattn.cli bench --suite write --quick --no-report --out "$OUT/results" ;;
     # the sweeps: `pagedattn bench` once per entry of SWEEP_OVERRIDES (JSON objects separated by ';', each
     # {"attention": pagedattn.ops.attention.forced's arguments, "write": reshape_and_cache_flash's overrides=};

@@ -1,6 +1,6 @@
 """Tokens/s of transformers' continuous batching (`generate_batch`, greedy) on pagedattn ("paged|pagedattn")
 against transformers' own "paged|sdpa", same tiny random-weight model (pagedattn/integrations/hf_tiny.py, no
-download), same batch. Each runs once untimed (compiles, allocator), then --reps timed runs, alternating; the
+download), same batch (`hf_tiny.throughput`: each once untimed, then --reps timed runs, alternating); the
 median is recorded in perf/results/hf_continuous_batching_<gpu>_<date>_<commit>.json. paged|sdpa ignores
 Gemma-2's attention softcap, so its gemma2 tokens differ from ours (the shapes are the same).
 
@@ -10,33 +10,12 @@ Gemma-2's attention softcap, so its gemma2 tokens differ from ours (the shapes a
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from pagedattn.bench.meta import write_quick
 from pagedattn.info import git_commit
 from pagedattn.integrations import hf_tiny
-from pagedattn.integrations import transformers as pa_hf
-
-
-def measure(kind: str, prompts, max_new_tokens: int, reps: int) -> dict:
-    impls = {"pagedattn": pa_hf.register(), "sdpa": "paged|sdpa"}
-    model = hf_tiny.tiny_model(kind, torch.bfloat16, "cuda")
-    config = hf_tiny.cb_config(prompts, max_new_tokens)
-    run = lambda impl: hf_tiny.generate(model, impl, prompts, max_new_tokens, config=config,  # noqa: E731
-                                        record_logits=False)
-    tokens = {key: run(impl).tokens for key, impl in impls.items()}  # untimed: compiles, allocator
-    runs = {key: [] for key in impls}
-    for _ in range(reps):
-        for key, impl in impls.items():
-            runs[key].append(run(impl).tokens_per_s)
-    tps = {key: statistics.median(v) for key, v in runs.items()}
-    return {"kind": kind, "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
-            "max_new_tokens": max_new_tokens, "block_size": config.block_size,
-            "pagedattn_tokens_per_s": tps["pagedattn"], "sdpa_tokens_per_s": tps["sdpa"],
-            "speedup": tps["pagedattn"] / tps["sdpa"], "runs_tokens_per_s": runs,
-            "identical_sequences": sum(a == b for a, b in zip(tokens["pagedattn"], tokens["sdpa"]))}
 
 
 def main(argv=None) -> int:
@@ -56,7 +35,7 @@ def main(argv=None) -> int:
     prompts = hf_tiny.tiny_prompts(n, lengths=tuple(low + (longest - low) * i // max(1, n - 1) for i in range(n)))
     results = []
     for kind in args.kinds.split(","):
-        r = measure(kind, prompts, args.max_new_tokens, args.reps)
+        r = hf_tiny.throughput(kind, prompts, args.max_new_tokens, args.reps)
         results.append(r)
         print(f"{kind:8s} pagedattn {r['pagedattn_tokens_per_s']:9.1f} tok/s   paged|sdpa {r['sdpa_tokens_per_s']:9.1f}"
               f" tok/s   x{r['speedup']:.2f}   identical sequences {r['identical_sequences']}/{r['prompts']}")

@@ -84,7 +84,7 @@ def gpu(out_dir="perf/results"):
     (write, *_), _ = capture_launches(cases["reshape_and_cache_flash"][0])
     (decode, *_), decode_out = capture_launches(cases["flash_attn_decode"][0])
     cases = {"raw_launcher": (write.replay, 20000), "raw_launcher_decode": (decode.replay, 5000), **cases}
-    middle = lambda loops: sorted(host for host, _ in loops)[len(loops) // 2]  # noqa: E731 - upper middle if even
+    middle = lambda loops: sorted(loops)[len(loops) // 2]  # noqa: E731 - the upper middle if even
     rounds = max(1, int(os.environ.get("LAUNCH_OVERHEAD_ROUNDS", "3")))
     samples = {}
     for _ in range(rounds):
@@ -151,7 +151,7 @@ def cpu(argv):
             continue
         n = 4000 if "kvcache" in name or name.startswith("op_") else 20000
         # this thread's CPU time (other processes on a shared machine do not count), the best of 7 loops
-        results[name] = min(h for h, _ in host_loops(fn, n, loops=7, warmup=500, sync=lambda: None,
+        results[name] = min(host_loops(fn, n, loops=7, warmup=500, sync=lambda: None,
                                                       clock=time.thread_time))
         print(f"{name:40s} {results[name]:6.2f} us")
     if "--json" in argv:  # one line of results, for perf/results/host_profile_*.json

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _env(**extra):
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])  # _selftest
     env.update(extra)
     return env
 
@@ -322,14 +322,14 @@ def test_flush_buffer_size_and_l2flush_on_cpu():
 
 
 def test_host_loops_and_median_us_before(monkeypatch):
-    """The host-cost loops (jit suite, perf/launch_overhead.py, its --cpu mode) and median_us's
+    """The host-cost loops (perf/launch_overhead.py and its --cpu mode) and median_us's
     `before` (perf/multigpu.py's barrier): what runs where, on fake clocks and events."""
     log = []
     ticks = iter(range(0, 10**6, 10))
     loops = timing.host_loops(lambda: log.append("C"), 4, loops=3, warmup=2, before=lambda: log.append("B"),
                               sync=lambda: log.append("S"), clock=lambda: next(ticks) * 1e-6)
     assert "".join(log) == "CCS" + "BCCCCS" * 3
-    assert len(loops) == 3 and all(host < synced for host, synced in loops)
+    assert loops == pytest.approx([2.5] * 3)  # one 10 µs tick over 4 calls
     _fake_events(monkeypatch, log)
     log.clear()
     assert timing.median_us(lambda: log.append("C"), reps=3, warmup=1, before=lambda: log.append("B")) >= 0
@@ -773,8 +773,7 @@ def test_jit_worker_writes_one_line_per_workload(monkeypatch, tmp_path):
     fake_torch = types.SimpleNamespace(zeros=lambda *a, **k: torch.zeros(1),
                                        cuda=types.SimpleNamespace(synchronize=lambda: None))
     monkeypatch.setattr(jit, "torch", fake_torch)
-    monkeypatch.setattr(jit, "WORKLOADS", {"ok": lambda dev: {"fn": lambda: None},
-                                           "bad": lambda dev: {"fn": lambda: 1 / 0}})
+    monkeypatch.setattr(jit, "WORKLOADS", {"ok": lambda dev: lambda: None, "bad": lambda dev: lambda: 1 / 0})
     monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path / "cache"))
     jit.worker("ok,bad", str(tmp_path / "out.jsonl"))
     ok, bad = runner.read_jsonl(tmp_path / "out.jsonl")
@@ -783,17 +782,12 @@ def test_jit_worker_writes_one_line_per_workload(monkeypatch, tmp_path):
 
 
 def test_jit_workloads_build_on_the_bench_data():
-    """The jit suite's attention workloads set up on the CPU (attention.build) and the decode
-    workload's torch peer runs on them."""
+    """The jit suite's attention workloads set up on the CPU (attention.build)."""
     from pagedattn.bench import jit
 
     for name, setup in jit.WORKLOADS.items():
-        if name.startswith("write"):
-            continue
-        work = setup("cpu")
-        assert callable(work["fn"]), name
-        if work["peer"] is not None:
-            assert tuple(work["peer"][1]().shape) == (1, 8, 4, 128), name
+        if not name.startswith("write"):
+            assert callable(setup("cpu")), name
 
 
 # -- on the GPU (the lead's H200 run: pytest -m gpu tests/test_bench.py) ---------------------------

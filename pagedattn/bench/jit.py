@@ -1,13 +1,12 @@
 """jit suite: what the JIT costs a user (perf/README.md, "jit suite"): cold and warm first calls in fresh
-processes (`worker`) and steady-state host µs per API call. `capture_launches` records a call's launches for
-replay (perf/launch_overhead.py times the raw launcher with it).
+processes (`worker`). The steady-state host cost of a call is perf/launch_overhead.py's, which replays the
+launches `capture_launches` records.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,6 @@ import torch
 from .attention import build, ours_fn
 from .common import Case, Ctx, Recorder
 from .runner import read_jsonl
-from .timing import host_loops
 
 H, D, BLOCK = 8, 128, 16
 _MEMO: dict = {}
@@ -30,7 +28,7 @@ def available(ctx: Ctx):
     return (True, None) if ctx.is_cuda else (False, "needs CUDA")
 
 
-# -- the workloads: setup(device) -> {"fn": our call, "peer": (name, torch call) or None} ----------------
+# -- the workloads: setup(device) -> our call -----------------------------------------------------------
 def _write(layout: str, kv: str):
     def setup(device):
         import pagedattn
@@ -42,28 +40,16 @@ def _write(layout: str, kv: str):
         k, v = (torch.randn(1, H, D, dtype=torch.bfloat16, device=device) for _ in range(2))
         slots = torch.tensor([37], dtype=torch.int64, device=device)
         scale = torch.tensor([0.02], dtype=torch.float32, device=device) if fp8 else None
-        peer = None
-        if layout == "NHD" and not fp8:
-            kf, vf = kc.view(-1, H, D), vc.view(-1, H, D)
-            peer = ("torch index_copy_ (K and V)", lambda: (kf.index_copy_(0, slots, k), vf.index_copy_(0, slots, v)))
-        return {"fn": lambda: pagedattn.reshape_and_cache_flash(k, v, kc, vc, slots, kv, scale, scale), "peer": peer}
+        return lambda: pagedattn.reshape_and_cache_flash(k, v, kc, vc, slots, kv, scale, scale)
     return setup
 
 
 def _attention(kv: str, q_len: int, L: int):
     """The bench's paged inputs for one request (Hq=32, Hkv=8, D=128, block 16), one input set."""
     def setup(device):
-        import torch.nn.functional as F
-
         p = dict(B=1, q_len=q_len, ctx=L, hq=32, hkv=H, d=D, bs=BLOCK, kv_cache_dtype=kv)
-        data = build(Ctx(torch.device(device)), p, sets=1)
-        peer = None
-        if kv == "auto" and q_len == 1:
-            kk, vv = data.contiguous_kv(0)
-            qf = data.q[0].view(1, H, 4, D)
-            peer = ("torch sdpa (unpaged, default backend)", lambda: F.scaled_dot_product_attention(qf, kk, vv))
-        fn = ours_fn(data)
-        return {"fn": lambda: fn(0), "peer": peer}
+        fn = ours_fn(build(Ctx(torch.device(device)), p, sets=1))
+        return lambda: fn(0)
     return setup
 
 
@@ -73,7 +59,7 @@ WORKLOADS = {
     "decode_bf16": _attention("auto", 1, 256), "decode_fp8": _attention("fp8_e4m3", 1, 256),
     "prefill_bf16": _attention("auto", 256, 256),
 }
-QUICK = HOST = ("write_nhd_bf16", "write_nhd_fp8", "decode_bf16")  # HOST: steady-state host cost (tiny sizes)
+QUICK = ("write_nhd_bf16", "write_nhd_fp8", "decode_bf16")
 
 
 def _names(ctx: Ctx) -> list[str]:
@@ -81,12 +67,10 @@ def _names(ctx: Ctx) -> list[str]:
 
 
 def cases(ctx: Ctx) -> list[Case]:
-    first = [Case(f"jit/{kind}/{n}", "jit", {"workload": n, "what": what},
-                  lambda ctx, rec, n=n, kind=kind: _first_call(ctx, rec, n, kind))
-             for kind, what in (("cold", "first call, empty cache"), ("warm", "first call, disk hit"))
-             for n in _names(ctx)]
-    return first + [Case(f"jit/host/{n}", "jit", {"workload": n, "what": "host µs per API call"},
-                         lambda ctx, rec, n=n: _host(ctx, rec, n)) for n in HOST]
+    return [Case(f"jit/{kind}/{n}", "jit", {"workload": n, "what": what},
+                 lambda ctx, rec, n=n, kind=kind: _first_call(ctx, rec, n, kind))
+            for kind, what in (("cold", "first call, empty cache"), ("warm", "first call, disk hit"))
+            for n in _names(ctx)]
 
 
 # -- fresh processes: `python -m pagedattn.bench.jit WORKLOADS OUT` (`worker`) --------------------------
@@ -106,11 +90,11 @@ def worker(names: str, out_path: str) -> None:
         for name in names.split(","):
             rec = {"workload": name}
             try:
-                work = WORKLOADS[name]("cuda")
+                fn = WORKLOADS[name]("cuda")
                 torch.cuda.synchronize()
                 before, compiles = entries(), kernel_cache().compiles
                 t0 = time.perf_counter()
-                work["fn"]()
+                fn()
                 torch.cuda.synchronize()
                 rec.update(first_call_s=time.perf_counter() - t0, compiles=kernel_cache().compiles - compiles,
                            variants={m.get("variant", k): m.get("compile_seconds")
@@ -160,27 +144,6 @@ def _first_call(ctx: Ctx, rec: Recorder, name: str, which: str) -> None:
     elif w["compiles"]:
         rec.note(f"{w['compiles']} compile(s) on a filled cache: the disk cache missed")
     rec.value(None, w["first_call_s"] * (1 if which == "cold" else 1e3), us=w["first_call_s"] * 1e6)
-
-
-def _host(ctx: Ctx, rec: Recorder, name: str) -> None:
-    """Host µs per call: the median of 5 loops of n calls without a sync (and with the final sync), after
-    5000 calls of warm-up (a short one measured the host still waking up: twice launch_overhead.py's figures,
-    for torch's own ops too)."""
-    work, n = WORKLOADS[name](ctx.device), 500 if ctx.quick else 2000
-
-    def host_us(fn) -> tuple[float, float]:
-        loops = host_loops(fn, n, warmup=5000, sync=ctx.sync)
-        return statistics.median(h for h, _ in loops), statistics.median(s for _, s in loops)
-    rec.work("us")
-    host, synced = host_us(work["fn"])
-    rec.extra(calls=n, us_per_call_with_final_sync=synced)
-    rec.value(None, host, reps=n)
-    if work.get("peer"):
-        pname, pfn = work["peer"]
-        try:
-            rec.value(pname, host_us(pfn)[0], reps=n)
-        except Exception as exc:  # noqa: BLE001
-            rec.peer_failed(pname, f"{type(exc).__name__}: {exc}")
 
 
 # -- the raw launcher (perf/launch_overhead.py) --------------------------------------------------------

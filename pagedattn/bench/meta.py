@@ -1,5 +1,5 @@
 """Metadata of a run: GPU, driver, CUDA, torch, pagedattn version and commit, clocks (read, never set);
-`host` and `write_quick` for the perf/ scripts."""
+`write_quick` for the perf/ scripts."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -48,19 +48,23 @@ def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def git_dirty() -> bool | None:
+    """Whether the checkout has uncommitted changes to tracked files (None for an installed copy)."""
+    root = Path(__file__).resolve().parents[2]
+    status = _run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
+    return bool(status.strip()) if status is not None and (root / ".git").exists() else None
+
+
 def collect(device: str, quick: bool, suites: list[str], overrides: dict | None = None) -> dict:
-    """The run's metadata: `pagedattn info`'s versions and GPU, the commit and whether the checkout has
-    uncommitted changes (None for an installed copy), nvidia-smi's driver and clocks."""
+    """The run's metadata: `pagedattn info`'s versions and GPU, the commit and `git_dirty`, nvidia-smi's
+    driver and clocks."""
     import torch
 
     from pagedattn import info
 
-    root = Path(__file__).resolve().parents[2]
-    status = _run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
     about = info.collect()
     meta = {"sample": False, "pagedattn": about["pagedattn"], "git_commit": info.git_commit(),
-            "git_dirty": bool(status.strip()) if status is not None and (root / ".git").exists() else None,
-            "date": now(), "quick": quick, "suites": list(suites), "torch": torch.__version__,
+            "git_dirty": git_dirty(), "date": now(), "quick": quick, "suites": list(suites), "torch": torch.__version__,
             "cuda": torch.version.cuda, "python": about["python"], "argv": ["pagedattn"] + sys.argv[1:],
             "nvrtc": about.get("nvrtc") or f"unavailable ({about.get('toolchain_error')})",
             "driver_cuda": about.get("driver_cuda"), "overrides": overrides or None}
@@ -89,35 +93,31 @@ def results_name(meta: dict, folder: Path) -> Path:
     return path
 
 
-def host() -> dict:
-    """This machine's CPU side, for the perf/ scripts that need no GPU."""
+def write_quick(out_dir, kind: str, results, suffix: str = "", gpu: bool = True, **extra) -> Path:
+    """<out_dir>/<kind>_<gpu name, or cpu<cores> with gpu=False>_<yyyymmdd><suffix>.json, as the perf/ scripts
+    write it: {kind, metadata: this machine (CPU, cores, memory), software, commit, date, with gpu=True the
+    GPU, its capability and driver, and `extra`; results}."""
+    import torch
+
     import pagedattn
     from pagedattn.info import git_commit
 
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), None)
     mem = Path("/proc/meminfo")
-    return dict(host=platform.node(), cpu=cpu or platform.processor(), cpus=os.cpu_count(),
+    meta = dict(host=platform.node(), cpu=cpu or platform.processor(), cpus=os.cpu_count(),
                 usable_cores=len(os.sched_getaffinity(0)),
                 memory_gib=round(int(mem.read_text().split()[1]) / 2**20, 1) if mem.exists() else None,
-                python=platform.python_version(), platform=platform.platform(), pagedattn=pagedattn.__version__,
-                commit=git_commit(), date=_dt.date.today().isoformat())
-
-
-def write_quick(out_dir, kind: str, results, suffix: str = "", **extra) -> Path:
-    """<out_dir>/<kind>_<gpu>_<yyyymmdd><suffix>.json, as the perf/ scripts write it: {kind, metadata: GPU,
-    capability, driver, software, commit, date and `extra`, results}."""
-    import torch
-
-    import pagedattn
-    from pagedattn.info import git_commit
-
-    meta = dict(gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-                driver=(nvidia_smi(torch.cuda.current_device()) or {}).get("driver_version"),
-                torch=torch.__version__, cuda=torch.version.cuda, pagedattn=pagedattn.__version__,
-                python=sys.version.split()[0], commit=git_commit(), date=_dt.date.today().isoformat(), **extra)
-    gpu, date = meta["gpu"].replace(" ", "_").lower(), meta["date"].replace("-", "")
-    path = Path(out_dir) / f"{kind}_{gpu}_{date}{suffix}.json"
+                python=platform.python_version(), platform=platform.platform(), torch=torch.__version__,
+                pagedattn=pagedattn.__version__, commit=git_commit(), git_dirty=git_dirty(),
+                date=_dt.date.today().isoformat())
+    if gpu:
+        meta.update(gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+                    driver=(nvidia_smi(torch.cuda.current_device()) or {}).get("driver_version"),
+                    cuda=torch.version.cuda)
+    meta.update(extra)
+    machine = meta["gpu"].replace(" ", "_").lower() if gpu else f"cpu{os.cpu_count()}"
+    path = Path(out_dir) / f"{kind}_{machine}_{meta['date'].replace('-', '')}{suffix}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(kind=kind, metadata=meta, results=results), indent=1))
+    path.write_text(json.dumps(dict(kind=kind, metadata=meta, results=results), indent=1) + "\n")
     return path

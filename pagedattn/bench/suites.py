@@ -1,13 +1,11 @@
-"""Suite name -> its cases, the modules loaded lazily ("sweep" runs only when named); the machine's two
+"""Suite name -> its cases, the modules loaded lazily ("sweep" runs only when named; a name "_X" is a test
+suite, the cases of importable module _X: tests/_selftest.py, the harness's own test); the machine's two
 ceilings, measured first in every run: a device-to-device copy of 2 GiB (1 GiB with --quick; bytes read +
-written) and a bf16 8192^3 matmul on random data (never zeros: they run faster; flops = 2 n^3); and
-`_selftest`, the harness's own test on the CPU (hidden from --help).
+written) and a bf16 8192^3 matmul on random data (never zeros: they run faster; flops = 2 n^3).
 """
 from __future__ import annotations
 
 import importlib
-import os
-import time
 
 import torch
 
@@ -16,14 +14,13 @@ from .common import Case, Ctx, Recorder
 ORDER = ("write", "decode", "prefill", "features", "jit")
 _TABLE = {"ceilings": "suites:ceiling_cases", "write": "write:cases", "decode": "attention:decode_cases",
           "prefill": "attention:prefill_cases", "features": "attention:feature_cases",
-          "sweep": "attention:sweep_cases", "jit": "jit:cases",
-          "_selftest": "suites:selftest_cases"}
+          "sweep": "attention:sweep_cases", "jit": "jit:cases"}
 
 
 def get(name: str):
     """(available(ctx) -> (ok, reason), cases(ctx) -> [Case]); a module without `available` always is."""
-    module, cases = _TABLE[name].split(":")
-    mod = importlib.import_module(f"pagedattn.bench.{module}")
+    module, cases = _TABLE[name].split(":") if name in _TABLE else (name, "cases")
+    mod = importlib.import_module(f"pagedattn.bench.{module}" if name in _TABLE else module)
     return getattr(mod, "available", lambda ctx: (True, None)), getattr(mod, cases)
 
 
@@ -32,7 +29,7 @@ def parse(spec: str) -> list[str]:
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not names or "all" in names:
         return list(ORDER)
-    unknown = [n for n in names if n not in _TABLE or n == "ceilings"]
+    unknown = [n for n in names if (n not in _TABLE and not n.startswith("_")) or n == "ceilings"]
     if unknown:
         raise ValueError(f"unknown suite(s) {', '.join(unknown)}; choose from all, {', '.join(ORDER)}, sweep")
     return [n for n in ORDER if n in names] + [n for n in names if n not in ORDER]
@@ -59,39 +56,3 @@ def _matmul(ctx: Ctx, rec: Recorder) -> None:
 def ceiling_cases(ctx: Ctx) -> list[Case]:
     return [Case("ceilings/copy", "ceilings", {"what": "device-to-device copy, read+write"}, _copy),
             Case("ceilings/matmul", "ceilings", {"what": "bf16 matmul 8192^3, random data"}, _matmul)]
-
-
-# -- the harness's self-test: a normal case, a failing case, a failing peer, a process crash and a hang;
-# the crash and the hang only with PAGEDATTN_BENCH_SELFTEST=crash / =hang, to test the restart logic
-def _ok(ctx: Ctx, rec: Recorder) -> None:
-    from pagedattn.ops.attention import overrides
-
-    rec.extra(forced=repr(overrides.current()), write_overrides=ctx.write_overrides)  # what --overrides set
-    a = torch.randn(64, 64, device=ctx.device)
-    b = torch.empty_like(a)
-    rec.work("GB/s", 2 * a.numel() * 4, "copy")
-    rec.check(True, "trivial", "copy")
-    rec.ours("copy_", lambda k: b.copy_(a))
-    rec.peer("clone", lambda: (lambda k: a.clone()))
-    rec.peer("broken peer", lambda: (_ for _ in ()).throw(RuntimeError("this peer cannot run")))
-
-
-def _raises(ctx: Ctx, rec: Recorder) -> None:
-    rec.work("GB/s", 1024, "copy")
-    raise ValueError("planned failure")
-
-
-def _crash(ctx: Ctx, rec: Recorder) -> None:
-    a = torch.randn(16, device=ctx.device)
-    rec.work("GB/s", 64, "copy")
-    rec.ours("noop", lambda k: a.add(1))
-    mode = os.environ.get("PAGEDATTN_BENCH_SELFTEST", "")
-    if mode == "crash":
-        os._exit(9)
-    if mode == "hang":
-        time.sleep(3600)
-
-
-def selftest_cases(ctx: Ctx) -> list[Case]:
-    return [Case("_selftest/ok", "_selftest", {"n": 64}, _ok), Case("_selftest/raises", "_selftest", {}, _raises),
-            Case("_selftest/crash", "_selftest", {}, _crash), Case("_selftest/after", "_selftest", {"n": 64}, _ok)]

@@ -199,10 +199,10 @@ def median_us(fn, reps: int = 30, warmup: int = 5, before=None) -> float:
 
 
 def host_loops(fn, calls: int, loops: int = 5, warmup: int = 200, before=None, sync=None,
-               clock=time.perf_counter) -> list[tuple[float, float]]:
-    """The host's cost of `fn()`: per loop of `calls` calls with no sync inside, (µs per call, µs per call up
-    to the end of the sync after the loop). `before()` runs untimed before each loop (launch_overhead.py: a
-    sleep kernel keeping the GPU busy); off the GPU pass sync=lambda: None (and clock=time.thread_time)."""
+               clock=time.perf_counter) -> list[float]:
+    """The host's cost of `fn()` (perf/launch_overhead.py): µs per call of each loop of `calls` calls with no
+    sync inside. `before()` runs untimed before each loop (a sleep kernel keeping the GPU busy); off the GPU
+    pass sync=lambda: None (and clock=time.thread_time)."""
     sync = sync or torch.cuda.synchronize
     for _ in range(warmup):
         fn()
@@ -214,7 +214,6 @@ def host_loops(fn, calls: int, loops: int = 5, warmup: int = 200, before=None, s
         t0 = clock()
         for _ in range(calls):
             fn()
-        t1 = clock()
+        out.append((clock() - t0) / calls * 1e6)
         sync()
-        out.append(((t1 - t0) / calls * 1e6, (clock() - t0) / calls * 1e6))
     return out

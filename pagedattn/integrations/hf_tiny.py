@@ -9,6 +9,7 @@ near-uniform, and the lm_head by `LM_HEAD_SCALE` so that logits are spread wide 
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -126,6 +127,30 @@ def generate(model, implementation: str, prompts, max_new_tokens: int = 8, confi
     by_prompt = {tuple(o.prompt_ids): o for o in outputs.values()}
     tokens = [list(by_prompt[tuple(p)].generated_tokens) for p in prompts]
     return Run(tokens, _logits_by_prompt(steps, prompts) if record_logits else None, seconds)
+
+
+def throughput(kind: str, prompts, max_new_tokens: int, reps: int = 1) -> dict:
+    """generate_batch tokens/s (greedy, no logits kept) of the tiny `kind` model on the GPU on pagedattn and
+    on transformers' own "paged|sdpa", same prompts (`make demo`, perf/hf_continuous_batching.py): each once
+    untimed (compiles, allocator), then `reps` timed runs alternating; the medians, every run's figure and
+    how many sequences came out identical."""
+    from . import transformers as pa_hf
+
+    impls = {"pagedattn": pa_hf.register(), "sdpa": "paged|sdpa"}
+    model, config = tiny_model(kind, torch.bfloat16, "cuda"), cb_config(prompts, max_new_tokens)
+    run = lambda impl: generate(model, impl, prompts, max_new_tokens, config=config,  # noqa: E731
+                                record_logits=False)
+    tokens = {key: run(impl).tokens for key, impl in impls.items()}
+    runs = {key: [] for key in impls}
+    for _ in range(reps):
+        for key, impl in impls.items():
+            runs[key].append(run(impl).tokens_per_s)
+    tps = {key: statistics.median(v) for key, v in runs.items()}
+    return {"kind": kind, "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+            "max_new_tokens": max_new_tokens, "block_size": config.block_size,
+            "pagedattn_tokens_per_s": tps["pagedattn"], "sdpa_tokens_per_s": tps["sdpa"],
+            "speedup": tps["pagedattn"] / tps["sdpa"], "runs_tokens_per_s": runs,
+            "identical_sequences": sum(a == b for a, b in zip(tokens["pagedattn"], tokens["sdpa"]))}
 
 
 def _logits_by_prompt(steps, prompts):
