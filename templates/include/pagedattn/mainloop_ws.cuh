@@ -511,19 +511,12 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       release(bars.empty_v, it - 1);
       to_p(acc_s);
     }
-#ifdef PAGEDATTN_WS_NEXT_LATE
-    constexpr bool kNextLate = PAGEDATTN_WS_NEXT_LATE;
-#else
-    constexpr bool kNextLate = false;
-#endif
-    // the last S is done (and S's registers are free): Q's shared memory is no longer read
-    if (!kNextLate) next_q();
+    next_q();  // the last S is done (and S's registers are free): Q's shared memory is no longer read
     wait_v(n_steps - 1);
     if (!fixed_max) softmax.rescale(o_rows, alpha);
     pp.my_turn();
     wgmma_gemm<false, false>(mma_pv, tOrP, tOrVt(n_steps - 1), acc_o);
     pp.your_turn();
-    if (kNextLate) next_q();  // while the last P V runs, not before its issue (the other warpgroup waits for it)
     wgmma_wait<0>(acc_o);
     warpgroup_fence_operand(tOrP);
     release(bars.empty_v, n_steps - 1);
