@@ -262,9 +262,12 @@ def test_small_smem_decode_matches_reference(D, kv, splits, monkeypatch):
 # (-fdevice-syntax-only) runs those asserts, and those of the ldmatrix copies' written shared-memory
 # offsets (Sm80Ldsm: every thread, copy and k-step against CuTe's partition). One variant per kind of
 # tile: decode and prefill d128 (one and four warps per group), prefill d256 (four 64-column atoms) and
-# TMA decode d512 (eight atoms, two column groups).
+# TMA decode d512 (eight atoms, two column groups). The wgmma mainloops' written accumulators
+# (WgmmaTiles::acc, attn_wgmma.cuh): prefill_wgmma (four warpgroups) and prefill_ws (two).
 @pytest.mark.parametrize("arch,dtype,d,mode", [("sm_80", "bf16", 128, "decode"), ("sm_80", "bf16", 128, "prefill"),
-                                               ("sm_80", "fp16", 256, "prefill"), ("sm_90a", "bf16", 512, "decode_tma")])
+                                               ("sm_80", "fp16", 256, "prefill"), ("sm_90a", "bf16", 512, "decode_tma"),
+                                               ("sm_90a", "bf16", 128, "prefill_wgmma"),
+                                               ("sm_90a", "fp16", 256, "prefill_ws")])
 def test_written_sm80_layouts_are_cutes(arch, dtype, d, mode):
     from pagedattn.codegen.compile import compile_source, nvrtc_options
     from pagedattn.codegen.toolchain import toolchain

@@ -43,6 +43,23 @@ struct WgmmaTiles {
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
       WarpGroups{}));
 
+  // A warpgroup accumulator of (kM, kCols): ((2, 2, kCols / 8), 1, 1), compact, as
+  // partition_fragment_C(TiledMma, (kM, kCols)) builds it (one MMA tile per warpgroup), without that
+  // function's layout algebra. PAGEDATTN_CHECK_TYPES: assert it is the same type (check_wgmma_types).
+  template <int kCols>
+  using AccLayout = cute::Layout<cute::Shape<cute::Shape<cute::_2, cute::_2, cute::Int<kCols / 8>>, cute::_1, cute::_1>,
+                                 cute::Stride<cute::Stride<cute::_1, cute::_2, cute::_4>, cute::_0, cute::_0>>;
+  template <class TiledMma, int kCols>
+  __device__ __forceinline__ static auto acc() {
+    auto a = cute::make_tensor<float>(AccLayout<kCols>{});
+#if PAGEDATTN_CHECK_TYPES
+    static_assert(cute::is_same_v<decltype(a), decltype(cute::partition_fragment_C(
+                                                 TiledMma{}, cute::Shape<cute::Int<kM>, cute::Int<kCols>>{}))>,
+                  "wgmma accumulator");
+#endif
+    return a;
+  }
+
   // P in registers, in the A-operand order of TiledMmaPV: (8 values, 1 row block, kBlockN / 16 steps)
   using FragP = decltype(cute::make_tensor<Element>(
       cute::Shape<cute::Shape<cute::_2, cute::_2, cute::_2>, cute::_1, cute::Int<kN / 16>>{}));

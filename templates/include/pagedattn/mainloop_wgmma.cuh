@@ -16,6 +16,18 @@
 
 namespace pagedattn {
 
+#if PAGEDATTN_CHECK_TYPES
+// The written-out accumulator types of the wgmma mainloops (mainloop_wgmma, ws_consume) against
+// CuTe's (the kernel body under PAGEDATTN_CHECK_TYPES_ONLY; tests: front end only). Their (row, key)
+// coordinates stay CuTe's partition_C: plain integer arithmetic there changed the SASS (set-up only).
+template <class Traits>
+__device__ void check_wgmma_types() {
+  using Tiles = WgmmaTiles<Traits>;
+  Tiles::template acc<typename Tiles::TiledMmaPV, Traits::kHeadDim>();
+  Tiles::template acc<typename Tiles::TiledMmaQK, Traits::kBlockN>();
+}
+#endif
+
 template <class Traits, class Features>
 __device__ __forceinline__ void mainloop_wgmma(TileCtx<Traits> const& c) {
   using namespace cute;
@@ -27,7 +39,7 @@ __device__ __forceinline__ void mainloop_wgmma(TileCtx<Traits> const& c) {
   auto thr_qk = mma_qk.get_thread_slice(c.tidx);
   auto thr_pv = mma_pv.get_thread_slice(c.tidx);
   Tensor tSrQ = thr_qk.partition_fragment_A(make_tensor(make_smem_ptr(c.smem.q()), typename Tiles::SmemLayoutQ{}));
-  Tensor acc_o = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor acc_o = Tiles::template acc<typename Tiles::TiledMmaPV, kHeadDim>();  // = partition_fragment_C(mma_pv, ..)
   clear(acc_o);
   // flat (4, 1, columns / 8) views of the accumulators for OnlineSoftmax (see attn_wgmma.cuh)
   Tensor o_rows = make_tensor(acc_o.data(), Layout<Shape<_4, _1, Int<kHeadDim / 8>>>{});
@@ -58,7 +70,7 @@ __device__ __forceinline__ void mainloop_wgmma(TileCtx<Traits> const& c) {
       __syncthreads();
     }
     int const stage = Traits::kIsFp8 ? 0 : loaded;  // the Element stage the MMAs read
-    Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor acc_s = Tiles::template acc<typename Tiles::TiledMmaQK, kBlockN>();
     wgmma_gemm<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(stage_k(stage)), acc_s);
     float const s_scale = mask.template apply<kBlockN>(acc_s, tScS, (c.w.step_begin + it) * kBlockN, c.scale_log2);
     Tensor s_rows = make_tensor(acc_s.data(), Layout<Shape<_4, _1, Int<kBlockN / 8>>>{});
