@@ -261,11 +261,17 @@ def test_small_smem_decode_matches_reference(D, kv, splits, monkeypatch):
 # equal what CuTe derives. PAGEDATTN_CHECK_TYPES=1 static_asserts each against CuTe's; the front end alone
 # (-fdevice-syntax-only) runs those asserts, and those of the ldmatrix copies' written shared-memory
 # offsets (Sm80Ldsm: every thread, copy and k-step against CuTe's partition). One variant per kind of
-# tile: decode and prefill d128 (one and four warps per group), prefill d256 (four 64-column atoms) and
-# TMA decode d512 (eight atoms, two column groups). The wgmma mainloops' written accumulators
+# tile: decode and prefill d128 (one and four warps per group), prefill d256 (four 64-column atoms),
+# prefill d192 (three), d64 (one), d80 and d96 (16- and 32-column atoms; multi: two MMA tiles per warp)
+# and TMA decode d512 (eight atoms, two column groups). The wgmma mainloops' written accumulators
 # (WgmmaTiles::acc, attn_wgmma.cuh): prefill_wgmma (four warpgroups) and prefill_ws (two).
 @pytest.mark.parametrize("arch,dtype,d,mode", [("sm_80", "bf16", 128, "decode"), ("sm_80", "bf16", 128, "prefill"),
-                                               ("sm_80", "fp16", 256, "prefill"), ("sm_90a", "bf16", 512, "decode_tma"),
+                                               ("sm_80", "fp16", 256, "prefill"), ("sm_80", "bf16", 192, "prefill"),
+                                               ("sm_80", "bf16", 64, "decode"), ("sm_80", "fp16", 64, "prefill"),
+                                               ("sm_80", "bf16", 80, "decode"), ("sm_80", "fp16", 80, "prefill"),
+                                               ("sm_80", "bf16", 80, "multi"), ("sm_80", "fp16", 96, "decode"),
+                                               ("sm_80", "bf16", 96, "prefill"), ("sm_80", "fp16", 96, "multi"),
+                                               ("sm_90a", "bf16", 512, "decode_tma"),
                                                ("sm_90a", "bf16", 128, "prefill_wgmma"),
                                                ("sm_90a", "fp16", 256, "prefill_ws")])
 def test_written_sm80_layouts_are_cutes(arch, dtype, d, mode):

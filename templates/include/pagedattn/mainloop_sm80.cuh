@@ -157,54 +157,97 @@ __device__ __forceinline__ void group_sync(int group_idx) {
 
 // The MMA operand fragments of one warp group, as thr_mma.partition_fragment_A(sQ) / _B(sK) / _B(sVt)
 // build them from the swizzled tiles, without that layout algebra (after the copies', the front end's
-// largest cost). Written out for tiles of whole pairs of 64-column swizzle atoms (kHeadDim and
-// kHeadDimO multiples of 128): the layouts CuTe derives there, every k-step mode split
-// ((2, 2), atoms) with the atoms innermost; other tiles keep CuTe's derivation. Only the register
-// order depends on these types (copies and MMAs index the fragments through them), never a value.
-// PAGEDATTN_CHECK_TYPES: assert they are CuTe's types.
+// largest cost). The layouts CuTe derives follow the tiles' swizzle atoms (Traits::kBlockKSmem = kW
+// columns: 64, 32 or 16, so kW / 16 k-steps per atom): a k-step mode splits into the k-steps of one
+// atom ((2, 2) for 64 columns, 2 for 32, none for 16), then the atoms, which are innermost in the
+// registers; V's d mode into an atom's 8-column groups (8; (2, 2); 2), then the atoms. Written for
+// every atom width with more than one atom per tile, and for one 64-column atom (d64); other tiles
+// keep CuTe's derivation. Only the register order depends on these types (copies and MMAs index the
+// fragments through them), never a value. PAGEDATTN_CHECK_TYPES: assert they are CuTe's types.
 template <class Traits>
 struct Sm80Frags {
   using Element = typename Traits::Element;
   static constexpr int kMmaM = Traits::kMmaM, kN8 = Traits::kBlockN / 8, kK16 = Traits::kBlockN / 16;
-  static constexpr int kAtoms = Traits::kHeadDim / 64, kAtomsO = Traits::kHeadDimO / 64;
-  static constexpr bool kWritten = Traits::kBlockKSmem == 64 && Traits::kHeadDim % 128 == 0 &&
-                                   Traits::kHeadDimO % 128 == 0;
+  static constexpr int kW = Traits::kBlockKSmem;
+  static constexpr int kAtoms = Traits::kHeadDim / kW, kAtomsO = Traits::kHeadDimO / kW;
+  static constexpr bool kWritten = Traits::kHeadDim % kW == 0 && Traits::kHeadDimO % kW == 0 &&
+                                   (kW == 64 || (kAtoms > 1 && kAtomsO > 1));
   template <int kN, int kS>  // the stride of a mode of kN entries: kS, or 0 for a single entry
   using S = cute::Int<kN == 1 ? 0 : kS>;
   template <int kN>
   using I = cute::Int<kN>;
   using _1 = cute::_1;
   using _2 = cute::_2;
-  using LayoutQ = cute::Layout<
-      cute::Shape<cute::Shape<_2, _2, _2>, I<kMmaM>, cute::Shape<cute::Shape<_2, _2>, I<kAtoms>>>,
-      cute::Stride<cute::Stride<_1, _2, cute::_4>, S<kMmaM, 8>,
-                   cute::Stride<cute::Stride<I<8 * kMmaM * kAtoms>, I<16 * kMmaM * kAtoms>>, I<8 * kMmaM>>>>;
-  using LayoutK = cute::Layout<
-      cute::Shape<cute::Shape<_2, _2>, I<kN8>, cute::Shape<cute::Shape<_2, _2>, I<kAtoms>>>,
-      cute::Stride<cute::Stride<_1, _2>, S<kN8, 4>,
-                   cute::Stride<cute::Stride<I<4 * kN8 * kAtoms>, I<8 * kN8 * kAtoms>>, I<4 * kN8>>>>;
-  using LayoutVt = cute::Layout<
-      cute::Shape<cute::Shape<_2, _2>, cute::Shape<cute::_8, I<kAtomsO>>, I<kK16>>,
-      cute::Stride<cute::Stride<_1, _2>, cute::Stride<cute::_4, I<32 * kK16>>, S<kK16, 32>>>;
+  using _4 = cute::_4;
+  using _8 = cute::_8;
+  using _0 = cute::_0;
+  // The k-step mode of Q's and K's fragments, kU registers per k-step: the k-steps of an atom (stride
+  // kU * kAtoms), then the atoms (stride kU)
+  template <int kU>
+  using StepShape = cute::conditional_t<
+      kW == 64,
+      cute::conditional_t<kAtoms == 1, cute::Shape<_2, _2>, cute::Shape<cute::Shape<_2, _2>, I<kAtoms>>>,
+      cute::conditional_t<kW == 32, cute::Shape<_2, I<kAtoms>>, I<kAtoms>>>;
+  template <int kU>
+  using StepStride = cute::conditional_t<
+      kW == 64,
+      cute::conditional_t<kAtoms == 1, cute::Stride<I<kU>, I<2 * kU>>,
+                          cute::Stride<cute::Stride<I<kU * kAtoms>, I<2 * kU * kAtoms>>, I<kU>>>,
+      cute::conditional_t<kW == 32, cute::Stride<I<kU * kAtoms>, I<kU>>, I<kU>>>;
+  // The same mode in the register views of the copies: an atom's k-steps as one mode (4 or 2)
+  template <int kU>
+  using ViewStepShape = cute::conditional_t<kW == 16, I<kAtoms>,
+                                            cute::conditional_t<kAtoms == 1, I<kW / 16>, cute::Shape<I<kW / 16>, I<kAtoms>>>>;
+  template <int kU>
+  using ViewStepStride = cute::conditional_t<kW == 16 || kAtoms == 1, I<kU>, cute::Stride<I<kU * kAtoms>, I<kU>>>;
+
+  using LayoutQ = cute::Layout<cute::Shape<cute::Shape<_2, _2, _2>, I<kMmaM>, StepShape<8 * kMmaM>>,
+                               cute::Stride<cute::Stride<_1, _2, _4>, S<kMmaM, 8>, StepStride<8 * kMmaM>>>;
+  using LayoutK = cute::Layout<cute::Shape<cute::Shape<_2, _2>, I<kN8>, StepShape<4 * kN8>>,
+                               cute::Stride<cute::Stride<_1, _2>, S<kN8, 4>, StepStride<4 * kN8>>>;
+  // V^T's d mode: 64-column atoms put an atom's 8 groups of d first (stride 4), then the kK16 key
+  // steps (32), then the atoms; narrower ones the atoms first (4 * kK16), then their groups
+  // (4 * kK16 * kAtomsO), then the key steps (4)
+  static constexpr int kUV = 4 * kK16;
+  using LayoutVt = cute::conditional_t<
+      kW == 64,
+      cute::Layout<cute::Shape<cute::Shape<_2, _2>, cute::conditional_t<kAtomsO == 1, _8, cute::Shape<_8, I<kAtomsO>>>, I<kK16>>,
+                   cute::Stride<cute::Stride<_1, _2>, cute::conditional_t<kAtomsO == 1, _4, cute::Stride<_4, I<32 * kK16>>>,
+                                S<kK16, 32>>>,
+      cute::Layout<cute::Shape<cute::Shape<_2, _2>,
+                               cute::Shape<cute::conditional_t<kW == 32, cute::Shape<_2, _2>, _2>, I<kAtomsO>>, I<kK16>>,
+                   cute::Stride<cute::Stride<_1, _2>,
+                                cute::Stride<cute::conditional_t<kW == 32, cute::Stride<I<kUV * kAtomsO>, I<2 * kUV * kAtomsO>>,
+                                                                 I<kUV * kAtomsO>>,
+                                             I<kUV>>,
+                                S<kK16, 4>>>>;
 
   // The register views the ldmatrix copies write (s2r_*_thr.retile_D(fragment)), with the fragments (a
-  // wrong view would put values in the wrong registers). PAGEDATTN_CHECK_TYPES asserts them for the
-  // tested tiles: (kMmaM, kBlockN / 8, kHeadDim / 64, kHeadDimO / 64) = (1, 2, 2, 2) sm_80 decode,
-  // (2, 8, 2, 2) sm_80 prefill, (1, 4, 4, 4) sm_80 prefill d256, (1, 2, 8, 4) sm_90a decode_tma d512;
+  // wrong view would put values in the wrong registers): a copy's 8 values, contiguous except for V^T
+  // in atoms narrower than 64 columns (its second 8 d are the next group, 4 * kK16 * kAtomsO on).
+  // PAGEDATTN_CHECK_TYPES asserts them for the tested tiles: (kMmaM, kBlockN / 8, kHeadDim / 64,
+  // kHeadDimO / 64) = (1, 2, 2, 2) sm_80 decode, (2, 8, 2, 2) sm_80 prefill, (1, 4, 4, 4) sm_80 prefill
+  // d256, (1, 2, 8, 4) sm_90a decode_tma d512; decode, prefill and multi (2, 2, ...) at d64, d80, d96
+  // (one 64-column atom; five of 16 columns; three of 32) and prefill d192 (three 64-column atoms);
   // also checked once: (2, 2, 2, 2) multi_tma, (1, 4, 2, 2) fp8 decode_tma.
   static constexpr bool kViews = kWritten;
-  using ViewQ = cute::Layout<
-      cute::Shape<cute::Shape<cute::_8, _1>, I<kMmaM>, cute::Shape<cute::_4, I<kAtoms>>>,
-      cute::Stride<cute::Stride<_1, cute::_0>, S<kMmaM, 8>, cute::Stride<I<8 * kMmaM * kAtoms>, I<8 * kMmaM>>>>;
-  using ViewK = cute::Layout<
-      cute::Shape<cute::Shape<cute::_8, _1>, I<kN8 / 2>, cute::Shape<cute::_4, I<kAtoms>>>,
-      cute::Stride<cute::Stride<_1, cute::_0>, S<kN8 / 2, 8>, cute::Stride<I<4 * kN8 * kAtoms>, I<4 * kN8>>>>;
+  using ViewQ = cute::Layout<cute::Shape<cute::Shape<_8, _1>, I<kMmaM>, ViewStepShape<8 * kMmaM>>,
+                             cute::Stride<cute::Stride<_1, _0>, S<kMmaM, 8>, ViewStepStride<8 * kMmaM>>>;
+  using ViewK = cute::Layout<cute::Shape<cute::Shape<_8, _1>, I<kN8 / 2>, ViewStepShape<4 * kN8>>,
+                             cute::Stride<cute::Stride<_1, _0>, S<kN8 / 2, 8>, ViewStepStride<4 * kN8>>>;
   using ViewVt = cute::conditional_t<
-      kK16 == 1,
-      cute::Layout<cute::Shape<cute::Shape<cute::_8, _1>, I<4 * kAtomsO>, _1>,
-                   cute::Stride<cute::Stride<_1, cute::_0>, cute::_8, cute::_0>>,
-      cute::Layout<cute::Shape<cute::Shape<cute::_8, _1>, cute::Shape<cute::_4, I<kAtomsO>>, I<kK16>>,
-                   cute::Stride<cute::Stride<_1, cute::_0>, cute::Stride<cute::_8, I<32 * kK16>>, I<32>>>>;
+      kW == 64,
+      cute::conditional_t<
+          kK16 == 1 || kAtomsO == 1,
+          cute::Layout<cute::Shape<cute::Shape<_8, _1>, I<4 * kAtomsO>, I<kK16>>,
+                       cute::Stride<cute::Stride<_1, _0>, _8, S<kK16, 32>>>,
+          cute::Layout<cute::Shape<cute::Shape<_8, _1>, cute::Shape<_4, I<kAtomsO>>, I<kK16>>,
+                       cute::Stride<cute::Stride<_1, _0>, cute::Stride<_8, I<32 * kK16>>, I<32>>>>,
+      cute::Layout<cute::Shape<cute::Shape<cute::Shape<_4, _2>, _1>,
+                               cute::conditional_t<kW == 32, cute::Shape<_2, I<kAtomsO>>, I<kAtomsO>>, I<kK16>>,
+                   cute::Stride<cute::Stride<cute::Stride<_1, I<kUV * kAtomsO>>, _0>,
+                                cute::conditional_t<kW == 32, cute::Stride<I<2 * kUV * kAtomsO>, I<kUV>>, I<kUV>>,
+                                S<kK16, 4>>>>;
 
   template <class View, class ThrCopy, class Frag>
   __device__ __forceinline__ static auto view(ThrCopy const& thr, Frag& frag) {
@@ -276,10 +319,16 @@ struct Sm80Frags {
 // Each copy (the A operand's rows 16 * kWarpsM * mi + 16 * warp, K's keys 16 * j, V's d 16 * j) at
 // k-step kk (16 columns of Q and K, 16 keys of V) moves the lane's (row, column) by multiples of 16, so
 // the thread's part of the address is computed once and each copy adds an offset to it (below).
-// Written where the register views are, except for several A-operand tiles per warp (kMmaM > 1) kept
-// in registers (TMA decode's Q, multi_tma): there the compiler orders the same instructions
-// differently (not byte-identical SASS), so those keep CuTe's copies.
-template <class Traits, bool kWritten = Sm80Frags<Traits>::kViews && !(Traits::kTma && Traits::kMmaM > 1)>
+// Written where the register views are, in 64-column atoms, except for several A-operand tiles per warp
+// (kMmaM > 1) kept in registers (TMA decode's Q, multi_tma): there the compiler orders the same
+// instructions differently (not byte-identical SASS), so those keep CuTe's copies. So do tiles of
+// narrower atoms (d80, d96): written offsets for them (equal to CuTe's) compiled to a different
+// address set-up (not byte-identical SASS).
+template <class Traits>
+inline constexpr bool kSm80WrittenLdsm =
+    Sm80Frags<Traits>::kViews && Traits::kBlockKSmem == 64 && !(Traits::kTma && Traits::kMmaM > 1);
+
+template <class Traits, bool kWritten = kSm80WrittenLdsm<Traits>>
 struct Sm80Ldsm {  // written
   using Element = typename Traits::Element;
   using Frags = Sm80Frags<Traits>;
@@ -551,7 +600,7 @@ __device__ void check_sm80_types(typename Traits::Element* smem, int gtid) {
   Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewQ>(s2r_q_thr, q);
   Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewK>(s2r_k_thr, k);
   Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewVt>(s2r_v_thr, vt);
-  if constexpr (Sm80Frags<Traits>::kViews) static_assert(check_ldsm_offsets<Traits>());
+  if constexpr (kSm80WrittenLdsm<Traits>) static_assert(check_ldsm_offsets<Traits>());
   sm80_acc<Traits, Traits::kHeadDimO>();
   sm80_acc<Traits, Traits::kBlockN>();
 }
