@@ -414,46 +414,12 @@ __device__ __forceinline__ void ws_store_tile(TileCtx<Traits> const& c, AccO con
   if (split_out) merge_splits_if_last<Traits, Features>(c);
 }
 
-#ifdef PAGEDATTN_WS_DEFER_STORE
-constexpr bool kWsDeferStore = PAGEDATTN_WS_DEFER_STORE;
-#else
-constexpr bool kWsDeferStore = false;
-#endif
-
-// kWsDeferStore (forced tile field kDeferStore, being measured): an item's O stays in the accumulators
-// until the warpgroup has issued the next item's first S, and is stored while that S runs rather than
-// before it is issued (the other warpgroup waits for that issue). What a consumer thread carries from
-// one item to the next for it: O, the item's row states, and its work slot (-1: nothing to store).
-template <class Traits>
-struct WsCarry {
-  using Tiles = WgmmaTiles<Traits>;
-  decltype(Tiles::template acc<typename Tiles::TiledMmaPV, Traits::kHeadDim>()) acc_o;
-  OnlineSoftmax<2> softmax;
-  int slot = -1;
-};
-
-// Stores the carried item's O (and LSE), if any: by every thread of warpgroup wg.
-template <class Traits, class Features>
-__device__ __forceinline__ void ws_store_carried(AttnParams const& p, AttnSmem<Traits> const& sm, int wg,
-                                                 WsCarry<Traits>& carry) {
-  using namespace cute;
-  if (carry.slot < 0) return;  // uniform
-  typename WgmmaTiles<Traits>::TiledMmaPV mma_pv;
-  auto thr_pv = mma_pv.get_thread_slice(int(threadIdx.x));
-  TileCtx<Traits> const done(p, *sm.ws_work(wg, carry.slot), sm.base);
-  ws_store_tile<Traits, Features>(
-      done, make_tensor(carry.acc_o.data(), Layout<Shape<_4, _1, Int<Traits::kHeadDim / 8>>>{}), carry.softmax,
-      thr_pv.partition_C(make_identity_tensor(Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{})));
-  carry.slot = -1;
-}
-
 // One item, by a consumer thread (c.tidx < kThreads), once this warpgroup's Q rows landed
 // (ws_q_ready); `next_q()` is called once, when the item's last S no longer reads them (before the
 // last P V and the epilogue, which its copies overlap).
 template <class Traits, class Features, class NextQ>
 __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing const ring,
-                                           WsPingPong<Traits::kPingPong> const& pp, NextQ const& next_q,
-                                           WsCarry<Traits>& carry, int slot) {
+                                           WsPingPong<Traits::kPingPong> const& pp, NextQ const& next_q) {
   using namespace cute;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -465,21 +431,8 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   auto thr_qk = mma_qk.get_thread_slice(c.tidx);
   auto thr_pv = mma_pv.get_thread_slice(c.tidx);
   Tensor tSrQ = thr_qk.partition_fragment_A(make_tensor(make_smem_ptr(c.smem.q()), typename Tiles::SmemLayoutQ{}));
-  decltype(carry.acc_o) own_o;  // = partition_fragment_C(mma_pv, ..); kWsDeferStore: the carried O instead
-  auto& acc_o = [&]() -> decltype(carry.acc_o)& {
-    if constexpr (kWsDeferStore) {
-      return carry.acc_o;  // still the item before's O, until it is stored (store_carried)
-    } else {
-      return own_o;
-    }
-  }();
-  if constexpr (!kWsDeferStore) clear(acc_o);
-  auto store_carried = [&] {  // the item before's O: stored, and the accumulators cleared for this one
-    if constexpr (kWsDeferStore) {
-      ws_store_carried<Traits, Features>(c.p, c.smem, c.tidx / 128, carry);
-      clear(acc_o);
-    }
-  };
+  Tensor acc_o = Tiles::template acc<typename Tiles::TiledMmaPV, kHeadDim>();  // = partition_fragment_C(mma_pv, ..)
+  clear(acc_o);
   Tensor o_rows = make_tensor(acc_o.data(), Layout<Shape<_4, _1, Int<kHeadDim / 8>>>{});
   Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   AttnMask<2, Features> const mask(c.p, c.w, tScS);
@@ -531,14 +484,12 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
     }
   };
   if (n_steps == 0) {
-    store_carried();
     next_q();
   } else {
     wait_k(0);
     pp.my_turn();
     wgmma_gemm<true, false>(mma_qk, tSrQ, tSrK(0), acc_s);
     pp.your_turn();
-    store_carried();  // while the S runs
     wgmma_wait<0>(acc_s);
     release(bars.empty_k, 0);
     float alpha[2];  // the rescaling of O that step it's scores ask for
@@ -570,13 +521,8 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
     warpgroup_fence_operand(tOrP);
     release(bars.empty_v, n_steps - 1);
   }
-  if constexpr (kWsDeferStore) {
-    carry.softmax = softmax;
-    carry.slot = slot;
-  } else {
-    ws_store_tile<Traits, Features>(c, o_rows, softmax,
-                                    thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
-  }
+  ws_store_tile<Traits, Features>(c, o_rows, softmax,
+                                  thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
 }
 
 // The next work item from `item` on (stepping gridDim.x) that has a tile: into w, item past it.
@@ -674,7 +620,6 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
       if (leader) *sm.ws_work(wg, 0) = first;
     }
   }
-  WsCarry<Traits> carry;
   while (more) {
     ws_q_ready(wg);
     AttnWork const& w = *sm.ws_work(wg, parity);
@@ -686,16 +631,13 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
         more = ws_next_item<Traits, Features>(p, total, item, next);
         if (more) {
           ws_load_q<Traits>(p, next, smem, wg);
-          // kWsDeferStore: the slot is the carried item's, stored by every warp of the group first
-          if constexpr (kWsDeferStore) ws_group_sync(wg);
           if (leader) *sm.ws_work(wg, parity ^ 1) = next;
         }
-      }, carry, parity);
+      });
     }
     ring.ring += uint32_t(w.step_end - w.step_begin);
     parity ^= 1;
   }
-  if constexpr (kWsDeferStore) ws_store_carried<Traits, Features>(p, sm, wg, carry);  // the last item's O
   pp.finish();
   asm volatile("bar.arrive 4, %0;\n" ::"n"(Traits::kCtaThreads) : "memory");
 }
