@@ -264,13 +264,21 @@ def test_small_smem_decode_matches_reference(D, kv, splits, monkeypatch):
 # tile: decode and prefill d128 (one and four warps per group), prefill d256 (four 64-column atoms),
 # prefill d192 (three), d64 (one), d80 and d96 (16- and 32-column atoms; multi: two MMA tiles per warp)
 # and TMA decode d512 (eight atoms, two column groups). The wgmma mainloops' written accumulators
-# (WgmmaTiles::acc, attn_wgmma.cuh): prefill_wgmma (four warpgroups) and prefill_ws (two).
-@pytest.mark.parametrize("arch,dtype,d,mode", [("sm_80", "bf16", 128, "decode"), ("sm_80", "bf16", 128, "prefill"),
-                                               ("sm_80", "fp16", 256, "prefill"), ("sm_80", "bf16", 192, "prefill"),
-                                               ("sm_80", "bf16", 64, "decode"), ("sm_80", "fp16", 64, "prefill"),
-                                               ("sm_80", "bf16", 80, "decode"), ("sm_80", "fp16", 80, "prefill"),
+# (WgmmaTiles::acc, attn_wgmma.cuh): prefill_wgmma (four warpgroups) and prefill_ws (two). Each check is
+# 3-11 s of one core: `make test` runs one of each kind (atom width, warps per group, multi, column groups,
+# wgmma), `make test-all` the other head dims and dtypes too (marked slow).
+_SLOW = pytest.mark.slow
+@pytest.mark.parametrize("arch,dtype,d,mode", [("sm_80", "bf16", 128, "decode"),
+                                               pytest.param("sm_80", "bf16", 128, "prefill", marks=_SLOW),
+                                               ("sm_80", "fp16", 256, "prefill"),
+                                               pytest.param("sm_80", "bf16", 192, "prefill", marks=_SLOW),
+                                               ("sm_80", "bf16", 64, "decode"),
+                                               pytest.param("sm_80", "fp16", 64, "prefill", marks=_SLOW),
+                                               pytest.param("sm_80", "bf16", 80, "decode", marks=_SLOW),
+                                               pytest.param("sm_80", "fp16", 80, "prefill", marks=_SLOW),
                                                ("sm_80", "bf16", 80, "multi"), ("sm_80", "fp16", 96, "decode"),
-                                               ("sm_80", "bf16", 96, "prefill"), ("sm_80", "fp16", 96, "multi"),
+                                               pytest.param("sm_80", "bf16", 96, "prefill", marks=_SLOW),
+                                               pytest.param("sm_80", "fp16", 96, "multi", marks=_SLOW),
                                                ("sm_90a", "bf16", 512, "decode_tma"),
                                                ("sm_90a", "bf16", 128, "prefill_wgmma"),
                                                ("sm_90a", "fp16", 256, "prefill_ws")])
