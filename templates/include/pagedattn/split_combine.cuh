@@ -6,7 +6,7 @@
 // Rows whose splits are all empty give O = 0 and LSE = -inf.
 // Latency, not bandwidth, sets the cost (decode has few rows): each lane loads the LSEs of splits
 // lane, lane + 32, ... once, the weights reach the other lanes by shuffles, and the partial rows are
-// loaded eight splits at a time with no load waiting on another. Partials written by other CTAs are
+// loaded sixteen splits at a time (kBatch) with no load waiting on another. Partials written by other CTAs are
 // read through L2 (ld.global.cg), never from a stale L1 line.
 #pragma once
 
