@@ -151,8 +151,7 @@ def cpu(argv):
             continue
         n = 4000 if "kvcache" in name or name.startswith("op_") else 20000
         # this thread's CPU time (other processes on a shared machine do not count), the best of 7 loops
-        results[name] = min(host_loops(fn, n, loops=7, warmup=500, sync=lambda: None,
-                                                      clock=time.thread_time))
+        results[name] = min(host_loops(fn, n, loops=7, warmup=500, sync=lambda: None, clock=time.thread_time))
         print(f"{name:40s} {results[name]:6.2f} us")
     if "--json" in argv:  # one line of results, for perf/results/host_profile_*.json
         print(json.dumps(results))
