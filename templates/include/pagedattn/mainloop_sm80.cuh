@@ -229,8 +229,7 @@ struct Sm80Frags {
   // kHeadDimO / 64) = (1, 2, 2, 2) sm_80 decode, (2, 8, 2, 2) sm_80 prefill, (1, 4, 4, 4) sm_80 prefill
   // d256, (1, 2, 8, 4) sm_90a decode_tma d512; decode, prefill and multi (2, 2, ...) at d64, d80, d96
   // (one 64-column atom; five of 16 columns; three of 32) and prefill d192 (three 64-column atoms);
-  // also checked once: (2, 2, 2, 2) multi_tma, (1, 4, 2, 2) fp8 decode_tma.
-  static constexpr bool kViews = kWritten;
+  // also checked once: (2, 2, 2, 2) multi_tma, (1, 4, 2, 2) fp8 decode_tma. Written with the fragments.
   using ViewQ = cute::Layout<cute::Shape<cute::Shape<_8, _1>, I<kMmaM>, ViewStepShape<8 * kMmaM>>,
                              cute::Stride<cute::Stride<_1, _0>, S<kMmaM, 8>, ViewStepStride<8 * kMmaM>>>;
   using ViewK = cute::Layout<cute::Shape<cute::Shape<_8, _1>, I<kN8 / 2>, ViewStepShape<4 * kN8>>,
@@ -251,7 +250,7 @@ struct Sm80Frags {
 
   template <class View, class ThrCopy, class Frag>
   __device__ __forceinline__ static auto view(ThrCopy const& thr, Frag& frag) {
-    if constexpr (kViews) {
+    if constexpr (kWritten) {
       auto v = cute::make_tensor(frag.data(), View{});
 #if PAGEDATTN_CHECK_TYPES
       static_assert(cute::is_same_v<decltype(v), decltype(thr.retile_D(frag))>, "register view");
@@ -301,7 +300,7 @@ struct Sm80Frags {
 };
 
 // The shared -> register copies of the MMA operands: ldmatrix x4 of Q and K, ldmatrix x4.trans of V
-// (Traits::SmemCopyAtom / SmemCopyAtomT). Where Sm80Frags writes the register views out (kViews), each
+// (Traits::SmemCopyAtom / SmemCopyAtomT). Where Sm80Frags writes the register views out (kWritten), each
 // thread's shared-memory addresses are written out too, instead of CuTe's make_tiled_copy_A/B(...)
 // .get_thread_slice(..).partition_S of the swizzled tiles (with retile_D, most of the front end's
 // cost); other tiles keep CuTe's tiled copies. PAGEDATTN_CHECK_TYPES: check_sm80_types asserts, in the
@@ -326,7 +325,7 @@ struct Sm80Frags {
 // address set-up (not byte-identical SASS).
 template <class Traits>
 inline constexpr bool kSm80WrittenLdsm =
-    Sm80Frags<Traits>::kViews && Traits::kBlockKSmem == 64 && !(Traits::kTma && Traits::kMmaM > 1);
+    Sm80Frags<Traits>::kWritten && Traits::kBlockKSmem == 64 && !(Traits::kTma && Traits::kMmaM > 1);
 
 template <class Traits, bool kWritten = kSm80WrittenLdsm<Traits>>
 struct Sm80Ldsm {  // written
