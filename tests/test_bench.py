@@ -212,28 +212,12 @@ def test_rotation_sets():
 
 def test_timer_control_flow_with_fake_cuda(monkeypatch):
     """The CUDA-event timer's loop (warm-up, probe, batches with a head start) on a fake clock."""
-    import time as _time
-
-    class Event:
-        def __init__(self, enable_timing=False):
-            self.t = None
-
-        def record(self, stream=None):
-            self.t = _time.perf_counter()
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, other):
-            return (other.t - self.t) * 1e3
-
     slept = []
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    _fake_events(monkeypatch, [])
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: slept.append(cycles), raising=False)
     calls = []
     t = timing.Timer(budget_s=0.01, min_reps=25, max_reps=60, warmup_s=0.0, batch=10)
-    res = t(lambda k: calls.append(k), sets=3)
+    res = t.measure(lambda k: calls.append(k), 3, ("rot",))["rot"]
     assert 25 <= res.reps <= 60 and res.sets == 3
     assert res.min <= res.p10 <= res.us <= res.p90
     assert set(calls) == {0, 1, 2}
@@ -241,7 +225,8 @@ def test_timer_control_flow_with_fake_cuda(monkeypatch):
 
 
 def test_cpu_timer():
-    res = timing.CpuTimer(budget_s=0.001, min_reps=5, max_reps=10)(lambda k: sum(range(100)), sets=2)
+    res = timing.CpuTimer(budget_s=0.001, min_reps=5, max_reps=10).measure(lambda k: sum(range(100)), 2, ("rot",))
+    res = res["rot"]
     assert 5 <= res.reps <= 10 and res.us > 0 and res.method == "rot"
 
 
@@ -274,7 +259,7 @@ def test_flush_timer_structure_with_fake_cuda(monkeypatch):
     _fake_events(monkeypatch, log)
     t = timing.Timer(budget_s=0.005, min_reps=12, max_reps=30, warmup_s=0.0, batch=5, l2_bytes=60 * 2**20)
     assert t.flush_nbytes == 256 * 2**20                      # >= 256 MiB and > 4x the 60 MiB L2
-    t.flusher = lambda: log.append("F")
+    t.flush = lambda: log.append("F")
     calls = []
 
     def fn(k):
@@ -297,28 +282,24 @@ def test_flush_timer_structure_with_fake_cuda(monkeypatch):
         t.measure(fn, methods=("warm",))
 
 
-def test_flush_buffer_size_and_l2flush_on_cpu():
-    assert timing.flush_bytes(60 * 2**20) == 256 * 2**20      # H200: 60 MiB L2
-    assert timing.flush_bytes(100 * 2**20) == 400 * 2**20     # a larger L2: 4x
-    assert timing.flush_bytes(None) == 256 * 2**20
-    f = timing.L2Flush(2**20, "cpu")
-    assert f.buf.numel() * f.buf.element_size() == 2**20
-    f.buf.fill_(7)
-    f()
-    assert int(f.buf.abs().sum()) == 0
+def test_flush_buffer_size_and_flush_on_cpu():
+    assert timing.Timer(l2_bytes=60 * 2**20).flush_nbytes == 256 * 2**20     # H200: 60 MiB L2
+    assert timing.Timer(l2_bytes=100 * 2**20).flush_nbytes == 400 * 2**20    # a larger L2: 4x
+    assert timing.Timer().flush_nbytes == 256 * 2**20
     t = timing.CpuTimer(budget_s=0.001, min_reps=4, max_reps=8, flush_nbytes=4096, device="cpu")
-    seen = []
-    orig = timing.L2Flush.__call__
+    t.flush()
+    assert t.flush_buf.numel() * t.flush_buf.element_size() == 4096
+    t.flush_buf.fill_(7)
+    t.flush()
+    assert int(t.flush_buf.abs().sum()) == 0
+    seen, orig = [], t.flush
 
-    def counting(self):
-        seen.append(self.nbytes)
-        orig(self)
-    timing.L2Flush.__call__ = counting
-    try:
-        res = t.measure(lambda k: None, sets=1, methods=("flush",))
-    finally:
-        timing.L2Flush.__call__ = orig
-    assert res["flush"].method == "flush" and len(seen) >= res["flush"].reps and set(seen) == {4096}
+    def counting():
+        seen.append(t.flush_buf.numel())
+        orig()
+    t.flush = counting
+    res = t.measure(lambda k: None, sets=1, methods=("flush",))
+    assert res["flush"].method == "flush" and len(seen) >= res["flush"].reps and set(seen) == {1024}
 
 
 def test_host_loops_and_median_us_before(monkeypatch):
@@ -808,7 +789,7 @@ def test_flush_method_evicts_the_l2_on_gpu():
     res = t.measure(lambda k: x.sum(), sets=1)
     assert res["rot"].reps >= 30 and res["flush"].reps >= 30
     assert res["flush"].us > res["rot"].us   # same input back to back sits in L2; flushed, it does not
-    assert t.flusher.buf.numel() * 4 == t.flush_nbytes
+    assert t.flush_buf.numel() * 4 == t.flush_nbytes
 
 
 @pytest.mark.gpu

@@ -28,12 +28,12 @@ def new_case(case_id: str, suite: str, params: dict | None = None) -> dict:
 
 
 def impl_from_timing(name: str, timing: dict) -> dict:
-    """An Impl from timing.Timing.as_dict() (value / fraction filled by `derive`)."""
+    """An Impl from a timing.Timing as a dict (value / fraction filled by `derive`)."""
     return {"name": name, "value": None, "fraction": None, "error": None, **timing}
 
 
 def impl_from_methods(name: str, timings: dict) -> dict:
-    """An Impl from {method: timing.Timing.as_dict()}: headline numbers from the slower method."""
+    """An Impl from {method: a timing.Timing as a dict}: headline numbers from the slower method."""
     if len(timings) == 1:
         return impl_from_timing(name, next(iter(timings.values())))
     out = impl_from_timing(name, timings[max(timings, key=lambda m: timings[m]["us"])])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -31,9 +31,6 @@ class Timing:
         q = lambda f: s[round(f * (len(s) - 1))]  # noqa: E731
         return cls(statistics.median(s), q(0.1), q(0.9), s[0], len(s), sets, method)
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 def rotation_sets(working_set_bytes: float, l2_bytes: int, *, factor: float = 4.0, cap: int = 64,
                   max_total_bytes: float = 8 * 2**30) -> int:
@@ -42,22 +39,6 @@ def rotation_sets(working_set_bytes: float, l2_bytes: int, *, factor: float = 4.
         return cap
     want = math.ceil(factor * l2_bytes / working_set_bytes)
     return max(1, min(want, cap, int(max_total_bytes // working_set_bytes)))
-
-
-def flush_bytes(l2_bytes: int | None) -> int:
-    """Bytes zeroed between calls by the "flush" method: 4x the L2, at least 256 MiB (H200: 60 MiB L2)."""
-    return max(256 * 2**20, 4 * int(l2_bytes or 0))
-
-
-class L2Flush:
-    """Evicts the L2 by zeroing a buffer larger than it (do_bench's `cache.zero_()`)."""
-
-    def __init__(self, nbytes: int, device):
-        self.nbytes = int(nbytes)
-        self.buf = torch.empty(max(1, self.nbytes // 4), dtype=torch.int32, device=device)
-
-    def __call__(self) -> None:
-        self.buf.zero_()
 
 
 def _event():
@@ -72,14 +53,16 @@ class Timer:
                  batch: int = 100, l2_bytes: int | None = None, flush_nbytes: int | None = None, device="cuda"):
         self.budget_s, self.min_reps, self.max_reps, self.warmup_s, self.batch = (budget_s, min_reps, max_reps,
                                                                                    warmup_s, batch)
-        self.flush_nbytes, self.device = flush_nbytes or flush_bytes(l2_bytes), device
-        self.flusher = None  # an L2Flush, made on first use (tests put a stand-in here)
+        # the "flush" method zeroes 4x the L2 between calls, at least 256 MiB (H200: 60 MiB L2)
+        self.flush_nbytes = flush_nbytes or max(256 * 2**20, 4 * int(l2_bytes or 0))
+        self.device, self.flush_buf = device, None  # the buffer: made on first use
         self._cycles_per_s: float | None = None
 
     def flush(self) -> None:
-        if self.flusher is None:
-            self.flusher = L2Flush(self.flush_nbytes, self.device)
-        self.flusher()
+        """Evict the L2 by zeroing a buffer larger than it (do_bench's `cache.zero_()`)."""
+        if self.flush_buf is None:
+            self.flush_buf = torch.empty(max(1, self.flush_nbytes // 4), dtype=torch.int32, device=self.device)
+        self.flush_buf.zero_()
 
     def measure(self, fn, sets: int = 1, methods=METHODS) -> dict:
         """{method: Timing} for each of `methods` (names from METHODS), in that order."""
@@ -88,9 +71,6 @@ class Timer:
             raise ValueError(f"unknown timing method(s) {unknown}; known: {METHODS}")
         return {m: self._measure(fn, max(1, int(sets)), self.flush if m == "flush" else (lambda: None), m)
                 for m in methods}
-
-    def __call__(self, fn, sets: int = 1) -> Timing:
-        return self.measure(fn, sets, ("rot",))["rot"]
 
     def probe(self, fn, sets: int = 1, calls: int = 10, warmup: int = 3) -> float:
         """Mean µs per call of `calls` back-to-back calls after `warmup`: a quick comparison of
