@@ -111,11 +111,8 @@ def goals_cell(case: dict) -> str:
 
 
 def method_us(impl: dict | None, method: str):
-    """The median under one timing method (a file from before the methods: "rot" is its `us`)."""
-    if not impl or impl.get("error"):
-        return None
-    entry = (impl.get("methods") or {}).get(method)
-    return entry.get("us") if entry is not None else impl.get("us") if method == impl.get("method", "rot") else None
+    """The median under one timing method."""
+    return None if not impl or impl.get("error") else ((impl.get("methods") or {}).get(method) or {}).get("us")
 
 
 def fmt_methods(impl: dict | None) -> str:
@@ -157,12 +154,11 @@ def peer_names(cases: list[dict]) -> list[str]:
 
 
 def _jit_detail(c: dict) -> str:
-    ex, n = c.get("extra") or {}, (c.get("extra") or {}).get("launches_per_call")  # n: older runs' launcher cases
-    return "; ".join(p for p in [
-        ", ".join(f"{k} {v:.1f} s" if isinstance(v, (int, float)) else k for k, v in ex["variants"].items())
-        if ex.get("variants") else f"{ex['compiles']} compiles" if ex.get("compiles") is not None else "",
-        f"{n} launch{'es' if n != 1 else ''} per call" if n else "",
-        f"get_kernel().launcher() {ex['lookup_us']:.2f} µs" if ex.get("lookup_us") is not None else ""] if p)
+    """The variants a cold first call compiled (NVRTC seconds each), or how many compiles a warm one made."""
+    ex = c.get("extra") or {}
+    if ex.get("variants"):
+        return ", ".join(f"{k} {v:.1f} s" if isinstance(v, (int, float)) else k for k, v in ex["variants"].items())
+    return f"{ex['compiles']} compiles" if ex.get("compiles") is not None else ""
 
 
 def suite_table(data: dict, suite: str) -> tuple[list[str], list[list[str]]]:
@@ -219,9 +215,8 @@ def _run_row(path: Path, data: dict) -> list[str]:
             f"torch {m.get('torch')}, CUDA {m.get('cuda')}, driver {m.get('driver')}"]
 
 
-def render_markdown(files: list[tuple[Path, dict]], history: list[tuple[Path, dict]] = ()) -> str:
-    """RESULTS.md: the runs, per suite and GPU the newest run with that suite (a suite that no current run has,
-    e.g. jit, from `history`, marked older), and ours across architectures."""
+def render_markdown(files: list[tuple[Path, dict]]) -> str:
+    """RESULTS.md: the runs, per suite and GPU the newest run with that suite, and ours across architectures."""
     out = ["# pagedattn performance results", "", INTRO, ""]
     if not files:
         return "\n".join(out + ["No results yet: run `pagedattn bench --suite all` on a GPU.", ""])
@@ -229,14 +224,10 @@ def render_markdown(files: list[tuple[Path, dict]], history: list[tuple[Path, di
     out += ["## Runs", "", markdown_table(runs, [_run_row(p, d) for p, d in files]), "", LEGEND, ""]
     for suite in schema.SUITES:
         latest = latest_per_gpu(files, suite)
-        older = {k: v for k, v in latest_per_gpu(history, suite).items() if k not in latest}
-        if latest or older:
-            out += [f"## {SUITE_TITLES.get(suite, suite)}", ""]
-        for key, (path, data) in {**latest, **older}.items():
-            m = data["metadata"]
-            where = (f"`history/{path.name}` ({m.get('date', '-')[:10]}, commit {(m.get('git_commit') or '-')[:10]}: "
-                     "the newest run with this suite, older than the runs above)" if key in older else f"`{path.name}`")
-            out += [f"### {gpu_label(m)} — {where}", "", markdown_table(*suite_table(data, suite)), ""]
+        out += [f"## {SUITE_TITLES.get(suite, suite)}", ""] if latest else []
+        for path, data in latest.values():
+            out += [f"### {gpu_label(data['metadata'])} — `{path.name}`", "", markdown_table(*suite_table(data, suite)),
+                    ""]
     return "\n".join(out + ["## Across architectures (ours, newest run per GPU)", "", across_table(files), ""])
 
 
@@ -257,12 +248,10 @@ def across_table(files: list[tuple[Path, dict]]) -> str:
 
 
 def write_results_md(results_dir, md_path, include_samples: bool = False, warn=None) -> Path:
-    """Regenerate RESULTS.md from every results file in `results_dir` (and its history/ folder)."""
-    files = load_folder(results_dir, include_samples=include_samples, warn=warn)
-    history = load_folder(Path(results_dir) / "history", include_samples=include_samples, warn=warn)
+    """Regenerate RESULTS.md from every results file in `results_dir`."""
     md_path = Path(md_path)
     md_path.parent.mkdir(parents=True, exist_ok=True)
-    md_path.write_text(render_markdown(files, history))
+    md_path.write_text(render_markdown(load_folder(results_dir, include_samples=include_samples, warn=warn)))
     return md_path
 
 
