@@ -4,13 +4,11 @@
     python perf/compile_costs.py registers [--arch sm_90a] 'attn_fwd:dtype=bf16 head_dim=128 mode=decode_tma' ...
     python perf/compile_costs.py precompile [--arch sm_90a] [--preset default] [--jobs N] [--out perf/results]
 
-times: the cold NVRTC compile of attention variants (goal <= 6 s each on 2 cores), one at a time in this process
-  with the package as installed (to compare builds, run once per build with its install on PYTHONPATH,
-  interleaved), split into NVRTC's phases (`-time`); writes OUT/compile_times_cpu<cores>_<date>[_<tag>].json.
-registers: ptxas' registers, stack frame and spills of kernel variants (`-Xptxas -v`, not cached), to check a
-  template change for register pressure and local memory before it reaches a GPU.
+times: the cold NVRTC compile of attention variants (goal <= 6 s each on 2 cores) in this process, split into
+  NVRTC's phases (`-time`); to compare builds, run once per build with its install on PYTHONPATH, interleaved.
+registers: ptxas' registers, stack frame and spills of kernel variants (`-Xptxas -v`, not cached).
 precompile: `pagedattn precompile` cold into an empty folder, then its rerun: wall times, kernels and NVRTC
-  seconds per family, the slowest kernels, bundle size, the machine's load; OUT/aot_precompile_cpu<cores>_<date>.json.
+  seconds per family, the slowest kernels, bundle size, the machine's load.
 Reading a bundle's kernels (goal <= 50 ms each) is timed by `pagedattn bundle verify DIR`.
 """
 from __future__ import annotations
@@ -118,24 +116,21 @@ def precompile(args) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)
-    p = sub.add_parser("times", help="cold NVRTC compile time of attention variants, per phase")
-    p.add_argument("--out", default="perf/results")
-    p.add_argument("--tag", default="")
-    p.add_argument("--repeat", type=int, default=1)
-    p.add_argument("--commit", default=None, help="the commit of the installed build (default: this checkout's)")
-    p.set_defaults(func=times)
-    p = sub.add_parser("registers", help="ptxas' registers, stack frame and spills of kernel variants")
-    p.add_argument("variants", nargs="+", metavar="'FAMILY:FIELD=VALUE ...'")
-    p.add_argument("--arch", default="sm_90a")
-    p.set_defaults(func=registers)
+    t = sub.add_parser("times", help="cold NVRTC compile time of attention variants, per phase")
+    t.add_argument("--tag", default="")
+    t.add_argument("--repeat", type=int, default=1)
+    t.add_argument("--commit", default=None, help="the commit of the installed build (default: this checkout's)")
+    r = sub.add_parser("registers", help="ptxas' registers, stack frame and spills of kernel variants")
+    r.add_argument("variants", nargs="+", metavar="'FAMILY:FIELD=VALUE ...'")
     p = sub.add_parser("precompile", help="`pagedattn precompile` cold and rerun")
-    p.add_argument("--arch", default="sm_90a")
     p.add_argument("--preset", default="default")
     p.add_argument("--jobs", type=int, default=None)
-    p.add_argument("--out", default="perf/results")
-    p.set_defaults(func=precompile)
+    for parser in (t, p):
+        parser.add_argument("--out", default="perf/results")
+    for parser in (r, p):
+        parser.add_argument("--arch", default="sm_90a")
     args = ap.parse_args(argv)
-    return args.func(args)
+    return {"times": times, "registers": registers, "precompile": precompile}[args.what](args)
 
 
 if __name__ == "__main__":

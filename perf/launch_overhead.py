@@ -1,27 +1,22 @@
-"""Steady-state host cost of one call (µs): the raw launcher, the public API, the torch.ops.pagedattn ops (the
-dispatcher: what a compiled graph's op call costs in eager) and two torch controls, on tiny problems.
+"""Steady-state host cost of one call (µs) on tiny problems: the raw launcher, the public API, the
+torch.ops.pagedattn ops (the dispatcher: a compiled graph's op call in eager) and two torch controls.
 
-    python perf/launch_overhead.py [OUT_DIR]                   # GPU; OUT_DIR/launch_overhead_<gpu>_<date>.json
-    python perf/launch_overhead.py --cpu [--json] [--profile [CASE]]      # no GPU: the launches stubbed
+    python perf/launch_overhead.py [OUT_DIR]    # GPU; OUT_DIR/launch_overhead_<gpu>_<date>.json
+    python perf/launch_overhead.py --cpu [--json]    # no GPU (profile it: python -m cProfile -s tottime ...)
 
-GPU, no synchronisation inside the timed loop, in two regimes:
-  idle: the GPU drains the queue as fast as the host fills it (launches meet an idle GPU);
-  busy: each batch of BATCH calls queues behind a torch.cuda._sleep kernel that outlasts it, so every launch is
-        made while the GPU is busy (issue 15's budget: <= 10 µs per decode call, <= 8 µs per write call).
-The cases run round-robin ROUNDS times (env LAUNCH_OVERHEAD_ROUNDS, default 3), each round a share of the calls;
-a case reports the median of its rounds (each round's figure is kept in the metadata): a transient slowdown of
-the host (one H200 run's decode at 14.4 µs busy, the next at 9.7) then moves one round, not the result.
---cpu: the eager Python path on CPU tensors with the driver stubbed (the real Launcher packs its Params and calls
-a no-op C function in place of cuLaunchKernelEx; device queries, tensor maps, capture state are constants): this
-thread's CPU time per call, best of 7 loops; the Python/torch work per call of the GPU figure, minus the driver.
+GPU, no sync inside the timed loop, idle (launches meet an idle GPU) and busy (each batch of BATCH calls queued
+behind a torch.cuda._sleep kernel; issue 15's budget: <= 10 µs per decode call, <= 8 µs per write). The cases run
+round-robin LAUNCH_OVERHEAD_ROUNDS times (default 3) and report the median round, so that a transient slowdown of
+the host moves one round, not the result (one H200 run's busy decode read 14.4 µs, the next 9.7).
+--cpu: the eager path on CPU tensors, the real Launcher packing its Params for a no-op C function in place of
+cuLaunchKernelEx (device queries, tensor maps, capture state constant): this thread's CPU time per call, best of
+7 loops: the GPU figure's Python/torch work without the driver.
 """
 from __future__ import annotations
 
-import cProfile
 import ctypes
 import json
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -155,15 +150,6 @@ def cpu(argv):
         print(f"{name:40s} {results[name]:6.2f} us")
     if "--json" in argv:  # one line of results, for perf/results/host_profile_*.json
         print(json.dumps(results))
-    if "--profile" in argv:
-        rest = argv[argv.index("--profile") + 1:]
-        fn = cases[rest[0] if rest else "flash_attn_decode"][0]
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(20000):
-            fn()
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":

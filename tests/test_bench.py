@@ -88,8 +88,8 @@ def test_schema_catches_mistakes():
 def test_derive_fraction_ratio_and_goal():
     case = schema.new_case("write/x", "write")
     case.update(unit="GB/s", work=2e9, ceiling="copy",
-                ours=schema.impl_from_timing("ours", {"us": 500.0}),
-                peers={"p": schema.impl_from_timing("p", {"us": 1500.0}), "bad": schema.impl_error("bad", "no")},
+                ours=schema.impl_from_methods("ours", {"rot": {"us": 500.0}}),
+                peers={"p": schema.impl_from_methods("p", {"rot": {"us": 1500.0}}), "bad": schema.impl_error("bad", "no")},
                 target={"value": 0.9, "unit": "fraction", "met": None})
     schema.derive(case, {"copy": {"value": 4000.0}})
     assert case["ours"]["value"] == pytest.approx(4000.0)      # 2e9 B / 500 µs
@@ -466,7 +466,7 @@ def test_derive_with_methods_uses_the_worse():
     case.update(unit="GB/s", work=4e6, ceiling="copy",
                 ours=schema.impl_from_methods("ours", {"rot": t(1.0, "rot"), "flush": t(2.0, "flush")}),
                 peers={"p": schema.impl_from_methods("p", {"rot": t(3.0, "rot"), "flush": t(2.5, "flush")}),
-                       "old": schema.impl_from_timing("old", t(4.0, "rot"))},
+                       "old": schema.impl_from_methods("old", {"rot": t(4.0, "rot")})},
                 target={"value": 1.5, "unit": "us", "met": None},
                 goals=[{"value": 1.2, "unit": "ratio", "peer": "p", "met": None}])
     schema.derive(case, {"copy": {"value": 1000.0}})

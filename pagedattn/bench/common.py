@@ -118,8 +118,7 @@ class Recorder:
                 impl = self._time(name, make_fn(), sets, methods)
         except Exception as exc:  # noqa: BLE001 - a peer's failure is data
             impl = schema.impl_error(name, short_error(exc))
-            if self.ctx.is_cuda:
-                assert_cuda_healthy()
+            assert_cuda_healthy(self.ctx)
         return self._update(name, impl)
 
     def value(self, name: str | None, value: float, us: float | None = None, reps: int = 1) -> dict:
@@ -152,8 +151,7 @@ class Recorder:
             return True
         except Exception as exc:  # noqa: BLE001
             self.fail(exc, prefix=f"{what}: ")
-            if self.ctx.is_cuda:
-                assert_cuda_healthy()
+            assert_cuda_healthy(self.ctx)
             self._emit(self.record)
             return False
 
@@ -177,8 +175,10 @@ class CudaContextLost(RuntimeError):
     """A sticky CUDA error: this process can run nothing more on the GPU."""
 
 
-def assert_cuda_healthy() -> None:
-    """Raise CudaContextLost if the CUDA context is broken (after an illegal address, say)."""
+def assert_cuda_healthy(ctx: Ctx) -> None:
+    """Raise CudaContextLost if the CUDA context is broken (after an illegal address, say); off CUDA, nothing."""
+    if not ctx.is_cuda:
+        return
     try:
         torch.cuda.synchronize()
         if float(torch.ones(4, device="cuda").sum().item()) != 4.0:

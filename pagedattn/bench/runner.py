@@ -177,7 +177,7 @@ def run(args) -> int:
     try:
         rule("ceilings")
         ceilings = _ceilings(runner)
-        results["ceilings"] = {k: ceilings.get(k) for k in schema.CEILINGS}
+        results["ceilings"] = {k: ceilings.get(k) for k in schema.CEILING_UNIT}
         runner.ceilings = {k: v for k, v in ceilings.items() if not v.get("error")}
         for name in names:
             rule(name)
@@ -236,8 +236,7 @@ def _run_case(ctx, case, emit) -> str | None:
     except Exception as exc:  # noqa: BLE001 - one case's failure is data
         rec.fail(exc)
         try:
-            if ctx.is_cuda:
-                assert_cuda_healthy()
+            assert_cuda_healthy(ctx)
         except CudaContextLost as lost:
             fatal = str(lost)
     record = rec.finish()

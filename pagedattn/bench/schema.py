@@ -12,7 +12,6 @@ SUITES = ("write", "decode", "prefill", "features", "legacy", "jit", "sweep")  #
 STATUSES = ("ok", "check_failed", "error", "skipped", "crashed", "timeout")
 METHODS = ("rot", "flush")  # timing.METHODS (not imported: this module needs no torch)
 CEILING_UNIT = {"copy": "GB/s", "matmul": "TFLOP/s"}
-CEILINGS = tuple(CEILING_UNIT)
 REQUIRED_METADATA = ("sample", "gpu", "sm_count", "capability", "arch", "driver", "cuda", "torch", "pagedattn",
                      "git_commit", "date", "quick", "suites")
 
@@ -27,18 +26,14 @@ def new_case(case_id: str, suite: str, params: dict | None = None) -> dict:
             "goals": [], "notes": None, "extra": {}}
 
 
-def impl_from_timing(name: str, timing: dict) -> dict:
-    """An Impl from a timing.Timing as a dict (value / fraction filled by `derive`)."""
-    return {"name": name, "value": None, "fraction": None, "error": None, **timing}
-
-
 def impl_from_methods(name: str, timings: dict) -> dict:
-    """An Impl from {method: a timing.Timing as a dict}: headline numbers from the slower method."""
-    if len(timings) == 1:
-        return impl_from_timing(name, next(iter(timings.values())))
-    out = impl_from_timing(name, timings[max(timings, key=lambda m: timings[m]["us"])])
-    out["methods"] = {m: {k: v for k, v in t.items() if k != "method"} | {"value": None, "fraction": None}
-                      for m, t in timings.items()}
+    """An Impl from {method: a timing.Timing as a dict}: the slower method's numbers, and with two or more
+    methods each one's under `methods` (value / fraction filled by `derive`)."""
+    out = {"name": name, "value": None, "fraction": None, "error": None,
+           **max(timings.values(), key=lambda t: t["us"])}
+    if len(timings) > 1:
+            out["methods"] = {m: {k: v for k, v in t.items() if k != "method"} | {"value": None, "fraction": None}
+                          for m, t in timings.items()}
     return out
 
 

@@ -37,7 +37,7 @@ def timing(us: float, rng: random.Random) -> dict:
 
 
 def impl(name: str, us: float, rng) -> dict:
-    return schema.impl_from_timing(name, timing(us, rng))
+    return schema.impl_from_methods(name, {"rot": timing(us, rng)})
 
 
 def both(name: str, flush_us: float, rng) -> dict:
