@@ -2,13 +2,12 @@
 
     torchrun --nproc_per_node=2 perf/multigpu.py [--out perf/results] [--ctx 131072]
 
-tp: rank r owns Hkv / world KV heads of the cache and their query heads (B=8 ctx 4096); the all-gathered output
-    must equal the single-GPU output bit for bit (same num_splits).
-cp: the pages of a B=1 request over --ctx keys are split by tokens across ranks; each returns (out, LSE), all
-    are gathered and merged with pagedattn.merge_attn_states, within 2e-3 relative L2 of the single-GPU output,
-    and timed against the same call on one GPU.
+tp: rank r owns Hkv / world KV heads and their query heads (B=8 ctx 4096); the all-gathered output must equal
+    the single-GPU output bit for bit (same num_splits).
+cp: a B=1 request's pages over --ctx keys split by tokens across ranks; the (out, LSE) of each, gathered and
+    merged by pagedattn.merge_attn_states, within 2e-3 relative L2 of one GPU's output, and timed against it.
 Every rank builds the same cache (same seed) and computes the single-GPU result itself; world size 1 is a smoke
-test of the code path. Rank 0 writes perf/results/multigpu_<gpu>_<date>_x<world>_<commit>.json."""
+test. Rank 0 writes perf/results/multigpu_<gpu>_<date>_x<world>_<commit>.json."""
 from __future__ import annotations
 
 import argparse

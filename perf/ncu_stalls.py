@@ -1,8 +1,7 @@
-"""Where a kernel's warps wait, per SASS instruction: reads the CSV of ncu's source page (`ncu -i REPORT --page
-source --csv --print-source sass`, collected with `--section SourceCounters`; perf/h200.sh stage `ncusrc`) and
-prints the instructions with the most warp-stall samples, and the share of the main loop: the span of the most
-executed instructions among those whose execution count at least 100 instructions share (a loop body's
-straight-line code; a spin-wait is a few), and everything between them.
+"""Where a kernel's warps wait, per SASS instruction (perf/h200.sh stage `ncusrc`): from the CSV of ncu's source
+page (`ncu -i REPORT --page source --csv --print-source sass`, collected with `--section SourceCounters`), the
+instructions with the most warp-stall samples and the main loop's share: the span of the most executed
+instructions among those whose execution count at least 100 share (a loop body; a spin-wait is a few).
 
     python perf/ncu_stalls.py ws_src.csv [--top 25]
 """

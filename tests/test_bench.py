@@ -408,8 +408,7 @@ def test_decode_case_list_has_the_issue17_goal_cases():
         "decode/B64/ctx4096/bf16/HND": "base", "decode/B64/ctx4096/bf16/bs32": "base",
         "decode/B64/ctx4096/bf16/bs64": "base", "decode/B64/ctx4096/bf16/bs128": "base"}
     assert cases["decode/B64/ctx4096/fp8_e5m2"].params["kv_cache_dtype"] == "fp8_e5m2"
-    goals = {attention.decode_case_id(attention.decode_shape(s)): (s.get("goal_us"), s.get("vs"))
-             for s in attention.DECODE}
+    goals = {cid: (s.get("goal_us"), s.get("vs")) for s, cid in zip(attention.DECODE, cases)}
     assert goals["decode/B1/ctx32768/bf16"] == (40.0, None)
     assert goals["decode/B1/ctx131072/bf16"] == (None, ("sdpa cudnn", 0.85))
     assert goals["decode/B64/ctx4096/bf16"] == (245.0, ("sdpa cudnn", 1.0))
@@ -606,6 +605,23 @@ def test_write_cases_with_the_reference_as_kernel(monkeypatch):
         assert rec["status"] == "ok", (case.id, rec["error"], rec["check"])
         assert rec["check"]["kind"] == "bit-exact"
         assert rec["peers"]["torch index_copy_"].get("error") is None, rec["peers"]
+
+
+def test_write_check_finds_a_wrong_and_a_stray_slot(monkeypatch):
+    """The bit-exact check compares every slot with pagedattn.reference's write: a token written wrong, or a
+    slot written that should not be, fails the case (still timed)."""
+    from pagedattn import reference
+
+    def wrong(key, value, kc, vc, slots, *args, **kw):
+        reference.reshape_and_cache_flash(key, value, kc, vc, slots, *args)
+        kc.view(torch.uint8)[0, 0, 0, 0] ^= 1          # a bit of slot 0 flipped
+        vc.view(torch.uint8)[-1, -1].fill_(3)          # the last slot overwritten
+    monkeypatch.setattr(pagedattn, "reshape_and_cache_flash", wrong)
+    ctx = _cpu_ctx()
+    rec = _run_case(next(c for c in write.cases(ctx) if c.params["T"] == 40), ctx)
+    assert rec["status"] == "check_failed" and rec["ours"] is not None
+    assert rec["check"]["detail"] == ("K: 1 slots differ from pagedattn.reference; "
+                                      "V: 1 slots differ from pagedattn.reference"), rec["check"]
 
 
 def test_write_peers_write_what_the_reference_writes():

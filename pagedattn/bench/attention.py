@@ -83,27 +83,19 @@ def _case(cid: str, suite: str, params: dict, goals: dict | None = None) -> Case
     return Case(cid, suite, params, lambda ctx, rec: run_case(ctx, rec, params, goals))
 
 
-def decode_shape(shape: dict, bs_default: int = BLOCK) -> dict:
-    """A DECODE entry with its defaults and the peers it runs: "all" (bf16), "torch" (fp8 e4m3: SDPA on a bf16
-    copy, gather), "none" (fp8 e5m2), "base" (layout / block size: ours on a plain NHD bs16 cache)."""
-    out = {"kv": "auto", "layout": "NHD", "bs": bs_default, "goal_us": None, "vs": None, **shape}
-    plain = out["layout"] == "NHD" and out["bs"] == bs_default
-    out["peers"] = "base" if not plain else {"auto": "all", "fp8_e4m3": "torch"}.get(out["kv"], "none")
-    return out
-
-
-def decode_case_id(shape: dict, bs_default: int = BLOCK) -> str:
-    return (f"decode/B{shape['B']}/ctx{shape['ctx']}/{'bf16' if shape['kv'] == 'auto' else shape['kv']}"
-            + (f"/{shape['layout']}" if shape["layout"] != "NHD" else "")
-            + (f"/bs{shape['bs']}" if shape["bs"] != bs_default else ""))
-
-
 def decode_cases(ctx: Ctx) -> list[Case]:
-    bs = _dims(ctx)["bs"]
-    shapes = [decode_shape(e, bs) for e in (TINY_DECODE if ctx.tiny else DECODE)]
-    return [_case(decode_case_id(s, bs), "decode", _params(ctx, s["B"], 1, s["ctx"], s["kv"], layout=s["layout"],
-                                                           bs=s["bs"], peers=s["peers"]),
-                  {"us": s["goal_us"], "vs": s["vs"]}) for s in shapes]
+    """DECODE's cases, each with the peers it runs: "all" (bf16), "torch" (fp8 e4m3: SDPA on a bf16 copy,
+    gather), "none" (fp8 e5m2), "base" (another layout or block size: ours on a plain NHD cache)."""
+    out, plain_bs = [], _dims(ctx)["bs"]
+    for s in (TINY_DECODE if ctx.tiny else DECODE):
+        kv, layout, bs = s.get("kv", "auto"), s.get("layout", "NHD"), s.get("bs", plain_bs)
+        cid = (f"decode/B{s['B']}/ctx{s['ctx']}/{'bf16' if kv == 'auto' else kv}"
+               + (f"/{layout}" if layout != "NHD" else "") + (f"/bs{bs}" if bs != plain_bs else ""))
+        peers = ("base" if layout != "NHD" or bs != plain_bs
+                 else {"auto": "all", "fp8_e4m3": "torch"}.get(kv, "none"))
+        params = _params(ctx, s["B"], 1, s["ctx"], kv, layout=layout, bs=bs, peers=peers)
+        out.append(_case(cid, "decode", params, {"us": s.get("goal_us"), "vs": s.get("vs")}))
+    return out
 
 
 def prefill_cases(ctx: Ctx) -> list[Case]:
