@@ -279,9 +279,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
     elif role == "none":
         rec.note("no peers: they would read the same bf16 copy as the fp8_e4m3 case")
     elif role in ("all", "torch"):
-        peerlib.torch_peers(ctx, rec, data, ref, sets)
-        if role == "all":
-            peerlib.fa4_peer(ctx, rec, data, ref, sets)
+        peerlib.torch_peers(ctx, rec, data, ref, sets, fa4=role == "all")
     if kv != "auto" and role != "none":
         rec.note("torch peers read a bf16 dequantised copy (torch has no fp8-KV attention)")
     goals = goals or {}

@@ -109,39 +109,31 @@ def fastest(ctx: Ctx, candidates, ref, info: dict, sets: int = 1):
     return fn
 
 
-def sdpa_backend(name: str):
-    """A context factory: SDPA inside it runs on backend `name` (cudnn, flash)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name]
-    return lambda: sdpa_kernel([backend])
-
-
-def fastest_peer(ctx: Ctx, rec: Recorder, name: str, candidates, ref, sets: int, context=None,
-                 methods=METHODS) -> None:
+def fastest_peer(ctx: Ctx, rec: Recorder, name: str, candidates, ref, sets: int, context=None) -> None:
     """Time peer `name` at its fastest correct configuration (`fastest`); the record names it."""
     info: dict = {}
-    impl = rec.peer(name, lambda: fastest(ctx, candidates, ref, info, sets), sets, context=context, methods=methods)
+    impl = rec.peer(name, lambda: fastest(ctx, candidates, ref, info, sets), sets, context=context, methods=METHODS)
     if not impl.get("error"):
         impl.update({k: v for k, v in info.items() if v is None or isinstance(v, (str, int, float))})
 
 
-def torch_peers(ctx: Ctx, rec: Recorder, data, ref, sets: int) -> None:
-    """cuDNN and flash SDPA on unpaged copies (CUDA only), and SDPA after a gather of the pages."""
+def torch_peers(ctx: Ctx, rec: Recorder, data, ref, sets: int, fa4: bool = True) -> None:
+    """cuDNN and flash SDPA on unpaged copies (CUDA only), SDPA after a gather of the pages, and with `fa4`
+    FA4 on our paged cache when flash_attn.cute imports."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     kv_sets = [data.contiguous_kv(s) for s in range(sets)]
-    for backend in ("cudnn", "flash"):
+    for name, backend in (("sdpa cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa flash", SDPBackend.FLASH_ATTENTION)):
         if not ctx.is_cuda:
-            rec.peer_failed(f"sdpa {backend}", "needs CUDA")
+            rec.peer_failed(name, "needs CUDA")
             continue
-        fastest_peer(ctx, rec, f"sdpa {backend}", sdpa_candidates(data, data.q, lambda k: kv_sets[k]), ref, sets,
-                     context=sdpa_backend(backend))
+        fastest_peer(ctx, rec, name, sdpa_candidates(data, data.q, lambda k: kv_sets[k]), ref, sets,
+                     context=lambda backend=backend: sdpa_kernel([backend]))
     gather = [(f"gather then sdpa {variant}, default backend", factory) for variant, factory
               in sdpa_candidates(data, data.q, data.gathered_kv, repeat=False)]
     fastest_peer(ctx, rec, "gather+sdpa", gather, ref, sets)
-
-
-def fa4_peer(ctx: Ctx, rec: Recorder, data, ref, sets: int) -> None:
-    """FA4 on our paged cache, when flash_attn.cute imports."""
+    if not fa4:
+        return
     if not ctx.is_cuda:
         return rec.peer_failed(FA4, "needs CUDA")
     try:
