@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import torch
 
 import pagedattn
+from pagedattn import reference
+from pagedattn.dtypes import FP8_MAX
 
 from . import peers as peerlib
 from .common import Case, Ctx, Recorder, short_error, shuffled_tables
@@ -19,7 +21,6 @@ from .timing import METHODS
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 TINY = {"hq": 4, "hkv": 2, "d": 64, "bs": 16}
 TOLERANCE = 2e-2
-FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # decode (issue 17): goal_us at most (µs, under both methods); vs (peer, ratio): ours at least `ratio` times
 # the peer's speed; HND and other block sizes within 3 % of ours on NHD bs16
 BASE_PEER, WITHIN_3PCT = "pagedattn NHD bs16", 1 / 1.03
@@ -131,7 +132,7 @@ def sweep_cases(ctx: Ctx) -> list[Case]:
 # -- data ------------------------------------------------------------------------------------------
 def gather_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """[num_blocks, bs, H, D] cache, [B, nb] table -> [B, nb * bs, H, D] (fp8 through uint8)."""
-    fp8 = cache.dtype in FP8_TORCH.values()
+    fp8 = cache.element_size() == 1
     g = (cache.view(torch.uint8) if fp8 else cache)[table.long()]
     b, nb, bs, h, d = g.shape
     g = g.reshape(b, nb * bs, h, d)  # reshape: an HND cache is a permuted view
@@ -168,10 +169,9 @@ def build(ctx: Ctx, p: dict, sets: int, gen_seed: int = 0) -> PagedData:
     if kv == "auto":
         kc, vc = (torch.randn(shape, dtype=torch.bfloat16, device=dev) for _ in range(2))
     else:
-        fmax = 448.0 if kv == "fp8_e4m3" else 57344.0
-        kd = torch.tensor([4.0 / fmax], dtype=torch.float32, device=dev)
+        kd = torch.tensor([4.0 / FP8_MAX[kv]], dtype=torch.float32, device=dev)
         vd = kd.clone()
-        kc, vc = ((torch.randn(shape, device=dev) / kd).clamp(-fmax, fmax).to(FP8_TORCH[kv]) for _ in range(2))
+        kc, vc = (reference.quantize_fp8(torch.randn(shape, device=dev), kd, kv) for _ in range(2))
     if hnd:  # the logical [num_blocks, bs, Hkv, D] whatever the memory order
         kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
     return PagedData(B=B, q_len=q_len, ctx_len=L, hq=hq, hkv=hkv, d=d, bs=bs, kv=kv, scale=1 / math.sqrt(d),
@@ -184,8 +184,6 @@ def build(ctx: Ctx, p: dict, sets: int, gen_seed: int = 0) -> PagedData:
 def reference_out(data: PagedData, s: int = 0, causal: bool = True, **features) -> torch.Tensor:
     """float32 output of input set `s` by pagedattn.reference (the one oracle), matmuls in full fp32;
     `features` are the op's feature arguments (window_size, softcap, alibi_slopes, s_aux)."""
-    from pagedattn import reference  # noqa: PLC0415
-
     kw = {("sinks" if k == "s_aux" else k): v for k, v in features.items()}
     if data.kv != "auto":
         kw.update(kv_cache_dtype=data.kv, k_descale=data.k_descale, v_descale=data.v_descale)
