@@ -218,8 +218,8 @@ def test_timer_control_flow_with_fake_cuda(monkeypatch):
     calls = []
     t = timing.Timer(budget_s=0.01, min_reps=25, max_reps=60, warmup_s=0.0, batch=10)
     res = t.measure(lambda k: calls.append(k), 3, ("rot",))["rot"]
-    assert 25 <= res.reps <= 60 and res.sets == 3
-    assert res.min <= res.p10 <= res.us <= res.p90
+    assert 25 <= res["reps"] <= 60 and res["sets"] == 3
+    assert res["min"] <= res["p10"] <= res["us"] <= res["p90"]
     assert set(calls) == {0, 1, 2}
     assert slept, "the timer gives the GPU a head start before each batch"
 
@@ -227,7 +227,7 @@ def test_timer_control_flow_with_fake_cuda(monkeypatch):
 def test_cpu_timer():
     res = timing.CpuTimer(budget_s=0.001, min_reps=5, max_reps=10).measure(lambda k: sum(range(100)), 2, ("rot",))
     res = res["rot"]
-    assert 5 <= res.reps <= 10 and res.us > 0 and res.method == "rot"
+    assert 5 <= res["reps"] <= 10 and res["us"] > 0 and res["method"] == "rot"
 
 
 def _fake_events(monkeypatch, log):
@@ -268,15 +268,15 @@ def test_flush_timer_structure_with_fake_cuda(monkeypatch):
     res = t.measure(fn, sets=3)
     assert list(res) == ["rot", "flush"]
     rot, flush = res["rot"], res["flush"]
-    assert rot.method == "rot" and flush.method == "flush" and 12 <= flush.reps <= 30
+    assert rot["method"] == "rot" and flush["method"] == "flush" and 12 <= flush["reps"] <= 30
     text = "".join(log)
     first_flush = text.index("F")
-    assert "F" not in text[:first_flush] and text[:first_flush].count("RCR") >= rot.reps
+    assert "F" not in text[:first_flush] and text[:first_flush].count("RCR") >= rot["reps"]
     flushed = text[first_flush:]
     # every call of the flush method is preceded by its own flush (warm-up and probe: F C; timed: F R C R)
     assert flushed.count("C") == flushed.count("F")
     assert all(flushed[i - 1] == "F" or flushed[i - 2:i] == "FR" for i, ch in enumerate(flushed) if ch == "C")
-    assert flushed.count("FRCR") == flush.reps                # the timed calls: the events hold the call only
+    assert flushed.count("FRCR") == flush["reps"]                # the timed calls: the events hold the call only
     assert set(calls) == {0, 1, 2}
     with pytest.raises(ValueError, match="unknown timing method"):
         t.measure(fn, methods=("warm",))
@@ -299,7 +299,7 @@ def test_flush_buffer_size_and_flush_on_cpu():
         orig()
     t.flush = counting
     res = t.measure(lambda k: None, sets=1, methods=("flush",))
-    assert res["flush"].method == "flush" and len(seen) >= res["flush"].reps and set(seen) == {1024}
+    assert res["flush"]["method"] == "flush" and len(seen) >= res["flush"]["reps"] and set(seen) == {1024}
 
 
 def test_host_loops_and_median_us_before(monkeypatch):
@@ -803,8 +803,8 @@ def test_flush_method_evicts_the_l2_on_gpu():
     assert t.flush_nbytes >= max(256 * 2**20, 4 * l2)
     x = torch.ones(max(l2 // 2, 2**20) // 4, dtype=torch.float32, device=dev)  # half the L2
     res = t.measure(lambda k: x.sum(), sets=1)
-    assert res["rot"].reps >= 30 and res["flush"].reps >= 30
-    assert res["flush"].us > res["rot"].us   # same input back to back sits in L2; flushed, it does not
+    assert res["rot"]["reps"] >= 30 and res["flush"]["reps"] >= 30
+    assert res["flush"]["us"] > res["rot"]["us"]   # same input back to back sits in L2; flushed, it does not
     assert t.flush_buf.numel() * 4 == t.flush_nbytes
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import math
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -103,8 +103,7 @@ class Recorder:
         schema.derive(self.record, self.ctx.ceilings)
 
     def _time(self, name: str, fn, sets: int, methods) -> dict:
-        timings = self.ctx.timer.measure(fn, sets, tuple(methods))
-        return schema.impl_from_methods(name, {m: asdict(t) for m, t in timings.items()})
+        return schema.impl_from_methods(name, self.ctx.timer.measure(fn, sets, tuple(methods)))
 
     def ours(self, name: str, fn, sets: int = 1, methods=("rot",)) -> dict:
         """Time our implementation under each of `methods` (timing.METHODS); failures propagate."""

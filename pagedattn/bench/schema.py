@@ -27,7 +27,7 @@ def new_case(case_id: str, suite: str, params: dict | None = None) -> dict:
 
 
 def impl_from_methods(name: str, timings: dict) -> dict:
-    """An Impl from {method: a timing.Timing as a dict}: the slower method's numbers, and with two or more
+    """An Impl from {method: timing.timing(...)}: the slower method's numbers, and with two or more
     methods each one's under `methods` (value / fraction filled by `derive`)."""
     out = {"name": name, "value": None, "fraction": None, "error": None,
            **max(timings.values(), key=lambda t: t["us"])}

@@ -8,28 +8,17 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
-
 import torch
 
 METHODS = ("rot", "flush")
 
 
-@dataclass
-class Timing:
-    us: float  # median
-    p10: float
-    p90: float
-    min: float
-    reps: int
-    sets: int
-    method: str = "rot"
-
-    @classmethod
-    def from_samples(cls, samples_us: list[float], sets: int, method: str = "rot") -> "Timing":
-        s = sorted(samples_us)
-        q = lambda f: s[round(f * (len(s) - 1))]  # noqa: E731
-        return cls(statistics.median(s), q(0.1), q(0.9), s[0], len(s), sets, method)
+def timing(samples_us: list[float], sets: int, method: str) -> dict:
+    """A timing of `samples_us`: the median `us`, p10, p90, min, reps, sets and method."""
+    s = sorted(samples_us)
+    q = lambda f: s[round(f * (len(s) - 1))]  # noqa: E731
+    return {"us": statistics.median(s), "p10": q(0.1), "p90": q(0.9), "min": s[0], "reps": len(s), "sets": sets,
+            "method": method}
 
 
 def rotation_sets(working_set_bytes: float, l2_bytes: int, *, factor: float = 4.0, cap: int = 64,
@@ -65,7 +54,7 @@ class Timer:
         self.flush_buf.zero_()
 
     def measure(self, fn, sets: int = 1, methods=METHODS) -> dict:
-        """{method: Timing} for each of `methods` (names from METHODS), in that order."""
+        """{method: its `timing`} for each of `methods` (names from METHODS), in that order."""
         unknown = [m for m in methods if m not in METHODS]
         if unknown:
             raise ValueError(f"unknown timing method(s) {unknown}; known: {METHODS}")
@@ -105,7 +94,7 @@ class Timer:
         if self._cycles_per_s > 0 and seconds > 0:
             torch.cuda._sleep(int(min(seconds, 0.2) * self._cycles_per_s))
 
-    def _measure(self, fn, sets: int, before, method: str) -> Timing:
+    def _measure(self, fn, sets: int, before, method: str) -> dict:
         k, t0 = 0, time.perf_counter()
         while (k < max(3, sets) or time.perf_counter() - t0 < self.warmup_s) and k <= 10_000:
             before()
@@ -137,13 +126,13 @@ class Timer:
                 k += 1
             torch.cuda.synchronize()
             samples += [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
-        return Timing.from_samples(samples, sets, method)
+        return timing(samples, sets, method)
 
 
 class CpuTimer(Timer):
     """The same interface on the host clock (tests and `--device cpu` dry runs)."""
 
-    def _measure(self, fn, sets: int, before, method: str) -> Timing:
+    def _measure(self, fn, sets: int, before, method: str) -> dict:
         for k in range(max(3, sets)):
             before()
             fn(k % sets)
@@ -155,7 +144,7 @@ class CpuTimer(Timer):
             t0 = time.perf_counter()
             fn(k % sets)
             samples.append((time.perf_counter() - t0) * 1e6)
-        return Timing.from_samples(samples, sets, method)
+        return timing(samples, sets, method)
 
 
 def median_us(fn, reps: int = 30, warmup: int = 5, before=None) -> float:
