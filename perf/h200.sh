@@ -27,6 +27,8 @@ if [ ! -f /tmp/site/.pagedattn-installed ]; then
   touch /tmp/site/.pagedattn-installed
 fi
 cd /tmp
+# `pagedattn bench ARGS` writing into $OUT/results (RESULTS.md: see above)
+bench() { python3 -m pagedattn.cli bench "$@" --no-report --out "$OUT/results"; }
 summary=()
 for stage in "$@"; do
   t0=$(date +%s)
@@ -54,14 +56,14 @@ for stage in "$@"; do
     # the bundle as it now stands, back to the CPU machine (carry it in the next call)
     packbundle) tar -C "$(dirname "$PAGEDATTN_AOT_DIR")" -cf - "$(basename "$PAGEDATTN_AOT_DIR")" | xz -T16 -6 > "$OUT/bundle.tar.xz"; ls -la "$OUT/bundle.tar.xz" ;;
     aot16)     python3 "$ROOT/perf/compile_costs.py" precompile --arch sm_90a --jobs 16 --out "$OUT/results" 2>&1 | tail -n 5 ;;
-    benchwrite) python3 -m pagedattn.cli bench --suite write --quick --no-report --out "$OUT/results" ;;
+    benchwrite) bench --suite write --quick ;;
     # the sweeps: `pagedattn bench` once per entry of SWEEP_OVERRIDES (JSON objects separated by ';', each
     # {"attention": pagedattn.ops.attention.forced's arguments, "write": reshape_and_cache_flash's overrides=};
     # default '{}', the library's defaults) over SWEEP_SUITES (default sweep: ours alone at the tile / mode
     # studies' shapes; or write, decode, prefill, features), BENCH_ONLY case id substrings, SWEEP_ARGS more options
     sweep)     IFS=';' read -ra points <<< "${SWEEP_OVERRIDES:-{\}}"
                for ov in "${points[@]}"; do
-                 python3 -m pagedattn.cli bench --suite "${SWEEP_SUITES:-sweep}" ${BENCH_ONLY:+--only "$BENCH_ONLY"} --no-report --out "$OUT/results" --overrides "$ov" ${SWEEP_ARGS:-}
+                 bench --suite "${SWEEP_SUITES:-sweep}" ${BENCH_ONLY:+--only "$BENCH_ONLY"} --overrides "$ov" ${SWEEP_ARGS:-}
                done ;;
     bundle)    [ -f /tmp/bundle/manifest.json ] || { mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1; }
                export PAGEDATTN_AOT_DIR=/tmp/bundle
@@ -83,19 +85,20 @@ for stage in "$@"; do
                ncu -i /tmp/ncusrc_$k.ncu-rep --page source --csv --print-source sass > /tmp/ncusrc_$k.csv \
                  && python3 "$ROOT/perf/ncu_stalls.py" /tmp/ncusrc_$k.csv | tee -a "$OUT/ncusrc_$k.txt" | head -n 30
                xz -T8 -c /tmp/ncusrc_$k.csv > "$OUT/ncusrc_$k.csv.xz" ;;
-    benchq)    python3 -m pagedattn.cli bench --suite all --quick --no-report --out "$OUT/results" ;;
-    benchdw)   python3 -m pagedattn.cli bench --suite decode,write --quick --no-report --out "$OUT/results" ;;
-    benchp)    python3 -m pagedattn.cli bench --suite prefill --quick --no-report --out "$OUT/results" ;;
-    benchs)    python3 -m pagedattn.cli bench --suite "${BENCH_SUITES:-features}" ${BENCH_ONLY:+--only "$BENCH_ONLY"} --quick --no-report --out "$OUT/results" ;;
-    bench-full) python3 -m pagedattn.cli bench --suite all --no-report --out "$OUT/results" ;;
+    benchq)    bench --suite all --quick ;;
+    benchdw)   bench --suite decode,write --quick ;;
+    benchp)    bench --suite prefill --quick ;;
+    benchs)    bench --suite "${BENCH_SUITES:-features}" ${BENCH_ONLY:+--only "$BENCH_ONLY"} --quick ;;
+    bench-full) bench --suite all ;;
     demo)      python3 -m pagedattn.demo ;;
     # host cost A/B in one call: an older build (a wheel carried in .carry/oldwhl, with its own bundle dirs in
     # OLD_AOT_DIR, and that build's launch_overhead.py when carried there too) against this tree, alternating old / new AB_ROUNDS times (the machine's speed drifts between calls)
     overheadab) old_script="$ROOT/perf/launch_overhead.py"; [ -f "$ROOT/.carry/oldwhl/launch_overhead.py" ] && old_script="$ROOT/.carry/oldwhl/launch_overhead.py"
                python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site-old "$ROOT"/.carry/oldwhl/*.whl || exit 1
+               rows="^(raw|flash_attn_decode|reshape|op_flash_attn_decode|torch_add)_.*us "
                for r in $(seq ${AB_ROUNDS:-2}); do
-                 PYTHONPATH=/tmp/site-old:/tmp/site PAGEDATTN_AOT_DIR=${OLD_AOT_DIR:-/tmp/bundle} python3 "$old_script" "$OUT/results/ab_old_$r" | grep -E "^(raw|flash_attn_decode|reshape|op_flash_attn_decode|torch_add)_.*us " | sed "s/^/old$r /"
-                 python3 "$ROOT/perf/launch_overhead.py" "$OUT/results/ab_new_$r" | grep -E "^(raw|flash_attn_decode|reshape|op_flash_attn_decode|torch_add)_.*us " | sed "s/^/new$r /"
+                 PYTHONPATH=/tmp/site-old:/tmp/site PAGEDATTN_AOT_DIR=${OLD_AOT_DIR:-/tmp/bundle} python3 "$old_script" "$OUT/results/ab_old_$r" | grep -E "$rows" | sed "s/^/old$r /"
+                 python3 "$ROOT/perf/launch_overhead.py" "$OUT/results/ab_new_$r" | grep -E "$rows" | sed "s/^/new$r /"
                done ;;
     # issue 21 on the GPUs of this host (one: a smoke test of the code path)
     multigpu)  torchrun --nproc_per_node=${NGPUS:-$(nvidia-smi -L | wc -l)} "$ROOT/perf/multigpu.py" --out "$OUT/results" 2>&1 | tail -n 15 ;;
