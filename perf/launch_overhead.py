@@ -79,16 +79,16 @@ def gpu(out_dir="perf/results"):
     (write, *_), _ = capture_launches(cases["reshape_and_cache_flash"][0])
     (decode, *_), decode_out = capture_launches(cases["flash_attn_decode"][0])
     cases = {"raw_launcher": (write.replay, 20000), "raw_launcher_decode": (decode.replay, 5000), **cases}
-    middle = lambda loops: sorted(loops)[len(loops) // 2]  # noqa: E731 - the upper middle if even
     rounds = max(1, int(os.environ.get("LAUNCH_OVERHEAD_ROUNDS", "3")))
     samples = {}
     for _ in range(rounds):
         for name, (fn, n) in cases.items():
-            # idle: 5 timed loops; busy: batches of BATCH calls, each behind a sleep kernel
-            samples.setdefault(f"{name}_us", []).append(middle(host_loops(fn, max(1000, n // rounds))))
-            busy = max(BATCH, min(n, 10000) // rounds)
-            samples.setdefault(f"{name}_busy_us", []).append(middle(host_loops(
-                fn, BATCH, loops=max(1, busy // BATCH), before=lambda: torch.cuda._sleep(SLEEP_CYCLES))))
+            # idle: 5 timed loops; busy: batches of BATCH calls, each behind a sleep kernel; the median loop each
+            idle = host_loops(fn, max(1000, n // rounds))
+            busy = host_loops(fn, BATCH, loops=max(1, max(BATCH, min(n, 10000) // rounds) // BATCH),
+                              before=lambda: torch.cuda._sleep(SLEEP_CYCLES))
+            samples.setdefault(f"{name}_us", []).append(statistics.median_high(idle))
+            samples.setdefault(f"{name}_busy_us", []).append(statistics.median_high(busy))
     results = {key: statistics.median(values) for key, values in samples.items()}
     path = write_quick(out_dir, "launch_overhead", results,
                        rounds={key: [round(v, 3) for v in values] for key, values in samples.items()})
