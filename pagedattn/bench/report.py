@@ -226,8 +226,8 @@ def render_markdown(files: list[tuple[Path, dict]]) -> str:
         latest = latest_per_gpu(files, suite)
         out += [f"## {SUITE_TITLES.get(suite, suite)}", ""] if latest else []
         for path, data in latest.values():
-            out += [f"### {gpu_label(data['metadata'])} — `{path.name}`", "", markdown_table(*suite_table(data, suite)),
-                    ""]
+            table = markdown_table(*suite_table(data, suite))
+            out += [f"### {gpu_label(data['metadata'])} — `{path.name}`", "", table, ""]
     return "\n".join(out + ["## Across architectures (ours, newest run per GPU)", "", across_table(files), ""])
 
 
