@@ -120,10 +120,10 @@ class Recorder:
             assert_cuda_healthy(self.ctx)
         return self._update(name, impl)
 
-    def value(self, name: str | None, value: float, us: float | None = None, reps: int = 1) -> dict:
-        """Ours (name None) or a peer as a number that is not a CUDA-event timing (jit suite: s, ms, host µs)."""
-        return self._update(name, {"name": name or "pagedattn", "us": value if us is None else us, "value": value,
-                                   "fraction": None, "error": None, "reps": reps, "sets": 1})
+    def value(self, value: float, us: float) -> dict:
+        """Ours as a number that is not a CUDA-event timing (the jit suite's s or ms), and its µs."""
+        return self._update(None, {"name": "pagedattn", "us": us, "value": value, "fraction": None, "error": None,
+                                   "reps": 1, "sets": 1})
 
     def peer_failed(self, name: str, reason: str) -> None:
         self._update(name, schema.impl_error(name, reason))
@@ -142,17 +142,15 @@ class Recorder:
         self.check(err <= tolerance, "rel_l2", f"relative L2 {err:.2e} vs float32 reference (tolerance "
                    f"{tolerance:g})", rel_l2=err)
 
-    def attempt(self, what: str, fn) -> bool:
+    def attempt(self, what: str, fn) -> None:
         """Run fn(); an exception becomes this case's error (the case goes on to its peers, still worth
-        having) and False. A lost CUDA context is raised."""
+        having). A lost CUDA context is raised."""
         try:
             fn()
-            return True
         except Exception as exc:  # noqa: BLE001
             self.fail(exc, prefix=f"{what}: ")
             assert_cuda_healthy(self.ctx)
             self._emit(self.record)
-            return False
 
     def skip(self, reason: str) -> None:
         self.record.update(status="skipped", error=reason)

@@ -143,7 +143,7 @@ def _first_call(ctx: Ctx, rec: Recorder, name: str, which: str) -> None:
         rec.extra(variants=w["variants"], compile_s_total=sum(v or 0 for v in w["variants"].values()))
     elif w["compiles"]:
         rec.note(f"{w['compiles']} compile(s) on a filled cache: the disk cache missed")
-    rec.value(None, w["first_call_s"] * (1 if which == "cold" else 1e3), us=w["first_call_s"] * 1e6)
+    rec.value(w["first_call_s"] * (1 if which == "cold" else 1e3), us=w["first_call_s"] * 1e6)
 
 
 # -- the raw launcher (perf/launch_overhead.py) --------------------------------------------------------
