@@ -60,6 +60,22 @@ struct WgmmaTiles {
     return a;
   }
 
+  // The (row, column) coordinates in the (kM, kCols) tile of a thread's accumulator entries, as
+  // thr_mma.partition_C(make_identity_tensor(kM, kCols)) gives them: thread v = tidx % 128 of
+  // warpgroup wg holds rows 64 wg + 16 (v / 32) + (v / 4) % 8 (+ 8) and columns 2 (v % 4) (+ 1) + 8 n
+  // (the accumulator order above), computed in the order the TiledMma's layouts do.
+  template <int kCols>
+  using CoordLayout = cute::Layout<
+      cute::Shape<cute::Shape<cute::_2, cute::_2, cute::Int<kCols / 8>>, cute::_1, cute::_1>,
+      cute::Stride<cute::Stride<cute::ScaledBasis<cute::_1, 1>, cute::ScaledBasis<cute::_8, 0>,
+                                cute::ScaledBasis<cute::_8, 1>>, cute::_0, cute::_0>>;
+  template <int kCols>
+  __device__ __forceinline__ static auto coords(int tidx) {
+    int const v = tidx % 128, wg = tidx / 128 % (Traits::kWarpsM / 4);
+    int const col = v % 4 * 2, row = v / 4 % 8 + v / 32 * 16 + wg * 64;
+    return cute::make_tensor(cute::make_inttuple_iter(cute::make_tuple(row, col)), CoordLayout<kCols>{});
+  }
+
   // The shared-memory operands as wgmma descriptor fragments, as thr_mma.partition_fragment_A/B build
   // them from the tiles above, without that function's layout algebra (most of the front end's time in
   // these mainloops). A fragment is one descriptor (the operand's first k-step) and a layout of k-steps
@@ -69,7 +85,8 @@ struct WgmmaTiles {
   // (kRows x 8 units on); a k-step of V^T is the next 16 keys (16 rows: 128 units).
   // K-major operands (Q, K): the stride byte offset steps 8 rows (1024 B: 64 units); the leading byte
   // offset is 1 (unused by 128-byte swizzles). V read MN-major (d-contiguous): the leading byte offset
-  // steps a 64-column panel (kN rows, kN x 8 units), the stride byte offset 8 keys (64 units).
+  // steps a 64-column panel (kN rows, kN x 8 units; 0 where there is one), the stride byte offset 8
+  // keys (64 units).
   // PAGEDATTN_CHECK_TYPES: the fragments' types are CuTe's (check_wgmma_types); their descriptors are
   // CuTe's too: the kernels' SASS is byte-identical to that of partition_fragment_A/B.
   template <int kRows>
@@ -99,7 +116,7 @@ struct WgmmaTiles {
     return cute::make_tensor(cute::GMMA::DescriptorIterator{sw128_desc(k_tile, 1, 64)}, KMajorSteps<kN>{});
   }
   __device__ __forceinline__ static auto frag_vt(Element const* v_tile) {
-    return cute::make_tensor(cute::GMMA::DescriptorIterator{sw128_desc(v_tile, kN * 8, 64)}, VtSteps{});
+    return cute::make_tensor(cute::GMMA::DescriptorIterator{sw128_desc(v_tile, kD > 64 ? kN * 8 : 0, 64)}, VtSteps{});
   }
 
   // P in registers, in the A-operand order of TiledMmaPV: (8 values, 1 row block, kBlockN / 16 steps)

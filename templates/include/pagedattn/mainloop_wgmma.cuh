@@ -20,8 +20,7 @@ namespace pagedattn {
 // The written-out types of the wgmma mainloops (mainloop_wgmma, ws_consume) against CuTe's (the kernel
 // body under PAGEDATTN_CHECK_TYPES_ONLY; tests: front end only): the accumulators, and the descriptor
 // fragments (the same engine and, mode by mode, the same k-step offsets: CuTe's shapes nest the
-// k-steps as its tiles do, coalesced per mode they are the written ones). The accumulators' (row, key)
-// coordinates stay CuTe's partition_C: plain integer arithmetic there changed the SASS (set-up only).
+// k-steps as its tiles do, coalesced per mode they are the written ones), and the coordinate tensors.
 template <class Mine, class Cutes>
 constexpr bool same_fragment() {
   using namespace cute;
@@ -47,6 +46,12 @@ __device__ void check_wgmma_types() {
                                   make_tensor(make_smem_ptr(tile), typename Tiles::SmemLayoutK{})))>(), "K fragment");
   static_assert(same_fragment<decltype(Tiles::frag_vt(tile)), decltype(thr_pv.partition_fragment_B(make_tensor(
                                   make_smem_ptr(tile), typename Tiles::SmemLayoutVt{})))>(), "V^T fragment");
+  static_assert(same_fragment<decltype(Tiles::template coords<Traits::kBlockN>(0)), decltype(thr_qk.partition_C(
+                                  make_identity_tensor(Shape<Int<Traits::kBlockM>, Int<Traits::kBlockN>>{})))>(),
+                "S coordinates");
+  static_assert(same_fragment<decltype(Tiles::template coords<Traits::kHeadDim>(0)), decltype(thr_pv.partition_C(
+                                  make_identity_tensor(Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{})))>(),
+                "O coordinates");
 }
 #endif
 
@@ -58,14 +63,12 @@ __device__ __forceinline__ void mainloop_wgmma(TileCtx<Traits> const& c) {
   using Tiles = WgmmaTiles<Traits>;
   typename Tiles::TiledMmaQK mma_qk;
   typename Tiles::TiledMmaPV mma_pv;
-  auto thr_qk = mma_qk.get_thread_slice(c.tidx);
-  auto thr_pv = mma_pv.get_thread_slice(c.tidx);
   Tensor tSrQ = Tiles::frag_q(c.smem.q(), c.tidx);  // = thr_qk.partition_fragment_A(Q tile)
   Tensor acc_o = Tiles::template acc<typename Tiles::TiledMmaPV, kHeadDim>();  // = partition_fragment_C(mma_pv, ..)
   clear(acc_o);
   // flat (4, 1, columns / 8) views of the accumulators for OnlineSoftmax (see attn_wgmma.cuh)
   Tensor o_rows = make_tensor(acc_o.data(), Layout<Shape<_4, _1, Int<kHeadDim / 8>>>{});
-  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS = Tiles::template coords<kBlockN>(c.tidx);
   AttnMask<2, Features> const mask(c.p, c.w, tScS);  // rows g and g + 8 of this thread's warp
   OnlineSoftmax<2> softmax;
 
@@ -96,7 +99,7 @@ __device__ __forceinline__ void mainloop_wgmma(TileCtx<Traits> const& c) {
     wgmma_gemm<false>(mma_pv, tOrP, Tiles::frag_vt(c.smem.v_tile(stage, 0)), acc_o);
   }
   write_tile<Traits, Features>(c, o_rows, softmax,
-                               thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+                               Tiles::template coords<kHeadDim>(c.tidx));
 }
 
 }  // namespace pagedattn

@@ -428,13 +428,11 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   using Tiles = WgmmaTiles<Traits>;
   typename Tiles::TiledMmaQK mma_qk;
   typename Tiles::TiledMmaPV mma_pv;
-  auto thr_qk = mma_qk.get_thread_slice(c.tidx);
-  auto thr_pv = mma_pv.get_thread_slice(c.tidx);
   Tensor tSrQ = Tiles::frag_q(c.smem.q(), c.tidx);  // = thr_qk.partition_fragment_A(Q tile)
   Tensor acc_o = Tiles::template acc<typename Tiles::TiledMmaPV, kHeadDim>();  // = partition_fragment_C(mma_pv, ..)
   clear(acc_o);
   Tensor o_rows = make_tensor(acc_o.data(), Layout<Shape<_4, _1, Int<kHeadDim / 8>>>{});
-  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS = Tiles::template coords<kBlockN>(c.tidx);
   AttnMask<2, Features> const mask(c.p, c.w, tScS);
   OnlineSoftmax<2> softmax;
   constexpr int kFma = Features::kSoftcap ? Traits::kExp2FmaSoftcap : 0;
@@ -516,7 +514,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
     release(bars.empty_v, n_steps - 1);
   }
   ws_store_tile<Traits, Features>(c, o_rows, softmax,
-                                  thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+                                  Tiles::template coords<kHeadDim>(c.tidx));
 }
 
 // The next work item from `item` on (stepping gridDim.x) that has a tile: into w, item past it.
