@@ -263,8 +263,9 @@ def test_small_smem_decode_matches_reference(D, kv, splits, monkeypatch):
 # offsets (Sm80Ldsm: every thread, copy and k-step against CuTe's partition). One variant per kind of
 # tile: decode and prefill d128 (one and four warps per group), prefill d256 (four 64-column atoms),
 # prefill d192 (three), d64 (one), d80 and d96 (16- and 32-column atoms; multi: two MMA tiles per warp)
-# and TMA decode d512 (eight atoms, two column groups). The wgmma mainloops' written accumulators
-# (WgmmaTiles::acc, attn_wgmma.cuh): prefill_wgmma (four warpgroups) and prefill_ws (two). Each check is
+# and TMA decode d512 (eight atoms, two column groups). The wgmma mainloops' written accumulators,
+# coordinates and descriptor fragments (WgmmaTiles, attn_wgmma.cuh): prefill_wgmma (four warpgroups) and
+# prefill_ws (two; d64: one 64-column panel). Each check is
 # 3-11 s of one core: `make test` runs one of each kind (atom width, warps per group, multi, column groups,
 # wgmma), `make test-all` the other head dims and dtypes too (marked slow).
 _SLOW = pytest.mark.slow
@@ -281,7 +282,8 @@ _SLOW = pytest.mark.slow
                                                pytest.param("sm_80", "fp16", 96, "multi", marks=_SLOW),
                                                ("sm_90a", "bf16", 512, "decode_tma"),
                                                ("sm_90a", "bf16", 128, "prefill_wgmma"),
-                                               ("sm_90a", "fp16", 256, "prefill_ws")])
+                                               ("sm_90a", "fp16", 256, "prefill_ws"),
+                                               pytest.param("sm_90a", "bf16", 64, "prefill_ws", marks=_SLOW)])
 def test_written_sm80_layouts_are_cutes(arch, dtype, d, mode):
     from pagedattn.codegen.compile import compile_source, nvrtc_options
     from pagedattn.codegen.toolchain import toolchain

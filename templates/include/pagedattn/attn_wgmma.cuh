@@ -60,6 +60,65 @@ struct WgmmaTiles {
     return a;
   }
 
+  // The (row, column) coordinates in the (kM, kCols) tile of a thread's accumulator entries, as
+  // thr_mma.partition_C(make_identity_tensor(kM, kCols)) gives them: thread v = tidx % 128 of
+  // warpgroup wg holds rows 64 wg + 16 (v / 32) + (v / 4) % 8 (+ 8) and columns 2 (v % 4) (+ 1) + 8 n
+  // (the accumulator order above), computed in the order the TiledMma's layouts do.
+  template <int kCols>
+  using CoordLayout = cute::Layout<
+      cute::Shape<cute::Shape<cute::_2, cute::_2, cute::Int<kCols / 8>>, cute::_1, cute::_1>,
+      cute::Stride<cute::Stride<cute::ScaledBasis<cute::_1, 1>, cute::ScaledBasis<cute::_8, 0>,
+                                cute::ScaledBasis<cute::_8, 1>>, cute::_0, cute::_0>>;
+  template <int kCols>
+  __device__ __forceinline__ static auto coords(int tidx) {
+    int const v = tidx % 128, wg = tidx / 128 % (Traits::kWarpsM / 4);
+    int const col = v % 4 * 2, row = v / 4 % 8 + v / 32 * 16 + wg * 64;
+    return cute::make_tensor(cute::make_inttuple_iter(cute::make_tuple(row, col)), CoordLayout<kCols>{});
+  }
+
+  // The shared-memory operands as wgmma descriptor fragments, as thr_mma.partition_fragment_A/B build
+  // them from the tiles above, without that function's layout algebra (most of the front end's time in
+  // these mainloops). A fragment is one descriptor (the operand's first k-step) and a layout of k-steps
+  // whose offsets, in 16-byte units, the MMA adds to the descriptor's start address: (1, 1, k-steps).
+  // The tiles are 64-column panels (kRows x 64, 128 bytes a row, 8-row atoms stacked down the rows);
+  // a k-step of Q or K is the next 16 columns (32 bytes, 2 units) of a panel, then the next panel
+  // (kRows x 8 units on); a k-step of V^T is the next 16 keys (16 rows: 128 units).
+  // K-major operands (Q, K): the stride byte offset steps 8 rows (1024 B: 64 units); the leading byte
+  // offset is 1 (unused by 128-byte swizzles). V read MN-major (d-contiguous): the leading byte offset
+  // steps a 64-column panel (kN rows, kN x 8 units; 0 where there is one), the stride byte offset 8
+  // keys (64 units).
+  // PAGEDATTN_CHECK_TYPES: the fragments' types are CuTe's (check_wgmma_types); their descriptors are
+  // CuTe's too: the kernels' SASS is byte-identical to that of partition_fragment_A/B.
+  template <int kRows>
+  using KMajorSteps = cute::Layout<cute::Shape<cute::_1, cute::_1, cute::Shape<cute::_4, cute::Int<kD / 64>>>,
+                                   cute::Stride<cute::_0, cute::_0, cute::Stride<cute::_2, cute::Int<kRows * 8>>>>;
+  using VtSteps = cute::Layout<cute::Shape<cute::_1, cute::_1, cute::Int<kN / 16>>,
+                               cute::Stride<cute::_0, cute::_0, cute::_128>>;
+
+  __device__ __forceinline__ static cute::GmmaDescriptor sw128_desc(Element const* tile, uint32_t leading,
+                                                                          uint32_t stride) {
+    cute::GmmaDescriptor d;
+    d.bitfield.layout_type_ = uint8_t(cute::GMMA::LayoutType::B128);
+    d.bitfield.start_address_ = uint16_t(cute::cast_smem_ptr_to_uint(tile) >> 4);
+    d.bitfield.base_offset_ = 0;
+    d.bitfield.stride_byte_offset_ = stride;
+    d.bitfield.leading_byte_offset_ = leading;
+    return d;
+  }
+  // Q's rows of thread tidx's warpgroup (64 rows: 64 x 128 bytes into each panel; the warpgroup taken
+  // modulo the tile's, as the TiledMma's thread layout does)
+  __device__ __forceinline__ static auto frag_q(Element const* q_tile, int tidx) {
+    int const wg = tidx / 128 % (Traits::kWarpsM / 4);
+    return cute::make_tensor(cute::GMMA::DescriptorIterator{sw128_desc(q_tile + wg * 64 * 64, 1, 64)},
+                             KMajorSteps<kM>{});
+  }
+  __device__ __forceinline__ static auto frag_k(Element const* k_tile) {
+    return cute::make_tensor(cute::GMMA::DescriptorIterator{sw128_desc(k_tile, 1, 64)}, KMajorSteps<kN>{});
+  }
+  __device__ __forceinline__ static auto frag_vt(Element const* v_tile) {
+    return cute::make_tensor(cute::GMMA::DescriptorIterator{sw128_desc(v_tile, kD > 64 ? kN * 8 : 0, 64)}, VtSteps{});
+  }
+
   // P in registers, in the A-operand order of TiledMmaPV: (8 values, 1 row block, kBlockN / 16 steps)
   using FragP = decltype(cute::make_tensor<Element>(
       cute::Shape<cute::Shape<cute::_2, cute::_2, cute::_2>, cute::_1, cute::Int<kN / 16>>{}));

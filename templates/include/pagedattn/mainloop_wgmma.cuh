@@ -17,14 +17,41 @@
 namespace pagedattn {
 
 #if PAGEDATTN_CHECK_TYPES
-// The written-out accumulator types of the wgmma mainloops (mainloop_wgmma, ws_consume) against
-// CuTe's (the kernel body under PAGEDATTN_CHECK_TYPES_ONLY; tests: front end only). Their (row, key)
-// coordinates stay CuTe's partition_C: plain integer arithmetic there changed the SASS (set-up only).
+// The written-out types of the wgmma mainloops (mainloop_wgmma, ws_consume) against CuTe's (the kernel
+// body under PAGEDATTN_CHECK_TYPES_ONLY; tests: front end only): the accumulators, and the descriptor
+// fragments (the same engine and, mode by mode, the same k-step offsets: CuTe's shapes nest the
+// k-steps as its tiles do, coalesced per mode they are the written ones), and the coordinate tensors.
+template <class Mine, class Cutes>
+constexpr bool same_fragment() {
+  using namespace cute;
+  using Modes = Step<_1, _1, _1>;
+  return is_same_v<typename Mine::engine_type, typename Cutes::engine_type> &&
+         is_same_v<decltype(coalesce(typename Mine::layout_type{}, Modes{})),
+                   decltype(coalesce(typename Cutes::layout_type{}, Modes{}))>;
+}
+
 template <class Traits>
 __device__ void check_wgmma_types() {
+  using namespace cute;
   using Tiles = WgmmaTiles<Traits>;
+  using Element = typename Traits::Element;
   Tiles::template acc<typename Tiles::TiledMmaPV, Traits::kHeadDim>();
   Tiles::template acc<typename Tiles::TiledMmaQK, Traits::kBlockN>();
+  Element* const tile = nullptr;
+  auto thr_qk = typename Tiles::TiledMmaQK{}.get_thread_slice(0);
+  auto thr_pv = typename Tiles::TiledMmaPV{}.get_thread_slice(0);
+  static_assert(same_fragment<decltype(Tiles::frag_q(tile, 0)), decltype(thr_qk.partition_fragment_A(
+                                  make_tensor(make_smem_ptr(tile), typename Tiles::SmemLayoutQ{})))>(), "Q fragment");
+  static_assert(same_fragment<decltype(Tiles::frag_k(tile)), decltype(thr_qk.partition_fragment_B(
+                                  make_tensor(make_smem_ptr(tile), typename Tiles::SmemLayoutK{})))>(), "K fragment");
+  static_assert(same_fragment<decltype(Tiles::frag_vt(tile)), decltype(thr_pv.partition_fragment_B(make_tensor(
+                                  make_smem_ptr(tile), typename Tiles::SmemLayoutVt{})))>(), "V^T fragment");
+  static_assert(same_fragment<decltype(Tiles::template coords<Traits::kBlockN>(0)), decltype(thr_qk.partition_C(
+                                  make_identity_tensor(Shape<Int<Traits::kBlockM>, Int<Traits::kBlockN>>{})))>(),
+                "S coordinates");
+  static_assert(same_fragment<decltype(Tiles::template coords<Traits::kHeadDim>(0)), decltype(thr_pv.partition_C(
+                                  make_identity_tensor(Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{})))>(),
+                "O coordinates");
 }
 #endif
 
@@ -36,23 +63,15 @@ __device__ __forceinline__ void mainloop_wgmma(TileCtx<Traits> const& c) {
   using Tiles = WgmmaTiles<Traits>;
   typename Tiles::TiledMmaQK mma_qk;
   typename Tiles::TiledMmaPV mma_pv;
-  auto thr_qk = mma_qk.get_thread_slice(c.tidx);
-  auto thr_pv = mma_pv.get_thread_slice(c.tidx);
-  Tensor tSrQ = thr_qk.partition_fragment_A(make_tensor(make_smem_ptr(c.smem.q()), typename Tiles::SmemLayoutQ{}));
+  Tensor tSrQ = Tiles::frag_q(c.smem.q(), c.tidx);  // = thr_qk.partition_fragment_A(Q tile)
   Tensor acc_o = Tiles::template acc<typename Tiles::TiledMmaPV, kHeadDim>();  // = partition_fragment_C(mma_pv, ..)
   clear(acc_o);
   // flat (4, 1, columns / 8) views of the accumulators for OnlineSoftmax (see attn_wgmma.cuh)
   Tensor o_rows = make_tensor(acc_o.data(), Layout<Shape<_4, _1, Int<kHeadDim / 8>>>{});
-  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS = Tiles::template coords<kBlockN>(c.tidx);
   AttnMask<2, Features> const mask(c.p, c.w, tScS);  // rows g and g + 8 of this thread's warp
   OnlineSoftmax<2> softmax;
 
-  auto stage_k = [&](int stage) {
-    return make_tensor(make_smem_ptr(c.smem.k_tile(stage, 0)), typename Tiles::SmemLayoutK{});
-  };
-  auto stage_vt = [&](int stage) {
-    return make_tensor(make_smem_ptr(c.smem.v_tile(stage, 0)), typename Tiles::SmemLayoutVt{});
-  };
   typename Tiles::FragP tOrP;  // P of the step, in the A-operand order of P V
 
   int const n_steps = c.w.step_end - c.w.step_begin;
@@ -71,16 +90,16 @@ __device__ __forceinline__ void mainloop_wgmma(TileCtx<Traits> const& c) {
     }
     int const stage = Traits::kIsFp8 ? 0 : loaded;  // the Element stage the MMAs read
     Tensor acc_s = Tiles::template acc<typename Tiles::TiledMmaQK, kBlockN>();
-    wgmma_gemm<true>(mma_qk, tSrQ, thr_qk.partition_fragment_B(stage_k(stage)), acc_s);
+    wgmma_gemm<true>(mma_qk, tSrQ, Tiles::frag_k(c.smem.k_tile(stage, 0)), acc_s);
     float const s_scale = mask.template apply<kBlockN>(acc_s, tScS, (c.w.step_begin + it) * kBlockN, c.scale_log2);
     Tensor s_rows = make_tensor(acc_s.data(), Layout<Shape<_4, _1, Int<kBlockN / 8>>>{});
     softmax.update(s_rows, o_rows, s_scale);
     CUTE_UNROLL
     for (int i = 0; i < size(acc_s); ++i) tOrP(i) = Element(acc_s(i));
-    wgmma_gemm<false>(mma_pv, tOrP, thr_pv.partition_fragment_B(stage_vt(stage)), acc_o);
+    wgmma_gemm<false>(mma_pv, tOrP, Tiles::frag_vt(c.smem.v_tile(stage, 0)), acc_o);
   }
   write_tile<Traits, Features>(c, o_rows, softmax,
-                               thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+                               Tiles::template coords<kHeadDim>(c.tidx));
 }
 
 }  // namespace pagedattn

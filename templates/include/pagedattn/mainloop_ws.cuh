@@ -428,13 +428,11 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   using Tiles = WgmmaTiles<Traits>;
   typename Tiles::TiledMmaQK mma_qk;
   typename Tiles::TiledMmaPV mma_pv;
-  auto thr_qk = mma_qk.get_thread_slice(c.tidx);
-  auto thr_pv = mma_pv.get_thread_slice(c.tidx);
-  Tensor tSrQ = thr_qk.partition_fragment_A(make_tensor(make_smem_ptr(c.smem.q()), typename Tiles::SmemLayoutQ{}));
+  Tensor tSrQ = Tiles::frag_q(c.smem.q(), c.tidx);  // = thr_qk.partition_fragment_A(Q tile)
   Tensor acc_o = Tiles::template acc<typename Tiles::TiledMmaPV, kHeadDim>();  // = partition_fragment_C(mma_pv, ..)
   clear(acc_o);
   Tensor o_rows = make_tensor(acc_o.data(), Layout<Shape<_4, _1, Int<kHeadDim / 8>>>{});
-  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS = Tiles::template coords<kBlockN>(c.tidx);
   AttnMask<2, Features> const mask(c.p, c.w, tScS);
   OnlineSoftmax<2> softmax;
   constexpr int kFma = Features::kSoftcap ? Traits::kExp2FmaSoftcap : 0;
@@ -454,14 +452,8 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
     int const first = c.w.k_len - key0_of(it);
     if (first < kBlockN) ws_clear_tail(c, ring.slot<kStages>(it), first);  // uniform: the last step only
   };
-  auto tSrK = [&](int it) {
-    return thr_qk.partition_fragment_B(
-        make_tensor(make_smem_ptr(c.smem.k_tile(ring.slot<kStages>(it), 0)), typename Tiles::SmemLayoutK{}));
-  };
-  auto tOrVt = [&](int it) {
-    return thr_pv.partition_fragment_B(
-        make_tensor(make_smem_ptr(c.smem.v_tile(ring.slot<kStages>(it), 0)), typename Tiles::SmemLayoutVt{}));
-  };
+  auto tSrK = [&](int it) { return Tiles::frag_k(c.smem.k_tile(ring.slot<kStages>(it), 0)); };
+  auto tOrVt = [&](int it) { return Tiles::frag_vt(c.smem.v_tile(ring.slot<kStages>(it), 0)); };
   auto release = [&](uint64_t* empty, int it) {  // this warp is done with step it's slot
     __syncwarp();
     if (c.tidx % 32 == 0) mbarrier_arrive(empty + ring.slot<kStages>(it));
@@ -522,7 +514,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
     release(bars.empty_v, n_steps - 1);
   }
   ws_store_tile<Traits, Features>(c, o_rows, softmax,
-                                  thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+                                  Tiles::template coords<kHeadDim>(c.tidx));
 }
 
 // The next work item from `item` on (stepping gridDim.x) that has a tile: into w, item past it.
