@@ -260,14 +260,14 @@ def test_small_smem_decode_matches_reference(D, kv, splits, monkeypatch):
 # Sm80AccLayout) instead of deriving them: cheaper for the compiler's front end, and only right while they
 # equal what CuTe derives. PAGEDATTN_CHECK_TYPES=1 static_asserts each against CuTe's; the front end alone
 # (-fdevice-syntax-only) runs those asserts, and those of the ldmatrix copies' written shared-memory
-# offsets (Sm80Ldsm: every thread, copy and k-step against CuTe's partition). One variant per kind of
-# tile: decode and prefill d128 (one and four warps per group), prefill d256 (four 64-column atoms),
-# prefill d192 (three), d64 (one), d80 and d96 (16- and 32-column atoms; multi: two MMA tiles per warp)
-# and TMA decode d512 (eight atoms, two column groups). The wgmma mainloops' written accumulators,
-# coordinates and descriptor fragments (WgmmaTiles, attn_wgmma.cuh): prefill_wgmma (four warpgroups) and
-# prefill_ws (two; d64: one 64-column panel). Each check is
-# 3-11 s of one core: `make test` runs one of each kind (atom width, warps per group, multi, column groups,
-# wgmma), `make test-all` the other head dims and dtypes too (marked slow).
+# offsets (Sm80Ldsm: every thread, copy and k-step against CuTe's partition, in swizzle atoms of 64, 32
+# and 16 columns). One variant per kind of tile: decode and prefill d128 (one and four warps per
+# group), prefill d256 (four 64-column atoms), prefill d192 (three), d64 (one), d80 and d96 (16- and
+# 32-column atoms; multi: two MMA tiles per warp) and TMA decode d512 (eight atoms, two column groups).
+# The wgmma mainloops' written accumulators, coordinates and descriptor fragments (WgmmaTiles,
+# attn_wgmma.cuh): prefill_wgmma (four warpgroups) and prefill_ws (two; d64: one 64-column panel). Each
+# check is 3-13 s of one core: `make test` runs one of each kind (atom width, warps per group, multi,
+# column groups, wgmma), `make test-all` the other head dims and dtypes too (marked slow).
 _SLOW = pytest.mark.slow
 @pytest.mark.parametrize("arch,dtype,d,mode", [("sm_80", "bf16", 128, "decode"),
                                                pytest.param("sm_80", "bf16", 128, "prefill", marks=_SLOW),

@@ -318,71 +318,102 @@ struct Sm80Frags {
 // Each copy (the A operand's rows 16 * kWarpsM * mi + 16 * warp, K's keys 16 * j, V's d 16 * j) at
 // k-step kk (16 columns of Q and K, 16 keys of V) moves the lane's (row, column) by multiples of 16, so
 // the thread's part of the address is computed once and each copy adds an offset to it (below).
-// Written where the register views are, in 64-column atoms, except for several A-operand tiles per warp
-// (kMmaM > 1) kept in registers (TMA decode's Q, multi_tma): there the compiler orders the same
-// instructions differently (not byte-identical SASS), so those keep CuTe's copies. So do tiles of
-// narrower atoms (d80, d96): written offsets for them (equal to CuTe's) compiled to a different
-// address set-up (not byte-identical SASS).
+// Written where the register views are, except where the same offsets compile to other SASS, which
+// keep CuTe's copies: several A-operand tiles per warp (kMmaM > 1) kept in registers (TMA decode's Q,
+// multi_tma), where the compiler orders the same instructions differently; and tiles of atoms narrower
+// than 64 columns split over several warps along M (prefill d80, d96), where it places a few set-up
+// instructions elsewhere (a loop counter's first value, the row digit the swizzle reads) and ptxas then
+// allocates the main loop's registers differently. PAGEDATTN_CHECK_TYPES checks the written offsets of
+// those tiles too.
 template <class Traits>
-inline constexpr bool kSm80WrittenLdsm =
-    Sm80Frags<Traits>::kWritten && Traits::kBlockKSmem == 64 && !(Traits::kTma && Traits::kMmaM > 1);
+inline constexpr bool kSm80WrittenLdsm = Sm80Frags<Traits>::kWritten && !(Traits::kTma && Traits::kMmaM > 1) &&
+                                         (Traits::kBlockKSmem == 64 || Traits::kWarpsM == 1);
 
 template <class Traits, bool kWritten = kSm80WrittenLdsm<Traits>>
 struct Sm80Ldsm {  // written
   using Element = typename Traits::Element;
   using Frags = Sm80Frags<Traits>;
 
-  // Element offsets in a tile of kRows rows built from SmemLayoutAtom: 8 x 64 atoms of 512 elements,
-  // down the rows first, then column blocks of kRows * 64 elements. Inside an atom, SmemLayoutAtom's
-  // Swizzle<3, 3, 3> XORs the 16-byte chunk of a 64-column row (offset bits 3..5) with the row within
-  // the atom (bits 6..8); bits 0..2 and 9 up pass through.
+  // Element offsets in a tile of kRows rows built from SmemLayoutAtom: 8 x kW atoms (kW =
+  // kBlockKSmem: 64, 32 or 16 columns) down the rows first, then column blocks of kRows * kW elements.
+  // Inside an atom, SmemLayoutAtom's Swizzle<kSwizzle, 3, 3> XORs the 16-byte chunk of a row (offset
+  // bits 3..5, 3..4 or 3) with the offset bits 6..8, 6..7 or 6 (the row's bits 0..2, 1..2 or 2 within
+  // the atom); the other bits pass through.
   //
   // Written as CuTe's partition computes them (swizzle_layout.hpp, slice_and_offset), so that the
-  // compiler emits the same instructions: a thread's unswizzled offset splits into the bits the
-  // swizzle reads or writes (3..8, `zy`) and the rest; the swizzled base swizzle(zy) + rest is computed
-  // once. A copy's unswizzled offset from there is a multiple of 16 columns: its bits 4 and 5 (16 and
-  // 32 columns), which the swizzle XORs with the thread's row bits 7 and 8, move the swizzled offset
-  // by +16 or -16, +32 or -32 as those row bits are clear or set; its bits 9 up (64-column blocks,
-  // 16-row steps) pass through; it has no bits 3 or 6..8.
-  __host__ __device__ static constexpr uint32_t swizzle(uint32_t o) { return o ^ ((o & 0x1c0) >> 3); }
+  // compiler emits the same instructions (even the order of operands matters): a thread's unswizzled
+  // offset splits into the bits the swizzle reads or writes (`zy`) and the rest; the swizzled base
+  // swizzle(zy) + rest is computed once. A copy's unswizzled offset from there is a multiple of 16
+  // columns: inside an atom, its bits 4 and 5 (16 and 32 columns, in atoms that wide), which the
+  // swizzle XORs with the thread's bits 7 and 8, move the swizzled offset by +16 or -16, +32 or -32 as
+  // those bits are clear or set; its other bits (column blocks, 16-row steps) pass through; it has no
+  // bits the swizzle reads.
+  static constexpr int kW = Traits::kBlockKSmem;
+  static constexpr int kY = 1 << Traits::kSwizzle;                // values of the bits the swizzle reads
+  static constexpr uint32_t kYMask = uint32_t(kY - 1) << 6;       // those bits
+  __host__ __device__ static constexpr uint32_t swizzle(uint32_t o) { return o ^ ((o & kYMask) >> 3); }
   struct Thread {
     uint32_t base;  // swizzle(zy) + rest
-    int s16, s32;   // how 16 and 32 more columns move the swizzled offset
+    int s16, s32;   // how 16 and 32 more columns move the swizzled offset (in atoms that wide)
   };
   __host__ __device__ static constexpr Thread thread(uint32_t zy, int rest) {
     return {swizzle(zy) + rest, (zy & 128) == 0 ? 16 : -16, (zy & 256) == 0 ? 32 : -32};
   }
-  // The thread's offsets, from its row in the atom (r8 < 8, bits 6..8), its 8-column chunk (c8 < 2, bit
-  // 3) and the rest, with the thread index t split into digits as CuTe's partition splits it (the last
-  // digit unbounded). Lane l = t % 32 of warp t / 32 (the kWarpsM warps take different 16-row tiles of
-  // the A operand and the same B operands).
-  __host__ __device__ static constexpr Thread thread(int r8, int c8, int rest) {
-    return thread((uint32_t(r8 * 64) & 448) ^ (uint32_t(c8 * 8) & 8), rest);
+  // The thread's offsets, from its row digit r, its 8-column chunk (c8 < 2, bit 3) and the rest, with
+  // the thread index t split into digits as CuTe's partition splits it (the last digit unbounded).
+  // Lane l = t % 32 of warp t / 32 (the kWarpsM warps take different 16-row tiles of the A operand and
+  // the same B operands). The row digit has kDigit = 8 rows (K's) or 16 (Q's, V's):
+  //  - 64-column atoms: r % 8 is the row in the atom (offset bits 6..8, all read by the swizzle) and,
+  //    of 16 rows, r / 8 the atom below (+512);
+  //  - narrower atoms: a row is kW elements, so the swizzle reads the row's bits from kR = 64 / kW
+  //    rows up: r % kR rows pass through (* kW), hi = r / kR is read by the swizzle (the y bits, from
+  //    bit 6) and, of 16 rows, CuTe takes hi % kY there and hi / kY = r / 8 as the atom below (8 kW).
+  //    The base (rows + rest) + (zy ^ (y >> 3)), after the steps s16 and s32, is swizzle(zy) + rest in
+  //    CuTe's order of operations.
+  static constexpr int kR = 64 / kW;
+  template <int kDigit>
+  __host__ __device__ static constexpr Thread thread(int r, int c8, int rest) {
+    if constexpr (kW == 64) {
+      if constexpr (kDigit == 16) return thread<8>(r % 8, c8, r / 8 * 512 + rest);
+      else return thread((uint32_t(r * 64) & 448) ^ (uint32_t(c8 * 8) & 8), rest);
+    } else {
+      int const hi = r / kR;
+      uint32_t const y = uint32_t((kDigit == 16 ? hi % kY : hi) * 64) & kYMask;
+      uint32_t const zy = y ^ (uint32_t(c8 * 8) & 8);
+      int const lo = r % kR * kW;
+      int const other = (kDigit == 16 ? lo + hi / kY * (8 * kW) : lo) + rest;
+      int const s16 = (y & 128) == 0 ? 16 : -16, s32 = (y & 256) == 0 ? 32 : -32;
+      return {other + (zy ^ (y >> 3)), s16, s32};
+    }
   }
   __host__ __device__ static constexpr Thread thread_q(int t) {  // row l % 16 + 16 warp, column l / 16 * 8
-    if constexpr (Traits::kWarpsM == 1) return thread(t % 16 % 8, t / 16, t % 16 / 8 * 512);
-    else return thread(t % 16 % 8, t / 16 % 2, t % 16 / 8 * 512 + t / 16 / 2 * 1024);
+    if constexpr (Traits::kWarpsM == 1) return thread<16>(t % 16, t / 16, 0);
+    // (64-column atoms: the atom below joins the rest before the warp's rows, in CuTe's order)
+    else if constexpr (kW == 64) return thread<8>(t % 16 % 8, t / 16 % 2, t % 16 / 8 * 512 + t / 16 / 2 * 1024);
+    else return thread<16>(t % 16, t / 16 % 2, t / 16 / 2 * (16 * kW));
   }
   __host__ __device__ static constexpr Thread thread_k(int t) {  // key l / 16 * 8 + l % 8, column l / 8 % 2 * 8
-    if constexpr (Traits::kWarpsM == 1) return thread(t % 8, t / 8 % 2, t / 8 / 2 * 512);
-    else return thread(t % 8, t / 8 % 2, t / 8 / 2 % 2 * 512);
+    if constexpr (Traits::kWarpsM == 1) return thread<8>(t % 8, t / 8 % 2, t / 8 / 2 * (8 * kW));
+    else return thread<8>(t % 8, t / 8 % 2, t / 8 / 2 % 2 * (8 * kW));
   }
   __host__ __device__ static constexpr Thread thread_vt(int t) {  // V's key l % 16, d l / 16 * 8
-    if constexpr (Traits::kWarpsM == 1) return thread(t % 16 % 8, t / 16, t % 16 / 8 * 512);
-    else return thread(t % 16 % 8, t / 16 % 2, t % 16 / 8 * 512);
+    if constexpr (Traits::kWarpsM == 1) return thread<16>(t % 16, t / 16, 0);
+    else return thread<16>(t % 16, t / 16 % 2, 0);
   }
-  // The constant of 16-column block i (k-step i of Q and K, d pair i of V) in a tile of kRows rows
+  // The constant of 16-column block i (k-step i of Q and K, d pair i of V) in a tile of kRows rows:
+  // the kW / 16 blocks of an atom (the swizzle's +-16, +-32), then the next column block
   template <int kRows>
   __host__ __device__ static constexpr int columns(Thread const& th, int i) {
-    return i % 2 * th.s16 + i / 2 % 2 * th.s32 + i / 4 * (kRows * 64);
+    constexpr int kPer = kW / 16;
+    return (kPer > 1 ? i % 2 * th.s16 : 0) + (kPer > 2 ? i / 2 % 2 * th.s32 : 0) + i / kPer * (kRows * kW);
   }
   // The offsets from the thread's base of k-step kk (Q, K: 16 columns; V: 16 keys), and from there
   // of copy m (Q: MMA tile mi, 16 kWarpsM rows; K: key pair j, 16 rows; V: d pair j, 16 columns)
   __host__ __device__ static constexpr int q_step(Thread const& th, int kk) { return columns<Traits::kBlockM>(th, kk); }
-  __host__ __device__ static constexpr int q_copy(Thread const&, int mi) { return mi * 16 * Traits::kWarpsM * 64; }
+  __host__ __device__ static constexpr int q_copy(Thread const&, int mi) { return mi * 16 * Traits::kWarpsM * kW; }
   __host__ __device__ static constexpr int k_step(Thread const& th, int kk) { return columns<Traits::kBlockN>(th, kk); }
-  __host__ __device__ static constexpr int k_copy(Thread const&, int j) { return j * 16 * 64; }
-  __host__ __device__ static constexpr int vt_step(Thread const&, int kk) { return kk * 16 * 64; }
+  __host__ __device__ static constexpr int k_copy(Thread const&, int j) { return j * 16 * kW; }
+  __host__ __device__ static constexpr int vt_step(Thread const&, int kk) { return kk * 16 * kW; }
   __host__ __device__ static constexpr int vt_copy(Thread const& th, int j) { return columns<Traits::kBlockN>(th, j); }
 
   // The whole offset of thread t's copy m at k-step kk of operand kOperand (0: Q, 1: K, 2: V^T), as
@@ -419,20 +450,22 @@ struct Sm80Ldsm {  // written
     return {cute::raw_pointer_cast(s.data()) + th.base, th};
   }
 
-  // One x4 ldmatrix (kTrans: .trans) of the 16 bytes at `src` into the 8 values at `dst`
-  template <bool kTrans>
-  __device__ __forceinline__ static void ldsm(Element const* src, Element& dst) {
-    uint32_t* r = reinterpret_cast<uint32_t*>(&dst);
+  // One x4 ldmatrix (kTrans: .trans) of the 16 bytes at `src` into copy (m, kk) of view v: register i
+  // holds the view's values 2i and 2i + 1 (all 8 contiguous but for V^T in atoms narrower than 64
+  // columns, whose values 4..7 are the next group of d: Sm80Frags::ViewVt)
+  template <bool kTrans, class View>
+  __device__ __forceinline__ static void ldsm(Element const* src, View& v, int m, int kk) {
+    auto r = [&](int i) -> uint32_t& { return *reinterpret_cast<uint32_t*>(&v(2 * i, m, kk)); };
     auto const& s = *reinterpret_cast<cute::uint128_t const*>(src);
-    if constexpr (kTrans) cute::SM75_U16x8_LDSM_T::copy(s, r[0], r[1], r[2], r[3]);
-    else cute::SM75_U32x4_LDSM_N::copy(s, r[0], r[1], r[2], r[3]);
+    if constexpr (kTrans) cute::SM75_U16x8_LDSM_T::copy(s, r(0), r(1), r(2), r(3));
+    else cute::SM75_U32x4_LDSM_N::copy(s, r(0), r(1), r(2), r(3));
   }
   // k-step kk of Q into the view of its fragment (every MMA tile mi); all of them
   template <class View>
   __device__ __forceinline__ void q(Part const& sQ, View& v, int kk) const {
     Element const* s = sQ.base + q_step(sQ.th, kk);
     CUTE_UNROLL
-    for (int mi = 0; mi < Traits::kMmaM; ++mi) ldsm<false>(s + q_copy(sQ.th, mi), v(0, mi, kk));
+    for (int mi = 0; mi < Traits::kMmaM; ++mi) ldsm<false>(s + q_copy(sQ.th, mi), v, mi, kk);
   }
   template <class View>
   __device__ __forceinline__ void q_all(Part const& sQ, View& v) const {
@@ -443,13 +476,13 @@ struct Sm80Ldsm {  // written
   __device__ __forceinline__ void k(Part const& sK, View& v, int kk) const {
     Element const* s = sK.base + k_step(sK.th, kk);
     CUTE_UNROLL
-    for (int j = 0; j < Traits::kBlockN / 16; ++j) ldsm<false>(s + k_copy(sK.th, j), v(0, j, kk));
+    for (int j = 0; j < Traits::kBlockN / 16; ++j) ldsm<false>(s + k_copy(sK.th, j), v, j, kk);
   }
   template <class View>
   __device__ __forceinline__ void vt(Part const& sVt, View& v, int kk) const {
     Element const* s = sVt.base + vt_step(sVt.th, kk);
     CUTE_UNROLL
-    for (int j = 0; j < Traits::kHeadDimO / 16; ++j) ldsm<true>(s + vt_copy(sVt.th, j), v(0, j, kk));
+    for (int j = 0; j < Traits::kHeadDimO / 16; ++j) ldsm<true>(s + vt_copy(sVt.th, j), v, j, kk);
   }
 };
 
@@ -599,7 +632,7 @@ __device__ void check_sm80_types(typename Traits::Element* smem, int gtid) {
   Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewQ>(s2r_q_thr, q);
   Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewK>(s2r_k_thr, k);
   Sm80Frags<Traits>::template view<typename Sm80Frags<Traits>::ViewVt>(s2r_v_thr, vt);
-  if constexpr (kSm80WrittenLdsm<Traits>) static_assert(check_ldsm_offsets<Traits>());
+  if constexpr (Sm80Frags<Traits>::kWritten) static_assert(check_ldsm_offsets<Traits>());
   sm80_acc<Traits, Traits::kHeadDimO>();
   sm80_acc<Traits, Traits::kBlockN>();
 }
