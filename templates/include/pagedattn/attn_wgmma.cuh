@@ -87,8 +87,9 @@ struct WgmmaTiles {
   // offset is 1 (unused by 128-byte swizzles). V read MN-major (d-contiguous): the leading byte offset
   // steps a 64-column panel (kN rows, kN x 8 units; 0 where there is one), the stride byte offset 8
   // keys (64 units).
-  // PAGEDATTN_CHECK_TYPES: the fragments' types are CuTe's (check_wgmma_types); their descriptors are
-  // CuTe's too: the kernels' SASS is byte-identical to that of partition_fragment_A/B.
+  // PAGEDATTN_CHECK_TYPES: the fragments' engines and k-step offsets are CuTe's (check_wgmma_types); the
+  // descriptors' values are checked by the SASS, byte-identical to that of partition_fragment_A/B
+  // (perf/results/nvrtc_wgmma_frags_cpu2_20261204_issue19.json).
   template <int kRows>
   using KMajorSteps = cute::Layout<cute::Shape<cute::_1, cute::_1, cute::Shape<cute::_4, cute::Int<kD / 64>>>,
                                    cute::Stride<cute::_0, cute::_0, cute::Stride<cute::_2, cute::Int<kRows * 8>>>>;
@@ -96,7 +97,7 @@ struct WgmmaTiles {
                                cute::Stride<cute::_0, cute::_0, cute::_128>>;
 
   __device__ __forceinline__ static cute::GmmaDescriptor sw128_desc(Element const* tile, uint32_t leading,
-                                                                          uint32_t stride) {
+                                                                     uint32_t stride) {
     cute::GmmaDescriptor d;
     d.bitfield.layout_type_ = uint8_t(cute::GMMA::LayoutType::B128);
     d.bitfield.start_address_ = uint16_t(cute::cast_smem_ptr_to_uint(tile) >> 4);
@@ -116,7 +117,8 @@ struct WgmmaTiles {
     return cute::make_tensor(cute::GMMA::DescriptorIterator{sw128_desc(k_tile, 1, 64)}, KMajorSteps<kN>{});
   }
   __device__ __forceinline__ static auto frag_vt(Element const* v_tile) {
-    return cute::make_tensor(cute::GMMA::DescriptorIterator{sw128_desc(v_tile, kD > 64 ? kN * 8 : 0, 64)}, VtSteps{});
+    return cute::make_tensor(cute::GMMA::DescriptorIterator{sw128_desc(v_tile, kD > 64 ? kN * 8 : 0, 64)},
+                             VtSteps{});
   }
 
   // P in registers, in the A-operand order of TiledMmaPV: (8 values, 1 row block, kBlockN / 16 steps)
