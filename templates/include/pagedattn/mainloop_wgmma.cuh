@@ -59,7 +59,7 @@ template <class Traits, class Features>
 __device__ __forceinline__ void mainloop_wgmma(TileCtx<Traits> const& c) {
   using namespace cute;
   using Element = typename Traits::Element;
-  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   using Tiles = WgmmaTiles<Traits>;
   typename Tiles::TiledMmaQK mma_qk;
   typename Tiles::TiledMmaPV mma_pv;

@@ -422,7 +422,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
                                            WsPingPong<Traits::kPingPong> const& pp, NextQ const& next_q) {
   using namespace cute;
   using Element = typename Traits::Element;
-  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   constexpr int kStages = Traits::kStages;
   static_assert(!Traits::kPingPong || Traits::kThreads == 256, "ping-pong: two consumer warpgroups");
   using Tiles = WgmmaTiles<Traits>;
