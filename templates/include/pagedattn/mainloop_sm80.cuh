@@ -325,9 +325,16 @@ struct Sm80Frags {
 // instructions elsewhere (a loop counter's first value, the row digit the swizzle reads) and ptxas then
 // allocates the main loop's registers differently. PAGEDATTN_CHECK_TYPES checks the written offsets of
 // those tiles too.
+// PAGEDATTN_LDSM (rendered only under a forced tile field kLdsm, for A/B studies on the GPU): 1 takes the
+// written copies wherever the register views are written, 0 CuTe's everywhere.
 template <class Traits>
-inline constexpr bool kSm80WrittenLdsm = Sm80Frags<Traits>::kWritten && !(Traits::kTma && Traits::kMmaM > 1) &&
-                                         (Traits::kBlockKSmem == 64 || Traits::kWarpsM == 1);
+inline constexpr bool kSm80WrittenLdsm =
+#ifdef PAGEDATTN_LDSM
+    PAGEDATTN_LDSM && Sm80Frags<Traits>::kWritten;
+#else
+    Sm80Frags<Traits>::kWritten && !(Traits::kTma && Traits::kMmaM > 1) &&
+    (Traits::kBlockKSmem == 64 || Traits::kWarpsM == 1);
+#endif
 
 template <class Traits, bool kWritten = kSm80WrittenLdsm<Traits>>
 struct Sm80Ldsm {  // written
