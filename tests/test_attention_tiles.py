@@ -263,7 +263,8 @@ def test_small_smem_decode_matches_reference(D, kv, splits, monkeypatch):
 # offsets (Sm80Ldsm: every thread, copy and k-step against CuTe's partition, in swizzle atoms of 64, 32
 # and 16 columns). One variant per kind of tile: decode and prefill d128 (one and four warps per
 # group), prefill d256 (four 64-column atoms), prefill d192 (three), d64 (one), d80 and d96 (16- and
-# 32-column atoms; multi: two MMA tiles per warp) and TMA decode d512 (eight atoms, two column groups).
+# 32-column atoms; multi: two MMA tiles per warp), TMA decode d512 (eight atoms, two column groups) and
+# multi_tma d128 (written K and V^T copies beside CuTe's Q copy).
 # The wgmma mainloops' written accumulators (WgmmaTiles::acc, attn_wgmma.cuh): prefill_wgmma (four
 # warpgroups) and prefill_ws (two). Each check is 3-13 s of one core: `make test` runs one of each kind
 # (atom width, warps per group, multi, column groups, wgmma), `make test-all` the other head dims and
@@ -281,6 +282,7 @@ _SLOW = pytest.mark.slow
                                                pytest.param("sm_80", "bf16", 96, "prefill", marks=_SLOW),
                                                pytest.param("sm_80", "fp16", 96, "multi", marks=_SLOW),
                                                ("sm_90a", "bf16", 512, "decode_tma"),
+                                               pytest.param("sm_90a", "bf16", 128, "multi_tma", marks=_SLOW),
                                                ("sm_90a", "bf16", 128, "prefill_wgmma"),
                                                ("sm_90a", "fp16", 256, "prefill_ws")])
 def test_written_sm80_layouts_are_cutes(arch, dtype, d, mode):

@@ -228,8 +228,8 @@ struct Sm80Frags {
   // PAGEDATTN_CHECK_TYPES asserts them for the tested tiles: (kMmaM, kBlockN / 8, kHeadDim / 64,
   // kHeadDimO / 64) = (1, 2, 2, 2) sm_80 decode, (2, 8, 2, 2) sm_80 prefill, (1, 4, 4, 4) sm_80 prefill
   // d256, (1, 2, 8, 4) sm_90a decode_tma d512; decode, prefill and multi (2, 2, ...) at d64, d80, d96
-  // (one 64-column atom; five of 16 columns; three of 32) and prefill d192 (three 64-column atoms);
-  // also checked once: (2, 2, 2, 2) multi_tma, (1, 4, 2, 2) fp8 decode_tma. Written with the fragments.
+  // (one 64-column atom; five of 16 columns; three of 32), prefill d192 (three 64-column atoms) and
+  // (2, 2, 2, 2) multi_tma; also checked once: (1, 4, 2, 2) fp8 decode_tma. Written with the fragments.
   using ViewQ = cute::Layout<cute::Shape<cute::Shape<_8, _1>, I<kMmaM>, ViewStepShape<8 * kMmaM>>,
                              cute::Stride<cute::Stride<_1, _0>, S<kMmaM, 8>, ViewStepStride<8 * kMmaM>>>;
   using ViewK = cute::Layout<cute::Shape<cute::Shape<_8, _1>, I<kN8 / 2>, ViewStepShape<4 * kN8>>,
@@ -319,15 +319,18 @@ struct Sm80Frags {
 // k-step kk (16 columns of Q and K, 16 keys of V) moves the lane's (row, column) by multiples of 16, so
 // the thread's part of the address is computed once and each copy adds an offset to it (below).
 // Written where the register views are, except where the same offsets compile to other SASS, which
-// keep CuTe's copies: several A-operand tiles per warp (kMmaM > 1) kept in registers (TMA decode's Q,
-// multi_tma), where the compiler orders the same instructions differently; and tiles of atoms narrower
-// than 64 columns split over several warps along M (prefill d80, d96), where it places a few set-up
-// instructions elsewhere (a loop counter's first value, the row digit the swizzle reads) and ptxas then
-// allocates the main loop's registers differently. PAGEDATTN_CHECK_TYPES checks the written offsets of
-// those tiles too.
+// keep CuTe's copies: Q's copy where several A-operand tiles per warp (kMmaM > 1) are loaded once into
+// registers (multi_tma: Sm80LdsmCuteQ below), where the compiler sums Q's addresses in another order
+// and ptxas then assigns Q's fragments other registers; and all three copies of tiles of atoms
+// narrower than 64 columns split over several warps along M (prefill d80, d96), where it places a few
+// set-up instructions elsewhere (a loop counter's first value, the row digit the swizzle reads) and
+// ptxas then allocates the main loop's registers differently. PAGEDATTN_CHECK_TYPES checks the
+// written offsets of those tiles too.
 template <class Traits>
-inline constexpr bool kSm80WrittenLdsm = Sm80Frags<Traits>::kWritten && !(Traits::kTma && Traits::kMmaM > 1) &&
-                                         (Traits::kBlockKSmem == 64 || Traits::kWarpsM == 1);
+inline constexpr bool kSm80WrittenKV =
+    Sm80Frags<Traits>::kWritten && (Traits::kBlockKSmem == 64 || Traits::kWarpsM == 1);
+template <class Traits>
+inline constexpr bool kSm80WrittenLdsm = kSm80WrittenKV<Traits> && !(Traits::kTma && Traits::kMmaM > 1);
 
 template <class Traits, bool kWritten = kSm80WrittenLdsm<Traits>>
 struct Sm80Ldsm {  // written
@@ -531,6 +534,32 @@ struct Sm80Ldsm<Traits, false> {  // CuTe's tiled copies
   }
 };
 
+// Written K and V^T copies with CuTe's Q copy (kSm80WrittenKV but not kSm80WrittenLdsm: multi_tma).
+template <class Traits>
+struct Sm80LdsmCuteQ : Sm80Ldsm<Traits, true> {
+  using Frags = Sm80Frags<Traits>;
+  using CopyQ = decltype(cute::make_tiled_copy_A(typename Traits::SmemCopyAtom{}, typename Traits::TiledMma{}));
+  CopyQ s2r_q;
+  decltype(CopyQ{}.get_thread_slice(0)) thr_q;
+  __device__ __forceinline__ explicit Sm80LdsmCuteQ(int gtid) : Sm80Ldsm<Traits, true>(gtid), thr_q(s2r_q.get_thread_slice(gtid)) {}
+
+  template <class Frag>
+  __device__ __forceinline__ auto view_q(Frag& f) const { return Frags::template view<typename Frags::ViewQ>(thr_q, f); }
+  template <class Tile>
+  __device__ __forceinline__ auto partition_q(Tile const& s) const { return thr_q.partition_S(s); }
+  template <class Src, class View>
+  __device__ __forceinline__ void q(Src const& tSsQ, View& v, int kk) const {
+    cute::copy(s2r_q, tSsQ(cute::_, cute::_, kk), v(cute::_, cute::_, kk));
+  }
+  template <class Src, class View>
+  __device__ __forceinline__ void q_all(Src const& tSsQ, View& v) const { cute::copy(s2r_q, tSsQ, v); }
+};
+
+// The ldmatrix copies of mainloop_sm80
+template <class Traits>
+using Sm80Copies = cute::conditional_t<kSm80WrittenKV<Traits> && !kSm80WrittenLdsm<Traits>, Sm80LdsmCuteQ<Traits>,
+                                       Sm80Ldsm<Traits>>;
+
 // The layout of an SM80 MMA accumulator of (kBlockM, kCols) per thread, ((2,2), kMmaM, kCols/8), as
 // partition_fragment_C(TiledMma, (kBlockM, kCols)) builds it (compact, size-1 modes of stride 0), without
 // that function's layout algebra. PAGEDATTN_CHECK_TYPES: assert it is the same type.
@@ -663,7 +692,7 @@ __device__ __forceinline__ void mainloop_sm80(TileCtx<Traits> const& c, Loader& 
   Tensor acc_o = sm80_acc<Traits, kHeadDimO>();  // (MMA, kMmaM, kHeadDimO/8)
   clear(acc_o);
 
-  Sm80Ldsm<Traits> const ldsm(gtid);  // the ldmatrix copies
+  Sm80Copies<Traits> const ldsm(gtid);  // the ldmatrix copies
   auto const tSsQ = ldsm.partition_q(sQ);
   Tensor tSrQ_view = ldsm.view_q(tSrQ);
   Tensor tSrK_view = ldsm.view_k(tSrK);
