@@ -263,11 +263,12 @@ def test_small_smem_decode_matches_reference(D, kv, splits, monkeypatch):
 # offsets (Sm80Ldsm: every thread, copy and k-step against CuTe's partition, in swizzle atoms of 64, 32
 # and 16 columns). One variant per kind of tile: decode and prefill d128 (one and four warps per
 # group), prefill d256 (four 64-column atoms), prefill d192 (three), d64 (one), d80 and d96 (16- and
-# 32-column atoms; multi: two MMA tiles per warp) and TMA decode d512 (eight atoms, two column groups).
-# The wgmma mainloops' written accumulators, coordinates and descriptor fragments (WgmmaTiles,
-# attn_wgmma.cuh): prefill_wgmma (four warpgroups) and prefill_ws (two; d64: one 64-column panel). Each
-# check is 3-13 s of one core: `make test` runs one of each kind (atom width, warps per group, multi,
-# column groups, wgmma), `make test-all` the other head dims and dtypes too (marked slow).
+# 32-column atoms; multi: two MMA tiles per warp), TMA decode d512 (eight atoms, two column groups) and
+# multi_tma d128 (two MMA tiles per warp, Q kept in registers). The wgmma mainloops' written
+# accumulators, coordinates and descriptor fragments (WgmmaTiles, attn_wgmma.cuh): prefill_wgmma (four
+# warpgroups) and prefill_ws (two; d64: one 64-column panel). Each check is 3-16 s of one core: `make
+# test` runs one of each kind (atom width, warps per group, multi, column groups, wgmma), `make
+# test-all` the other head dims and dtypes too (marked slow).
 _SLOW = pytest.mark.slow
 @pytest.mark.parametrize("arch,dtype,d,mode", [("sm_80", "bf16", 128, "decode"),
                                                pytest.param("sm_80", "bf16", 128, "prefill", marks=_SLOW),
@@ -281,6 +282,7 @@ _SLOW = pytest.mark.slow
                                                pytest.param("sm_80", "bf16", 96, "prefill", marks=_SLOW),
                                                pytest.param("sm_80", "fp16", 96, "multi", marks=_SLOW),
                                                ("sm_90a", "bf16", 512, "decode_tma"),
+                                               pytest.param("sm_90a", "bf16", 128, "multi_tma", marks=_SLOW),
                                                ("sm_90a", "bf16", 128, "prefill_wgmma"),
                                                ("sm_90a", "fp16", 256, "prefill_ws"),
                                                pytest.param("sm_90a", "bf16", 64, "prefill_ws", marks=_SLOW)])

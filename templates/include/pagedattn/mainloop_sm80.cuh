@@ -228,8 +228,8 @@ struct Sm80Frags {
   // PAGEDATTN_CHECK_TYPES asserts them for the tested tiles: (kMmaM, kBlockN / 8, kHeadDim / 64,
   // kHeadDimO / 64) = (1, 2, 2, 2) sm_80 decode, (2, 8, 2, 2) sm_80 prefill, (1, 4, 4, 4) sm_80 prefill
   // d256, (1, 2, 8, 4) sm_90a decode_tma d512; decode, prefill and multi (2, 2, ...) at d64, d80, d96
-  // (one 64-column atom; five of 16 columns; three of 32) and prefill d192 (three 64-column atoms);
-  // also checked once: (2, 2, 2, 2) multi_tma, (1, 4, 2, 2) fp8 decode_tma. Written with the fragments.
+  // (one 64-column atom; five of 16 columns; three of 32), prefill d192 (three 64-column atoms) and
+  // (2, 2, 2, 2) multi_tma; also checked once: (1, 4, 2, 2) fp8 decode_tma. Written with the fragments.
   using ViewQ = cute::Layout<cute::Shape<cute::Shape<_8, _1>, I<kMmaM>, ViewStepShape<8 * kMmaM>>,
                              cute::Stride<cute::Stride<_1, _0>, S<kMmaM, 8>, ViewStepStride<8 * kMmaM>>>;
   using ViewK = cute::Layout<cute::Shape<cute::Shape<_8, _1>, I<kN8 / 2>, ViewStepShape<4 * kN8>>,
@@ -319,22 +319,22 @@ struct Sm80Frags {
 // k-step kk (16 columns of Q and K, 16 keys of V) moves the lane's (row, column) by multiples of 16, so
 // the thread's part of the address is computed once and each copy adds an offset to it (below).
 // Written where the register views are, except where the same offsets compile to other SASS, which
-// keep CuTe's copies: several A-operand tiles per warp (kMmaM > 1) kept in registers (TMA decode's Q,
-// multi_tma), where the compiler orders the same instructions differently; and tiles of atoms narrower
-// than 64 columns split over several warps along M (prefill d80, d96), where it places a few set-up
-// instructions elsewhere (a loop counter's first value, the row digit the swizzle reads) and ptxas then
-// allocates the main loop's registers differently. PAGEDATTN_CHECK_TYPES checks the written offsets of
-// those tiles too.
-// PAGEDATTN_LDSM (rendered only under a forced tile field kLdsm, for A/B studies on the GPU): 1 takes the
-// written copies wherever the register views are written, 0 CuTe's everywhere.
+// Written wherever the register views are. Two kinds of tile compile to other SASS than with CuTe's
+// copies: multi_tma, whose Q tiles (kMmaM > 1) are loaded once into registers, where the compiler sums
+// Q's addresses in another order and ptxas assigns Q's fragments other registers; and tiles of atoms
+// narrower than 64 columns split over several warps along M (prefill d80, d96), where it places a few
+// set-up instructions elsewhere (a loop counter's first value, the row digit the swizzle reads) and
+// ptxas allocates the main loop's registers differently. Timed on the H200 against CuTe's copies in
+// one call, A B A B (perf/results/ldsm_ab_h200_20261204_405b778.json): the same times (prefill d80
+// 2903 / 2902 us both ways; d96 3130-3139 written, 3139-3149 CuTe's; multi-token decode q5-q64 within
+// 1 %). PAGEDATTN_LDSM (rendered only under a forced tile field kLdsm, for such A/B studies): 0 takes
+// CuTe's copies everywhere.
 template <class Traits>
 inline constexpr bool kSm80WrittenLdsm =
 #ifdef PAGEDATTN_LDSM
-    PAGEDATTN_LDSM && Sm80Frags<Traits>::kWritten;
-#else
-    Sm80Frags<Traits>::kWritten && !(Traits::kTma && Traits::kMmaM > 1) &&
-    (Traits::kBlockKSmem == 64 || Traits::kWarpsM == 1);
+    PAGEDATTN_LDSM &&
 #endif
+    Sm80Frags<Traits>::kWritten;
 
 template <class Traits, bool kWritten = kSm80WrittenLdsm<Traits>>
 struct Sm80Ldsm {  // written
