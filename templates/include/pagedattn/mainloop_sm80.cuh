@@ -325,7 +325,7 @@ struct Sm80Frags {
 // narrower than 64 columns split over several warps along M (prefill d80, d96), where it places a few
 // set-up instructions elsewhere (a loop counter's first value, the row digit the swizzle reads) and
 // ptxas allocates the main loop's registers differently. Timed on the H200 against CuTe's copies in
-// one call, A B A B (perf/results/ldsm_ab_h200_20261204_405b778_{cute,written}_r{1,2}.json): the same times (prefill d80
+// one call, A B A B (perf/results/ldsm_ab_h200_20261204_405b778_*.json): the same times (prefill d80
 // 2903 / 2902 us both ways; d96 3130-3139 written, 3139-3149 CuTe's; multi-token decode q5-q64 within
 // 1 %). PAGEDATTN_LDSM (rendered only under a forced tile field kLdsm, for such A/B studies): 0 takes
 // CuTe's copies everywhere.
