@@ -131,13 +131,14 @@ def _farm_job(key: str, source: str, variant: str, arch: str, options: list[str]
     _store(key, result, variant, arch, time.process_time() - cpu0)
 
 
-def kernel_job(spec, arch: str):
-    """(source, variant, arch, options) of `Kernel(spec)` as the JIT cache and the tests compile it."""
+def kernel_job(spec, arch: str, extra=()):
+    """(source, variant, arch, options) of `Kernel(spec)` as the JIT cache and the tests compile it, with
+    `extra` options after the JIT's."""
     from pagedattn.codegen.toolchain import toolchain
     from pagedattn.registry import Kernel
 
     k = Kernel(spec)
-    return k.source, k.name, arch, _compile.nvrtc_options(arch, toolchain())
+    return k.source, k.name, arch, _compile.nvrtc_options(arch, toolchain()) + list(extra)
 
 
 # NVRTC CPU seconds on 2 cores by family (--durations lists them): attention 20-60, writes ~4, legacy <= 3

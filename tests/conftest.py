@@ -27,8 +27,9 @@ HAS_CUDA = torch.cuda.is_available()
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "compiles(*jobs): the test compiles these (spec, arch) kernels; without "
-                                       "arguments its `spec` and `arch` parameters (see _nvrtc_farm)")
+    config.addinivalue_line("markers", "compiles(*jobs): the test compiles these (spec, arch) kernels (or (spec, "
+                                       "arch, extra options)); without arguments its `spec` and `arch` "
+                                       "parameters (see _nvrtc_farm)")
 
 
 def pytest_unconfigure(config):
@@ -75,25 +76,28 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _declared_jobs(items):
-    """(spec, arch) pairs of the `compiles` markers of the tests that will run, in their order, once."""
+    """(spec, arch, extra NVRTC options) of the `compiles` markers of the tests that will run, in their
+    order, once. A marker names (spec, arch) pairs, or (spec, arch, options) for a compile with options
+    added to the JIT's (the front-end checks' -fdevice-syntax-only builds)."""
     seen = set()
     for item in items:
         if item.get_closest_marker("skip"):
             continue
         for mark in item.iter_markers("compiles"):
             params = getattr(item, "callspec", None)
-            pairs = mark.args or [(params.params["spec"], params.params["arch"])]
-            for spec, arch in pairs:
-                if spec.supports_arch(arch) and (spec, arch) not in seen:
-                    seen.add((spec, arch))
-                    yield spec, arch
+            jobs = mark.args or [(params.params["spec"], params.params["arch"])]
+            for spec, arch, *extra in jobs:
+                job = (spec, arch, tuple(extra[0]) if extra else ())
+                if spec.supports_arch(arch) and job not in seen:
+                    seen.add(job)
+                    yield job
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _nvrtc_farm_session(request):
     """Compile every declared kernel once, in parallel processes, while the tests run."""
     workers = int(os.environ.get("PAGEDATTN_TEST_JOBS") or len(os.sched_getaffinity(0)))
-    jobs = [_nvrtc_farm.kernel_job(spec, arch) for spec, arch in _declared_jobs(request.session.items)]
+    jobs = [_nvrtc_farm.kernel_job(spec, arch, extra) for spec, arch, extra in _declared_jobs(request.session.items)]
     pool = _nvrtc_farm.start(jobs, workers) if jobs and workers > 1 else None
     yield
     if pool is not None:

@@ -269,27 +269,34 @@ def test_small_smem_decode_matches_reference(D, kv, splits, monkeypatch):
 # warpgroups) and prefill_ws (two; d64: one 64-column panel). Each check is 3-16 s of one core: `make
 # test` runs one of each kind (atom width, warps per group, multi, column groups, wgmma), `make
 # test-all` the other head dims and dtypes too (marked slow).
-_SLOW = pytest.mark.slow
-@pytest.mark.parametrize("arch,dtype,d,mode", [("sm_80", "bf16", 128, "decode"),
-                                               pytest.param("sm_80", "bf16", 128, "prefill", marks=_SLOW),
-                                               ("sm_80", "fp16", 256, "prefill"),
-                                               pytest.param("sm_80", "bf16", 192, "prefill", marks=_SLOW),
-                                               ("sm_80", "bf16", 64, "decode"),
-                                               pytest.param("sm_80", "fp16", 64, "prefill", marks=_SLOW),
-                                               pytest.param("sm_80", "bf16", 80, "decode", marks=_SLOW),
-                                               pytest.param("sm_80", "fp16", 80, "prefill", marks=_SLOW),
-                                               ("sm_80", "bf16", 80, "multi"), ("sm_80", "fp16", 96, "decode"),
-                                               pytest.param("sm_80", "bf16", 96, "prefill", marks=_SLOW),
-                                               pytest.param("sm_80", "fp16", 96, "multi", marks=_SLOW),
-                                               ("sm_90a", "bf16", 512, "decode_tma"),
-                                               pytest.param("sm_90a", "bf16", 128, "multi_tma", marks=_SLOW),
-                                               ("sm_90a", "bf16", 128, "prefill_wgmma"),
-                                               ("sm_90a", "fp16", 256, "prefill_ws"),
-                                               pytest.param("sm_90a", "bf16", 64, "prefill_ws", marks=_SLOW)])
-def test_written_sm80_layouts_are_cutes(arch, dtype, d, mode):
+_CHECK_OPTIONS = ("-fdevice-syntax-only", "-DPAGEDATTN_CHECK_TYPES=1", "-DPAGEDATTN_CHECK_TYPES_ONLY=1")
+
+
+def _check(arch, dtype, d, mode, slow=False):
+    """A check build's parameters; the NVRTC farm compiles it in parallel with the others (`compiles`)."""
+    spec = AttnFwdSpec.for_arch(arch, dtype, "auto", d, mode)
+    return pytest.param(arch, spec, marks=[pytest.mark.compiles((spec, arch, _CHECK_OPTIONS))]
+                        + ([pytest.mark.slow] if slow else []), id=f"{arch}-{dtype}-{d}-{mode}")
+
+
+@pytest.mark.parametrize("arch,spec", [_check("sm_80", "bf16", 128, "decode"),
+                                       _check("sm_80", "bf16", 128, "prefill", slow=True),
+                                       _check("sm_80", "fp16", 256, "prefill"),
+                                       _check("sm_80", "bf16", 192, "prefill", slow=True),
+                                       _check("sm_80", "bf16", 64, "decode"),
+                                       _check("sm_80", "fp16", 64, "prefill", slow=True),
+                                       _check("sm_80", "bf16", 80, "decode", slow=True),
+                                       _check("sm_80", "fp16", 80, "prefill", slow=True),
+                                       _check("sm_80", "bf16", 80, "multi"), _check("sm_80", "fp16", 96, "decode"),
+                                       _check("sm_80", "bf16", 96, "prefill", slow=True),
+                                       _check("sm_80", "fp16", 96, "multi", slow=True),
+                                       _check("sm_90a", "bf16", 512, "decode_tma"),
+                                       _check("sm_90a", "bf16", 128, "multi_tma", slow=True),
+                                       _check("sm_90a", "bf16", 128, "prefill_wgmma"),
+                                       _check("sm_90a", "fp16", 256, "prefill_ws"),
+                                       _check("sm_90a", "bf16", 64, "prefill_ws", slow=True)])
+def test_written_sm80_layouts_are_cutes(arch, spec):
     from pagedattn.codegen.compile import compile_source, nvrtc_options
     from pagedattn.codegen.toolchain import toolchain
-    k = Kernel(AttnFwdSpec.for_arch(arch, dtype, "auto", d, mode))
-    compile_source(k.source, variant=k.name, arch=arch,
-                   options=nvrtc_options(arch, toolchain()) + ["-fdevice-syntax-only", "-DPAGEDATTN_CHECK_TYPES=1",
-                                                               "-DPAGEDATTN_CHECK_TYPES_ONLY=1"])
+    k = Kernel(spec)
+    compile_source(k.source, variant=k.name, arch=arch, options=nvrtc_options(arch, toolchain()) + list(_CHECK_OPTIONS))
