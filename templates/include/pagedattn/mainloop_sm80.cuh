@@ -318,7 +318,6 @@ struct Sm80Frags {
 // Each copy (the A operand's rows 16 * kWarpsM * mi + 16 * warp, K's keys 16 * j, V's d 16 * j) at
 // k-step kk (16 columns of Q and K, 16 keys of V) moves the lane's (row, column) by multiples of 16, so
 // the thread's part of the address is computed once and each copy adds an offset to it (below).
-// Written where the register views are, except where the same offsets compile to other SASS, which
 // Written wherever the register views are. Two kinds of tile compile to other SASS than with CuTe's
 // copies: multi_tma, whose Q tiles (kMmaM > 1) are loaded once into registers, where the compiler sums
 // Q's addresses in another order and ptxas assigns Q's fragments other registers; and tiles of atoms
