@@ -1,11 +1,13 @@
-"""Relocatable AOT bundles: DIR/manifest.json + DIR/kernels/<entry>.cubin.xz.
+"""Relocatable AOT bundles: DIR/manifest.json + DIR/kernels/*.cubin.xz.
 
 A bundle is usable only when it was made by the same pagedattn, NVRTC and header packages as this
 process; any other bundle is skipped with one warning naming the mismatch.
 
 manifest.json (schema 2): the header of `expected_header()` (schema, pagedattn, nvrtc, cuda_headers,
 packages) and `variants`, a list of {name, family, spec, arch, key, file, sha256, size,
-compression, stored_size, compile_seconds, created}. Cubins are stored xz-compressed (stdlib lzma,
+compression, stored_size, compile_seconds, program_size, created}. Kernels compiled as one NVRTC program
+(aot.build) share one cubin, stored once as kernels/program-<arch>-<sha16>.cubin.xz: their entries name
+the same file, sha256 and size, and each compile_seconds is its share of the program's. Cubins are stored xz-compressed (stdlib lzma,
 preset 1: about 14x smaller, ~10 ms to decompress a 1.5 MiB cubin, once per process); sha256 and
 size are those of the cubin itself, so corruption of the stored file is caught either way.
 Schema 1 bundles (plain .cubin files, no compression field) are still read. `file` is relative to the bundle folder, so a bundle can be moved or
@@ -230,6 +232,7 @@ class BundleWriter:
         self.folder = Path(folder)
         self.discarded: str | None = None
         self.entries: dict[str, dict] = {}      # cache key -> manifest entry
+        self._intact: dict[str, tuple] = {}      # file -> (sha256, size, compression) it was found to hold
         manifest, why = _load_manifest_file(self.folder)
         if manifest is not None:
             why = mismatch(manifest)
@@ -239,31 +242,56 @@ class BundleWriter:
         self.dirty = why is not None or manifest is None   # save() has something to write
 
     def present(self, key: str) -> bool:
-        """The bundle holds this key and its file is intact."""
+        """The bundle holds this key and its file is intact (each file read once: programs share one)."""
         entry = self.entries.get(key)
-        return entry is not None and check_entry(self.folder, entry) is None
+        if entry is None:
+            return False
+        memo = (entry.get("sha256"), entry.get("size"), entry.get("compression"))
+        if self._intact.get(entry.get("file")) != memo:
+            if check_entry(self.folder, entry) is not None:
+                return False
+            self._intact[entry["file"]] = memo
+        return True
 
     def add(self, *, name: str, family: str, spec: dict, arch: str, key: str, cubin: bytes,
             compile_seconds: float) -> dict:
-        for old_key in [k for k, v in self.entries.items()
-                        if v.get("name") == name and v.get("arch") == arch and k != key]:
-            self.remove(old_key)   # built from older sources: its key can never be asked for again
-        file = kernel_file(name, arch, key)
+        return self.add_program([dict(name=name, family=family, spec=spec, arch=arch, key=key,
+                                      compile_seconds=compile_seconds)], cubin)[0]
+
+    def add_program(self, kernels: list[dict], cubin: bytes) -> list[dict]:
+        """Entries for kernels that one cubin holds (one NVRTC program: aot.build), all of one arch,
+        each given as {name, family, spec, arch, key, compile_seconds}, stored in one file. A kernel's
+        compile_seconds is its share of the program's; program_size says how many shared it."""
+        for k in kernels:
+            for old_key in [o for o, v in self.entries.items()
+                            if v.get("name") == k["name"] and v.get("arch") == k["arch"] and o != k["key"]]:
+                self.remove(old_key)   # built from older sources: its key can never be asked for again
+        first = kernels[0]
+        digest = hashlib.sha256(cubin).hexdigest()
+        file = (kernel_file(first["name"], first["arch"], first["key"]) if len(kernels) == 1 else
+                f"{KERNELS}/program-{first['arch']}-{digest[:16]}.cubin.xz")
         (self.folder / KERNELS).mkdir(parents=True, exist_ok=True)
         stored = pack(cubin)
         write_file(self.folder / file, stored)
-        entry = {"name": name, "family": family, "spec": spec, "arch": arch, "key": key,
-                 "file": file, "sha256": hashlib.sha256(cubin).hexdigest(), "size": len(cubin),
-                 "compression": COMPRESSION, "stored_size": len(stored),
-                 "compile_seconds": round(compile_seconds, 3), "created": round(time.time(), 3)}
-        self.entries[key] = entry
+        self._intact.pop(file, None)
+        created = round(time.time(), 3)
+        added = []
+        for k in kernels:
+            entry = {**k, "file": file, "sha256": digest, "size": len(cubin), "compression": COMPRESSION,
+                     "stored_size": len(stored), "compile_seconds": round(k["compile_seconds"], 3),
+                     "program_size": len(kernels), "created": created}
+            self.entries[k["key"]] = entry
+            added.append(entry)
         self.dirty = True
-        return entry
+        return added
 
     def remove(self, key: str) -> None:
+        """Drop an entry, and its file unless another entry (of the same program) still names it."""
         entry = self.entries.pop(key, None)
         self.dirty = True
-        if entry and _safe_relative(entry.get("file", "")):
+        if entry and _safe_relative(entry.get("file", "")) and \
+                all(v.get("file") != entry["file"] for v in self.entries.values()):
+            self._intact.pop(entry["file"], None)
             try:
                 (self.folder / entry["file"]).unlink()
             except OSError:
@@ -299,12 +327,17 @@ class BundleWriter:
         return removed
 
     def size(self) -> int:
-        """Bytes on disk (stored, i.e. compressed, sizes)."""
-        return sum(v.get("stored_size", v["size"]) for v in self.entries.values())
+        """Bytes on disk (stored, i.e. compressed, sizes; a program's file once)."""
+        return sum(v.get("stored_size", v["size"]) for v in _by_file(self.entries.values()))
 
     def cubin_size(self) -> int:
         """Bytes of the cubins once decompressed."""
-        return sum(v["size"] for v in self.entries.values())
+        return sum(v["size"] for v in _by_file(self.entries.values()))
+
+
+def _by_file(entries) -> list[dict]:
+    """One entry per stored file (the kernels of one program share theirs)."""
+    return list({v.get("file"): v for v in entries}.values())
 
 
 @dataclass
@@ -336,14 +369,14 @@ def verify(folder: Path) -> VerifyReport:
     named = set()
     for entry in manifest["variants"]:
         report.checked += 1
-        named.add(entry.get("file"))
         t0 = time.perf_counter()
         bad = check_entry(folder, entry)
         report.read_ms.append(1e3 * (time.perf_counter() - t0))
         if bad:
             report.corrupt.append((entry, bad))
-        else:
+        elif entry.get("file") not in named:  # a program's file counts once
             report.total_bytes += entry.get("stored_size", entry["size"])
+        named.add(entry.get("file"))
     kdir = folder / KERNELS
     if kdir.is_dir():
         report.stray = [f"{KERNELS}/{p.name}" for p in sorted(kdir.iterdir())

@@ -1,6 +1,7 @@
 """NVRTC: rendered source → cubin for one exact arch."""
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -68,3 +69,53 @@ def compile_source(source: str, *, variant: str, arch: str, options: list[str],
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     return CompileResult(cubin, log, time.perf_counter() - t0)
+
+
+# -- several kernels in one program ----------------------------------------------------------------
+# A rendered source is a preamble (its leading #define / #include lines, comments and blank lines) and a
+# body (the kernel's types and its extern "C" entry point). Sources whose preambles hold the same
+# directives can compile as one NVRTC program: the headers are parsed and their common templates
+# instantiated once. Measured on 2 cores for sm_90a (NVRTC 13.0): 8 attention variants took 44.1 s one
+# by one and 23.9 s as one program, 4 took 20.3 s and 11.1 s; each kernel's SASS was the same as from
+# its own program (nvdisasm, up to label and symbol numbering).
+_PREAMBLE_LINE = re.compile(r"[ \t]*(#|//|$)")
+
+
+def split_preamble(source: str) -> tuple[str, str]:
+    """(preamble, body) of a rendered source."""
+    lines = source.splitlines(keepends=True)
+    n = 0
+    while n < len(lines) and _PREAMBLE_LINE.match(lines[n]):
+        n += 1
+    return "".join(lines[:n]), "".join(lines[n:])
+
+
+def program_key(source: str) -> tuple[str, ...]:
+    """The preamble's directives: sources with the same key can share a program (program_source)."""
+    return tuple(line.strip() for line in split_preamble(source)[0].splitlines() if line.lstrip().startswith("#"))
+
+
+def program_source(sources: list[str]) -> str:
+    """One program holding every source (all with one program_key, and entry points of distinct names):
+    the preamble once, then each body in a namespace of its own, so that their types (Params, Traits,
+    ...) do not collide; an extern "C" entry point keeps its plain name inside a namespace."""
+    keys = {program_key(s) for s in sources}
+    if len(keys) != 1:
+        raise ValueError(f"sources with {len(keys)} different preambles cannot share a program")
+    directives = [line for line in split_preamble(sources[0])[0].splitlines(keepends=True)
+                  if line.lstrip().startswith("#")]
+    parts = [f"// one NVRTC program of {len(sources)} kernels (codegen.compile.program_source)\n", *directives]
+    for i, source in enumerate(sources):
+        preamble, body = split_preamble(source)
+        comments = "".join(line for line in preamble.splitlines(keepends=True) if line.lstrip().startswith("//"))
+        parts.append(f"\nnamespace pagedattn_program_{i} {{\n{comments}{body}}}  // namespace pagedattn_program_{i}\n")
+    return "".join(parts)
+
+
+def compile_program(sources: list[str], *, variants: list[str], arch: str, options: list[str]) -> CompileResult:
+    """Compile several rendered kernels as one program (program_source): one cubin holding every entry
+    point. On failure CompileError names the variants; compile them one by one to learn which failed."""
+    if len(sources) == 1:
+        return compile_source(sources[0], variant=variants[0], arch=arch, options=options)
+    return compile_source(program_source(sources), variant=f"{variants[0]}+{len(variants) - 1}", arch=arch,
+                          options=options)

@@ -30,7 +30,6 @@ class UnsupportedError(ValueError):
 class KernelSpec:
     FAMILY: ClassVar[str] = ""
     TEMPLATE: ClassVar[str] = ""
-    ENTRY: ClassVar[str] = ""
     PARAMS: ClassVar[type[ctypes.Structure]]
     SUPPORTED: ClassVar[dict[str, tuple]] = {}
 
@@ -147,7 +146,7 @@ class Kernel:
             ctx = dict(self.spec.context())
             ctx.setdefault("params_asserts", layout_asserts(self.spec.PARAMS, "Params"))
             ctx.setdefault("variant_name", self.name)
-            ctx.setdefault("entry", self.spec.ENTRY)
+            ctx.setdefault("entry", self.name)  # unique: kernels share NVRTC programs (aot)
             self._source = render(self.spec.TEMPLATE, **ctx)
         return self._source
 
@@ -166,7 +165,7 @@ class Kernel:
                 launcher = self._launchers.get(device)
                 if launcher is None:
                     art = self.artifact(arch_for_device(device))
-                    func = load_function(art.key, art.cubin, self.spec.ENTRY, device,
+                    func = load_function(art.key, art.cubin, self.name, device,
                                          self.spec.dynamic_smem())
                     launcher = Launcher(func, self.spec.PARAMS, device, self.spec.dynamic_smem())
                     self._launchers[device] = launcher

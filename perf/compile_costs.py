@@ -81,7 +81,7 @@ def precompile(args) -> int:
 
     archs = aot.resolve_archs(args.arch)
     jobs = aot.plan(aot.select(preset=args.preset).specs, archs)
-    out = Path(tempfile.mkdtemp(prefix="pagedattn-aot-perf-")) / "bundle"
+    out = Path(args.bundle) if args.bundle else Path(tempfile.mkdtemp(prefix="pagedattn-aot-perf-")) / "bundle"
     load_before, t0 = os.getloadavg(), time.perf_counter()
     cold = aot.precompile(jobs, out, n_jobs=args.jobs, progress=True)
     cold_wall, load_after, t0 = time.perf_counter() - t0, os.getloadavg(), time.perf_counter()
@@ -89,16 +89,19 @@ def precompile(args) -> int:
     rerun_wall = time.perf_counter() - t0
     variants = json.loads((out / "manifest.json").read_text())["variants"]
     on_disk = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    shutil.rmtree(out.parent, ignore_errors=True)
+    if not args.bundle:
+        shutil.rmtree(out.parent, ignore_errors=True)
     per_family: dict[str, dict] = {}
+    files = set()  # a program's cubin counts once
     for v in variants:
         f = per_family.setdefault(v["family"], {"kernels": 0, "bytes": 0, "compile_seconds_sum": 0.0})
-        f.update(kernels=f["kernels"] + 1, bytes=f["bytes"] + v["size"],
+        f.update(kernels=f["kernels"] + 1, bytes=f["bytes"] + (v["size"] if v["file"] not in files else 0),
                  compile_seconds_sum=round(f["compile_seconds_sum"] + v["compile_seconds"], 2))
+        files.add(v["file"])
     record = {
         "what": f"pagedattn precompile --arch {','.join(archs)} --preset {args.preset} (cold, empty --out; then a "
                 "rerun)", "toolchain": expected_header(), "preset": dict(aot.PRESETS[args.preset]), "archs": archs,
-        "jobs": cold.jobs, "kernels": len(jobs), "compiled": cold.compiled,
+        "jobs": cold.jobs, "programs": cold.programs, "kernels": len(jobs), "compiled": cold.compiled,
         "failed": [f"{j.label}: {p}" for j, p in cold.failed], "wall_seconds": round(cold_wall, 2),
         "compile_seconds_sum": round(sum(v["compile_seconds"] for v in variants), 2),
         "rerun_wall_seconds": round(rerun_wall, 3), "rerun_compiled": warm.compiled,
@@ -107,7 +110,7 @@ def precompile(args) -> int:
                                               for v in sorted(variants, key=lambda v: -v["compile_seconds"])[:5]],
         "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load_after],
     }
-    print(json.dumps({k: record[k] for k in ("kernels", "jobs", "wall_seconds", "compile_seconds_sum",
+    print(json.dumps({k: record[k] for k in ("kernels", "programs", "jobs", "wall_seconds", "compile_seconds_sum",
                                               "rerun_wall_seconds", "bundle_mib_on_disk", "failed")}, indent=1))
     print("wrote", write_quick(args.out, "aot_precompile", record, gpu=False))
     return 1 if cold.failed else 0
@@ -125,6 +128,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("precompile", help="`pagedattn precompile` cold and rerun")
     p.add_argument("--preset", default="default")
     p.add_argument("--jobs", type=int, default=None)
+    p.add_argument("--bundle", default=None, help="build into (and keep) this folder, not a temporary one")
     for parser in (t, p):
         parser.add_argument("--out", default="perf/results")
     for parser in (r, p):

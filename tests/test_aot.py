@@ -5,6 +5,7 @@ per module; tests that change a bundle work on a copy. 7 kernels, each compiled 
 (conftest.py), and 2 again by the serial run that must give the same bytes.
 """
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -191,6 +192,59 @@ def test_failed_variant_does_not_stop_others(bundle_copy, monkeypatch, capsys):
     names = {v["name"] for v in _manifest(bundle_copy)["variants"]}
     assert "kv_write_fp16_auto_head" in names and "kv_write_fp16_auto_span" not in names
     assert len(names) == 7 and bundle.verify(bundle_copy).ok
+
+
+def test_kernels_share_an_nvrtc_program(built, tmp_path, jit_off, monkeypatch):
+    """Four kernels as one program: one stored file that four entries name, each kernel resolved from
+    it with its own entry point; the file stays until its last entry goes."""
+    specs = [_spec(v) for v in _manifest(built[0])["variants"]][:4]
+    out = tmp_path / "programs"
+    summary = aot.precompile(aot.plan(specs, [ARCH]), out, n_jobs=1, progress=False, per_program=4)
+    assert (summary.compiled, summary.programs, summary.failed) == (4, 1, [])
+    assert "1 NVRTC program" in summary.line()
+    m = _manifest(out)
+    assert len({v["file"] for v in m["variants"]}) == 1 and len({v["sha256"] for v in m["variants"]}) == 1
+    assert m["variants"][0]["file"].startswith(f"kernels/program-{ARCH}-")
+    assert {v["program_size"] for v in m["variants"]} == {4}
+    report = bundle.verify(out)
+    assert report.ok and not report.stray and report.checked == 4
+    assert report.total_bytes == summary.bundle_bytes == m["variants"][0]["stored_size"]
+    monkeypatch.setenv("PAGEDATTN_AOT_DIR", str(out))
+    for v in m["variants"]:
+        art = get_kernel(_spec(v)).artifact(ARCH)
+        assert art.origin.startswith("aot:") and f"{v['name']}\0".encode() in art.cubin
+    first = m["variants"][0]
+    assert bundle.drop_entries(out, {first["key"]}) == 1
+    assert (out / first["file"]).is_file() and bundle.verify(out).ok     # the other three still name it
+    again = aot.precompile(aot.plan(specs, [ARCH]), out, n_jobs=1, progress=False, per_program=4)
+    assert (again.compiled, again.present, again.programs) == (1, 3, 1)
+    assert len({v["file"] for v in _manifest(out)["variants"]}) == 2 and bundle.verify(out).ok
+
+
+def test_failed_program_compiles_its_kernels_one_by_one(tmp_path):
+    jobs = aot.plan([KvWriteSpec("fp16", "auto", "span"), KvWriteSpec("fp16", "auto", "head")], [ARCH])
+    jobs[0] = dataclasses.replace(jobs[0], source=jobs[0].source + "\nthis_is_not_cuda;\n")
+    summary = aot.precompile(jobs, tmp_path / "b", n_jobs=1, progress=False, per_program=2)
+    assert (summary.compiled, len(summary.failed), summary.programs) == (1, 1, 1)
+    assert "this_is_not_cuda" in summary.failed[0][1].read_text()
+    (v,) = _manifest(tmp_path / "b")["variants"]
+    assert v["name"] == "kv_write_fp16_auto_head" and v["program_size"] == 1
+
+
+def test_programs_group_by_preamble_and_fill_evenly():
+    from pagedattn.aot.build import program_size, programs
+    from pagedattn.codegen.compile import program_key
+
+    specs = [s for s in all_specs(["kv_write", "attn_fwd"]) if s.FAMILY == "kv_write" or s.head_dim == 64][:60]
+    jobs = aot.plan(specs, [ARCH])
+    groups = programs(jobs, 2, per_program=8)
+    assert sorted(j.key for g in groups for j in g) == sorted(j.key for j in jobs)
+    for g in groups:
+        assert len({(j.arch, j.options, program_key(j.source)) for j in g}) == 1 and 1 <= len(g) <= 8
+    sizes = collections.Counter(program_key(j.source) for j in jobs).values()
+    assert len(groups) == sum(-(-n // 8) for n in sizes)       # as few programs as 8 a program allows
+    assert max(len(g) for g in groups) - min(len(g) for g in groups) <= 2   # filled evenly (27: 7 7 7 6)
+    assert program_size(262, 16) == 4 and program_size(6, 2) == 1 and program_size(1000, 1) == 8
 
 
 # -- run time ------------------------------------------------------------------------------------

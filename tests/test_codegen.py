@@ -5,6 +5,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import re
 import shutil
 import time
 import traceback
@@ -16,10 +17,10 @@ import pytest
 from pagedattn.codegen import cache as kcache
 from pagedattn.codegen import render as krender
 from pagedattn.codegen import toolchain as ktool
-from pagedattn.codegen.compile import compile_source, nvrtc_options
+from pagedattn.codegen.compile import compile_source, nvrtc_options, program_key, program_source
 from pagedattn.codegen.errors import CompileError, MissingKernelError, ToolchainError
 from pagedattn.ops.kv_write import KvWriteSpec
-from pagedattn.registry import Kernel
+from pagedattn.registry import Kernel, all_specs, get_kernel
 
 
 SPAN = KvWriteSpec("bf16", "auto", "span")  # the kernel of most tests here
@@ -37,6 +38,28 @@ def test_render_is_deterministic():
     assert "Fp8Format::kE4M3" in a and "__half" in a
 
 
+def test_entry_points_are_unique_c_names():
+    """A kernel's entry point is its variant name (kernels share NVRTC programs in bundles)."""
+    names = [get_kernel(spec).name for spec in all_specs()]
+    assert len(set(names)) == len(names)
+    assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
+    assert "\nkv_write_bf16_fp8e4m3_span(const __grid_constant__" in get_kernel(
+        KvWriteSpec("bf16", "fp8_e4m3", "span")).source
+
+
+def test_program_source_namespaces_each_body():
+    a, b = (get_kernel(KvWriteSpec("bf16", "auto", p)) for p in ("span", "head"))
+    src = program_source([a.source, b.source])
+    assert src.count('#include "pagedattn/kv_write.cuh"') == 1
+    assert "namespace pagedattn_program_0 {" in src and "namespace pagedattn_program_1 {" in src
+    assert src.index(a.name + "(") < src.index("namespace pagedattn_program_1") < src.index(b.name + "(")
+    wgmma = next(s for s in all_specs(["attn_fwd"]) if s.mode == "prefill_wgmma")
+    decode = next(s for s in all_specs(["attn_fwd"]) if s.mode == "decode")
+    assert program_key(get_kernel(wgmma).source) != program_key(get_kernel(decode).source)
+    with pytest.raises(ValueError, match="preambles"):
+        program_source([a.source, get_kernel(decode).source])
+
+
 def test_render_strict_undefined():
     with pytest.raises(jinja2.UndefinedError):
         krender.render("kv_write.cu.j2", variant_name="x")
@@ -49,7 +72,7 @@ def test_nvrtc_compiles_cute_template(arch):
     tc = ktool.toolchain()
     res = compile_source(k.source, variant=k.name, arch=arch, options=nvrtc_options(arch, tc))
     assert res.cubin[:4] == b"\x7fELF"
-    assert b"kv_write_kernel" in res.cubin
+    assert k.name.encode() in res.cubin  # the entry point is named after the variant
 
 
 def _warnings(caplog) -> list[str]:

@@ -360,7 +360,7 @@ def test_registry_variant_space():
     with pytest.raises(UnsupportedError, match="block_size"):
         LegacyAttentionSpec("fp16", "auto", 128, 64)
     src = get_kernel(LegacyAttentionSpec("fp16", "auto", 128, 16)).source
-    assert "legacy_attention_kernel" in src and "static_assert(sizeof(Params)" in src
+    assert "legacy_attn_fp16_auto_d128_bs16(" in src and "static_assert(sizeof(Params)" in src
     assert len(src.splitlines()) < 25     # the template is thin: types, constants, one instantiation
 
 

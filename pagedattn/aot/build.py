@@ -7,6 +7,11 @@ another thread compiled -- yet two threads compiling at once took longer than co
 other (4 compiles: serial 4.4 s, 2 threads 5.2 s, each compile slowing from 1.1 s to 2-3 s): NVRTC
 serializes compiles inside one process. Two worker processes did the same 4 compiles in 2.3 s (1.9x).
 Hence a ProcessPoolExecutor; `--jobs 1` compiles in this process.
+
+Programs. Kernels whose sources share a preamble compile several to one NVRTC program
+(codegen.compile.program_source: the headers are parsed once; 8 attention variants 44.1 s one by one,
+23.9 s as one program on 2 cores), as many per program as still leaves each worker about four programs
+(`program_size`), so that the workers finish together.
 """
 from __future__ import annotations
 
@@ -60,16 +65,50 @@ def plan(specs, archs) -> list[Job]:
 
 def _compile_job(name: str, arch: str, source: str, options: tuple):
     """Runs in a worker process; returns plain data (never raises) so nothing odd is pickled."""
-    from ..codegen.compile import compile_source
+    return _compile_program((name,), arch, (source,), options)[0]
+
+
+def _compile_program(names: tuple, arch: str, sources: tuple, options: tuple) -> list:
+    """Runs in a worker process: [(ok, cubin, seconds, log)] per kernel, never raises. Kernels compile as
+    one program (one cubin for all, each kernel's seconds its share); when that fails, one by one, so
+    that each failure has its own log and the others still compile."""
+    from ..codegen.compile import compile_program
     from ..codegen.errors import CompileError
 
     try:
-        result = compile_source(source, variant=name, arch=arch, options=list(options))
-        return True, result.cubin, result.seconds, result.log
+        result = compile_program(list(sources), variants=list(names), arch=arch, options=list(options))
+        return [(True, result.cubin, result.seconds / len(names), result.log)] * len(names)
     except CompileError as exc:
-        return False, b"", 0.0, f"NVRTC failed to compile {name} for {arch}\n\n{exc.log}"
+        if len(names) > 1:
+            return [_compile_job(n, arch, s, options) for n, s in zip(names, sources)]
+        return [(False, b"", 0.0, f"NVRTC failed to compile {names[0]} for {arch}\n\n{exc.log}")]
     except BaseException:  # noqa: BLE001 - reported per variant, the run goes on
-        return False, b"", 0.0, traceback.format_exc()
+        return [(False, b"", 0.0, traceback.format_exc())] * len(names)
+
+
+MAX_PROGRAM_SIZE = 8  # kernels per NVRTC program: past ~4 the header time saved per kernel is small
+
+
+def programs(todo: list[Job], workers: int, per_program: int | None = None) -> list[list[Job]]:
+    """The jobs as NVRTC programs: jobs of one arch, options and preamble (codegen.compile.program_key)
+    together, up to program_size(len(todo), workers) each and evenly filled (9 jobs at 8: 5 + 4); the
+    largest sources first, so the slowest programs start first."""
+    from ..codegen.compile import program_key
+
+    size = per_program or program_size(len(todo), workers)
+    classes: dict[tuple, list[Job]] = {}
+    for job in todo:
+        classes.setdefault((job.arch, job.options, program_key(job.source)), []).append(job)
+    out = []
+    for jobs in classes.values():
+        per = -(-len(jobs) // -(-len(jobs) // size))
+        out += [jobs[i:i + per] for i in range(0, len(jobs), per)]
+    return sorted(out, key=lambda p: -sum(len(j.source) for j in p))
+
+
+def program_size(n: int, workers: int) -> int:
+    """Kernels per program: about four programs per worker, 1 to MAX_PROGRAM_SIZE."""
+    return max(1, min(MAX_PROGRAM_SIZE, n // (4 * workers)))
 
 
 @dataclass
@@ -80,6 +119,7 @@ class Summary:
     failed: list[tuple[Job, Path]] = field(default_factory=list)
     seconds: float = 0.0
     jobs: int = 1
+    programs: int = 0
     bundle_kernels: int = 0
     bundle_bytes: int = 0
     discarded: str | None = None
@@ -87,8 +127,8 @@ class Summary:
 
     def line(self) -> str:
         return (f"compiled {self.compiled}, already present {self.present}, failed "
-                f"{len(self.failed)} in {self.seconds:.1f} s ({self.jobs} job"
-                f"{'s' if self.jobs != 1 else ''}); bundle: {plural(self.bundle_kernels, 'kernel')}, "
+                f"{len(self.failed)} in {self.seconds:.1f} s ({plural(self.programs, 'NVRTC program')}, "
+                f"{plural(self.jobs, 'job')}); bundle: {plural(self.bundle_kernels, 'kernel')}, "
                 f"{human_bytes(self.bundle_bytes)}")
 
 
@@ -145,9 +185,11 @@ def _log_path(out: Path, job: Job) -> Path:
     return out / LOGS / f"{job.name}-{job.arch}.log"
 
 
-def precompile(jobs: list[Job], out, *, n_jobs: int | None = None, progress: bool = True) -> Summary:
+def precompile(jobs: list[Job], out, *, n_jobs: int | None = None, progress: bool = True,
+               per_program: int | None = None) -> Summary:
     """Compile every job whose kernel the bundle at `out` lacks (or holds corrupt) and record it in
-    the manifest. Failures are logged to out/logs/<variant>-<arch>.log and do not stop the others."""
+    the manifest. Failures are logged to out/logs/<variant>-<arch>.log and do not stop the others.
+    per_program: kernels per NVRTC program at most (default: program_size)."""
     from filelock import FileLock
 
     from ..codegen.bundle import BundleWriter, write_file
@@ -168,34 +210,45 @@ def precompile(jobs: list[Job], out, *, n_jobs: int | None = None, progress: boo
                 todo.append(job)
         summary.jobs = min(n_jobs, len(todo)) or 1
 
-        def finish(job: Job, ok: bool, cubin: bytes, seconds: float, log_text: str) -> None:
-            log_path = _log_path(out, job)
-            if ok:
-                writer.add(name=job.name, family=job.spec.FAMILY,
-                           spec=spec_fields(job.spec),
-                           arch=job.arch, key=job.key, cubin=cubin, compile_seconds=seconds)
-                summary.compiled += 1
-                log_path.unlink(missing_ok=True)
-                log_path.with_suffix(".cu").unlink(missing_ok=True)
-            else:
-                log_path.parent.mkdir(parents=True, exist_ok=True)
-                write_file(log_path.with_suffix(".cu"), job.source.encode())
-                write_file(log_path, (f"variant: {job.name}\narch: {job.arch}\n"
-                                        f"rebuild: {command_for(job.spec, job.arch, out)}\n"
-                                        f"source: {log_path.with_suffix('.cu')}\n\n{log_text}\n"
-                                        ).encode())
-                summary.failed.append((job, log_path))
+        def finish(program: list[Job], results: list) -> None:
+            shared = [(job, seconds) for job, (ok, cubin, seconds, _) in zip(program, results)
+                      if ok and cubin is results[0][1]]   # the kernels the one program compiled
+            if shared:
+                writer.add_program([dict(name=job.name, family=job.spec.FAMILY, spec=spec_fields(job.spec),
+                                         arch=job.arch, key=job.key, compile_seconds=seconds)
+                                    for job, seconds in shared], results[0][1])
+            for job, (ok, cubin, seconds, log_text) in zip(program, results):
+                log_path = _log_path(out, job)
+                if ok:
+                    if not shared or cubin is not results[0][1]:  # compiled alone after the program failed
+                        writer.add(name=job.name, family=job.spec.FAMILY, spec=spec_fields(job.spec),
+                                   arch=job.arch, key=job.key, cubin=cubin, compile_seconds=seconds)
+                    summary.compiled += 1
+                    log_path.unlink(missing_ok=True)
+                    log_path.with_suffix(".cu").unlink(missing_ok=True)
+                else:
+                    log_path.parent.mkdir(parents=True, exist_ok=True)
+                    write_file(log_path.with_suffix(".cu"), job.source.encode())
+                    write_file(log_path, (f"variant: {job.name}\narch: {job.arch}\n"
+                                          f"rebuild: {command_for(job.spec, job.arch, out)}\n"
+                                          f"source: {log_path.with_suffix('.cu')}\n\n{log_text}\n").encode())
+                    summary.failed.append((job, log_path))
 
-        pool = _Pool(todo, summary.jobs) if summary.jobs > 1 else None   # forks here
+        batches = programs(todo, summary.jobs, per_program)
+        summary.programs = len(batches)
+        summary.jobs = min(summary.jobs, len(batches)) or 1
+        pool = _Pool(batches, summary.jobs) if summary.jobs > 1 else None   # forks here
         clean = False
         try:
             with _Progress(len(todo), progress) as bar:
                 results = pool.results() if pool else (
-                    (job, _compile_job(job.name, job.arch, job.source, job.options)) for job in todo)
+                    (p, _compile_program(tuple(j.name for j in p), p[0].arch, tuple(j.source for j in p),
+                                         p[0].options)) for p in batches)
                 last_save = time.monotonic()
-                for job, (ok, cubin, seconds, log_text) in results:
-                    finish(job, ok, cubin, seconds, log_text)
-                    bar.advance(job, ok, seconds)
+                for program, result in results:
+                    finish(program, result)
+                    for job, (ok, _, seconds, _) in zip(program, result):
+                        bar.advance(job, ok, seconds)
                     if time.monotonic() - last_save > 1.0:   # an interrupted run keeps its work
                         writer.save()
                         last_save = time.monotonic()
@@ -219,24 +272,26 @@ class _Pool:
     ~1 s per worker). A fork-context ProcessPoolExecutor forks all its workers at the first submit,
     which happens here, before the progress bar starts its refresh thread: no thread is forked."""
 
-    def __init__(self, todo: list[Job], workers: int):
+    def __init__(self, programs: list[list[Job]], workers: int):
         from concurrent.futures import ProcessPoolExecutor
 
         methods = multiprocessing.get_all_start_methods()
         ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
         self.executor = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
-        self.futures = {self.executor.submit(_compile_job, j.name, j.arch, j.source, j.options): j
-                        for j in todo}
+        self.futures = {self.executor.submit(_compile_program, tuple(j.name for j in p), p[0].arch,
+                                             tuple(j.source for j in p), p[0].options): p
+                        for p in programs}
 
     def results(self):
         from concurrent.futures import as_completed
 
         for fut in as_completed(self.futures):
+            program = self.futures[fut]
             try:
                 result = fut.result()
             except BaseException:  # noqa: BLE001 - a worker died (OOM kill, signal)
-                result = (False, b"", 0.0, traceback.format_exc())
-            yield self.futures[fut], result
+                result = [(False, b"", 0.0, traceback.format_exc())] * len(program)
+            yield program, result
 
     def close(self, wait: bool) -> None:
         self.executor.shutdown(wait=wait, cancel_futures=True)

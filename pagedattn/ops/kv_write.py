@@ -47,7 +47,6 @@ class KvWriteSpec(KernelSpec):
     """One cache-write variant: input dtype, what the cache stores, and the copy path."""
     FAMILY: ClassVar[str] = "kv_write"
     TEMPLATE: ClassVar[str] = "kv_write.cu.j2"
-    ENTRY: ClassVar[str] = "kv_write_kernel"
     PARAMS: ClassVar = KvWriteParams
     SUPPORTED: ClassVar[dict] = {
         "dtype": ("fp16", "bf16", "fp32"),

@@ -35,7 +35,6 @@ class LegacyAttentionSpec(KernelSpec):
     """Legacy paged attention, v1 and v2 (one kernel): query dtype, cache dtype, head and block size."""
     FAMILY: ClassVar[str] = "legacy_attn"
     TEMPLATE: ClassVar[str] = "legacy_attention.cu.j2"
-    ENTRY: ClassVar[str] = "legacy_attention_kernel"
     PARAMS: ClassVar = LegacyAttentionParams
     SUPPORTED: ClassVar[dict] = {
         "dtype": ("fp16", "bf16"),
@@ -62,7 +61,6 @@ class LegacyReduceSpec(KernelSpec):
     """Legacy paged attention v2's reduce: merges the 512-token partitions of each (sequence, head)."""
     FAMILY: ClassVar[str] = "legacy_reduce"
     TEMPLATE: ClassVar[str] = "legacy_reduce.cu.j2"
-    ENTRY: ClassVar[str] = "legacy_reduce_kernel"
     PARAMS: ClassVar = LegacyReduceParams
     SUPPORTED: ClassVar[dict] = {"dtype": ("fp16", "bf16"), "head_size": HEAD_SIZES}
 

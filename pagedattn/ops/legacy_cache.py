@@ -22,7 +22,6 @@ class LegacyCacheWriteSpec(KernelSpec):
     """Legacy cache write (reshape_and_cache): input dtype and what the cache stores."""
     FAMILY: ClassVar[str] = "legacy_cache_write"
     TEMPLATE: ClassVar[str] = "legacy_cache_write.cu.j2"
-    ENTRY: ClassVar[str] = "legacy_cache_write_kernel"
     PARAMS: ClassVar = LegacyCacheWriteParams
     SUPPORTED: ClassVar[dict] = {
         "dtype": ("fp16", "bf16"),

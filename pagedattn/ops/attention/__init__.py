@@ -63,7 +63,6 @@ class AttnFwdSpec(KernelSpec):
     """Paged FlashAttention forward: query dtype, cache dtype, head-dim tile, decode/prefill tiles."""
     FAMILY: ClassVar[str] = "attn_fwd"
     TEMPLATE: ClassVar[str] = "attn_fwd.cu.j2"
-    ENTRY: ClassVar[str] = "attn_fwd_kernel"
     PARAMS: ClassVar = AttnParams
     SUPPORTED: ClassVar[dict] = {
         "dtype": ("fp16", "bf16"),
