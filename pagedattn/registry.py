@@ -58,6 +58,10 @@ class KernelSpec:
         a CTA: it is never compiled for it."""
         return True
 
+    def program_group(self) -> tuple:
+        """Variants of one group may compile in one NVRTC program (aot.build.programs); () : any."""
+        return ()
+
     @classmethod
     def all_variants(cls):
         """Every combination of the SUPPORTED fields; other fields (tuning) keep their defaults."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
 # (info precompile packbundle bundle tests alltests sanitize racecheck fuzz fuzzsanitize overhead overheadab sweep benchwrite aotcheck ncu ncusrc
-# benchdw benchp benchs benchq bench-full demo multigpu hfcb aot16).
+# benchdw benchp benchs benchq bench-full demo multigpu hfcb aot16 programsass).
 # Logs and results go under $OUT; RESULTS.md is regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
 # tests: PYTEST_FILES, PYTEST_K, PYTEST_N (xdist workers), PYTEST_ARGS (e.g. "-vv --tb=line": with the -q
@@ -60,6 +60,8 @@ for stage in "$@"; do
     aot16)     export PAGEDATTN_AOT_DIR="${PAGEDATTN_AOT_DIR:-$ROOT/.carry/devbundle}"
                keep=(); [ -e "$PAGEDATTN_AOT_DIR/manifest.json" ] || keep=(--bundle "$PAGEDATTN_AOT_DIR")
                python3 "$ROOT/perf/compile_costs.py" precompile --arch sm_90a --jobs 16 "${keep[@]}" --out "$OUT/results" 2>&1 | tail -n 12 ;;
+    # every kernel of the default preset compiled in its NVRTC program against alone: the same SASS?
+    programsass) python3 "$ROOT/tests/tools/program_sass.py" --jobs 16 --out "$OUT/results" 2>&1 | tail -n 12 ;;
     benchwrite) bench --suite write --quick ;;
     # the sweeps: `pagedattn bench` once per entry of SWEEP_OVERRIDES (JSON objects separated by ';', each
     # {"attention": pagedattn.ops.attention.forced's arguments, "write": reshape_and_cache_flash's overrides=};

@@ -42,12 +42,14 @@ def precompile(*argv) -> int:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """(bundle dir, stdout of the run) for the SMALL matrix, compiled with 2 processes."""
+    """(bundle dir, summary of the run) for the SMALL matrix, compiled with 2 processes, one kernel per
+    program (a file per kernel: the tests of single entries; test_kernels_share_an_nvrtc_program and
+    test_partition_does_not_depend_on_jobs cover programs)."""
     out = tmp_path_factory.mktemp("aot") / "bundle"
     jobs = aot.plan(aot.select(ops=["kv_write"], filters={"dtypes": ["bf16"],
                                                           "kv_cache_dtypes": ["auto", "fp8_e4m3"]}
                                ).specs, [ARCH])
-    summary = aot.precompile(jobs, out, n_jobs=2, progress=False)
+    summary = aot.precompile(jobs, out, n_jobs=2, progress=False, per_program=1)
     assert summary.compiled == 6 and not summary.failed, summary
     return out, summary
 
@@ -148,7 +150,7 @@ def test_rerun_rebuilds_only_missing_corrupt_or_stale(bundle_copy, capsys):
     assert aotcli.main(["bundle", "verify", str(bundle_copy)]) == 1
     assert "1 kernel was built from other kernel sources" in capsys.readouterr().out
     jobs = aot.plan([_spec(v) for v in m["variants"]], [ARCH])
-    summary = aot.precompile(jobs, bundle_copy, n_jobs=1, progress=False)
+    summary = aot.precompile(jobs, bundle_copy, n_jobs=1, progress=False, per_program=1)
     assert (summary.compiled, summary.present, summary.failed) == (3, 3, [])
     after = _manifest(bundle_copy)
     assert sorted(v["key"] for v in after["variants"]) == sorted(
@@ -157,18 +159,15 @@ def test_rerun_rebuilds_only_missing_corrupt_or_stale(bundle_copy, capsys):
     assert after["variants"][1]["sha256"] == bad["sha256"]                 # same bytes again
 
 
-def test_parallel_precompile_gives_serial_bytes(built, tmp_path, real_nvrtc):
-    out, _ = built
-    wanted = sorted(_manifest(out)["variants"], key=lambda v: v["name"])[:2]
-    serial = tmp_path / "serial"
-    assert precompile("--jobs", 1, *[a for v in wanted for a in
-                                     ("--variant", aot.format_variant(_spec(v)))],
-                      "--out", serial) == 0
-    got = {v["key"]: v for v in _manifest(serial)["variants"]}
-    assert set(got) == {v["key"] for v in wanted}
-    for v in wanted:
-        assert got[v["key"]]["sha256"] == v["sha256"]
-        assert (serial / got[v["key"]]["file"]).read_bytes() == (out / v["file"]).read_bytes()
+def test_partition_does_not_depend_on_jobs(tmp_path, real_nvrtc):
+    """The SMALL matrix with 1 and 2 processes: the same programs, so the same files byte for byte."""
+    assert precompile(*SMALL, "--jobs", 1, "--out", tmp_path / "serial") == 0
+    assert precompile(*SMALL, "--jobs", 2, "--out", tmp_path / "parallel") == 0
+    serial, parallel = (_manifest(tmp_path / d)["variants"] for d in ("serial", "parallel"))
+    assert [(v["key"], v["file"], v["sha256"]) for v in serial] == [(v["key"], v["file"], v["sha256"]) for v in parallel]
+    assert len({v["file"] for v in serial}) == 2                      # 6 kernels: two programs of 3
+    for v in serial:
+        assert (tmp_path / "serial" / v["file"]).read_bytes() == (tmp_path / "parallel" / v["file"]).read_bytes()
 
 
 def test_failed_variant_does_not_stop_others(bundle_copy, monkeypatch, capsys):
@@ -199,7 +198,7 @@ def test_kernels_share_an_nvrtc_program(built, tmp_path, jit_off, monkeypatch):
     it with its own entry point; the file stays until its last entry goes."""
     specs = [_spec(v) for v in _manifest(built[0])["variants"]][:4]
     out = tmp_path / "programs"
-    summary = aot.precompile(aot.plan(specs, [ARCH]), out, n_jobs=1, progress=False, per_program=4)
+    summary = aot.precompile(aot.plan(specs, [ARCH]), out, n_jobs=1, progress=False)
     assert (summary.compiled, summary.programs, summary.failed) == (4, 1, [])
     assert "1 NVRTC program" in summary.line()
     m = _manifest(out)
@@ -216,7 +215,7 @@ def test_kernels_share_an_nvrtc_program(built, tmp_path, jit_off, monkeypatch):
     first = m["variants"][0]
     assert bundle.drop_entries(out, {first["key"]}) == 1
     assert (out / first["file"]).is_file() and bundle.verify(out).ok     # the other three still name it
-    again = aot.precompile(aot.plan(specs, [ARCH]), out, n_jobs=1, progress=False, per_program=4)
+    again = aot.precompile(aot.plan(specs, [ARCH]), out, n_jobs=1, progress=False)
     assert (again.compiled, again.present, again.programs) == (1, 3, 1)
     assert len({v["file"] for v in _manifest(out)["variants"]}) == 2 and bundle.verify(out).ok
 
@@ -232,19 +231,19 @@ def test_failed_program_compiles_its_kernels_one_by_one(tmp_path):
 
 
 def test_programs_group_by_preamble_and_fill_evenly():
-    from pagedattn.aot.build import program_size, programs
+    from pagedattn.aot.build import programs
     from pagedattn.codegen.compile import program_key
 
     specs = [s for s in all_specs(["kv_write", "attn_fwd"]) if s.FAMILY == "kv_write" or s.head_dim == 64][:60]
     jobs = aot.plan(specs, [ARCH])
-    groups = programs(jobs, 2, per_program=8)
+    groups = programs(jobs, per_program=8)
     assert sorted(j.key for g in groups for j in g) == sorted(j.key for j in jobs)
     for g in groups:
         assert len({(j.arch, j.options, program_key(j.source)) for j in g}) == 1 and 1 <= len(g) <= 8
     sizes = collections.Counter(program_key(j.source) for j in jobs).values()
     assert len(groups) == sum(-(-n // 8) for n in sizes)       # as few programs as 8 a program allows
     assert max(len(g) for g in groups) - min(len(g) for g in groups) <= 2   # filled evenly (27: 7 7 7 6)
-    assert program_size(262, 16) == 4 and program_size(6, 2) == 1 and program_size(1000, 1) == 8
+    assert max(len(g) for g in programs(jobs)) == 4                   # PROGRAM_SIZE
 
 
 # -- run time ------------------------------------------------------------------------------------

@@ -8,10 +8,10 @@ other (4 compiles: serial 4.4 s, 2 threads 5.2 s, each compile slowing from 1.1 
 serializes compiles inside one process. Two worker processes did the same 4 compiles in 2.3 s (1.9x).
 Hence a ProcessPoolExecutor; `--jobs 1` compiles in this process.
 
-Programs. Kernels whose sources share a preamble compile several to one NVRTC program
-(codegen.compile.program_source: the headers are parsed once; 8 attention variants 44.1 s one by one,
-23.9 s as one program on 2 cores), as many per program as still leaves each worker about four programs
-(`program_size`), so that the workers finish together.
+Programs. Kernels whose sources share a preamble compile PROGRAM_SIZE at a time as one NVRTC program
+(codegen.compile.program_source: the headers are parsed once; 4 attention variants 20.3 s one by one,
+11.1 s as one program on 2 cores; 8: 44.1 and 23.9 s). The partition depends on the selection only, not
+on --jobs, so the same selection always gives the same bundle bytes.
 """
 from __future__ import annotations
 
@@ -86,29 +86,24 @@ def _compile_program(names: tuple, arch: str, sources: tuple, options: tuple) ->
         return [(False, b"", 0.0, traceback.format_exc())] * len(names)
 
 
-MAX_PROGRAM_SIZE = 8  # kernels per NVRTC program: past ~4 the header time saved per kernel is small
+PROGRAM_SIZE = 4  # kernels per NVRTC program: past 4 the header time saved per kernel is small
 
 
-def programs(todo: list[Job], workers: int, per_program: int | None = None) -> list[list[Job]]:
-    """The jobs as NVRTC programs: jobs of one arch, options and preamble (codegen.compile.program_key)
-    together, up to program_size(len(todo), workers) each and evenly filled (9 jobs at 8: 5 + 4); the
-    largest sources first, so the slowest programs start first."""
+def programs(todo: list[Job], per_program: int = PROGRAM_SIZE) -> list[list[Job]]:
+    """The jobs as NVRTC programs: jobs of one arch, options, preamble (codegen.compile.program_key) and
+    spec.program_group() together, in plan order, at most per_program each and evenly filled (9 jobs at 4: 3 + 3 + 3); the
+    largest sources first, so that the slowest programs start first."""
     from ..codegen.compile import program_key
 
-    size = per_program or program_size(len(todo), workers)
     classes: dict[tuple, list[Job]] = {}
     for job in todo:
-        classes.setdefault((job.arch, job.options, program_key(job.source)), []).append(job)
+        classes.setdefault((job.arch, job.options, program_key(job.source), job.spec.program_group()),
+                           []).append(job)
     out = []
     for jobs in classes.values():
-        per = -(-len(jobs) // -(-len(jobs) // size))
+        per = -(-len(jobs) // -(-len(jobs) // per_program))
         out += [jobs[i:i + per] for i in range(0, len(jobs), per)]
     return sorted(out, key=lambda p: -sum(len(j.source) for j in p))
-
-
-def program_size(n: int, workers: int) -> int:
-    """Kernels per program: about four programs per worker, 1 to MAX_PROGRAM_SIZE."""
-    return max(1, min(MAX_PROGRAM_SIZE, n // (4 * workers)))
 
 
 @dataclass
@@ -189,7 +184,7 @@ def precompile(jobs: list[Job], out, *, n_jobs: int | None = None, progress: boo
                per_program: int | None = None) -> Summary:
     """Compile every job whose kernel the bundle at `out` lacks (or holds corrupt) and record it in
     the manifest. Failures are logged to out/logs/<variant>-<arch>.log and do not stop the others.
-    per_program: kernels per NVRTC program at most (default: program_size)."""
+    per_program: kernels per NVRTC program at most (default PROGRAM_SIZE; 1: each alone)."""
     from filelock import FileLock
 
     from ..codegen.bundle import BundleWriter, write_file
@@ -234,7 +229,7 @@ def precompile(jobs: list[Job], out, *, n_jobs: int | None = None, progress: boo
                                           f"source: {log_path.with_suffix('.cu')}\n\n{log_text}\n").encode())
                     summary.failed.append((job, log_path))
 
-        batches = programs(todo, summary.jobs, per_program)
+        batches = programs(todo, per_program or PROGRAM_SIZE)
         summary.programs = len(batches)
         summary.jobs = min(summary.jobs, len(batches)) or 1
         pool = _Pool(batches, summary.jobs) if summary.jobs > 1 else None   # forks here

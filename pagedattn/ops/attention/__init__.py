@@ -112,6 +112,13 @@ class AttnFwdSpec(KernelSpec):
                 for fs in FEATURE_SETS:
                     yield spec if fs == "none" else dataclasses.replace(spec, **{f: True for f in fs.split("+")})
 
+    def program_group(self) -> tuple:
+        """One mode and one kind of cache per NVRTC program: NVVM optimises a program as a whole, and
+        those kernels come out of one with the SASS of their own compiles (nvdisasm, the default preset's
+        programs checked on sm_90a), where a warp-specialised prefill that shared one with fp8 prefills
+        did not (other register allocation)."""
+        return self.mode, self.kv_cache_dtype == "auto"
+
     @property
     def dispatched(self) -> bool:
         """Whether some plan picks this variant: all but prefill_ws with an fp8 cache, which compiles
