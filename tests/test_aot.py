@@ -160,12 +160,13 @@ def test_rerun_rebuilds_only_missing_corrupt_or_stale(bundle_copy, capsys):
 
 
 def test_partition_does_not_depend_on_jobs(tmp_path, real_nvrtc):
-    """The SMALL matrix with 1 and 2 processes: the same programs, so the same files byte for byte."""
-    assert precompile(*SMALL, "--jobs", 1, "--out", tmp_path / "serial") == 0
-    assert precompile(*SMALL, "--jobs", 2, "--out", tmp_path / "parallel") == 0
+    """12 kv_write kernels with 1 and 2 processes: the same programs, so the same files byte for byte."""
+    both = [*SMALL[:2], "--dtypes", "fp16,bf16", *SMALL[4:]]
+    assert precompile(*both, "--jobs", 1, "--out", tmp_path / "serial") == 0
+    assert precompile(*both, "--jobs", 2, "--out", tmp_path / "parallel") == 0
     serial, parallel = (_manifest(tmp_path / d)["variants"] for d in ("serial", "parallel"))
     assert [(v["key"], v["file"], v["sha256"]) for v in serial] == [(v["key"], v["file"], v["sha256"]) for v in parallel]
-    assert len({v["file"] for v in serial}) == 2                      # 6 kernels: two programs of 3
+    assert len(serial) == 12 and len({v["file"] for v in serial}) == 2          # two programs of 6
     for v in serial:
         assert (tmp_path / "serial" / v["file"]).read_bytes() == (tmp_path / "parallel" / v["file"]).read_bytes()
 
@@ -231,7 +232,7 @@ def test_failed_program_compiles_its_kernels_one_by_one(tmp_path):
 
 
 def test_programs_group_by_preamble_and_fill_evenly():
-    from pagedattn.aot.build import programs
+    from pagedattn.aot.build import PROGRAM_SIZE, programs
     from pagedattn.codegen.compile import program_key
 
     specs = [s for s in all_specs(["kv_write", "attn_fwd"]) if s.FAMILY == "kv_write" or s.head_dim == 64][:60]
@@ -243,7 +244,7 @@ def test_programs_group_by_preamble_and_fill_evenly():
     sizes = collections.Counter(program_key(j.source) for j in jobs).values()
     assert len(groups) == sum(-(-n // 8) for n in sizes)       # as few programs as 8 a program allows
     assert max(len(g) for g in groups) - min(len(g) for g in groups) <= 2   # filled evenly (27: 7 7 7 6)
-    assert max(len(g) for g in programs(jobs)) == 4                   # PROGRAM_SIZE
+    assert max(len(g) for g in programs(jobs)) == PROGRAM_SIZE
 
 
 # -- run time ------------------------------------------------------------------------------------

@@ -8,9 +8,10 @@ other (4 compiles: serial 4.4 s, 2 threads 5.2 s, each compile slowing from 1.1 
 serializes compiles inside one process. Two worker processes did the same 4 compiles in 2.3 s (1.9x).
 Hence a ProcessPoolExecutor; `--jobs 1` compiles in this process.
 
-Programs. Kernels whose sources share a preamble compile PROGRAM_SIZE at a time as one NVRTC program
+Programs. Kernels whose sources share a preamble compile up to PROGRAM_SIZE at a time as one NVRTC program
 (codegen.compile.program_source: the headers are parsed once; 4 attention variants 20.3 s one by one,
-11.1 s as one program on 2 cores; 8: 44.1 and 23.9 s). The partition depends on the selection only, not
+11.1 s as one program on 2 cores; 8: 44.1 and 23.9 s; the default preset on the H200 host, 4 a program:
+538 compile-seconds against 843 alone). The partition depends on the selection only, not
 on --jobs, so the same selection always gives the same bundle bytes.
 """
 from __future__ import annotations
@@ -86,7 +87,10 @@ def _compile_program(names: tuple, arch: str, sources: tuple, options: tuple) ->
         return [(False, b"", 0.0, traceback.format_exc())] * len(names)
 
 
-PROGRAM_SIZE = 4  # kernels per NVRTC program: past 4 the header time saved per kernel is small
+# Kernels per NVRTC program. A model of the H200 host's default preset (attention: ~2.6 s a program and ~3 s
+# a kernel, from the 4-kernel programs' 41-45 s runs), 16 jobs: 4 a program 41 s, 5: 37, 6: 36, 8: 42 (whole
+# rounds of ~15-20 s programs); bigger programs also save more on fewer cores.
+PROGRAM_SIZE = 6
 
 
 def programs(todo: list[Job], per_program: int = PROGRAM_SIZE) -> list[list[Job]]:
