@@ -247,9 +247,9 @@ def across_table(files: list[tuple[Path, dict]]) -> str:
     return markdown_table(["case"] + [gpu_label(d["metadata"]) for _, d in latest.values()], rows)
 
 
-def write_results_md(results_dir, md_path, include_samples: bool = False, warn=None) -> Path:
-    """Regenerate RESULTS.md from every results file in `results_dir`."""
-    md_path = Path(md_path)
+def write_results_md(results_dir, md_path=None, include_samples: bool = False, warn=None) -> Path:
+    """Regenerate RESULTS.md (by default beside `results_dir`) from every results file in `results_dir`."""
+    md_path = Path(md_path or Path(results_dir).parent / "RESULTS.md")
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text(render_markdown(load_folder(results_dir, include_samples=include_samples, warn=warn)))
     return md_path
