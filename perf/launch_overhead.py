@@ -78,7 +78,7 @@ def gpu(out_dir="perf/results"):
     # and the pack, without the op's Python); decode_out keeps the output the decode replays write
     (write, *_), _ = capture_launches(cases["reshape_and_cache_flash"][0])
     (decode, *_), decode_out = capture_launches(cases["flash_attn_decode"][0])
-    cases = {"raw_launcher": (write.replay, 20000), "raw_launcher_decode": (decode.replay, 5000), **cases}
+    cases = {"raw_launcher": (write, 20000), "raw_launcher_decode": (decode, 5000), **cases}
     rounds = max(1, int(os.environ.get("LAUNCH_OVERHEAD_ROUNDS", "3")))
     samples = {}
     for _ in range(rounds):

@@ -353,8 +353,8 @@ def test_bench_captures_a_warm_call_and_replays_its_launches(op, monkeypatch):
     launches, keep = capture_launches(call)
     made = list(LAUNCHES)
     assert made and len(launches) == len(made)
-    for launch in launches:
-        launch.replay()
+    for replay in launches:
+        replay()
     assert LAUNCHES[len(made):] == made
     call()
     assert len(launches) == len(made)

@@ -12,12 +12,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple
 
 import torch
 
 from .attention import build, ours_fn
-from .common import Case, Ctx, Recorder
+from .common import Case, Ctx, Recorder, short_error
 from .runner import read_jsonl
 
 H, D, BLOCK = 8, 128, 16
@@ -101,7 +100,7 @@ def worker(names: str, out_path: str) -> None:
                                      for k, m in entries().items() if k not in before},
                            origins=sorted({a.origin for a in kernel_cache()._memory.values()}))
             except Exception as exc:  # noqa: BLE001
-                rec["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"
+                rec["error"] = short_error(exc)
             out.write(json.dumps(rec) + "\n")
 
 
@@ -147,16 +146,11 @@ def _first_call(ctx: Ctx, rec: Recorder, name: str, which: str) -> None:
 
 
 # -- the raw launcher (perf/launch_overhead.py) --------------------------------------------------------
-class Launch(NamedTuple):
-    launcher: object  # the pagedattn.codegen.launch.Launcher
-    replay: Callable[[], None]  # the launch again, packed as the op packed it
-
-
 def capture_launches(fn):
     """Run fn once, every op's plan cache emptied first (a known call would take a launch prepared before,
     unrecorded), recording every launch: a Launcher call (its values repacked on replay) or a Prepared launch
     (the attention and write ops' own; its leading fields read back from the launch buffer and repacked on
-    replay). Returns (launches, fn's result)."""
+    replay). Returns (replays: each launch again as the op packed it, fn's result)."""
     from pagedattn.codegen import launch
     from pagedattn.ops import attention, kv_write, legacy_attention
 
@@ -164,7 +158,7 @@ def capture_launches(fn):
     launches, prepared = [], []
 
     def recording_call(self, grid, block, values, stream=None):
-        launches.append(Launch(self, lambda: orig_call(self, grid, block, values, stream)))
+        launches.append(lambda: orig_call(self, grid, block, values, stream))
         return orig_call(self, grid, block, values, stream)
 
     def recording_init(self, *args):
@@ -173,7 +167,7 @@ def capture_launches(fn):
 
         def recording_launch(config, func, argv, extra):
             _, *head = self._pack_head.__self__.unpack_from(self._local.state[0], launch.STREAM_OFFSET)
-            launches.append(Launch(self._launcher, lambda: launch.Prepared.launch(self, *head)))
+            launches.append(lambda: launch.Prepared.launch(self, *head))
             return raw(config, func, argv, extra)
         prepared.append((self, raw))
         self._launch = recording_launch
