@@ -16,7 +16,7 @@ from pagedattn.dtypes import FP8_MAX
 
 from . import peers as peerlib
 from .common import Case, Ctx, Recorder, short_error, shuffled_tables
-from .timing import METHODS
+from .timing import METHODS, rotation_sets
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 TINY = {"hq": 4, "hkv": 2, "d": 64, "bs": 16}
@@ -224,7 +224,7 @@ def feature_kwargs(feats: dict, hq: int, device) -> dict:
 def _sets(ctx: Ctx, p: dict) -> int:
     """Input sets of params `p`: KV bytes + q read and out written (bf16) rotated past the L2."""
     kv_bytes = 2 * p["B"] * p["ctx"] * p["hkv"] * p["d"] * (1 if p["kv_cache_dtype"] != "auto" else 2)
-    return ctx.sets_for(kv_bytes + 2 * 2 * p["B"] * p["q_len"] * p["hq"] * p["d"], cap=8)
+    return rotation_sets(kv_bytes + 2 * 2 * p["B"] * p["q_len"] * p["hq"] * p["d"], ctx.l2_bytes, cap=8)
 
 
 def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> None:

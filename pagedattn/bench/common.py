@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from . import schema
-from .timing import CpuTimer, Timer, rotation_sets
+from .timing import CpuTimer, Timer
 
 H200_L2 = 60 * 2**20
 
@@ -24,30 +24,25 @@ class Ctx:
     timer: Timer = None
     ceilings: dict = field(default_factory=dict)
     l2_bytes: int = H200_L2
-    case_timeout_s: float = 600.0
-    write_overrides: dict | None = None  # the write op's overrides= in every write (--overrides "write")
+    case_timeout: float = 600.0
+    overrides: dict = field(default_factory=dict)  # --overrides: {"attention": ..., "write": ...}
 
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
     @classmethod
-    def make(cls, device: str, quick: bool, tiny: bool = False, ceilings: dict | None = None,
-             case_timeout_s: float = 600.0, write_overrides: dict | None = None) -> "Ctx":
+    def make(cls, device: str, quick: bool, **fields) -> "Ctx":
+        """A context on `device` (a CUDA device becomes the current one) with its timer and L2 size."""
         dev = torch.device(device)
-        if dev.type == "cuda":
-            dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
-            torch.cuda.set_device(dev)
-            l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or H200_L2)
-            timer = Timer(budget_s=0.12 if quick else 0.3, min_reps=15 if quick else 30, l2_bytes=l2, device=dev)
-        else:
-            l2 = 4 * 2**20
+        if dev.type != "cuda":
             timer = CpuTimer(budget_s=0.01, min_reps=3, max_reps=50, flush_nbytes=2**20, device=dev)
-        return cls(dev, quick, tiny, timer, dict(ceilings or {}), l2, case_timeout_s, write_overrides)
-
-    def sets_for(self, working_set_bytes: float, cap: int = 64) -> int:
-        """Input sets to rotate through so that the inputs are not in L2 (timing.rotation_sets)."""
-        return rotation_sets(working_set_bytes, self.l2_bytes, cap=cap)
+            return cls(dev, quick, timer=timer, l2_bytes=4 * 2**20, **fields)
+        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        torch.cuda.set_device(dev)
+        l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or H200_L2)
+        timer = Timer(budget_s=0.12 if quick else 0.3, min_reps=15 if quick else 30, l2_bytes=l2, device=dev)
+        return cls(dev, quick, timer=timer, l2_bytes=l2, **fields)
 
     def sync(self) -> None:
         if self.is_cuda:

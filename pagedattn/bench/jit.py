@@ -125,13 +125,13 @@ def _first_call(ctx: Ctx, rec: Recorder, name: str, which: str) -> None:
     folder, filled: ms); each runs once, for every workload, within the runner's no-progress limit."""
     if "cold" not in _MEMO:
         _MEMO["dir"] = tempfile.mkdtemp(prefix="pagedattn-bench-cold-")
-        timeout = min(150.0 if ctx.quick else 360.0, 0.8 * ctx.case_timeout_s)
+        timeout = min(150.0 if ctx.quick else 360.0, 0.8 * ctx.case_timeout)
         print(f"  jit: cold compiles in a fresh process, empty cache {_MEMO['dir']} (up to {timeout:.0f} s)",
               flush=True)
         _MEMO["cold"] = _run_worker(ctx, _MEMO["dir"], timeout)
     if which == "warm" and "warm" not in _MEMO:
         print("  jit: warm first calls in a fresh process (disk hit)", flush=True)
-        _MEMO["warm"] = _run_worker(ctx, _MEMO["dir"], min(180.0, 0.8 * ctx.case_timeout_s))
+        _MEMO["warm"] = _run_worker(ctx, _MEMO["dir"], min(180.0, 0.8 * ctx.case_timeout))
         shutil.rmtree(_MEMO["dir"], ignore_errors=True)
     w = _MEMO[which].get(name) or {"error": _MEMO[which]["_failed"]}
     if w.get("error"):

@@ -242,9 +242,8 @@ def child(suite: str, jsonl: str, opts: dict) -> int:
     out = open(jsonl, "a", buffering=1)
     emit = lambda obj: out.write(json.dumps(jsonable(obj)) + "\n")  # noqa: E731
     done = {e["id"] for e in read_jsonl(Path(jsonl)) if e["event"] == "case"}
-    overrides = opts["overrides"] or {}
-    ctx = Ctx.make(opts["device"], opts["quick"], opts["tiny"], opts["ceilings"], opts["case_timeout"],
-                   overrides.get("write"))
+    only = [s for s in opts.pop("only").split(",") if s]
+    ctx = Ctx.make(**opts)
     available, make_cases = suites.get(suite)
     plan = {"event": "plan", "suite": suite, "status": "ok", "reason": None, "cases": []}
     try:
@@ -256,11 +255,10 @@ def child(suite: str, jsonl: str, opts: dict) -> int:
         emit({**plan, "status": "skipped" if ok is False else "error", "reason": reason})
         emit({"event": "done"})
         return 0
-    only = [s for s in opts["only"].split(",") if s]
     case_list = [c for c in case_list if not only or any(s in c.id for s in only)]
     if not done:
         emit({**plan, "cases": [{"id": c.id, "params": c.params} for c in case_list]})
-    with forced(**overrides["attention"]) if "attention" in overrides else contextlib.nullcontext():
+    with forced(**ctx.overrides["attention"]) if "attention" in ctx.overrides else contextlib.nullcontext():
         for case in (c for c in case_list if c.id not in done):
             emit({"event": "start", "id": case.id, "time": time.time()})
             fatal = _run_case(ctx, case, emit)

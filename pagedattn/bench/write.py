@@ -15,6 +15,7 @@ import pagedattn
 from pagedattn import reference
 
 from .common import Case, Ctx, Recorder, nan_fill_
+from .timing import rotation_sets
 
 H, D, BLOCK = 8, 128, 16
 TOKENS, TINY_TOKENS = (1, 16, 256, 4096, 65536), (1, 16, 40)
@@ -46,7 +47,7 @@ def inputs(ctx: Ctx, p: dict) -> SimpleNamespace:
     spec = pagedattn.CacheSpec(num_blocks, BLOCK, H, D, torch.uint8 if elem_c == 1 else torch.bfloat16,
                                kv_cache_dtype=kv, layout=p["layout"], scale=p.get("scale", "tensor"))
     kc, vc = spec.allocate(dev)
-    sets = min(ctx.sets_for(nbytes), max(1, spec.num_slots // t))
+    sets = min(rotation_sets(nbytes, ctx.l2_bytes), max(1, spec.num_slots // t))
     keys, values = ([torch.randn(t, H, D, dtype=torch.bfloat16, device=dev) for _ in range(sets)] for _ in "kv")
 
     def slots():
@@ -103,7 +104,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
     rec.work("GB/s", inp.nbytes, "copy")
     rec.extra(sets=inp.sets, num_blocks=inp.spec.num_blocks,
               cache_bytes=2 * inp.spec.num_slots * H * D * (1 if fp8 else 2))
-    ours = ours_fn(inp, ctx.write_overrides)
+    ours = ours_fn(inp, ctx.overrides.get("write"))
 
     def check_and_time():  # correctness once, then timing (a failure is the case's error; the peer still runs)
         _check(ctx, rec, inp, ours)
