@@ -25,6 +25,8 @@ import torch
 
 import pagedattn
 from pagedattn import CacheSpec
+from pagedattn.bench.jit import capture_launches
+from pagedattn.bench.meta import write_quick
 from pagedattn.bench.timing import host_loops
 
 BATCH = 200  # calls queued behind one sleep kernel (the launch queue holds ~1000)
@@ -70,9 +72,6 @@ def api_cases(device) -> dict:
 
 
 def gpu(out_dir="perf/results"):
-    from pagedattn.bench.jit import capture_launches
-    from pagedattn.bench.meta import write_quick
-
     cases = api_cases("cuda")
     # the raw launchers: the write's and the decode's launch as the op made it, replayed (the driver's cost
     # and the pack, without the op's Python); decode_out keeps the output the decode replays write
@@ -137,13 +136,8 @@ def stub_cuda():
 def cpu(argv):
     stub_cuda()
     torch.set_num_threads(1)
-    cases, results = api_cases("cpu"), {}
-    for name, (fn, _) in cases.items():
-        try:
-            fn()
-        except (AttributeError, RuntimeError) as exc:  # an older tree without the op
-            print(f"{name:40s}    n/a ({type(exc).__name__})")
-            continue
+    results = {}
+    for name, (fn, _) in api_cases("cpu").items():
         n = 4000 if "kvcache" in name or name.startswith("op_") else 20000
         # this thread's CPU time (other processes on a shared machine do not count), the best of 7 loops
         results[name] = min(host_loops(fn, n, loops=7, warmup=500, sync=lambda: None, clock=time.thread_time))
