@@ -22,7 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import pagedattn
+from pagedattn import aot, ops  # noqa: F401 - ops registers the kernel families
 from pagedattn.bench.meta import write_quick
+from pagedattn.codegen.bundle import expected_header
+from pagedattn.codegen.compile import compile_source, nvrtc_options
+from pagedattn.codegen.toolchain import toolchain
+from pagedattn.ops.attention import AttnFwdSpec
+from pagedattn.registry import Kernel
 
 VARIANTS = [("sm_80", "bf16", "auto", 128, "decode", ()), ("sm_80", "bf16", "auto", 128, "prefill", ()),
             ("sm_90a", "bf16", "auto", 128, "decode_tma", ()), ("sm_90a", "bf16", "auto", 128, "multi_tma", ()),
@@ -31,18 +38,11 @@ VARIANTS = [("sm_80", "bf16", "auto", 128, "decode", ()), ("sm_80", "bf16", "aut
 
 
 def _compile(kernel, arch: str, *options: str):
-    from pagedattn.codegen.compile import compile_source, nvrtc_options
-    from pagedattn.codegen.toolchain import toolchain
-
     return compile_source(kernel.source, variant=kernel.name, arch=arch,
                           options=nvrtc_options(arch, toolchain()) + list(options))
 
 
 def times(args) -> int:
-    import pagedattn
-    from pagedattn.ops.attention import AttnFwdSpec
-    from pagedattn.registry import Kernel
-
     rows = []
     for arch, dtype, kv, d, mode, flags in VARIANTS * args.repeat:
         k = Kernel(AttnFwdSpec.for_arch(arch, dtype, kv, d, mode, tuple(flags) or (False,) * 4))
@@ -63,11 +63,8 @@ def times(args) -> int:
 
 
 def registers(args) -> int:
-    from pagedattn.aot import parse_variant
-    from pagedattn.registry import Kernel
-
     for text in args.variants:
-        kernel = Kernel(parse_variant(text))
+        kernel = Kernel(aot.parse_variant(text))
         print(kernel.name)
         for line in re.findall(r"(Used \d+ registers.*|\d+ bytes stack frame.*)", _compile(kernel, args.arch,
                                                                                            "-Xptxas=-v").log):
@@ -76,9 +73,6 @@ def registers(args) -> int:
 
 
 def precompile(args) -> int:
-    from pagedattn import aot, ops  # noqa: F401 - ops registers the kernel families
-    from pagedattn.codegen.bundle import expected_header
-
     archs = aot.resolve_archs(args.arch)
     jobs = aot.plan(aot.select(preset=args.preset).specs, archs)
     out = Path(tempfile.mkdtemp(prefix="pagedattn-aot-perf-")) / "bundle"
