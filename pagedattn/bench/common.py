@@ -88,28 +88,23 @@ class Recorder:
         self.record["extra"].update(kw)
 
     def target(self, value: float, unit: str) -> None:
-        """A goal; `met` is derived from ours (schema.target_met)."""
+        """A goal; `met` is derived from ours (schema.target_met) with the other numbers."""
         self.record["target"] = {"value": value, "unit": unit, "met": None}
-        schema.derive(self.record, self.ctx.ceilings)
 
     def goal_ratio(self, peer: str, value: float) -> None:
         """A relative goal: ours at least `value` times as fast as `peer` (schema.goal_met)."""
         self.record["goals"].append({"value": value, "unit": "ratio", "peer": peer, "met": None})
-        schema.derive(self.record, self.ctx.ceilings)
-
-    def _time(self, name: str, fn, sets: int, methods) -> dict:
-        return schema.impl_from_methods(name, self.ctx.timer.measure(fn, sets, tuple(methods)))
 
     def ours(self, name: str, fn, sets: int = 1, methods=("rot",)) -> dict:
         """Time our implementation under each of `methods` (timing.METHODS); failures propagate."""
-        return self._update(None, self._time(name, fn, sets, methods))
+        return self._update(None, schema.impl_from_methods(name, self.ctx.timer.measure(fn, sets, methods)))
 
     def peer(self, name: str, make_fn, sets: int = 1, context=None, methods=("rot",)) -> dict:
         """Time a peer: `make_fn()` builds fn(k) (or raises: the peer is reported unavailable with the
         reason); `context()` wraps the whole measurement."""
         try:
             with (context() if context is not None else contextlib.nullcontext()):
-                impl = self._time(name, make_fn(), sets, methods)
+                impl = schema.impl_from_methods(name, self.ctx.timer.measure(make_fn(), sets, methods))
         except Exception as exc:  # noqa: BLE001 - a peer's failure is data
             impl = schema.impl_error(name, short_error(exc))
             assert_cuda_healthy(self.ctx)
@@ -137,11 +132,12 @@ class Recorder:
         self.check(err <= tolerance, "rel_l2", f"relative L2 {err:.2e} vs float32 reference (tolerance "
                    f"{tolerance:g})", rel_l2=err)
 
-    def attempt(self, what: str, fn) -> None:
-        """Run fn(); an exception becomes this case's error (the case goes on to its peers, still worth
-        having). A lost CUDA context is raised."""
+    @contextlib.contextmanager
+    def attempt(self, what: str):
+        """`with rec.attempt(what):` an exception in the block becomes this case's error (the case goes on to
+        its peers, still worth having). A lost CUDA context is raised."""
         try:
-            fn()
+            yield
         except Exception as exc:  # noqa: BLE001
             self.fail(exc, prefix=f"{what}: ")
             assert_cuda_healthy(self.ctx)
