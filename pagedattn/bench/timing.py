@@ -149,7 +149,7 @@ class CpuTimer(Timer):
         return timing(samples, sets, method)
 
 
-def median_us(fn, reps: int = 30, warmup: int = 5, before=None) -> float:
+def median_us(fn, reps: int = 30, warmup: int = 5, before=lambda: None) -> float:
     """Median µs of CUDA-event times of `fn()`, one synchronised call at a time after `warmup` untimed calls;
     `before()` runs untimed before each (perf/multigpu.py: a barrier). Includes any wait for the host: for
     the demo and the quick scripts, not the suites."""
@@ -158,13 +158,12 @@ def median_us(fn, reps: int = 30, warmup: int = 5, before=None) -> float:
     torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
-        if before is not None:
-            before()
+        before()
         ts.append(_device_us(fn))
     return sorted(ts)[len(ts) // 2]
 
 
-def host_loops(fn, calls: int, loops: int = 5, warmup: int = 200, before=None, sync=None,
+def host_loops(fn, calls: int, loops: int = 5, warmup: int = 200, before=lambda: None, sync=None,
                clock=time.perf_counter) -> list[float]:
     """The host's cost of `fn()` (perf/launch_overhead.py): µs per call of each loop of `calls` calls with no
     sync inside. `before()` runs untimed before each loop (a sleep kernel keeping the GPU busy); off the GPU
@@ -175,8 +174,7 @@ def host_loops(fn, calls: int, loops: int = 5, warmup: int = 200, before=None, s
     sync()
     out = []
     for _ in range(loops):
-        if before is not None:
-            before()
+        before()
         t0 = clock()
         for _ in range(calls):
             fn()
