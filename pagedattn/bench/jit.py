@@ -15,6 +15,10 @@ from pathlib import Path
 
 import torch
 
+import pagedattn
+from pagedattn import envs
+from pagedattn.codegen.cache import kernel_cache
+
 from .attention import build, ours_fn
 from .common import Case, Ctx, Recorder, short_error
 from .runner import read_jsonl
@@ -30,8 +34,6 @@ def available(ctx: Ctx):
 # -- the workloads: setup(device) -> our call -----------------------------------------------------------
 def _write(layout: str, kv: str):
     def setup(device):
-        import pagedattn
-
         fp8 = kv != "auto"
         spec = pagedattn.CacheSpec(64, BLOCK, H, D, torch.uint8 if fp8 else torch.bfloat16, kv_cache_dtype=kv,
                                    layout=layout)
@@ -77,9 +79,6 @@ def worker(names: str, out_path: str) -> None:
     """Time the first call of each workload (with a sync) in this fresh process, and note which kernel variants
     it compiled and how long each took (the cache entries' meta.json): with an empty PAGEDATTN_CACHE_DIR the
     cold path, on a filled one the warm path. One JSON line per workload."""
-    from pagedattn import envs
-    from pagedattn.codegen.cache import kernel_cache
-
     def entries() -> dict:  # the disk cache's entries: folder name -> its meta.json
         return {m.parent.name: json.loads(m.read_text()) for m in envs.cache_dir().glob("*/meta.json")}
 
