@@ -84,11 +84,10 @@ def precompile(args) -> int:
     variants = json.loads((out / "manifest.json").read_text())["variants"]
     on_disk = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     shutil.rmtree(out.parent, ignore_errors=True)
-    per_family: dict[str, dict] = {}
-    for v in variants:
-        f = per_family.setdefault(v["family"], {"kernels": 0, "bytes": 0, "compile_seconds_sum": 0.0})
-        f.update(kernels=f["kernels"] + 1, bytes=f["bytes"] + v["size"],
-                 compile_seconds_sum=round(f["compile_seconds_sum"] + v["compile_seconds"], 2))
+    families = {v["family"]: [w for w in variants if w["family"] == v["family"]] for v in variants}
+    per_family = {family: {"kernels": len(vs), "bytes": sum(v["size"] for v in vs),
+                           "compile_seconds_sum": round(sum(v["compile_seconds"] for v in vs), 2)}
+                  for family, vs in families.items()}
     record = {
         "what": f"pagedattn precompile --arch {','.join(archs)} --preset {args.preset} (cold, empty --out; then a "
                 "rerun)", "toolchain": expected_header(), "preset": dict(aot.PRESETS[args.preset]), "archs": archs,

@@ -9,7 +9,7 @@ import inspect
 
 import torch.nn.functional as F
 
-from .common import Ctx, Recorder, rel_l2
+from .common import Ctx, Recorder, rel_l2, short_error
 from .timing import METHODS
 
 WRONG = 5e-2  # relative L2 above which a candidate's output is wrong (ours passes at 2e-2)
@@ -91,8 +91,7 @@ def fastest(ctx: Ctx, candidates, ref, info: dict, sets: int = 1):
                 continue
             us = ctx.timer.probe(fn, sets) if ctx.is_cuda else None
         except Exception as exc:  # noqa: BLE001 - a configuration that cannot run is data
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            tried.append(f"{variant}: {type(exc).__name__}: {first}")
+            tried.append(f"{variant}: {short_error(exc, 200)}")
             continue
         tried.append(f"{variant}: {us:.1f} us" if us is not None else f"{variant}: runs")
         if best is None or (us is not None and us < best[0]):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import math
 import os
 import signal
 import subprocess
@@ -35,13 +34,7 @@ MAX_ATTEMPTS = 8
 
 def jsonable(obj):
     """Plain JSON: non-finite floats become null, unknown objects their str()."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
-    return obj if obj is None or isinstance(obj, (str, int, bool)) else str(obj)
+    return json.loads(json.dumps(obj, default=str), parse_constant=lambda name: None)  # NaN, Infinity
 
 
 def read_jsonl(path: Path) -> list[dict]:
