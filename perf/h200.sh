@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
 # (info precompile packbundle bundle tests alltests sanitize racecheck fuzz fuzzsanitize overhead overheadab sweep benchwrite aotcheck ncu ncusrc
-# benchdw benchp benchs benchq bench-full demo multigpu hfcb aot16).
+# benchdw benchp benchs benchq bench-full demo multigpu aot16).
 # Logs and results go under $OUT; RESULTS.md is regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
 # tests: PYTEST_FILES, PYTEST_K, PYTEST_N (xdist workers), PYTEST_ARGS (e.g. "-vv --tb=line": with the -q
@@ -78,12 +78,11 @@ for stage in "$@"; do
                      python3 "$ROOT/perf/profile_case.py" $k > "$OUT/ncu_$k.txt" 2>&1
                  grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued" "$OUT/ncu_$k.txt" | head -20
                done ;;
-    # ncu's warp-stall samples per SASS instruction of one profile_case.py kind (NCU_CASE, default prefill)
+    # ncu's warp-stall samples per SASS instruction of one profile_case.py kind (NCU_CASE, default prefill), as CSV
     ncusrc)    k=${NCU_CASE:-prefill}
                ncu --clock-control none --kernel-name regex:"${NCU_KERNELS:-attn_fwd_kernel}" --launch-skip 2 --launch-count 1 \
                    --section SourceCounters --section WarpStateStats -o /tmp/ncusrc_$k -f python3 "$ROOT/perf/profile_case.py" $k > "$OUT/ncusrc_$k.txt" 2>&1
-               ncu -i /tmp/ncusrc_$k.ncu-rep --page source --csv --print-source sass > /tmp/ncusrc_$k.csv \
-                 && python3 "$ROOT/perf/ncu_stalls.py" /tmp/ncusrc_$k.csv | tee -a "$OUT/ncusrc_$k.txt" | head -n 30
+               ncu -i /tmp/ncusrc_$k.ncu-rep --page source --csv --print-source sass > /tmp/ncusrc_$k.csv
                xz -T8 -c /tmp/ncusrc_$k.csv > "$OUT/ncusrc_$k.csv.xz" ;;
     benchq)    bench --suite all --quick ;;
     benchdw)   bench --suite decode,write --quick ;;
@@ -102,7 +101,6 @@ for stage in "$@"; do
                done ;;
     # issue 21 on the GPUs of this host (one: a smoke test of the code path)
     multigpu)  torchrun --nproc_per_node=${NGPUS:-$(nvidia-smi -L | wc -l)} "$ROOT/perf/multigpu.py" --out "$OUT/results" 2>&1 | tail -n 15 ;;
-    hfcb)      python3 "$ROOT/perf/hf_continuous_batching.py" --out "$OUT/results" ${HF_ARGS:-} > "$OUT/hf_cb.log" 2>&1; rc=$?; tail -n 25 "$OUT/hf_cb.log"; (exit $rc) ;;
     *)         echo "unknown stage $stage" ;;
   esac
   rc=${PIPESTATUS[0]}

@@ -1,6 +1,5 @@
 """The steady states of flash_attn_varlen_func (ops/steady.py guards, _Launch) and of
-reshape_and_cache_flash (the same guards, Prepared launches) on CPU, with the driver stubbed as
-perf/launch_overhead.py --cpu does: a warm call packs exactly the Params of a cold call (empty plan cache),
+reshape_and_cache_flash (the same guards, Prepared launches) on CPU, with the driver stubbed: a warm call packs exactly the Params of a cold call (empty plan cache),
 skips the checks, and a call with new metadata after a warm-up is refused exactly as on a cold cache
 (same exception, same message) -- the guards never weaken validation."""
 import ctypes

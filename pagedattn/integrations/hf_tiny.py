@@ -1,5 +1,5 @@
-"""Tiny random-weight models for transformers' continuous batching: what the tests, `make demo` and
-`perf/hf_continuous_batching.py` run (built from configs here: nothing is downloaded).
+"""Tiny random-weight models for transformers' continuous batching: what the tests and `make demo` run, and
+`throughput` measures (built from configs here: nothing is downloaded).
 
 Kinds: "llama" (GQA, 8 query heads over 2 KV heads), "mistral" (the same with a sliding window of
 16 on every layer), "gemma2" (one sliding-window layer and one full layer, attention softcap 2).
@@ -131,7 +131,7 @@ def generate(model, implementation: str, prompts, max_new_tokens: int = 8, confi
 
 def throughput(kind: str, prompts, max_new_tokens: int, reps: int = 1) -> dict:
     """generate_batch tokens/s (greedy, no logits kept) of the tiny `kind` model on the GPU on pagedattn and
-    on transformers' own "paged|sdpa", same prompts (`make demo`, perf/hf_continuous_batching.py): each once
+    on transformers' own "paged|sdpa", same prompts (`make demo`; any kind in one call): each once
     untimed (compiles, allocator), then `reps` timed runs alternating; the medians, every run's figure and
     how many sequences came out identical."""
     from . import transformers as pa_hf
