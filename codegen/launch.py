@@ -156,7 +156,7 @@ def _launch_buffer(size: int, template: bytes = b""):
 
 def read_launch(config, argv, params_size: int) -> tuple:
     """(grid, block, shared memory, stream, Params bytes) of a launch's arguments: for stand-in launch
-    functions (the tests, perf/launch_overhead.py --cpu) that record what a launch would have passed."""
+    functions (the tests) that record what a launch would have passed."""
     c = LaunchConfig.from_address(ctypes.addressof(config._obj))
     return ((c.gridDimX, c.gridDimY, c.gridDimZ), (c.blockDimX, c.blockDimY, c.blockDimZ), c.sharedMemBytes,
             c.hStream or 0, ctypes.string_at(argv._obj[0], params_size))
@@ -181,7 +181,7 @@ class Launcher:
     def stand_in(cls, launch, params_type: type[ctypes.Structure], device: int = 0,
                  raw_stream=lambda device: 0) -> "Launcher":
         """A Launcher without a driver whose cuLaunchKernelEx is `launch(config, func, argv, extra)`
-        (the tests and perf/launch_overhead.py --cpu: record or ignore launches on a machine without a GPU)."""
+        (the tests: record or ignore launches on a machine without a GPU)."""
         lau = cls.__new__(cls)
         lau._driver = None
         lau._bind(launch, 0, params_type, device, 0, 0, raw_stream)

@@ -1,12 +1,10 @@
 """What compiling the kernels costs, measured on this machine's CPU (issue 19; no GPU needed).
 
     python perf/compile_costs.py times [--out perf/results] [--tag NAME] [--repeat 1] [--commit SHA]
-    python perf/compile_costs.py registers [--arch sm_90a] 'attn_fwd:dtype=bf16 head_dim=128 mode=decode_tma' ...
     python perf/compile_costs.py precompile [--arch sm_90a] [--preset default] [--jobs N] [--out perf/results]
 
 times: the cold NVRTC compile of attention variants (goal <= 6 s each on 2 cores) in this process, split into
   NVRTC's phases (`-time`); to compare builds, run once per build with its install on PYTHONPATH, interleaved.
-registers: ptxas' registers, stack frame and spills of kernel variants (`-Xptxas -v`, not cached).
 precompile: `pagedattn precompile` cold into an empty folder, then its rerun: wall times, kernels and NVRTC
   seconds per family, the slowest kernels, bundle size, the machine's load.
 Reading a bundle's kernels (goal <= 50 ms each) is timed by `pagedattn bundle verify DIR`.
@@ -16,13 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
+import pagedattn
+from pagedattn import aot, ops  # noqa: F401 - ops registers the kernel families
 from pagedattn.bench.meta import write_quick
+from pagedattn.codegen.bundle import expected_header
+from pagedattn.codegen.compile import compile_source, nvrtc_options
+from pagedattn.codegen.toolchain import toolchain
+from pagedattn.ops.attention import AttnFwdSpec
+from pagedattn.registry import Kernel
 
 VARIANTS = [("sm_80", "bf16", "auto", 128, "decode", ()), ("sm_80", "bf16", "auto", 128, "prefill", ()),
             ("sm_90a", "bf16", "auto", 128, "decode_tma", ()), ("sm_90a", "bf16", "auto", 128, "multi_tma", ()),
@@ -30,24 +34,13 @@ VARIANTS = [("sm_80", "bf16", "auto", 128, "decode", ()), ("sm_80", "bf16", "aut
             ("sm_90a", "bf16", "auto", 128, "decode_tma", (True, True, False, True))]
 
 
-def _compile(kernel, arch: str, *options: str):
-    from pagedattn.codegen.compile import compile_source, nvrtc_options
-    from pagedattn.codegen.toolchain import toolchain
-
-    return compile_source(kernel.source, variant=kernel.name, arch=arch,
-                          options=nvrtc_options(arch, toolchain()) + list(options))
-
-
 def times(args) -> int:
-    import pagedattn
-    from pagedattn.ops.attention import AttnFwdSpec
-    from pagedattn.registry import Kernel
-
     rows = []
     for arch, dtype, kv, d, mode, flags in VARIANTS * args.repeat:
         k = Kernel(AttnFwdSpec.for_arch(arch, dtype, kv, d, mode, tuple(flags) or (False,) * 4))
         with tempfile.TemporaryDirectory() as tmp:
-            r = _compile(k, arch, f"-time={tmp}/time.csv")
+            r = compile_source(k.source, variant=k.name, arch=arch,
+                               options=nvrtc_options(arch, toolchain()) + [f"-time={tmp}/time.csv"])
             phases = {}
             for line in Path(tmp, "time.csv").read_text().splitlines()[1:]:
                 _, phase, ms, _ = (x.strip() for x in line.split(","))
@@ -62,23 +55,7 @@ def times(args) -> int:
     return 0
 
 
-def registers(args) -> int:
-    from pagedattn.aot import parse_variant
-    from pagedattn.registry import Kernel
-
-    for text in args.variants:
-        kernel = Kernel(parse_variant(text))
-        print(kernel.name)
-        for line in re.findall(r"(Used \d+ registers.*|\d+ bytes stack frame.*)", _compile(kernel, args.arch,
-                                                                                           "-Xptxas=-v").log):
-            print("   ", line.strip())
-    return 0
-
-
 def precompile(args) -> int:
-    from pagedattn import aot, ops  # noqa: F401 - ops registers the kernel families
-    from pagedattn.codegen.bundle import expected_header
-
     archs = aot.resolve_archs(args.arch)
     jobs = aot.plan(aot.select(preset=args.preset).specs, archs)
     out = Path(args.bundle) if args.bundle else Path(tempfile.mkdtemp(prefix="pagedattn-aot-perf-")) / "bundle"
@@ -91,13 +68,10 @@ def precompile(args) -> int:
     on_disk = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     if not args.bundle:
         shutil.rmtree(out.parent, ignore_errors=True)
-    per_family: dict[str, dict] = {}
-    files = set()  # a program's cubin counts once
-    for v in variants:
-        f = per_family.setdefault(v["family"], {"kernels": 0, "bytes": 0, "compile_seconds_sum": 0.0})
-        f.update(kernels=f["kernels"] + 1, bytes=f["bytes"] + (v["size"] if v["file"] not in files else 0),
-                 compile_seconds_sum=round(f["compile_seconds_sum"] + v["compile_seconds"], 2))
-        files.add(v["file"])
+    families = {v["family"]: [w for w in variants if w["family"] == v["family"]] for v in variants}
+    per_family = {family: {"kernels": len(vs), "bytes": sum(v["size"] for v in {w["file"]: w for w in vs}.values()),
+                           "compile_seconds_sum": round(sum(v["compile_seconds"] for v in vs), 2)}
+                  for family, vs in families.items()}
     record = {
         "what": f"pagedattn precompile --arch {','.join(archs)} --preset {args.preset} (cold, empty --out; then a "
                 "rerun)", "toolchain": expected_header(), "preset": dict(aot.PRESETS[args.preset]), "archs": archs,
@@ -123,18 +97,15 @@ def main(argv=None) -> int:
     t.add_argument("--tag", default="")
     t.add_argument("--repeat", type=int, default=1)
     t.add_argument("--commit", default=None, help="the commit of the installed build (default: this checkout's)")
-    r = sub.add_parser("registers", help="ptxas' registers, stack frame and spills of kernel variants")
-    r.add_argument("variants", nargs="+", metavar="'FAMILY:FIELD=VALUE ...'")
     p = sub.add_parser("precompile", help="`pagedattn precompile` cold and rerun")
     p.add_argument("--preset", default="default")
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--bundle", default=None, help="build into (and keep) this folder, not a temporary one")
+    p.add_argument("--arch", default="sm_90a")
     for parser in (t, p):
         parser.add_argument("--out", default="perf/results")
-    for parser in (r, p):
-        parser.add_argument("--arch", default="sm_90a")
     args = ap.parse_args(argv)
-    return {"times": times, "registers": registers, "precompile": precompile}[args.what](args)
+    return {"times": times, "precompile": precompile}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -84,12 +84,11 @@ for stage in "$@"; do
                      python3 "$ROOT/perf/profile_case.py" $k > "$OUT/ncu_$k.txt" 2>&1
                  grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued" "$OUT/ncu_$k.txt" | head -20
                done ;;
-    # ncu's warp-stall samples per SASS instruction of one profile_case.py kind (NCU_CASE, default prefill)
+    # ncu's warp-stall samples per SASS instruction of one profile_case.py kind (NCU_CASE, default prefill), as CSV
     ncusrc)    k=${NCU_CASE:-prefill}
                ncu --clock-control none --kernel-name regex:"${NCU_KERNELS:-attn_fwd_}" --launch-skip 2 --launch-count 1 \
                    --section SourceCounters --section WarpStateStats -o /tmp/ncusrc_$k -f python3 "$ROOT/perf/profile_case.py" $k > "$OUT/ncusrc_$k.txt" 2>&1
-               ncu -i /tmp/ncusrc_$k.ncu-rep --page source --csv --print-source sass > /tmp/ncusrc_$k.csv \
-                 && python3 "$ROOT/perf/ncu_stalls.py" /tmp/ncusrc_$k.csv | tee -a "$OUT/ncusrc_$k.txt" | head -n 30
+               ncu -i /tmp/ncusrc_$k.ncu-rep --page source --csv --print-source sass > /tmp/ncusrc_$k.csv
                xz -T8 -c /tmp/ncusrc_$k.csv > "$OUT/ncusrc_$k.csv.xz" ;;
     benchq)    bench --suite all --quick ;;
     benchdw)   bench --suite decode,write --quick ;;

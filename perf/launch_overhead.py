@@ -1,30 +1,25 @@
 """Steady-state host cost of one call (µs) on tiny problems: the raw launcher, the public API, the
 torch.ops.pagedattn ops (the dispatcher: a compiled graph's op call in eager) and two torch controls.
 
-    python perf/launch_overhead.py [OUT_DIR]    # GPU; OUT_DIR/launch_overhead_<gpu>_<date>.json
-    python perf/launch_overhead.py --cpu [--json]    # no GPU (profile it: python -m cProfile -s tottime ...)
+    python perf/launch_overhead.py [OUT_DIR]    # OUT_DIR/launch_overhead_<gpu>_<date>.json (default perf/results)
 
 GPU, no sync inside the timed loop, idle (launches meet an idle GPU) and busy (each batch of BATCH calls queued
 behind a torch.cuda._sleep kernel; issue 15's budget: <= 10 µs per decode call, <= 8 µs per write). The cases run
 round-robin LAUNCH_OVERHEAD_ROUNDS times (default 3) and report the median round, so that a transient slowdown of
 the host moves one round, not the result (one H200 run's busy decode read 14.4 µs, the next 9.7).
---cpu: the eager path on CPU tensors, the real Launcher packing its Params for a no-op C function in place of
-cuLaunchKernelEx (device queries, tensor maps, capture state constant): this thread's CPU time per call, best of
-7 loops: the GPU figure's Python/torch work without the driver.
 """
 from __future__ import annotations
 
-import ctypes
-import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 import pagedattn
 from pagedattn import CacheSpec
+from pagedattn.bench.jit import capture_launches
+from pagedattn.bench.meta import write_quick
 from pagedattn.bench.timing import host_loops
 
 BATCH = 200  # calls queued behind one sleep kernel (the launch queue holds ~1000)
@@ -70,15 +65,12 @@ def api_cases(device) -> dict:
 
 
 def gpu(out_dir="perf/results"):
-    from pagedattn.bench.jit import capture_launches
-    from pagedattn.bench.meta import write_quick
-
     cases = api_cases("cuda")
     # the raw launchers: the write's and the decode's launch as the op made it, replayed (the driver's cost
     # and the pack, without the op's Python); decode_out keeps the output the decode replays write
     (write, *_), _ = capture_launches(cases["reshape_and_cache_flash"][0])
     (decode, *_), decode_out = capture_launches(cases["flash_attn_decode"][0])
-    cases = {"raw_launcher": (write.replay, 20000), "raw_launcher_decode": (decode.replay, 5000), **cases}
+    cases = {"raw_launcher": (write, 20000), "raw_launcher_decode": (decode, 5000), **cases}
     rounds = max(1, int(os.environ.get("LAUNCH_OVERHEAD_ROUNDS", "3")))
     samples = {}
     for _ in range(rounds):
@@ -97,63 +89,5 @@ def gpu(out_dir="perf/results"):
     print(f"wrote {path}")
 
 
-def stub_cuda():
-    """Make the eager paths run on CPU tensors with a stubbed launch."""
-    from pagedattn.codegen import launch
-    from pagedattn.ops import attention, kv_write, workspace
-
-    class FakeKernel:
-        def __init__(self, spec):
-            self.spec = spec
-
-        def launcher(self, device):
-            # cuLaunchKernel(Ex)'s stand-in: a C function that ignores its arguments and returns 0 (NULL: no
-            # Python error is set); called with the GIL held, as PyDLL does
-            noop = ctypes.PyDLL(None).PyErr_Occurred
-            noop.restype = ctypes.c_int
-            lau = launch.Launcher.stand_in(noop, self.spec.PARAMS, device)
-            lau.max_active_blocks = lambda threads: 4
-            return lau
-
-    def cpu_get(kind, device, stream, numel, dtype, capturing):
-        buf = workspace._BUFFERS.get((kind, device, stream))
-        if buf is None or buf.tensor.numel() < numel:
-            buf = workspace._Buffer(torch.zeros(max(numel, 1024), dtype=dtype), False)
-            workspace._BUFFERS[(kind, device, stream)] = buf
-        return buf
-
-    attention.get_kernel = kv_write.get_kernel = FakeKernel
-    attention._require_cuda = kv_write._require_cuda = lambda t: None
-    attention.arch_for_device = lambda device: "sm_90a"
-    attention.sm_count = kv_write.sm_count = lambda device: 132
-    attention.tma_maps = lambda k, v, call, head_dim: (torch.zeros(256, dtype=torch.uint8), 2)
-    attention._is_capturing = lambda: False
-    workspace._raw_stream = lambda device: 0
-    workspace._get = cpu_get
-    torch.cuda.is_current_stream_capturing = lambda: False
-    torch.cuda.current_device = lambda: 0
-
-
-def cpu(argv):
-    stub_cuda()
-    torch.set_num_threads(1)
-    cases, results = api_cases("cpu"), {}
-    for name, (fn, _) in cases.items():
-        try:
-            fn()
-        except (AttributeError, RuntimeError) as exc:  # an older tree without the op
-            print(f"{name:40s}    n/a ({type(exc).__name__})")
-            continue
-        n = 4000 if "kvcache" in name or name.startswith("op_") else 20000
-        # this thread's CPU time (other processes on a shared machine do not count), the best of 7 loops
-        results[name] = min(host_loops(fn, n, loops=7, warmup=500, sync=lambda: None, clock=time.thread_time))
-        print(f"{name:40s} {results[name]:6.2f} us")
-    if "--json" in argv:  # one line of results, for perf/results/host_profile_*.json
-        print(json.dumps(results))
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--cpu"]:
-        cpu(sys.argv[2:])
-    else:
-        gpu(*sys.argv[1:2])
+    gpu(*sys.argv[1:2])

@@ -10,22 +10,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from pagedattn.bench import attention, write
 from pagedattn.bench.common import Ctx
 
-# kind: (B, ctx, q_len, causal, kv cache dtype, num_splits, head dim, the op's feature arguments)
-KINDS = {"decode": (64, 4096, 1, False, "auto", 1, 128, {}), "decode_fp8": (64, 4096, 1, False, "fp8_e4m3", 1, 128, {}),
-         "b1": (1, 32768, 1, False, "auto", 0, 128, {}), "prefill": (4, 4096, 4096, True, "auto", 1, 128, {}),
-         "prefill_fp8": (4, 4096, 4096, True, "fp8_e4m3", 1, 128, {}),
-         "decode_d512": (16, 4096, 1, False, "auto", 0, 512, {}),
-         "prefill_softcap": (4, 4096, 4096, True, "auto", 1, 128, {"softcap": 30.0})}
+# kind: (B, ctx, q_len, kv cache dtype, num_splits, head dim, the op's feature arguments); all causal, as in the bench
+KINDS = {"decode": (64, 4096, 1, "auto", 1, 128, {}), "decode_fp8": (64, 4096, 1, "fp8_e4m3", 1, 128, {}),
+         "b1": (1, 32768, 1, "auto", 0, 128, {}), "prefill": (4, 4096, 4096, "auto", 1, 128, {}),
+         "prefill_fp8": (4, 4096, 4096, "fp8_e4m3", 1, 128, {}), "decode_d512": (16, 4096, 1, "auto", 0, 512, {}),
+         "prefill_softcap": (4, 4096, 4096, "auto", 1, 128, {"softcap": 30.0})}
 kind = sys.argv[1] if len(sys.argv) > 1 else "decode"
+peer = kind.endswith("_cudnn")
 if kind.startswith("write"):
     _, layout, kv = kind.split("_", 2)
     p = dict(T=65536, layout=layout, kv_cache_dtype=kv.removesuffix("_head"),
              scale="head" if kv.endswith("_head") else "tensor")
     fn = write.ours_fn(write.inputs(Ctx.make("cuda", quick=True), p))
-    peer = False
 else:
-    peer = kind.endswith("_cudnn")
-    B, ctx, q_len, causal, kv, splits, d, features = KINDS[kind.removesuffix("_cudnn")]
+    B, ctx, q_len, kv, splits, d, features = KINDS[kind.removesuffix("_cudnn")]
     data = attention.build(Ctx(torch.device("cuda")), dict(B=B, q_len=q_len, ctx=ctx, hq=32, hkv=8, d=d, bs=16,
                                                            kv_cache_dtype=kv), sets=1)  # shuffled table
     fn = attention.ours_fn(data, splits, **features)
@@ -33,7 +31,7 @@ else:
         kk, vv = data.contiguous_kv(0)
         qq = data.q[0].view(B, q_len, 32, d).transpose(1, 2)
         fn = lambda k: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-            qq, kk, vv, enable_gqa=True, is_causal=causal and q_len > 1)
+            qq, kk, vv, enable_gqa=True, is_causal=q_len > 1)
 torch.cuda.synchronize()
 with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if peer else contextlib.nullcontext():
     for _ in range(4):

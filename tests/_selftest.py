@@ -14,7 +14,7 @@ from pagedattn.bench.common import Case, Ctx, Recorder
 def _ok(ctx: Ctx, rec: Recorder) -> None:
     from pagedattn.ops.attention import overrides
 
-    rec.extra(forced=repr(overrides.current()), write_overrides=ctx.write_overrides)  # what --overrides set
+    rec.extra(forced=repr(overrides.current()), write_overrides=ctx.overrides.get("write"))  # what --overrides set
     a = torch.randn(64, 64, device=ctx.device)
     b = torch.empty_like(a)
     rec.work("GB/s", 2 * a.numel() * 4, "copy")

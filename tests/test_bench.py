@@ -303,7 +303,7 @@ def test_flush_buffer_size_and_flush_on_cpu():
 
 
 def test_host_loops_and_median_us_before(monkeypatch):
-    """The host-cost loops (perf/launch_overhead.py and its --cpu mode) and median_us's
+    """The host-cost loops (perf/launch_overhead.py; sync and clock as a CPU run would pass them) and median_us's
     `before` (perf/multigpu.py's barrier): what runs where, on fake clocks and events."""
     log = []
     ticks = iter(range(0, 10**6, 10))

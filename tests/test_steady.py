@@ -1,6 +1,5 @@
 """The steady states of flash_attn_varlen_func (ops/steady.py guards, _Launch) and of
-reshape_and_cache_flash (the same guards, Prepared launches) on CPU, with the driver stubbed as
-perf/launch_overhead.py --cpu does: a warm call packs exactly the Params of a cold call (empty plan cache),
+reshape_and_cache_flash (the same guards, Prepared launches) on CPU, with the driver stubbed: a warm call packs exactly the Params of a cold call (empty plan cache),
 skips the checks, and a call with new metadata after a warm-up is refused exactly as on a cold cache
 (same exception, same message) -- the guards never weaken validation."""
 import ctypes
@@ -353,8 +352,8 @@ def test_bench_captures_a_warm_call_and_replays_its_launches(op, monkeypatch):
     launches, keep = capture_launches(call)
     made = list(LAUNCHES)
     assert made and len(launches) == len(made)
-    for launch in launches:
-        launch.replay()
+    for replay in launches:
+        replay()
     assert LAUNCHES[len(made):] == made
     call()
     assert len(launches) == len(made)

@@ -16,7 +16,7 @@ from pagedattn.dtypes import FP8_MAX
 
 from . import peers as peerlib
 from .common import Case, Ctx, Recorder, short_error, shuffled_tables
-from .timing import METHODS
+from .timing import METHODS, rotation_sets
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 TINY = {"hq": 4, "hkv": 2, "d": 64, "bs": 16}
@@ -114,8 +114,7 @@ def feature_cases(ctx: Ctx) -> list[Case]:
     out = []
     for cid, shape, feats, goal in (TINY_FEATURES if ctx.tiny else FEATURES):
         params = _params(ctx, shape["B"], shape["q_len"], shape["ctx"], d=shape.get("d", _dims(ctx)["d"]),
-                         peers="base" if "ratio" in goal else "ours")
-        params["features"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in feats.items()}
+                         peers="base" if "ratio" in goal else "ours", features=feats)
         goals = {"fraction": goal.get("fraction")}
         if "ratio" in goal:
             params.update(base=goal.get("base", {}), base_name=PLAIN)
@@ -130,25 +129,19 @@ def sweep_cases(ctx: Ctx) -> list[Case]:
 
 
 # -- data ------------------------------------------------------------------------------------------
-def gather_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, bs, H, D] cache, [B, nb] table -> [B, nb * bs, H, D] (fp8 through uint8)."""
-    fp8 = cache.element_size() == 1
-    g = (cache.view(torch.uint8) if fp8 else cache)[table.long()]
-    b, nb, bs, h, d = g.shape
-    g = g.reshape(b, nb * bs, h, d)  # reshape: an HND cache is a permuted view
-    return g.view(cache.dtype) if fp8 else g
-
-
 class PagedData(SimpleNamespace):
     """One case's inputs (`build`): B, q_len, ctx_len, hq, hkv, d, bs, kv (cache dtype), scale; per input set
     q [B * q_len, Hq, D] and tables int32 [B, nb]; the caches kc, vc [num_blocks, bs, Hkv, D] (HND: a view of
     [num_blocks, Hkv, bs, D]); seqused, cu_q; k_descale, v_descale (fp8) or None."""
 
     def gathered_kv(self, s: int, dtype=torch.bfloat16):
-        """[B, Hkv, ctx, D] views of set s's pages (dequantised for fp8)."""
+        """[B, Hkv, ctx, D] views of set s's pages (gathered as bytes for fp8, then dequantised)."""
         out = []
         for cache, descale in ((self.kc, self.k_descale), (self.vc, self.v_descale)):
-            g = gather_pages(cache, self.tables[s])[:, :self.ctx_len].to(dtype)
+            fp8 = cache.element_size() == 1
+            g = (cache.view(torch.uint8) if fp8 else cache)[self.tables[s].long()]  # [B, nb, bs, Hkv, D]
+            g = g.reshape(self.B, -1, self.hkv, self.d)[:, :self.ctx_len]  # reshape: an HND cache is a permuted view
+            g = (g.view(cache.dtype) if fp8 else g).to(dtype)
             out.append((g * descale.to(dtype) if descale is not None else g).transpose(1, 2))
         return out
 
@@ -213,7 +206,7 @@ def ours_fn(data: PagedData, num_splits: int = 0, **features):
 
 def feature_kwargs(feats: dict, hq: int, device) -> dict:
     """The op's feature arguments of params "features", per-head tensors drawn for "head"."""
-    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in feats.items()}
+    kw = dict(feats)
     if kw.get("alibi_slopes") == "head":
         kw["alibi_slopes"] = (2.0 ** (-8.0 * torch.arange(1, hq + 1) / hq)).float().to(device)
     if kw.get("s_aux") == "head":
@@ -224,7 +217,7 @@ def feature_kwargs(feats: dict, hq: int, device) -> dict:
 def _sets(ctx: Ctx, p: dict) -> int:
     """Input sets of params `p`: KV bytes + q read and out written (bf16) rotated past the L2."""
     kv_bytes = 2 * p["B"] * p["ctx"] * p["hkv"] * p["d"] * (1 if p["kv_cache_dtype"] != "auto" else 2)
-    return ctx.sets_for(kv_bytes + 2 * 2 * p["B"] * p["q_len"] * p["hq"] * p["d"], cap=8)
+    return rotation_sets(kv_bytes + 2 * 2 * p["B"] * p["q_len"] * p["hq"] * p["d"], ctx.l2_bytes, cap=8)
 
 
 def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> None:
@@ -244,31 +237,27 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
     sets = _sets(ctx, p)
     data = build(ctx, p, sets)
     rec.extra(sets=sets, kv_bytes=kv_bytes, num_blocks=data.kc.shape[0], methods=list(METHODS))
-    ours = ours_fn(data, p.get("num_splits", 0), **feats)
     # correctness once, then timing (a failure is the case's error; the peers still run). The reference holds
     # [Hq, q_len, ctx] float32 scores per sequence: beyond 4096 x 4096 the check runs at B=1, 4096.
     big = sq * L > 4096 * 4096
     checked = build(ctx, dict(p, B=1, q_len=min(sq, 4096), ctx=min(L, 4096)), 1, gen_seed=2) if big else data
-    box: dict = {}
-    rec.attempt("float32 reference", lambda: box.update(ref=reference_out(checked, **feats)))
-
-    def check_and_time():
+    ref = None
+    with rec.attempt("float32 reference"):
+        ref = reference_out(checked, **feats)
+    with rec.attempt("pagedattn"):
         try:
-            out = ours_fn(checked, p.get("num_splits", 0), **feats)(0) if big else ours(0)
+            out = ours_fn(checked, p.get("num_splits", 0), **feats)(0)
         except (pagedattn.UnsupportedError, NotImplementedError) as exc:
-            box["refused"] = short_error(exc)
-            return
+            return rec.skip(f"unsupported by pagedattn: {short_error(exc)}")
         ctx.sync()
         if tuple(out.shape) != tuple(checked.q[0].shape):
             rec.check(False, "rel_l2", f"output shape {tuple(out.shape)}, expected {tuple(checked.q[0].shape)}")
-        elif box.get("ref") is not None:
-            rec.check_close(out, box["ref"], TOLERANCE)
+        elif ref is not None:
+            rec.check_close(out, ref, TOLERANCE)
         del out
+        ours = ours_fn(data, p.get("num_splits", 0), **feats)
         rec.ours("pagedattn" + (" " + "+".join(feats) if feats else ""), ours, sets, methods=METHODS)
-    rec.attempt("pagedattn", check_and_time)
-    if "refused" in box:
-        return rec.skip(f"unsupported by pagedattn: {box['refused']}")
-    role, ref = p.get("peers", "all"), None if big else box.get("ref")  # ref: the peers' check
+    role, ref = p.get("peers", "all"), None if big else ref  # ref: the peers' check
     if role == "base":  # ours on a plain NHD cache, default block size (or at `base`): what a case is held to
         base = dict(p, layout="NHD", bs=_dims(ctx)["bs"], features={}, **p.get("base", {}))
         base_sets = _sets(ctx, base)

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from . import schema
-from .timing import CpuTimer, Timer, rotation_sets
+from .timing import CpuTimer, Timer
 
 H200_L2 = 60 * 2**20
 
@@ -24,30 +24,25 @@ class Ctx:
     timer: Timer = None
     ceilings: dict = field(default_factory=dict)
     l2_bytes: int = H200_L2
-    case_timeout_s: float = 600.0
-    write_overrides: dict | None = None  # the write op's overrides= in every write (--overrides "write")
+    case_timeout: float = 600.0
+    overrides: dict = field(default_factory=dict)  # --overrides: {"attention": ..., "write": ...}
 
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
     @classmethod
-    def make(cls, device: str, quick: bool, tiny: bool = False, ceilings: dict | None = None,
-             case_timeout_s: float = 600.0, write_overrides: dict | None = None) -> "Ctx":
+    def make(cls, device: str, quick: bool, **fields) -> "Ctx":
+        """A context on `device` (a CUDA device becomes the current one) with its timer and L2 size."""
         dev = torch.device(device)
-        if dev.type == "cuda":
-            dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
-            torch.cuda.set_device(dev)
-            l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or H200_L2)
-            timer = Timer(budget_s=0.12 if quick else 0.3, min_reps=15 if quick else 30, l2_bytes=l2, device=dev)
-        else:
-            l2 = 4 * 2**20
+        if dev.type != "cuda":
             timer = CpuTimer(budget_s=0.01, min_reps=3, max_reps=50, flush_nbytes=2**20, device=dev)
-        return cls(dev, quick, tiny, timer, dict(ceilings or {}), l2, case_timeout_s, write_overrides)
-
-    def sets_for(self, working_set_bytes: float, cap: int = 64) -> int:
-        """Input sets to rotate through so that the inputs are not in L2 (timing.rotation_sets)."""
-        return rotation_sets(working_set_bytes, self.l2_bytes, cap=cap)
+            return cls(dev, quick, timer=timer, l2_bytes=4 * 2**20, **fields)
+        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        torch.cuda.set_device(dev)
+        l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or H200_L2)
+        timer = Timer(budget_s=0.12 if quick else 0.3, min_reps=15 if quick else 30, l2_bytes=l2, device=dev)
+        return cls(dev, quick, timer=timer, l2_bytes=l2, **fields)
 
     def sync(self) -> None:
         if self.is_cuda:
@@ -93,28 +88,23 @@ class Recorder:
         self.record["extra"].update(kw)
 
     def target(self, value: float, unit: str) -> None:
-        """A goal; `met` is derived from ours (schema.target_met)."""
+        """A goal; `met` is derived from ours (schema.target_met) with the other numbers."""
         self.record["target"] = {"value": value, "unit": unit, "met": None}
-        schema.derive(self.record, self.ctx.ceilings)
 
     def goal_ratio(self, peer: str, value: float) -> None:
         """A relative goal: ours at least `value` times as fast as `peer` (schema.goal_met)."""
         self.record["goals"].append({"value": value, "unit": "ratio", "peer": peer, "met": None})
-        schema.derive(self.record, self.ctx.ceilings)
-
-    def _time(self, name: str, fn, sets: int, methods) -> dict:
-        return schema.impl_from_methods(name, self.ctx.timer.measure(fn, sets, tuple(methods)))
 
     def ours(self, name: str, fn, sets: int = 1, methods=("rot",)) -> dict:
         """Time our implementation under each of `methods` (timing.METHODS); failures propagate."""
-        return self._update(None, self._time(name, fn, sets, methods))
+        return self._update(None, schema.impl_from_methods(name, self.ctx.timer.measure(fn, sets, methods)))
 
     def peer(self, name: str, make_fn, sets: int = 1, context=None, methods=("rot",)) -> dict:
         """Time a peer: `make_fn()` builds fn(k) (or raises: the peer is reported unavailable with the
         reason); `context()` wraps the whole measurement."""
         try:
             with (context() if context is not None else contextlib.nullcontext()):
-                impl = self._time(name, make_fn(), sets, methods)
+                impl = schema.impl_from_methods(name, self.ctx.timer.measure(make_fn(), sets, methods))
         except Exception as exc:  # noqa: BLE001 - a peer's failure is data
             impl = schema.impl_error(name, short_error(exc))
             assert_cuda_healthy(self.ctx)
@@ -142,11 +132,12 @@ class Recorder:
         self.check(err <= tolerance, "rel_l2", f"relative L2 {err:.2e} vs float32 reference (tolerance "
                    f"{tolerance:g})", rel_l2=err)
 
-    def attempt(self, what: str, fn) -> None:
-        """Run fn(); an exception becomes this case's error (the case goes on to its peers, still worth
-        having). A lost CUDA context is raised."""
+    @contextlib.contextmanager
+    def attempt(self, what: str):
+        """`with rec.attempt(what):` an exception in the block becomes this case's error (the case goes on to
+        its peers, still worth having). A lost CUDA context is raised."""
         try:
-            fn()
+            yield
         except Exception as exc:  # noqa: BLE001
             self.fail(exc, prefix=f"{what}: ")
             assert_cuda_healthy(self.ctx)

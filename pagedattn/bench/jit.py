@@ -12,12 +12,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple
 
 import torch
 
+import pagedattn
+from pagedattn import envs
+from pagedattn.codegen.cache import kernel_cache
+
 from .attention import build, ours_fn
-from .common import Case, Ctx, Recorder
+from .common import Case, Ctx, Recorder, short_error
 from .runner import read_jsonl
 
 H, D, BLOCK = 8, 128, 16
@@ -31,8 +34,6 @@ def available(ctx: Ctx):
 # -- the workloads: setup(device) -> our call -----------------------------------------------------------
 def _write(layout: str, kv: str):
     def setup(device):
-        import pagedattn
-
         fp8 = kv != "auto"
         spec = pagedattn.CacheSpec(64, BLOCK, H, D, torch.uint8 if fp8 else torch.bfloat16, kv_cache_dtype=kv,
                                    layout=layout)
@@ -78,9 +79,6 @@ def worker(names: str, out_path: str) -> None:
     """Time the first call of each workload (with a sync) in this fresh process, and note which kernel variants
     it compiled and how long each took (the cache entries' meta.json): with an empty PAGEDATTN_CACHE_DIR the
     cold path, on a filled one the warm path. One JSON line per workload."""
-    from pagedattn import envs
-    from pagedattn.codegen.cache import kernel_cache
-
     def entries() -> dict:  # the disk cache's entries: folder name -> its meta.json
         return {m.parent.name: json.loads(m.read_text()) for m in envs.cache_dir().glob("*/meta.json")}
 
@@ -101,7 +99,7 @@ def worker(names: str, out_path: str) -> None:
                                      for k, m in entries().items() if k not in before},
                            origins=sorted({a.origin for a in kernel_cache()._memory.values()}))
             except Exception as exc:  # noqa: BLE001
-                rec["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"
+                rec["error"] = short_error(exc)
             out.write(json.dumps(rec) + "\n")
 
 
@@ -126,13 +124,13 @@ def _first_call(ctx: Ctx, rec: Recorder, name: str, which: str) -> None:
     folder, filled: ms); each runs once, for every workload, within the runner's no-progress limit."""
     if "cold" not in _MEMO:
         _MEMO["dir"] = tempfile.mkdtemp(prefix="pagedattn-bench-cold-")
-        timeout = min(150.0 if ctx.quick else 360.0, 0.8 * ctx.case_timeout_s)
+        timeout = min(150.0 if ctx.quick else 360.0, 0.8 * ctx.case_timeout)
         print(f"  jit: cold compiles in a fresh process, empty cache {_MEMO['dir']} (up to {timeout:.0f} s)",
               flush=True)
         _MEMO["cold"] = _run_worker(ctx, _MEMO["dir"], timeout)
     if which == "warm" and "warm" not in _MEMO:
         print("  jit: warm first calls in a fresh process (disk hit)", flush=True)
-        _MEMO["warm"] = _run_worker(ctx, _MEMO["dir"], min(180.0, 0.8 * ctx.case_timeout_s))
+        _MEMO["warm"] = _run_worker(ctx, _MEMO["dir"], min(180.0, 0.8 * ctx.case_timeout))
         shutil.rmtree(_MEMO["dir"], ignore_errors=True)
     w = _MEMO[which].get(name) or {"error": _MEMO[which]["_failed"]}
     if w.get("error"):
@@ -147,16 +145,11 @@ def _first_call(ctx: Ctx, rec: Recorder, name: str, which: str) -> None:
 
 
 # -- the raw launcher (perf/launch_overhead.py) --------------------------------------------------------
-class Launch(NamedTuple):
-    launcher: object  # the pagedattn.codegen.launch.Launcher
-    replay: Callable[[], None]  # the launch again, packed as the op packed it
-
-
 def capture_launches(fn):
     """Run fn once, every op's plan cache emptied first (a known call would take a launch prepared before,
     unrecorded), recording every launch: a Launcher call (its values repacked on replay) or a Prepared launch
     (the attention and write ops' own; its leading fields read back from the launch buffer and repacked on
-    replay). Returns (launches, fn's result)."""
+    replay). Returns (replays: each launch again as the op packed it, fn's result)."""
     from pagedattn.codegen import launch
     from pagedattn.ops import attention, kv_write, legacy_attention
 
@@ -164,7 +157,7 @@ def capture_launches(fn):
     launches, prepared = [], []
 
     def recording_call(self, grid, block, values, stream=None):
-        launches.append(Launch(self, lambda: orig_call(self, grid, block, values, stream)))
+        launches.append(lambda: orig_call(self, grid, block, values, stream))
         return orig_call(self, grid, block, values, stream)
 
     def recording_init(self, *args):
@@ -173,7 +166,7 @@ def capture_launches(fn):
 
         def recording_launch(config, func, argv, extra):
             _, *head = self._pack_head.__self__.unpack_from(self._local.state[0], launch.STREAM_OFFSET)
-            launches.append(Launch(self._launcher, lambda: launch.Prepared.launch(self, *head)))
+            launches.append(lambda: launch.Prepared.launch(self, *head))
             return raw(config, func, argv, extra)
         prepared.append((self, raw))
         self._launch = recording_launch

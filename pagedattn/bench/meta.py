@@ -11,6 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+import pagedattn
+from pagedattn import info
+
 from . import report
 
 SMI_FIELDS = ("driver_version", "pstate", "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem",
@@ -28,8 +33,6 @@ def _run(cmd: list[str]) -> str | None:
 def nvidia_smi(index: int = 0) -> dict | None:
     """CUDA device `index`'s row of nvidia-smi (read only; by UUID, as nvidia-smi's order may differ from
     CUDA's), or None when nvidia-smi is not usable."""
-    import torch
-
     uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
     which = "GPU-" + str(uuid).removeprefix("GPU-") if uuid else str(index)
     out = _run(["nvidia-smi", f"--id={which}", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"])
@@ -38,8 +41,6 @@ def nvidia_smi(index: int = 0) -> dict | None:
 
 
 def clocks() -> dict | None:
-    import torch
-
     row = nvidia_smi(torch.cuda.current_device()) if torch.cuda.is_available() else None
     return None if row is None else {**{k: row[k] for k in SMI_FIELDS[1:]}, "time": now()}
 
@@ -58,10 +59,6 @@ def git_dirty() -> bool | None:
 def collect(device: str, quick: bool, suites: list[str], overrides: dict | None = None) -> dict:
     """The run's metadata: `pagedattn info`'s versions and GPU, the commit and `git_dirty`, nvidia-smi's
     driver and clocks."""
-    import torch
-
-    from pagedattn import info
-
     about = info.collect()
     meta = {"sample": False, "pagedattn": about["pagedattn"], "git_commit": info.git_commit(),
             "git_dirty": git_dirty(), "date": now(), "quick": quick, "suites": list(suites), "torch": torch.__version__,
@@ -97,19 +94,14 @@ def write_quick(out_dir, kind: str, results, suffix: str = "", gpu: bool = True,
     """<out_dir>/<kind>_<gpu name, or cpu<cores> with gpu=False>_<yyyymmdd><suffix>.json, as the perf/ scripts
     write it: {kind, metadata: this machine (CPU, cores, memory), software, commit, date, with gpu=True the
     GPU, its capability and driver, and `extra`; results}."""
-    import torch
-
-    import pagedattn
-    from pagedattn.info import git_commit
-
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), None)
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), None)
     mem = Path("/proc/meminfo")
     meta = dict(host=platform.node(), cpu=cpu or platform.processor(), cpus=os.cpu_count(),
                 usable_cores=len(os.sched_getaffinity(0)),
                 memory_gib=round(int(mem.read_text().split()[1]) / 2**20, 1) if mem.exists() else None,
                 python=platform.python_version(), platform=platform.platform(), torch=torch.__version__,
-                pagedattn=pagedattn.__version__, commit=git_commit(), git_dirty=git_dirty(),
+                pagedattn=pagedattn.__version__, commit=info.git_commit(), git_dirty=git_dirty(),
                 date=_dt.date.today().isoformat())
     if gpu:
         meta.update(gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),

@@ -64,17 +64,14 @@ def fa4_candidates(data):
     any_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
 
     def make(num_splits: int):
-        def factory():
-            kw = {k: v for k, v in {"cu_seqlens_q": data.cu_q, "max_seqlen_q": data.q_len,
-                                    "max_seqlen_k": data.ctx_len, "seqused_k": data.seqused,
-                                    "softmax_scale": data.scale, "causal": True,
-                                    "num_splits": num_splits}.items() if any_kw or k in params}
+        kw = {k: v for k, v in {"cu_seqlens_q": data.cu_q, "max_seqlen_q": data.q_len, "max_seqlen_k": data.ctx_len,
+                                "seqused_k": data.seqused, "softmax_scale": data.scale, "causal": True,
+                                "num_splits": num_splits}.items() if any_kw or k in params}
 
-            def fn(k):
-                res = fa4(data.q[k], data.kc, data.vc, page_table=data.tables[k], **kw)
-                return res[0] if isinstance(res, (tuple, list)) else res
-            return fn
-        return factory
+        def fn(k):
+            res = fa4(data.q[k], data.kc, data.vc, page_table=data.tables[k], **kw)
+            return res[0] if isinstance(res, (tuple, list)) else res
+        return lambda: fn
     return [("paged, num_splits=0 (its heuristic)", make(0)), ("paged, num_splits=1", make(1))]
 
 
@@ -94,8 +91,7 @@ def fastest(ctx: Ctx, candidates, ref, info: dict, sets: int = 1):
                 continue
             us = ctx.timer.probe(fn, sets) if ctx.is_cuda else None
         except Exception as exc:  # noqa: BLE001 - a configuration that cannot run is data
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            tried.append(f"{variant}: {type(exc).__name__}: {first}")
+            tried.append(f"{variant}: {short_error(exc, 200)}")
             continue
         tried.append(f"{variant}: {us:.1f} us" if us is not None else f"{variant}: runs")
         if best is None or (us is not None and us < best[0]):
@@ -110,34 +106,29 @@ def fastest(ctx: Ctx, candidates, ref, info: dict, sets: int = 1):
 
 
 def fastest_peer(ctx: Ctx, rec: Recorder, name: str, candidates, ref, sets: int, context=None) -> None:
-    """Time peer `name` at its fastest correct configuration (`fastest`); the record names it."""
+    """Time peer `name` at its fastest correct configuration (`fastest` of `candidates()`, which may raise: the
+    peer is unavailable); the record names it."""
     info: dict = {}
-    impl = rec.peer(name, lambda: fastest(ctx, candidates, ref, info, sets), sets, context=context, methods=METHODS)
+    impl = rec.peer(name, lambda: fastest(ctx, candidates(), ref, info, sets), sets, context=context,
+                    methods=METHODS)
     if not impl.get("error"):
         impl.update({k: v for k, v in info.items() if v is None or isinstance(v, (str, int, float))})
 
 
 def torch_peers(ctx: Ctx, rec: Recorder, data, ref, sets: int, fa4: bool = True) -> None:
-    """cuDNN and flash SDPA on unpaged copies (CUDA only), SDPA after a gather of the pages, and with `fa4`
-    FA4 on our paged cache when flash_attn.cute imports."""
+    """cuDNN and flash SDPA on unpaged copies, SDPA after a gather of the pages, and with `fa4` FA4 on our
+    paged cache (unavailable when flash_attn.cute does not import: the error); all but the gather need CUDA."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     kv_sets = [data.contiguous_kv(s) for s in range(sets)]
-    for name, backend in (("sdpa cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa flash", SDPBackend.FLASH_ATTENTION)):
-        if not ctx.is_cuda:
+    unpaged = sdpa_candidates(data, data.q, lambda k: kv_sets[k])
+    gathered = [(f"gather then sdpa {variant}, default backend", factory)
+                for variant, factory in sdpa_candidates(data, data.q, data.gathered_kv, repeat=False)]
+    peers = [("sdpa cudnn", lambda: unpaged, lambda: sdpa_kernel([SDPBackend.CUDNN_ATTENTION])),
+             ("sdpa flash", lambda: unpaged, lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION])),
+             ("gather+sdpa", lambda: gathered, None)] + ([(FA4, lambda: fa4_candidates(data), None)] if fa4 else [])
+    for name, candidates, context in peers:
+        if name != "gather+sdpa" and not ctx.is_cuda:
             rec.peer_failed(name, "needs CUDA")
-            continue
-        fastest_peer(ctx, rec, name, sdpa_candidates(data, data.q, lambda k: kv_sets[k]), ref, sets,
-                     context=lambda backend=backend: sdpa_kernel([backend]))
-    gather = [(f"gather then sdpa {variant}, default backend", factory) for variant, factory
-              in sdpa_candidates(data, data.q, data.gathered_kv, repeat=False)]
-    fastest_peer(ctx, rec, "gather+sdpa", gather, ref, sets)
-    if not fa4:
-        return
-    if not ctx.is_cuda:
-        return rec.peer_failed(FA4, "needs CUDA")
-    try:
-        cands = fa4_candidates(data)
-    except Exception as exc:  # noqa: BLE001 - ImportError, or the package breaks on import
-        return rec.peer_failed(FA4, f"not available: {short_error(exc, 300)}")
-    fastest_peer(ctx, rec, FA4, cands, ref, sets)
+        else:
+            fastest_peer(ctx, rec, name, candidates, ref, sets, context=context)

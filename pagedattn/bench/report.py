@@ -110,14 +110,9 @@ def goals_cell(case: dict) -> str:
     return "; ".join(p for p in parts if p)
 
 
-def method_us(impl: dict | None, method: str):
-    """The median under one timing method."""
-    return None if not impl or impl.get("error") else ((impl.get("methods") or {}).get(method) or {}).get("us")
-
-
-def fmt_methods(impl: dict | None) -> str:
+def fmt_methods(impl: dict) -> str:
     """'50.1 / 52.3 µs': the medians under each method (rot / flush), one unit when they share it."""
-    parts = [fmt_us(method_us(impl, m)) for m in schema.METHODS]
+    parts = [fmt_us((impl["methods"].get(m) or {}).get("us")) for m in schema.METHODS]
     units = {p.rsplit(" ", 1)[-1] for p in parts if " " in p}
     if len(units) == 1 and all(" " in p for p in parts):
         return " / ".join(p.rsplit(" ", 1)[0] for p in parts) + f" {units.pop()}"
@@ -182,7 +177,7 @@ def suite_table(data: dict, suite: str) -> tuple[list[str], list[list[str]]]:
         ours = c.get("ours") or {}
         if methods:
             per = [(ours.get("methods") or {}).get(m) or {} for m in schema.METHODS]
-            row = [*(fmt_us(method_us(ours, m)) for m in schema.METHODS), fmt_value(ours.get("value"), c.get("unit")),
+            row = [*(fmt_us(e.get("us")) for e in per), fmt_value(ours.get("value"), c.get("unit")),
                    " / ".join(fmt_frac(e.get("fraction")) for e in per) if any(per) else "-", fmt_us(c.get("floor_us"))]
         else:
             row = [time_cell(c.get("ours"), c.get("unit")), fmt_value(ours.get("value"), c.get("unit")),
@@ -247,9 +242,9 @@ def across_table(files: list[tuple[Path, dict]]) -> str:
     return markdown_table(["case"] + [gpu_label(d["metadata"]) for _, d in latest.values()], rows)
 
 
-def write_results_md(results_dir, md_path, include_samples: bool = False, warn=None) -> Path:
-    """Regenerate RESULTS.md from every results file in `results_dir`."""
-    md_path = Path(md_path)
+def write_results_md(results_dir, md_path=None, include_samples: bool = False, warn=None) -> Path:
+    """Regenerate RESULTS.md (by default beside `results_dir`) from every results file in `results_dir`."""
+    md_path = Path(md_path or Path(results_dir).parent / "RESULTS.md")
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text(render_markdown(load_folder(results_dir, include_samples=include_samples, warn=warn)))
     return md_path

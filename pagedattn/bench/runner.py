@@ -2,12 +2,14 @@
 poisons the CUDA context and a hang never returns: when the child dies in a case or makes no progress for
 --case-timeout seconds, the case is recorded as crashed / timeout with what it had measured, and a fresh child
 runs the rest. The child (`python -m pagedattn.bench.runner SUITE JSONL OPTIONS`) writes JSON lines: `plan`,
-per case `start`, `partial` (after each measurement) and `case`; `fatal` (CUDA context lost; exit 3); `done`.
+per case `start`, `partial` (after each measurement) and `case`; `done`. A lost CUDA context ends it (exit 3)
+after the case's record.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
-import math
 import os
 import signal
 import subprocess
@@ -16,7 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import report, schema, suites
+import torch
+
+from pagedattn.ops.attention import forced
+
+from . import meta, report, schema, suites
+from .common import CudaContextLost, Ctx, Recorder, assert_cuda_healthy, short_error
 
 NO_GPU_MESSAGE = ("pagedattn bench: no CUDA GPU is available (torch {torch} reports torch.cuda.is_available() = "
                   "False; CUDA build: {cuda}).\nThe benchmark times kernels on an NVIDIA GPU, so there is nothing "
@@ -27,13 +34,7 @@ MAX_ATTEMPTS = 8
 
 def jsonable(obj):
     """Plain JSON: non-finite floats become null, unknown objects their str()."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
-    return obj if obj is None or isinstance(obj, (str, int, bool)) else str(obj)
+    return json.loads(json.dumps(obj, default=str), parse_constant=lambda name: None)  # NaN, Infinity
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -75,12 +76,10 @@ class SuiteRunner:
         """Run one suite to completion (restarting children as needed); the suite's result dict."""
         t0, timeout = time.perf_counter(), self.args.case_timeout
         opts = {k: getattr(self.args, k) for k in ("device", "quick", "tiny", "case_timeout", "overrides")}
-        opts.update(ceilings={k: v for k, v in self.ceilings.items() if v},
-                    only=self.args.only if suite != "ceilings" else "")
+        opts.update(ceilings=self.ceilings, only=self.args.only if suite != "ceilings" else "")
         records, problem, plan, rc = {}, None, None, None
-        with tempfile.TemporaryDirectory(prefix="pagedattn-bench-") as tmp:
-            jsonl = Path(tmp) / "log.jsonl"
-            jsonl.touch()
+        with tempfile.NamedTemporaryFile(prefix="pagedattn-bench-", suffix=".jsonl") as log:
+            jsonl = Path(log.name)
             for attempt in range(MAX_ATTEMPTS):
                 n_before = len(records)
                 rc, stalled = self._attempt(suite, jsonl, opts)
@@ -97,11 +96,10 @@ class SuiteRunner:
                 if current is not None:  # what it measured before it died, and why
                     partial = [e["record"] for e in events if e["event"] == "partial" and e["id"] == current]
                     params = next(c.get("params") for c in plan["cases"] if c["id"] == current)
-                    fatal = [e["error"] for e in events if e["event"] == "fatal"]
                     rec = dict(partial[-1] if partial else schema.new_case(current, suite, params))
                     rec.update(status="timeout" if stalled else "crashed",
                                error=f"no progress for {timeout:.0f} s; process killed" if stalled else
-                               f"the process died in this case (exit {rc})" + (f": {fatal[-1]}" if fatal else ""))
+                               f"the process died in this case (exit {rc})")
                     records[current] = rec
                     with jsonl.open("a") as f:
                         f.write(json.dumps({"event": "case", "id": current, "record": rec}) + "\n")
@@ -114,7 +112,7 @@ class SuiteRunner:
         seconds = round(time.perf_counter() - t0, 1)
         if plan is None or plan["status"] != "ok":
             return {"status": plan["status"] if plan else "error", "cases": [], "seconds": seconds,
-                    "reason": plan["reason"] if plan else problem or f"the suite process exited with code {rc}"}
+                    "reason": plan["reason"] if plan else f"the suite process exited with code {rc}"}
         cases = []
         for c in plan["cases"]:
             rec = records.get(c["id"]) or dict(schema.new_case(c["id"], suite, c.get("params")), status="error",
@@ -136,10 +134,8 @@ def _ceilings(runner: SuiteRunner) -> dict:
     out = {}
     for case in runner.run("ceilings")["cases"]:
         which, impl = case["id"].split("/", 1)[1], case.get("ours")
-        if case["status"] == "ok" and impl:
-            extra = {k: v for k, v in (case.get("extra") or {}).items() if k != "traceback"}
-            out[which] = {**impl, "value": schema.throughput(case["unit"], case["work"], impl["us"]),
-                          "work": case["work"], **extra}
+        if case["status"] == "ok" and impl:  # its value: the throughput (schema.derive)
+            out[which] = {**impl, "work": case["work"], **case["extra"]}
             print(f"  {which}: " + report.fmt_value(out[which]["value"], schema.CEILING_UNIT[which]))
         else:
             out[which] = {"name": which, "error": case.get("error") or case["status"]}
@@ -152,10 +148,6 @@ def rule(title: str) -> None:
 
 
 def run(args) -> int:
-    import torch
-
-    from . import meta as metamod
-
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(NO_GPU_MESSAGE.format(torch=torch.__version__, cuda=torch.version.cuda or "none (CPU build)"),
               file=sys.stderr)
@@ -167,8 +159,8 @@ def run(args) -> int:
         print(f"pagedattn bench: {exc}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    metadata = metamod.collect(args.device, args.quick, names, args.overrides)
-    path = metamod.results_name(metadata, Path(args.out))
+    metadata = meta.collect(args.device, args.quick, names, args.overrides)
+    path = meta.results_name(metadata, Path(args.out))
     rule(f"pagedattn bench — {metadata['gpu']} ({metadata['sm_count']} SMs, {metadata['arch']}) — "
          f"{'quick' if args.quick else 'full'} — {', '.join(names)}")
     print(f"results: {path}" + (f" (overrides {args.overrides}: left out of RESULTS.md)" if args.overrides else ""))
@@ -193,8 +185,8 @@ def run(args) -> int:
         interrupted = True
         print("interrupted: writing the suites finished so far")
     if metadata.get("clocks") is not None:
-        metadata["clocks"]["end"] = metamod.clocks()
-    metadata.update(finished=metamod.now(), wall_seconds=round(time.perf_counter() - t0, 1))
+        metadata["clocks"]["end"] = meta.clocks()
+    metadata.update(finished=meta.now(), wall_seconds=round(time.perf_counter() - t0, 1))
     errs = schema.validate(jsonable(results))
     if errs:  # never lose a run over a schema slip: write it, say so
         metadata["schema_errors"] = errs[:20]
@@ -208,23 +200,16 @@ def run(args) -> int:
         print(f"{len(bad)} case(s) not ok: " + ", ".join(bad[:12]) + (" ..." if len(bad) > 12 else ""))
     if not args.no_report and not interrupted:
         try:
-            regenerate(Path(args.out))
+            print(f"wrote {report.write_results_md(args.out, warn=print)}")
         except Exception as exc:  # noqa: BLE001 - the results file is safe; say what failed
             print(f"RESULTS.md not regenerated: {type(exc).__name__}: {exc} "
                   f"(retry with `pagedattn bench report --results {args.out}`)")
     return 130 if interrupted else 0
 
 
-def regenerate(results_dir: Path) -> None:
-    """RESULTS.md beside `results_dir`, from the results files in it."""
-    print(f"wrote {report.write_results_md(results_dir, Path(results_dir).parent / 'RESULTS.md', warn=print)}")
-
-
 # -- the child: one suite in this process ------------------------------------------------------------
 def _run_case(ctx, case, emit) -> str | None:
     """Run and record one case; the error when the CUDA context is lost (the process must end)."""
-    from .common import CudaContextLost, Recorder, assert_cuda_healthy
-
     rec = Recorder(case, ctx, lambda r: emit({"event": "partial", "id": case.id, "record": r}))
     t0, fatal = time.perf_counter(), None
     try:
@@ -247,21 +232,11 @@ def _run_case(ctx, case, emit) -> str | None:
 
 
 def child(suite: str, jsonl: str, opts: dict) -> int:
-    import contextlib
-    import gc
-
-    import torch
-
-    from pagedattn.ops.attention import forced
-
-    from .common import Ctx, short_error
-
     out = open(jsonl, "a", buffering=1)
     emit = lambda obj: out.write(json.dumps(jsonable(obj)) + "\n")  # noqa: E731
     done = {e["id"] for e in read_jsonl(Path(jsonl)) if e["event"] == "case"}
-    overrides = opts["overrides"] or {}
-    ctx = Ctx.make(opts["device"], opts["quick"], opts["tiny"], opts["ceilings"], opts["case_timeout"],
-                   overrides.get("write"))
+    only = [s for s in opts.pop("only").split(",") if s]
+    ctx = Ctx.make(**opts)
     available, make_cases = suites.get(suite)
     plan = {"event": "plan", "suite": suite, "status": "ok", "reason": None, "cases": []}
     try:
@@ -273,16 +248,14 @@ def child(suite: str, jsonl: str, opts: dict) -> int:
         emit({**plan, "status": "skipped" if ok is False else "error", "reason": reason})
         emit({"event": "done"})
         return 0
-    only = [s for s in opts["only"].split(",") if s]
     case_list = [c for c in case_list if not only or any(s in c.id for s in only)]
     if not done:
         emit({**plan, "cases": [{"id": c.id, "params": c.params} for c in case_list]})
-    with forced(**overrides["attention"]) if "attention" in overrides else contextlib.nullcontext():
+    with forced(**ctx.overrides["attention"]) if "attention" in ctx.overrides else contextlib.nullcontext():
         for case in (c for c in case_list if c.id not in done):
             emit({"event": "start", "id": case.id, "time": time.time()})
             fatal = _run_case(ctx, case, emit)
             if fatal is not None:
-                emit({"event": "fatal", "id": case.id, "error": fatal})
                 print(f"  CUDA context lost after {case.id} ({fatal}); continuing in a fresh process", flush=True)
                 os._exit(3)
             gc.collect()

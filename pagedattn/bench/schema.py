@@ -32,7 +32,7 @@ def impl_from_methods(name: str, timings: dict) -> dict:
     out = {"name": name, "value": None, "fraction": None, "error": None,
            **max(timings.values(), key=lambda t: t["us"])}
     if len(timings) > 1:
-            out["methods"] = {m: {k: v for k, v in t.items() if k != "method"} | {"value": None, "fraction": None}
+        out["methods"] = {m: {k: v for k, v in t.items() if k != "method"} | {"value": None, "fraction": None}
                           for m, t in timings.items()}
     return out
 

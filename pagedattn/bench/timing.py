@@ -34,6 +34,16 @@ def _event():
     return torch.cuda.Event(enable_timing=True)
 
 
+def _device_us(fn) -> float:
+    """µs between CUDA events recorded before and after `fn()` (waiting for the second)."""
+    a, b = _event(), _event()
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3
+
+
 class Timer:
     """CUDA-event timer: warm-up, a probe of host and device time per call, then batches of timed calls
     queued behind a sleep kernel (the head start keeps the GPU ahead of the host)."""
@@ -64,16 +74,12 @@ class Timer:
     def probe(self, fn, sets: int = 1, calls: int = 10, warmup: int = 3) -> float:
         """Mean µs per call of `calls` back-to-back calls after `warmup`: a quick comparison of
         configurations (peers.fastest), not a measurement."""
-        for k in range(warmup):
-            fn(k % sets)
+        def burst(n: int):
+            for k in range(n):
+                fn(k % sets)
+        burst(warmup)
         torch.cuda.synchronize()
-        a, b = _event(), _event()
-        a.record()
-        for k in range(calls):
-            fn(k % sets)
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) * 1e3 / calls
+        return _device_us(lambda: burst(calls)) / calls
 
     def _reps(self, per_call_s: float) -> int:
         return int(min(self.max_reps, max(self.min_reps, self.budget_s / max(per_call_s, 1e-7))))
@@ -83,12 +89,8 @@ class Timer:
         if self._cycles_per_s is None:
             try:
                 torch.cuda._sleep(2_000_000)  # the first call loads the kernel
-                a, b = _event(), _event()
-                a.record()
-                torch.cuda._sleep(2_000_000)
-                b.record()
-                b.synchronize()
-                self._cycles_per_s = 2_000_000 / max(a.elapsed_time(b) * 1e-3, 1e-6)
+                us = _device_us(lambda: torch.cuda._sleep(2_000_000))
+                self._cycles_per_s = 2_000_000 / max(us * 1e-6, 1e-6)
             except Exception:  # noqa: BLE001
                 self._cycles_per_s = 0.0
         if self._cycles_per_s > 0 and seconds > 0:
@@ -147,7 +149,7 @@ class CpuTimer(Timer):
         return timing(samples, sets, method)
 
 
-def median_us(fn, reps: int = 30, warmup: int = 5, before=None) -> float:
+def median_us(fn, reps: int = 30, warmup: int = 5, before=lambda: None) -> float:
     """Median µs of CUDA-event times of `fn()`, one synchronised call at a time after `warmup` untimed calls;
     `before()` runs untimed before each (perf/multigpu.py: a barrier). Includes any wait for the host: for
     the demo and the quick scripts, not the suites."""
@@ -156,18 +158,12 @@ def median_us(fn, reps: int = 30, warmup: int = 5, before=None) -> float:
     torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
-        if before is not None:
-            before()
-        a, b = _event(), _event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
+        before()
+        ts.append(_device_us(fn))
     return sorted(ts)[len(ts) // 2]
 
 
-def host_loops(fn, calls: int, loops: int = 5, warmup: int = 200, before=None, sync=None,
+def host_loops(fn, calls: int, loops: int = 5, warmup: int = 200, before=lambda: None, sync=None,
                clock=time.perf_counter) -> list[float]:
     """The host's cost of `fn()` (perf/launch_overhead.py): µs per call of each loop of `calls` calls with no
     sync inside. `before()` runs untimed before each loop (a sleep kernel keeping the GPU busy); off the GPU
@@ -178,8 +174,7 @@ def host_loops(fn, calls: int, loops: int = 5, warmup: int = 200, before=None, s
     sync()
     out = []
     for _ in range(loops):
-        if before is not None:
-            before()
+        before()
         t0 = clock()
         for _ in range(calls):
             fn()

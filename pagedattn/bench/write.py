@@ -6,6 +6,7 @@ the op's `overrides=` in every write.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ import pagedattn
 from pagedattn import reference
 
 from .common import Case, Ctx, Recorder, nan_fill_
+from .timing import rotation_sets
 
 H, D, BLOCK = 8, 128, 16
 TOKENS, TINY_TOKENS = (1, 16, 256, 4096, 65536), (1, 16, 40)
@@ -23,16 +25,14 @@ PAGED_TOKENS = (65536,)  # also measured with page-contiguous slots (params "slo
 
 def cases(ctx: Ctx) -> list[Case]:
     out = []
-    for layout in ("NHD", "HND"):
-        for kv in ("auto", "fp8_e4m3"):
-            for t in (TINY_TOKENS if ctx.tiny else TOKENS):
-                cache = "bf16" if kv == "auto" else kv
-                p = {"layout": layout, "kv_cache_dtype": kv, "cache": cache, "T": t, "H": H, "D": D,
-                     "block_size": BLOCK, "input": "bf16", "scale": "tensor"}
-                ids = {f"write/{layout}/{cache}/T{t}": p}
-                if t in PAGED_TOKENS:  # also the write as a prefill does it: whole pages, shuffled
-                    ids[f"write/{layout}/{cache}/T{t}/pages"] = {**p, "slots": "pages"}
-                out += [Case(cid, "write", p, lambda ctx, rec, p=p: run_case(ctx, rec, p)) for cid, p in ids.items()]
+    for layout, kv, t in itertools.product(("NHD", "HND"), ("auto", "fp8_e4m3"), TINY_TOKENS if ctx.tiny else TOKENS):
+        cache = "bf16" if kv == "auto" else kv
+        p = {"layout": layout, "kv_cache_dtype": kv, "cache": cache, "T": t, "H": H, "D": D, "block_size": BLOCK,
+             "input": "bf16", "scale": "tensor"}
+        ids = {f"write/{layout}/{cache}/T{t}": p}
+        if t in PAGED_TOKENS:  # also the write as a prefill does it: whole pages, shuffled
+            ids[f"write/{layout}/{cache}/T{t}/pages"] = {**p, "slots": "pages"}
+        out += [Case(cid, "write", p, lambda ctx, rec, p=p: run_case(ctx, rec, p)) for cid, p in ids.items()]
     return out
 
 
@@ -46,7 +46,7 @@ def inputs(ctx: Ctx, p: dict) -> SimpleNamespace:
     spec = pagedattn.CacheSpec(num_blocks, BLOCK, H, D, torch.uint8 if elem_c == 1 else torch.bfloat16,
                                kv_cache_dtype=kv, layout=p["layout"], scale=p.get("scale", "tensor"))
     kc, vc = spec.allocate(dev)
-    sets = min(ctx.sets_for(nbytes), max(1, spec.num_slots // t))
+    sets = min(rotation_sets(nbytes, ctx.l2_bytes), max(1, spec.num_slots // t))
     keys, values = ([torch.randn(t, H, D, dtype=torch.bfloat16, device=dev) for _ in range(sets)] for _ in "kv")
 
     def slots():
@@ -103,12 +103,11 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict) -> None:
     rec.work("GB/s", inp.nbytes, "copy")
     rec.extra(sets=inp.sets, num_blocks=inp.spec.num_blocks,
               cache_bytes=2 * inp.spec.num_slots * H * D * (1 if fp8 else 2))
-    ours = ours_fn(inp, ctx.write_overrides)
+    ours = ours_fn(inp, ctx.overrides.get("write"))
 
-    def check_and_time():  # correctness once, then timing (a failure is the case's error; the peer still runs)
+    with rec.attempt("pagedattn"):  # correctness once, then timing (a failure is the case's error; the peer runs)
         _check(ctx, rec, inp, ours)
         rec.ours("pagedattn", ours, inp.sets)
-    rec.attempt("pagedattn", check_and_time)
     rec.peer("torch index_copy_", lambda: torch_peer(inp), inp.sets)
     if fp8:
         rec.note("peer quantises with torch ops before the scatter")
