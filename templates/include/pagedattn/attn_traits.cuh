@@ -40,6 +40,7 @@
 #include <cute/atom/mma_atom.hpp>
 #include <cute/atom/copy_atom.hpp>
 #include <cutlass/numeric_types.h>
+#include "pagedattn/cute_trim.cuh"  // the CuTe traits headers left out (after CuTe: cache keys only)
 
 namespace pagedattn {
 
