@@ -4,15 +4,16 @@ A bundle is usable only when it was made by the same pagedattn, NVRTC and header
 process; any other bundle is skipped with one warning naming the mismatch.
 
 manifest.json (schema 2): the header of `expected_header()` (schema, pagedattn, nvrtc, cuda_headers,
-packages) and `variants`, a list of {name, family, spec, arch, key, file, sha256, size,
-compression, stored_size, compile_seconds, program_size, created}. Kernels compiled as one NVRTC program
-(aot.build) share one cubin, stored once as kernels/program-<arch>-<sha16>.cubin.xz: their entries name
-the same file, sha256 and size, and each compile_seconds is its share of the program's. Cubins are stored xz-compressed (stdlib lzma,
-preset 1: about 14x smaller, ~10 ms to decompress a 1.5 MiB cubin, once per process); sha256 and
-size are those of the cubin itself, so corruption of the stored file is caught either way.
-Schema 1 bundles (plain .cubin files, no compression field) are still read. `file` is relative to the bundle folder, so a bundle can be moved or
-copied into an image anywhere; `key` is the cache key (codegen.cache.cache_key), which leaves out
-include paths, so the same install on another machine computes the same keys.
+packages) and `variants`, a list of {name, family, spec, arch, key, file, sha256, size, compression,
+stored_size, compile_seconds, program_size, created}. Kernels compiled as one NVRTC program (aot.build)
+share one cubin, stored once as kernels/program-<arch>-<sha16>.cubin.xz: their entries name the same
+file, sha256 and size, and each compile_seconds is its share of the program's. Cubins are stored
+xz-compressed (stdlib lzma, preset 1: about 14x smaller, ~10 ms to decompress a 1.5 MiB cubin, once per
+process); sha256 and size are those of the cubin itself, so corruption of the stored file is caught
+either way. Schema 1 bundles (plain .cubin files, no compression field) are still read. `file` is
+relative to the bundle folder, so a bundle can be moved or copied into an image anywhere; `key` is the
+cache key (codegen.cache.cache_key), which leaves out include paths, so the same install on another
+machine computes the same keys.
 Failed compiles leave their NVRTC log under DIR/logs/ (not part of the manifest).
 """
 from __future__ import annotations

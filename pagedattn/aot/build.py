@@ -95,8 +95,8 @@ PROGRAM_SIZE = 6
 
 def programs(todo: list[Job], per_program: int = PROGRAM_SIZE) -> list[list[Job]]:
     """The jobs as NVRTC programs: jobs of one arch, options, preamble (codegen.compile.program_key) and
-    spec.program_group() together, in plan order, at most per_program each and evenly filled (9 jobs at 4: 3 + 3 + 3); the
-    largest sources first, so that the slowest programs start first."""
+    spec.program_group() together, in plan order, at most per_program each and evenly filled (9 jobs at
+    6: 5 + 4); the largest sources first, so that the slowest programs start first."""
     from ..codegen.compile import program_key
 
     classes: dict[tuple, list[Job]] = {}
