@@ -76,8 +76,10 @@ def compile_source(source: str, *, variant: str, arch: str, options: list[str],
 # body (the kernel's types and its extern "C" entry point). Sources whose preambles hold the same
 # directives can compile as one NVRTC program: the headers are parsed and their common templates
 # instantiated once. Measured on 2 cores for sm_90a (NVRTC 13.0): 8 attention variants took 44.1 s one
-# by one and 23.9 s as one program, 4 took 20.3 s and 11.1 s; each kernel's SASS was the same as from
-# its own program (nvdisasm, up to label and symbol numbering).
+# by one and 23.9 s as one program, 4 took 20.3 s and 11.1 s. NVVM optimises a program as a whole, so a
+# kernel's SASS can differ from its own compile's (a warp-specialised prefill beside fp8 prefills did):
+# aot.build.programs groups only kernels of one spec.program_group, whose SASS was checked to stay the
+# same (tests/tools/program_sass.py).
 _PREAMBLE_LINE = re.compile(r"[ \t]*(#|//|$)")
 
 
