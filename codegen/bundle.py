@@ -254,11 +254,6 @@ class BundleWriter:
             self._intact[entry["file"]] = memo
         return True
 
-    def add(self, *, name: str, family: str, spec: dict, arch: str, key: str, cubin: bytes,
-            compile_seconds: float) -> dict:
-        return self.add_program([dict(name=name, family=family, spec=spec, arch=arch, key=key,
-                                      compile_seconds=compile_seconds)], cubin)[0]
-
     def add_program(self, kernels: list[dict], cubin: bytes) -> list[dict]:
         """Entries for kernels that one cubin holds (one NVRTC program: aot.build), all of one arch,
         each given as {name, family, spec, arch, key, compile_seconds}, stored in one file. A kernel's

@@ -64,11 +64,6 @@ def plan(specs, archs) -> list[Job]:
     return jobs
 
 
-def _compile_job(name: str, arch: str, source: str, options: tuple):
-    """Runs in a worker process; returns plain data (never raises) so nothing odd is pickled."""
-    return _compile_program((name,), arch, (source,), options)[0]
-
-
 def _compile_program(names: tuple, arch: str, sources: tuple, options: tuple) -> list:
     """Runs in a worker process: [(ok, cubin, seconds, log)] per kernel, never raises. Kernels compile as
     one program (one cubin for all, each kernel's seconds its share); when that fails, one by one, so
@@ -81,7 +76,7 @@ def _compile_program(names: tuple, arch: str, sources: tuple, options: tuple) ->
         return [(True, result.cubin, result.seconds / len(names), result.log)] * len(names)
     except CompileError as exc:
         if len(names) > 1:
-            return [_compile_job(n, arch, s, options) for n, s in zip(names, sources)]
+            return [_compile_program((n,), arch, (s,), options)[0] for n, s in zip(names, sources)]
         return [(False, b"", 0.0, f"NVRTC failed to compile {names[0]} for {arch}\n\n{exc.log}")]
     except BaseException:  # noqa: BLE001 - reported per variant, the run goes on
         return [(False, b"", 0.0, traceback.format_exc())] * len(names)
@@ -210,18 +205,13 @@ def precompile(jobs: list[Job], out, *, n_jobs: int | None = None, progress: boo
         summary.jobs = min(n_jobs, len(todo)) or 1
 
         def finish(program: list[Job], results: list) -> None:
-            shared = [(job, seconds) for job, (ok, cubin, seconds, _) in zip(program, results)
-                      if ok and cubin is results[0][1]]   # the kernels the one program compiled
-            if shared:
-                writer.add_program([dict(name=job.name, family=job.spec.FAMILY, spec=spec_fields(job.spec),
-                                         arch=job.arch, key=job.key, compile_seconds=seconds)
-                                    for job, seconds in shared], results[0][1])
+            stored: dict[bytes, list[dict]] = {}  # cubin -> its kernels: the program's, or one compiled alone
             for job, (ok, cubin, seconds, log_text) in zip(program, results):
                 log_path = _log_path(out, job)
                 if ok:
-                    if not shared or cubin is not results[0][1]:  # compiled alone after the program failed
-                        writer.add(name=job.name, family=job.spec.FAMILY, spec=spec_fields(job.spec),
-                                   arch=job.arch, key=job.key, cubin=cubin, compile_seconds=seconds)
+                    stored.setdefault(cubin, []).append(dict(name=job.name, family=job.spec.FAMILY,
+                                                             spec=spec_fields(job.spec), arch=job.arch,
+                                                             key=job.key, compile_seconds=seconds))
                     summary.compiled += 1
                     log_path.unlink(missing_ok=True)
                     log_path.with_suffix(".cu").unlink(missing_ok=True)
@@ -232,6 +222,8 @@ def precompile(jobs: list[Job], out, *, n_jobs: int | None = None, progress: boo
                                           f"rebuild: {command_for(job.spec, job.arch, out)}\n"
                                           f"source: {log_path.with_suffix('.cu')}\n\n{log_text}\n").encode())
                     summary.failed.append((job, log_path))
+            for cubin, kernels in stored.items():
+                writer.add_program(kernels, cubin)
 
         batches = programs(todo, per_program or PROGRAM_SIZE)
         summary.programs = len(batches)
