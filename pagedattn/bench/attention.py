@@ -38,11 +38,23 @@ DECODE = (
 TINY_DECODE = ({"B": 2, "ctx": 80}, {"B": 3, "ctx": 48, "kv": "fp8_e4m3"}, {"B": 2, "ctx": 48, "kv": "fp8_e5m2"},
                {"B": 2, "ctx": 80, "layout": "HND", "vs": (BASE_PEER, WITHIN_3PCT)},
                {"B": 2, "ctx": 80, "bs": 32, "vs": (BASE_PEER, WITHIN_3PCT)})
-# prefill (causal, q = ctx) and multi-token decode (q queries over ctx keys), goal in TFLOP/s
-PREFILL = ({"B": 4, "q": 4096, "ctx": 4096}, {"B": 4, "q": 4096, "ctx": 4096, "kv": "fp8_e4m3"},
-           {"B": 32, "q": 8, "ctx": 4096}, {"B": 32, "q": 32, "ctx": 4096})
-TINY_PREFILL = ({"B": 2, "q": 40, "ctx": 40},)
-PREFILL_GOAL_TFLOPS = 330.0
+# prefill and chunked prefill (q queries over ctx keys, the last q of them new; causal unless "causal": False)
+# and multi-token decode (q <= 64), with issue 16's goals: "tflops" / "us" (ours at least / at most), "vs"
+# ((peer, ratio), ...: ours at least `ratio` times the peer's speed), "base" (params of the base peer: ours in
+# another configuration, named BF16 here)
+BF16 = "pagedattn bf16"
+_AHEAD = (("sdpa cudnn", 1.0), ("fa4 paged", 1.0))
+PREFILL = ({"B": 4, "q": 4096, "ctx": 4096, "goal": {"tflops": 560.0, "vs": _AHEAD}},
+           {"B": 4, "q": 4096, "ctx": 4096, "kv": "fp8_e4m3",
+            "goal": {"vs": ((BF16, 0.9),), "base": {"kv_cache_dtype": "auto", "cache": "bf16"}}},
+           {"B": 1, "q": 16384, "ctx": 16384, "goal": {"tflops": 580.0, "vs": _AHEAD}},
+           {"B": 4, "q": 4096, "ctx": 4096, "causal": False, "goal": {"tflops": 600.0, "vs": _AHEAD}},
+           {"B": 8, "q": 512, "ctx": 8192, "goal": {"tflops": 500.0, "vs": _AHEAD}},
+           {"B": 4, "q": 4096, "ctx": 4096, "d": 64, "goal": {"vs": (("sdpa cudnn", 0.9),)}},
+           {"B": 4, "q": 4096, "ctx": 4096, "d": 256, "goal": {"vs": (("sdpa cudnn", 0.9),)}},
+           {"B": 32, "q": 8, "ctx": 4096, "goal": {"us": 150.0}},
+           {"B": 32, "q": 32, "ctx": 4096, "goal": {"us": 170.0}})
+TINY_PREFILL = ({"B": 2, "q": 40, "ctx": 40}, {"B": 2, "q": 24, "ctx": 40, "causal": False})
 # features (issue 14): each variant against the plain kernel (PLAIN) at the goal's shape, or (`base`) at the
 # window's keys, a ratio goal each; head dim 512 against the copy ceiling: (id, shape, features, goal)
 PLAIN = "pagedattn plain"
@@ -102,11 +114,16 @@ def decode_cases(ctx: Ctx) -> list[Case]:
 def prefill_cases(ctx: Ctx) -> list[Case]:
     out = []
     for s in (TINY_PREFILL if ctx.tiny else PREFILL):
-        kv = s.get("kv", "auto")
-        cid = (f"prefill/B{s['B']}/S{s['q']}/causal" if s["q"] == s["ctx"]
-               else f"multi/B{s['B']}/q{s['q']}/ctx{s['ctx']}/causal") + ("" if kv == "auto" else f"/{kv}")
-        params = _params(ctx, s["B"], s["q"], s["ctx"], kv, peers="all" if kv == "auto" else "none")
-        out.append(_case(cid, "prefill", params, {"tflops": PREFILL_GOAL_TFLOPS}))
+        kv, causal, d, goal = s.get("kv", "auto"), s.get("causal", True), s.get("d"), dict(s.get("goal", {}))
+        kind = "prefill" if s["q"] == s["ctx"] else "chunk" if s["q"] > 64 else "multi"
+        cid = (f"{kind}/B{s['B']}/" + (f"S{s['q']}" if kind == "prefill" else f"q{s['q']}/ctx{s['ctx']}")
+               + ("/causal" if causal else "/noncausal") + (f"/d{d}" if d else "") + ("" if kv == "auto" else f"/{kv}"))
+        more = {"d": d} if d else {}
+        more["peers"] = "all" if kv == "auto" else "none"
+        if "base" in goal:
+            more.update(peers="base", base=goal.pop("base"), base_name=BF16)
+        params = _params(ctx, s["B"], s["q"], s["ctx"], kv, causal=causal, **more)
+        out.append(_case(cid, "prefill", params, goal))
     return out
 
 
@@ -168,13 +185,14 @@ def build(ctx: Ctx, p: dict, sets: int, gen_seed: int = 0) -> PagedData:
     if hnd:  # the logical [num_blocks, bs, Hkv, D] whatever the memory order
         kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
     return PagedData(B=B, q_len=q_len, ctx_len=L, hq=hq, hkv=hkv, d=d, bs=bs, kv=kv, scale=1 / math.sqrt(d),
+                     causal=p.get("causal", True),
                      q=[torch.randn(B * q_len, hq, d, dtype=torch.bfloat16, device=dev) for _ in range(sets)],
                      kc=kc, vc=vc, tables=shuffled_tables(num_blocks, B, nb, sets, dev), k_descale=kd, v_descale=vd,
                      seqused=torch.full((B,), L, dtype=torch.int32, device=dev),
                      cu_q=torch.arange(0, B * q_len + 1, q_len, dtype=torch.int32, device=dev))
 
 
-def reference_out(data: PagedData, s: int = 0, causal: bool = True, **features) -> torch.Tensor:
+def reference_out(data: PagedData, s: int = 0, causal: bool | None = None, **features) -> torch.Tensor:
     """float32 output of input set `s` by pagedattn.reference (the one oracle), matmuls in full fp32;
     `features` are the op's feature arguments (window_size, softcap, alibi_slopes, s_aux)."""
     kw = {("sinks" if k == "s_aux" else k): v for k, v in features.items()}
@@ -184,7 +202,8 @@ def reference_out(data: PagedData, s: int = 0, causal: bool = True, **features) 
     torch.set_float32_matmul_precision("highest")
     try:
         return reference.paged_attention(data.q[s], data.kc, data.vc, data.cu_q, data.seqused, data.tables[s],
-                                         causal=causal, softmax_scale=data.scale, **kw)
+                                         causal=data.causal if causal is None else causal,
+                                         softmax_scale=data.scale, **kw)
     finally:
         torch.set_float32_matmul_precision(prev)
 
@@ -198,7 +217,7 @@ def ours_fn(data: PagedData, num_splits: int = 0, **features):
 
     def ours(k):
         res = fa(data.q[k], data.kc, data.vc, data.q_len, data.cu_q, data.ctx_len, seqused_k=data.seqused,
-                 causal=True, block_table=data.tables[k], softmax_scale=data.scale, return_softmax_lse=False,
+                 causal=data.causal, block_table=data.tables[k], softmax_scale=data.scale, return_softmax_lse=False,
                  num_splits=num_splits, **features)
         return res[0] if isinstance(res, (tuple, list)) else res
     return ours
@@ -228,10 +247,11 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
     kv, supported = p["kv_cache_dtype"], pagedattn.ops.attention.AttnFwdSpec.SUPPORTED["kv_cache_dtype"]
     feats = feature_kwargs(p.get("features") or {}, hq, ctx.device)
     kv_bytes = 2 * B * L * hkv * d * (1 if kv != "auto" else 2)
-    if sq == 1 or sq < L // 8:  # decode and multi-token decode: bound by the KV bytes (a window's only)
+    if sq <= 64:  # decode and multi-token decode: bound by the KV bytes (a window's only)
         rec.work("GB/s", kv_bytes * min(L, feats.get("window_size", (L,))[0] + 1) // L, "copy")
-    else:  # query i sees L - sq + i + 1 keys (bottom-right causal)
-        rec.work("TFLOP/s", 4 * B * hq * d * (sq * (L - sq) + sq * (sq + 1) / 2), "matmul")
+    else:  # query i sees L - sq + i + 1 keys (bottom-right causal), or all L
+        keys = sq * (L - sq) + sq * (sq + 1) / 2 if p.get("causal", True) else sq * L
+        rec.work("TFLOP/s", 4 * B * hq * d * keys, "matmul")
     if kv not in supported:
         return rec.skip(f"unsupported by pagedattn: kv_cache_dtype {kv!r} (supported: {', '.join(supported)})")
     sets = _sets(ctx, p)
@@ -267,11 +287,12 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
         rec.note("no peers: they would read the same bf16 copy as the fp8_e4m3 case")
     elif role in ("all", "torch"):
         peerlib.torch_peers(ctx, rec, data, ref, sets, fa4=role == "all")
-    if kv != "auto" and role != "none":
+    if kv != "auto" and role in ("all", "torch"):
         rec.note("torch peers read a bf16 dequantised copy (torch has no fp8-KV attention)")
     goals = goals or {}
     for key, unit in (("us", "us"), ("tflops", "TFLOP/s"), ("fraction", "fraction")):
         if goals.get(key) is not None and not ctx.tiny:
             rec.target(goals[key], unit)
-    if goals.get("vs"):
-        rec.goal_ratio(*goals["vs"])
+    vs = goals.get("vs") or ()
+    for peer, ratio in ([vs] if vs and isinstance(vs[0], str) else vs):
+        rec.goal_ratio(peer, ratio)

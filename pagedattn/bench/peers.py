@@ -44,7 +44,7 @@ def sdpa_candidates(data, q_sets, kv_of, repeat: bool = True):
         return [("enable_gqa", sdpa([q.view(B, hq, 1, d) for q in q_sets], (B, hq, d), enable_gqa=True)),
                 ("gqa folded into q_len", sdpa([q.view(B, hkv, hq // hkv, d) for q in q_sets], (B, hq, d)))]
     qp = [q.view(B, sq, hq, d).transpose(1, 2).contiguous() for q in q_sets]
-    causal = causal_kwargs(sq, data.ctx_len)
+    causal = causal_kwargs(sq, data.ctx_len) if data.causal else {}
     out = [("enable_gqa", sdpa(qp, (B * sq, hq, d), transpose=True, enable_gqa=True, **causal))]
     if repeat:
         def repeated():
@@ -65,7 +65,7 @@ def fa4_candidates(data):
 
     def make(num_splits: int):
         kw = {k: v for k, v in {"cu_seqlens_q": data.cu_q, "max_seqlen_q": data.q_len, "max_seqlen_k": data.ctx_len,
-                                "seqused_k": data.seqused, "softmax_scale": data.scale, "causal": True,
+                                "seqused_k": data.seqused, "softmax_scale": data.scale, "causal": data.causal,
                                 "num_splits": num_splits}.items() if any_kw or k in params}
 
         def fn(k):

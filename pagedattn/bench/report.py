@@ -12,7 +12,7 @@ MEASURED_SUITES = ("write", "decode", "prefill", "legacy")
 SUITE_TITLES = {
     "write": "write: reshape_and_cache_flash (H=8, D=128, bf16 in, block 16)",
     "decode": "decode: flash_attn_varlen_func, paged (Hq=32, Hkv=8, D=128, block 16)",
-    "prefill": "prefill: flash_attn_varlen_func, paged, causal (Hq=32, Hkv=8, D=128, block 16)",
+    "prefill": "prefill: flash_attn_varlen_func, paged, causal unless noncausal (Hq=32, Hkv=8, D=128 unless dN, block 16)",
     "features": "features: window, softcap, ALiBi, sinks against the plain kernel; head dim 512 (Hq=32, Hkv=8)",
     "legacy": "legacy: paged_attention v1 / v2 / auto (legacy cache layout)",
     "jit": "jit: compile, first-call and host costs",
