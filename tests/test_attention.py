@@ -448,6 +448,59 @@ def test_ws_prefill_matches_reference(c, decode_loader):
     _check_sm90a_mode(c, decode_loader, "prefill_ws", required=c["batch"] != "mixed")  # mixed: may pack few rows
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3])
+def test_ws_dynamic_schedule_is_deterministic_and_leaves_counters_zero(splits):
+    """prefill_ws draws its work items from a counter in global memory (WsScheduler): which CTA takes
+    which item changes from run to run, the output must not. Many more items than SMs, of very
+    different lengths (causal, ragged requests, one with no keys), run back to back and on a second
+    stream: bit-identical, equal to the reference, and every scheduling and split counter is zero
+    again after each launch (the last CTA done drawing zeroes them)."""
+    from pagedattn.ops import attention as attention_ops
+    from pagedattn.ops import workspace
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("prefill_ws is sm_90a-only")
+    gen = torch.Generator().manual_seed(23)
+    Hq, Hkv, D, bs = 32, 8, 128, 16
+    lens = [1500, 37, 2049, 700, 0, 1023]
+    nb = [-(-L // bs) + 1 for L in lens]
+    spec = CacheSpec(sum(nb) + 9, bs, Hkv, D, torch.bfloat16)
+    kc, vc = spec.allocate("cuda")
+    kc.normal_()
+    vc.normal_()
+    perm = torch.randperm(spec.num_blocks, generator=gen)
+    table = torch.zeros(len(lens), max(nb), dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(nb):
+        table[i, :n] = perm[at:at + n]
+        at += n
+    table = table.cuda()
+    cu_q = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(int(cu_q[-1]), Hq, D, generator=gen).bfloat16().cuda()
+
+    def run():
+        out, lse = flash_attn_varlen_func(q, kc, vc, max(lens), cu_q, max(lens), seqused_k=seq, block_table=table,
+                                          causal=True, num_splits=splits, return_softmax_lse=True)
+        torch.cuda.synchronize()
+        assert all(int(b.abs().sum()) == 0 for b in workspace.counter_buffers().values())
+        return out, lse
+
+    first, lse = run()
+    modes = {m for plan in attention_ops._PLANS.values() for m, _ in plan._kernels}
+    assert "prefill_ws" in modes, modes
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        others = [run() for _ in range(2)]
+    torch.cuda.current_stream().wait_stream(side)
+    for o, l in others + [run() for _ in range(3)]:
+        assert torch.equal(o, first) and torch.equal(l, lse)
+    ref = reference.paged_attention(q, kc, vc, cu_q, seq, table, causal=True, compute_dtype=torch.float64)
+    assert rel_l2(first.float(), ref) < 1e-2
+
+
 def _d512_grid(n, seed=5):
     """Head dim 512 (and head sizes it serves: 320, 504 with its 8-byte fp8 rows), every path it has."""
     rng = random.Random(seed)

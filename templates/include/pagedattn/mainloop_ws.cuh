@@ -46,7 +46,7 @@ template <class Traits>
 struct WsRegisters {
   static constexpr int kAllThreads = Traits::kThreads + Traits::kProducerThreads;
   static constexpr int kPool = 65536 / kAllThreads / 8 * 8 * kAllThreads;
-  static constexpr int kProducerRegs = Traits::kIsFp8 ? 40 : 24;  // fp8: the producer widens the chunks
+  static constexpr int kProducerRegs = Traits::kIsFp8 ? 40 : 32;  // fp8: the producer widens the chunks
   static constexpr int kLeft = (kPool - kProducerRegs * Traits::kProducerThreads) / Traits::kThreads / 8 * 8;
   static constexpr int kConsumerRegs = kLeft > 240 ? 240 : kLeft;
   static_assert(kProducerRegs * Traits::kProducerThreads + kConsumerRegs * Traits::kThreads <= kPool,
@@ -517,16 +517,67 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
                                   Tiles::template coords<kHeadDim>(c.tidx));
 }
 
-// The next work item from `item` on (stepping gridDim.x) that has a tile: into w, item past it.
+// Dynamic scheduling: the launch's CTAs draw work items, in the logical grid's order (ws_slot: the
+// row tiles of one column, longest first), from one counter in global memory, so a CTA takes the next
+// item whenever it is free and the CTAs finish together (a static stride of gridDim.x left them 3 %
+// apart at B=4 S=4096 causal). Two int32 counters follow the split counters (p.split_counters +
+// columns x grid tiles): the next item, then the CTAs done drawing; both are zero on entry, and the
+// last CTA done drawing zeroes them again (as split counters are). Producer warp 0 draws (one item
+// ahead), skips items without a tile and publishes each item the CTA takes into the work-item ring
+// (AttnSmem::ws_work), then an end marker (b = -1); every warp of the CTA reads the items there and
+// frees each once done with it.
 template <class Traits, class Features>
-__device__ __forceinline__ bool ws_next_item(AttnParams const& p, int total, int& item, AttnWork& w) {
-  while (item < total) {
-    bool const has_tile = schedule<Traits, Features>(p, ws_slot(p, item), w);
-    item += gridDim.x;
-    if (has_tile) return true;
+struct WsScheduler {
+  static constexpr int kItems = AttnSmem<Traits>::kWsItems;
+  static constexpr int kReaders = kWsProducerWarps + Traits::kThreads / 32;  // warps that free an item
+  // (no pointers held: the producer warps run on few registers, and p and the shared window are at
+  // hand in every function)
+  int next;  // producer warp 0: the item drawn ahead
+
+  static __device__ __forceinline__ int* counters(AttnParams const& p) {
+    return p.split_counters + p.num_seqs * p.num_kv_heads * p.grid_tiles;
   }
-  return false;
-}
+  static __device__ __forceinline__ int draw(AttnParams const& p) {  // producer warp 0, every lane
+    int idx = 0;
+    if (threadIdx.x % 32 == 0) idx = atomicAdd(counters(p), 1);
+    return __shfl_sync(0xffffffffu, idx, 0);
+  }
+  __device__ __forceinline__ void start(AttnParams const& p) { next = draw(p); }
+  // producer warp 0: the CTA's n-th item (or the end marker) into the ring, once its slot is free
+  __device__ __forceinline__ void publish(AttnParams const& p, AttnSmem<Traits> const sm, int total, uint32_t n) {
+    AttnWork w;
+    bool found = false;
+    while (!found && next < total) {
+      found = schedule<Traits, Features>(p, ws_slot(p, next), w);
+      next = draw(p);  // ahead: its latency overlaps this item's copies
+    }
+    if (!found) w.b = -1;
+    mbarrier_wait(sm.ws_work_bar(1, n), (n / kItems & 1u) ^ 1u);
+    if (threadIdx.x % 32 == 0) {
+      *sm.ws_work(n) = w;
+      mbarrier_arrive(sm.ws_work_bar(0, n));  // release: the item's fields before the readers' acquire
+      if (!found) {  // done drawing: the last CTA done zeroes the counters for the next launch
+        int* const ctr = counters(p);
+        __threadfence();
+        if (atomicAdd(ctr + 1, 1) == int(gridDim.x) - 1) {
+          atomicExch(ctr, 0);
+          atomicExch(ctr + 1, 0);
+        }
+      }
+    }
+    __syncwarp();
+  }
+  // any warp: the CTA's n-th item once published (b < 0: no more)
+  static __device__ __forceinline__ AttnWork const& item(AttnSmem<Traits> const sm, uint32_t n) {
+    mbarrier_wait(sm.ws_work_bar(0, n), n / kItems & 1u);
+    return *sm.ws_work(n);
+  }
+  // any warp, once done with item n (each warp of the CTA frees it once)
+  static __device__ __forceinline__ void done(AttnSmem<Traits> const sm, uint32_t n) {
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbarrier_arrive(sm.ws_work_bar(1, n));
+  }
+};
 
 // Rows past the grid's row tiles (rare; rows_past_grid.cuh) of this CTA's items: every thread checks
 // a share of them, and only if one has such rows do all warps walk them. Called by every thread.
@@ -554,6 +605,7 @@ __device__ __forceinline__ void ws_rows_past_grid(AttnParams const& p, int total
 template <class Traits, class Features>
 __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
   using Regs = WsRegisters<Traits>;
+  using Scheduler = WsScheduler<Traits, Features>;
   AttnSmem<Traits> const sm{smem};
   WsBarriers const bars(sm);
   if (threadIdx.x == 0) {
@@ -562,6 +614,10 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
       mbarrier_init(bars.full_v + s, kWsProducerWarps);
       mbarrier_init(bars.empty_k + s, Traits::kThreads / 32);
       mbarrier_init(bars.empty_v + s, Traits::kThreads / 32);
+    }
+    for (int i = 0; i < Scheduler::kItems; ++i) {
+      mbarrier_init(sm.ws_work_bar(0, i), 1);
+      mbarrier_init(sm.ws_work_bar(1, i), Scheduler::kReaders);
     }
     if constexpr (Traits::kIsFp8) {
       for (int i = 0; i < 2 * kWsProducerWarps * Traits::Smem::kRawStages; ++i) {
@@ -575,17 +631,24 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
   if (int(threadIdx.x) >= Traits::kThreads) {  // the producer warpgroup
     regs_decrease<Regs::kProducerRegs>();
     static_assert(Traits::kProducerThreads == 32 * kWsProducerWarps, "the producer warpgroup's warps");
+    bool const drawer = int(threadIdx.x) < Traits::kThreads + 32;  // producer warp 0
+    Scheduler sched;
+    if (drawer) sched.start(p);
     WsRing ring{0};
-    int item = blockIdx.x;
-    AttnWork w;
-    while (ws_next_item<Traits, Features>(p, total, item, w)) {
-      TileCtx<Traits> const c(p, w, smem);
-      if constexpr (Traits::kIsFp8) {
-        ws_produce_fp8(c, ring);
-      } else {
-        ws_produce(c, ring);
+    for (uint32_t n = 0;; ++n) {
+      if (drawer) sched.publish(p, sm, total, n);
+      AttnWork const& w = Scheduler::item(sm, n);
+      if (w.b < 0) break;
+      {
+        TileCtx<Traits> const c(p, w, smem);
+        if constexpr (Traits::kIsFp8) {
+          ws_produce_fp8(c, ring);
+        } else {
+          ws_produce(c, ring);
+        }
       }
       ring.ring += uint32_t(w.step_end - w.step_begin);
+      Scheduler::done(sm, n);
     }
     // stay until the consumers are done (named barrier 4): the CTA's warps leave together, so that
     // compute-sanitizer sees the consumers' named barriers (tile_sync, ping-pong) with every warp resident
@@ -593,42 +656,27 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
     return;
   }
   regs_increase<Regs::kConsumerRegs>();
-  // A warpgroup's items alternate between its two work slots in shared memory (written by its first
-  // thread, read after ws_q_ready's barrier): the mainloop reloads the few fields it needs there
-  // instead of holding (or spilling) a work item in registers through it.
+  // The items come from the ring (WsScheduler): a warpgroup loads the next item's Q rows once its last
+  // S of the current one is done, and each warp frees an item after its epilogue.
   int const wg = int(threadIdx.x) / 128;
-  bool const leader = threadIdx.x % 128 == 0;
   WsPingPong<Traits::kPingPong> const pp{wg};
   pp.start();
   WsRing ring{0};
-  int item = blockIdx.x;  // the next item to look at
-  int parity = 0;
-  bool more;
-  {
-    AttnWork first;
-    more = ws_next_item<Traits, Features>(p, total, item, first);
-    if (more) {
-      ws_load_q<Traits>(p, first, smem, wg);
-      if (leader) *sm.ws_work(wg, 0) = first;
-    }
-  }
-  while (more) {
+  bool more = Scheduler::item(sm, 0).b >= 0;
+  if (more) ws_load_q<Traits>(p, Scheduler::item(sm, 0), smem, wg);
+  for (uint32_t n = 0; more; ++n) {
     ws_q_ready(wg);
-    AttnWork const& w = *sm.ws_work(wg, parity);
-    more = false;
+    AttnWork const& w = Scheduler::item(sm, n);
     {
       TileCtx<Traits> const c(p, w, smem);
       ws_consume<Traits, Features>(c, ring, pp, [&] {
-        AttnWork next;
-        more = ws_next_item<Traits, Features>(p, total, item, next);
-        if (more) {
-          ws_load_q<Traits>(p, next, smem, wg);
-          if (leader) *sm.ws_work(wg, parity ^ 1) = next;
-        }
+        AttnWork const& next = Scheduler::item(sm, n + 1);
+        more = next.b >= 0;
+        if (more) ws_load_q<Traits>(p, next, smem, wg);
       });
     }
     ring.ring += uint32_t(w.step_end - w.step_begin);
-    parity ^= 1;
+    Scheduler::done(sm, n);
   }
   pp.finish();
   asm volatile("bar.arrive 4, %0;\n" ::"n"(Traits::kCtaThreads) : "memory");
