@@ -46,7 +46,11 @@ template <class Traits>
 struct WsRegisters {
   static constexpr int kAllThreads = Traits::kThreads + Traits::kProducerThreads;
   static constexpr int kPool = 65536 / kAllThreads / 8 * 8 * kAllThreads;
-  static constexpr int kProducerRegs = Traits::kIsFp8 ? 40 : 32;  // fp8: the producer widens the chunks
+#ifdef PAGEDATTN_WS_PRODUCER_REGS  // forced (A/B studies)
+  static constexpr int kProducerRegs = PAGEDATTN_WS_PRODUCER_REGS;
+#else
+  static constexpr int kProducerRegs = 40;  // the consumers keep 232 (fp8: the producer widens the chunks)
+#endif
   static constexpr int kLeft = (kPool - kProducerRegs * Traits::kProducerThreads) / Traits::kThreads / 8 * 8;
   static constexpr int kConsumerRegs = kLeft > 240 ? 240 : kLeft;
   static_assert(kProducerRegs * Traits::kProducerThreads + kConsumerRegs * Traits::kThreads <= kPool,
