@@ -144,8 +144,8 @@ struct WsProducerLane {
   }
 };
 
-template <class Traits>
-__device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing const ring) {
+template <class Traits, class Started>
+__device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing const ring, Started const& started) {
   constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
   constexpr int kBoxCols = 64, kPerWarp = WsProducerLane<Traits>::kPerWarp;
   constexpr int kChunkBytes = 16 * kHeadDim * 2;  // K (or V) bytes of one chunk
@@ -153,7 +153,7 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
   WsProducerLane<Traits> const my(c);
   int const lane = my.lane, first_chunk = my.first_chunk, q = my.q;
   int phys_next = my.chunk_page(0);
-  for (int it = 0; it < my.n_steps; ++it) {
+  auto step = [&](int it) {
     int const slot = ring.slot<kStages>(it);
     uint32_t const free_phase = ring.phase<kStages>(it) ^ 1u;
     int const phys = phys_next;
@@ -190,7 +190,10 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
     };
     load(reinterpret_cast<char*>(c.smem.k_tile(slot, 0)), my.k_map, bars.full_k, bars.empty_k);
     load(reinterpret_cast<char*>(c.smem.v_tile(slot, 0)), my.v_map, bars.full_v, bars.empty_v);
-  }
+  };
+  if (my.n_steps > 0) step(0);
+  started();  // peeled: the loop below holds no scheduler state
+  for (int it = 1; it < my.n_steps; ++it) step(it);
 }
 
 // fp8 caches (head dim 128): each producer warp TMA-loads its chunks of a step raw (one 128-column,
@@ -200,8 +203,8 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
 // columns are piece 2 (jp % 4) and the one after of the Element tile's 64-column block jp / 4, each
 // at that piece ^ (r % 8) too (SmemLayoutKV). Chunks of corrupt pages are written as zeros. The warp
 // then publishes its writes to the async proxy (wgmma) and arrives on the slot's full barrier.
-template <class Traits>
-__device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing const ring) {
+template <class Traits, class Started>
+__device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing const ring, Started const& started) {
   constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
   constexpr int kRaw = Traits::Smem::kRawStages, kPerWarp = WsProducerLane<Traits>::kPerWarp;
   constexpr int kRawChunkBytes = 16 * kHeadDim;  // K (or V) bytes of one raw chunk
@@ -263,6 +266,7 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
   // steps; raw stage it % 2 is refilled with a later step once step it is out of it.
   uint32_t loads0, bad0, loads1, bad1;
   issue(0, my.chunk_page(0), loads0, bad0);
+  started();
   if constexpr (!Traits::kKAhead) {  // K(it), V(it); raw(it + 1) in flight meanwhile
     int phys_next = my.chunk_page(1);
     for (int it = 0; it < n_steps; ++it) {
@@ -541,12 +545,22 @@ struct WsScheduler {
   static __device__ __forceinline__ int* counters(AttnParams const& p) {
     return p.split_counters + p.num_seqs * p.num_kv_heads * p.grid_tiles;
   }
-  static __device__ __forceinline__ int draw(AttnParams const& p) {  // producer warp 0, every lane
+  __device__ __forceinline__ int draw(AttnParams const& p) const {  // producer warp 0, every lane
+#if PAGEDATTN_WS_STATIC  // forced (A/B studies): items blockIdx.x, blockIdx.x + gridDim.x, ...
+    return next + int(gridDim.x);
+#else
     int idx = 0;
     if (threadIdx.x % 32 == 0) idx = atomicAdd(counters(p), 1);
     return __shfl_sync(0xffffffffu, idx, 0);
+#endif
   }
-  __device__ __forceinline__ void start(AttnParams const& p) { next = draw(p); }
+  __device__ __forceinline__ void start(AttnParams const& p) {
+#if PAGEDATTN_WS_STATIC
+    next = int(blockIdx.x);
+#else
+    next = draw(p);
+#endif
+  }
   // producer warp 0: the CTA's n-th item (or the end marker) into the ring, once its slot is free
   __device__ __forceinline__ void publish(AttnParams const& p, AttnSmem<Traits> const sm, int total, uint32_t n) {
     AttnWork w;
@@ -637,18 +651,25 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
     static_assert(Traits::kProducerThreads == 32 * kWsProducerWarps, "the producer warpgroup's warps");
     bool const drawer = int(threadIdx.x) < Traits::kThreads + 32;  // producer warp 0
     Scheduler sched;
-    if (drawer) sched.start(p);
+    if (drawer) {
+      sched.start(p);
+      sched.publish(p, sm, total, 0);
+    }
     WsRing ring{0};
     for (uint32_t n = 0;; ++n) {
-      if (drawer) sched.publish(p, sm, total, n);
       AttnWork const& w = Scheduler::item(sm, n);
       if (w.b < 0) break;
       {
+        // item n + 1 is published once item n's first copies are issued: the consumers find it there
+        // when they load its Q rows, and scheduling it (global loads) does not delay those copies
+        auto const started = [&] {
+          if (drawer) sched.publish(p, sm, total, n + 1);
+        };
         TileCtx<Traits> const c(p, w, smem);
         if constexpr (Traits::kIsFp8) {
-          ws_produce_fp8(c, ring);
+          ws_produce_fp8(c, ring, started);
         } else {
-          ws_produce(c, ring);
+          ws_produce(c, ring, started);
         }
       }
       ring.ring += uint32_t(w.step_end - w.step_begin);
