@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
 # (info precompile packbundle bundle tests alltests sanitize racecheck fuzz fuzzsanitize overhead overheadab sweep benchwrite aotcheck ncu ncusrc
-# benchdw benchp benchs benchq bench-full demo multigpu hfcb aot16 programsass).
+# benchdw benchp benchs benchq bench-full demo kernelab multigpu hfcb aot16 programsass).
 # Logs and results go under $OUT; RESULTS.md is regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
 # tests: PYTEST_FILES, PYTEST_K, PYTEST_N (xdist workers), PYTEST_ARGS (e.g. "-vv --tb=line": with the -q
@@ -104,6 +104,16 @@ for stage in "$@"; do
                for r in $(seq ${AB_ROUNDS:-2}); do
                  PYTHONPATH=/tmp/site-old:/tmp/site PAGEDATTN_AOT_DIR=${OLD_AOT_DIR:-/tmp/bundle} python3 "$old_script" "$OUT/results/ab_old_$r" | grep -E "$rows" | sed "s/^/old$r /"
                  python3 "$ROOT/perf/launch_overhead.py" "$OUT/results/ab_new_$r" | grep -E "$rows" | sed "s/^/new$r /"
+               done ;;
+    # kernel A/B in one call: the sweep suite (AB_ONLY case ids, default the prefill goal shapes) with an
+    # older build (its wheel carried in .carry/oldwhl, e.g. `pip wheel --no-deps` of a worktree) against
+    # this tree, alternating AB_ROUNDS times; AB_OVERRIDES adds this tree under those overrides (JSON)
+    kernelab)  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site-old "$ROOT"/.carry/oldwhl/*.whl || exit 1
+               only=${AB_ONLY:-prefill/d128/B4/S4096,prefill/B1/S16384,prefill/B8/q512,prefill/d64/,prefill/d256/}
+               for r in $(seq ${AB_ROUNDS:-2}); do
+                 PYTHONPATH=/tmp/site-old:$PYTHONPATH bench --suite sweep --only "$only" --quick --out "$OUT/results/old$r" | grep -E "^  prefill" | sed "s/^/old$r /"
+                 bench --suite sweep --only "$only" --quick --out "$OUT/results/new$r" | grep -E "^  prefill" | sed "s/^/new$r /"
+                 [ -z "${AB_OVERRIDES:-}" ] || bench --suite sweep --only "$only" --quick --overrides "$AB_OVERRIDES" --out "$OUT/results/ov$r" | grep -E "^  prefill" | sed "s/^/ov$r /"
                done ;;
     # issue 21 on the GPUs of this host (one: a smoke test of the code path)
     multigpu)  torchrun --nproc_per_node=${NGPUS:-$(nvidia-smi -L | wc -l)} "$ROOT/perf/multigpu.py" --out "$OUT/results" 2>&1 | tail -n 15 ;;

@@ -450,12 +450,10 @@ def test_ws_prefill_matches_reference(c, decode_loader):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 3])
-def test_ws_dynamic_schedule_is_deterministic_and_leaves_counters_zero(splits):
-    """prefill_ws draws its work items from a counter in global memory (WsScheduler): which CTA takes
-    which item changes from run to run, the output must not. Many more items than SMs, of very
-    different lengths (causal, ragged requests, one with no keys), run back to back and on a second
-    stream: bit-identical, equal to the reference, and every scheduling and split counter is zero
-    again after each launch (the last CTA done drawing zeroes them)."""
+def test_ws_prefill_is_deterministic_and_leaves_counters_zero(splits):
+    """The persistent prefill_ws over many more work items than SMs, of very different lengths (causal,
+    ragged requests, one with no keys), run back to back and on a second stream: bit-identical, equal
+    to the reference, and every split counter is zero again after each launch."""
     from pagedattn.ops import attention as attention_ops
     from pagedattn.ops import workspace
 

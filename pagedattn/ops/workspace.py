@@ -32,7 +32,7 @@ _BUFFERS: dict[tuple[str, int, int], _Buffer] = {}
 # or allocated during a capture): a caller that keeps the addresses it got reuses them only while
 # GENERATION is the one it got them under (attention's _Launch.run; never while capturing).
 GENERATION = 0
-_HANDED: dict[tuple[int, int], list] = {}   # (device, stream) -> [workspace, counters] last handed out
+_HANDED: dict[tuple[int, int], tuple[_Buffer, _Buffer]] = {}
 _KEPT: list[torch.Tensor] = []   # outgrown buffers that a graph may still use
 GRAPH_REFS: dict[int, torch.Tensor] = {}   # other device memory graphs hold (tensor maps), by address
 
@@ -60,32 +60,27 @@ def split_scratch(device: int, splits: int, total_q: int, heads: int, head_dim: 
                   capturing: bool, stream: int | None = None) -> tuple[int, int, int]:
     """Addresses of o_accum float32 [splits, total_q, heads, head_dim], lse_accum float32 [splits,
     heads, total_q] (one workspace; lse_accum 16-byte aligned as head_dim is a multiple of 16) and
-    `tiles` int32 counters, zero on entry: arrival counters (attn_fwd.cuh: the last split of a tile merges
-    them all) and the persistent prefill's two scheduling counters (mainloop_ws.cuh, WsScheduler). With
-    one split only the counters (the workspace addresses are 0). Addresses, not views: a view costs more
-    host time than the whole lookup. `stream`: the device's current raw stream, when the caller has it
-    already."""
+    `tiles` int32 arrival counters (attn_fwd.cuh: the last split of a tile merges them all), zero on
+    entry. Addresses, not views: a view costs more host time than the whole lookup. `stream`: the
+    device's current raw stream, when the caller has it already."""
     global GENERATION
     if stream is None:
         stream = _raw_stream(device)
     n_o = splits * total_q * heads * head_dim
-    work = _get("workspace", device, stream, n_o + splits * heads * total_q, torch.float32, capturing) \
-        if splits > 1 else None
-    counters = _get("counters", device, stream, tiles, torch.int32, capturing)
-    handed = _HANDED.setdefault((device, stream), [None, None])
-    if handed[1] is not counters or (work is not None and handed[0] is not work):
-        handed[1] = counters
-        if work is not None:
-            handed[0] = work
+    buffers = (_get("workspace", device, stream, n_o + splits * heads * total_q, torch.float32, capturing),
+               _get("counters", device, stream, tiles, torch.int32, capturing))
+    if _HANDED.get((device, stream)) != buffers:  # _Buffer compares by identity
+        _HANDED[(device, stream)] = buffers
         GENERATION += 1
+    work, counters = buffers[0].tensor, buffers[1]
     if counters.dirty:
         if capturing:  # this graph zeroes what it uses, whichever graph allocated the buffer
             counters.tensor[:tiles].zero_()
         else:
             counters.tensor.zero_()
             counters.dirty = False
-    base = work.tensor.data_ptr() if work is not None else 0
-    return base, base + 4 * n_o if work is not None else 0, counters.tensor.data_ptr()
+    base = work.data_ptr()
+    return base, base + 4 * n_o, counters.tensor.data_ptr()
 
 
 def counter_buffers() -> dict[tuple[int, int], torch.Tensor]:

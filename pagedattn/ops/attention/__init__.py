@@ -344,7 +344,7 @@ class _Launch(Prepared):
     with every Params field but the addresses packed once (a Prepared launch). A call of this shape
     allocates the outputs, fills in the addresses and launches."""
     __slots__ = ("empty_batch", "splits", "ctas", "tma", "capture", "head_dim", "total_q", "dtype", "out_shape",
-                 "out_stride", "lse_shape", "scratch", "counters")
+                 "out_stride", "lse_shape", "scratch")
 
     def __init__(self, plan: _Plan, q, k, v, out, max_seqlen_q, max_seqlen_k, num_splits, causal, scale,
                  features, lse: bool):
@@ -379,9 +379,6 @@ class _Launch(Prepared):
         self.head_dim = variant.head_dim
         self.tma = variant.mode in TMA_MODES
         self.capture = splits > 1 or self.tma   # what reads the capture state
-        # scratch: split-KV partials and counters; the persistent prefill's two scheduling counters
-        # follow the split counters (mainloop_ws.cuh, WsScheduler)
-        self.counters = self.ctas + 2 if variant.mode == "prefill_ws" else self.ctas if splits > 1 else 0
         row_dim = plan.tma_maps(k, v, _is_capturing())[1] if self.tma else 0
         scale = scale if scale is not None else plan.default_scale
         q_stride = q.stride()
@@ -420,11 +417,11 @@ class _Launch(Prepared):
         if self.capture:
             # CUDA never captures the legacy default stream (0): no capture query on it
             capturing = stream != 0 and _is_capturing()
-            if self.counters:
+            if self.splits > 1:
                 scratch = self.scratch
                 if capturing or scratch[0] != stream or scratch[1] != workspace.GENERATION:
                     o_ptr, lse_ptr, counters = workspace.split_scratch(plan.device, self.splits, self.total_q,
-                                                                       plan.call.Hq, self.head_dim, self.counters,
+                                                                       plan.call.Hq, self.head_dim, self.ctas,
                                                                        capturing, stream)
                     if not capturing:  # kept only outside capture: a capture's new buffers need an eager zeroing
                         self.scratch = (stream, workspace.GENERATION, o_ptr, lse_ptr, counters)

@@ -139,8 +139,7 @@ def fp8_regs(head_dim: int, tma: bool) -> bool:
     return tma and head_dim % 128 == 0
 
 
-WS_WORK_BYTES = 56  # sizeof(AttnWork): prefill_ws keeps a ring of WS_ITEMS of them
-WS_ITEMS = 4  # prefill_ws: the work items its scheduler publishes ahead of the warps (mainloop_ws.cuh)
+WS_WORK_BYTES = 56  # sizeof(AttnWork): prefill_ws keeps four of them (two per consumer warpgroup)
 
 
 def smem_plan(cfg: dict, head_dim: int, fp8: bool) -> dict:
@@ -150,8 +149,7 @@ def smem_plan(cfg: dict, head_dim: int, fp8: bool) -> dict:
     that sizeof(SharedStorage) is Bytes, the dynamic shared memory the launch asks for.
 
       union { Q | K stages | V stages (Element) | raw K | raw V (fp8 bytes);  O | m, l (float) }
-      RingBars mbarriers; prefill_ws: the split-KV flag (8 bytes), WsWork work items, WsRawBars mbarriers
-    The plan is mirrored by attn_smem.cuh's static_asserts (WS_ITEMS: kWsItems there)."""
+      RingBars mbarriers; prefill_ws: the split-KV flag (8 bytes), WsWork work items, WsRawBars mbarriers"""
     stage = cfg["kBlockN"] * cfg["kWarpsN"] * head_dim  # one stage (cp.async) or one slot of every warp's ring
     ws = cfg["kTma"] and cfg["kWgmma"]
     # Element stages the MMAs read: one per stage (16-bit caches); fp8: the one stage raw stages are
@@ -167,11 +165,9 @@ def smem_plan(cfg: dict, head_dim: int, fp8: bool) -> dict:
                 K=elem_stages * stage, V=elem_stages * stage, RawK=raw_stages * stage, RawV=raw_stages * stage,
                 O=rows * head_dim, RowStats=2 * rows,
                 # TMA: an mbarrier per (warp, ring slot); prefill_ws: a full and an empty one per slot of
-                # the K ring, of the V ring and of the work-item ring, and (fp8) one per (K or V, producer
-                # warp, raw stage)
-                RingBars=(4 * cfg["kStages"] + 2 * WS_ITEMS if ws else cfg["kWarpsN"] * cfg["kStages"])
-                if cfg["kTma"] else 0,
-                WsFlag=int(ws), WsWork=WS_ITEMS if ws else 0, WsRawBars=2 * 4 * raw_stages if ws else 0)
+                # the K ring and of the V ring, and (fp8) one per (K or V, producer warp, raw stage)
+                RingBars=(4 if ws else cfg["kWarpsN"]) * cfg["kStages"] if cfg["kTma"] else 0,
+                WsFlag=int(ws), WsWork=4 if ws else 0, WsRawBars=2 * 4 * raw_stages if ws else 0)
     main = max(2 * (plan["Q"] + plan["K"] + plan["V"]) + plan["RawK"] + plan["RawV"],
                4 * (plan["O"] + plan["RowStats"]))
     tail = 8 * (plan["RingBars"] + plan["WsFlag"] + plan["WsRawBars"]) + WS_WORK_BYTES * plan["WsWork"]

@@ -8,11 +8,10 @@
 //     epilogue:  O of each warp group | m, l of each row   (reuses the mainloop's bytes once every
 //                K/V read is done; the split-KV "last CTA" flag of the non-ws paths is its first int)
 //   }
-//   ring_bars:   TMA: one mbarrier per (warp, ring slot); kWs: the K and V rings' full and empty ones,
-//                then the work-item ring's full and empty ones
+//   ring_bars:   TMA: one mbarrier per (warp, ring slot); kWs: the K and V rings' full and empty ones
 //   kWs:         the split-KV flag (its epilogue needs no shared memory, and the next tile's Q and K/V
-//                may already be landing in the mainloop's bytes), the ring of kWsItems work items its
-//                scheduler publishes, then (fp8) the producer warps' raw-stage mbarriers (never reused)
+//                may already be landing in the mainloop's bytes), the consumer warpgroups' work items,
+//                then (fp8) the producer warps' raw-stage mbarriers (never reused)
 //
 // A region the plan leaves empty takes no bytes: regions are base classes (SmemRegion<tag, T, 0> is
 // empty), and empty bases share their neighbour's address.
@@ -93,15 +92,11 @@ struct AttnSmem {
                 "raw fp8 stages: the pipeline's (prefill_ws: its own count), none for 16-bit caches");
   static_assert(Plan::kO == kEpilogueRows * Traits::kHeadDim && Plan::kRowStats == 2 * kEpilogueRows,
                 "epilogue: O, m and l of every warp group's rows");
-  static constexpr int kWsItems = 4;  // tiles.WS_ITEMS
-  static_assert(Plan::kRingBars == (!Traits::kTma ? 0
-                                    : Traits::kWs ? 4 * Traits::kStages + 2 * kWsItems
-                                                  : Traits::kWarpsN * Traits::kStages),
-                "ring mbarriers: one per (warp, slot); prefill_ws: full and empty of K and V per slot, and of "
-                "each work item");
-  static_assert(Plan::kWsFlag == int(Traits::kWs) && Plan::kWsWork == (Traits::kWs ? kWsItems : 0) &&
+  static_assert(Plan::kRingBars == (Traits::kTma ? (Traits::kWs ? 4 : Traits::kWarpsN) * Traits::kStages : 0),
+                "ring mbarriers: one per (warp, slot); prefill_ws: full and empty of K and V per slot");
+  static_assert(Plan::kWsFlag == int(Traits::kWs) && Plan::kWsWork == (Traits::kWs ? 4 : 0) &&
                 Plan::kWsRawBars == (Traits::kWs ? 2 * 4 * Plan::kRawStages : 0),
-                "prefill_ws: the split flag, the work-item ring, raw-stage mbarriers");
+                "prefill_ws: the split flag, two work items per consumer warpgroup, raw-stage mbarriers");
 
   char* base;
 
@@ -149,13 +144,9 @@ struct AttnSmem {
       return reinterpret_cast<int*>(base);
     }
   }
-  // kWs: the work item the CTA takes n-th (a ring of kWsItems), and its full (empty = 0) or empty
-  // (empty = 1) mbarrier
-  __device__ __forceinline__ AttnWork* ws_work(uint32_t n) const {
-    return region<kTagWsWork>(storage()) + n % kWsItems;
-  }
-  __device__ __forceinline__ uint64_t* ws_work_bar(int empty, uint32_t n) const {
-    return region<kTagRingBars>(storage()) + 4 * Traits::kStages + empty * kWsItems + n % kWsItems;
+  // kWs: consumer warpgroup wg's work item of parity `parity` (items alternate between its two)
+  __device__ __forceinline__ AttnWork* ws_work(int wg, int parity) const {
+    return region<kTagWsWork>(storage()) + 2 * wg + parity;
   }
   // kWs, fp8: the raw-stage mbarrier of (K: kv 0, V: kv 1, producer warp `warp`, raw stage `stage`)
   __device__ __forceinline__ uint64_t* ws_raw_bar(int kv, int warp, int stage) const {

@@ -46,11 +46,7 @@ template <class Traits>
 struct WsRegisters {
   static constexpr int kAllThreads = Traits::kThreads + Traits::kProducerThreads;
   static constexpr int kPool = 65536 / kAllThreads / 8 * 8 * kAllThreads;
-#ifdef PAGEDATTN_WS_PRODUCER_REGS  // forced (A/B studies)
-  static constexpr int kProducerRegs = PAGEDATTN_WS_PRODUCER_REGS;
-#else
-  static constexpr int kProducerRegs = 40;  // the consumers keep 232 (fp8: the producer widens the chunks)
-#endif
+  static constexpr int kProducerRegs = Traits::kIsFp8 ? 40 : 24;  // fp8: the producer widens the chunks
   static constexpr int kLeft = (kPool - kProducerRegs * Traits::kProducerThreads) / Traits::kThreads / 8 * 8;
   static constexpr int kConsumerRegs = kLeft > 240 ? 240 : kLeft;
   static_assert(kProducerRegs * Traits::kProducerThreads + kConsumerRegs * Traits::kThreads <= kPool,
@@ -144,8 +140,8 @@ struct WsProducerLane {
   }
 };
 
-template <class Traits, class Started>
-__device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing const ring, Started const& started) {
+template <class Traits>
+__device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing const ring) {
   constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
   constexpr int kBoxCols = 64, kPerWarp = WsProducerLane<Traits>::kPerWarp;
   constexpr int kChunkBytes = 16 * kHeadDim * 2;  // K (or V) bytes of one chunk
@@ -153,7 +149,7 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
   WsProducerLane<Traits> const my(c);
   int const lane = my.lane, first_chunk = my.first_chunk, q = my.q;
   int phys_next = my.chunk_page(0);
-  auto step = [&](int it) {
+  for (int it = 0; it < my.n_steps; ++it) {
     int const slot = ring.slot<kStages>(it);
     uint32_t const free_phase = ring.phase<kStages>(it) ^ 1u;
     int const phys = phys_next;
@@ -190,10 +186,7 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
     };
     load(reinterpret_cast<char*>(c.smem.k_tile(slot, 0)), my.k_map, bars.full_k, bars.empty_k);
     load(reinterpret_cast<char*>(c.smem.v_tile(slot, 0)), my.v_map, bars.full_v, bars.empty_v);
-  };
-  if (my.n_steps > 0) step(0);
-  started();  // peeled: the loop below holds no scheduler state
-  for (int it = 1; it < my.n_steps; ++it) step(it);
+  }
 }
 
 // fp8 caches (head dim 128): each producer warp TMA-loads its chunks of a step raw (one 128-column,
@@ -203,8 +196,8 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
 // columns are piece 2 (jp % 4) and the one after of the Element tile's 64-column block jp / 4, each
 // at that piece ^ (r % 8) too (SmemLayoutKV). Chunks of corrupt pages are written as zeros. The warp
 // then publishes its writes to the async proxy (wgmma) and arrives on the slot's full barrier.
-template <class Traits, class Started>
-__device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing const ring, Started const& started) {
+template <class Traits>
+__device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing const ring) {
   constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
   constexpr int kRaw = Traits::Smem::kRawStages, kPerWarp = WsProducerLane<Traits>::kPerWarp;
   constexpr int kRawChunkBytes = 16 * kHeadDim;  // K (or V) bytes of one raw chunk
@@ -266,7 +259,6 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
   // steps; raw stage it % 2 is refilled with a later step once step it is out of it.
   uint32_t loads0, bad0, loads1, bad1;
   issue(0, my.chunk_page(0), loads0, bad0);
-  started();
   if constexpr (!Traits::kKAhead) {  // K(it), V(it); raw(it + 1) in flight meanwhile
     int phys_next = my.chunk_page(1);
     for (int it = 0; it < n_steps; ++it) {
@@ -525,77 +517,16 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
                                   Tiles::template coords<kHeadDim>(c.tidx));
 }
 
-// Dynamic scheduling: the launch's CTAs draw work items, in the logical grid's order (ws_slot: the
-// row tiles of one column, longest first), from one counter in global memory, so a CTA takes the next
-// item whenever it is free and the CTAs finish together (a static stride of gridDim.x left them 3 %
-// apart at B=4 S=4096 causal). Two int32 counters follow the split counters (p.split_counters +
-// columns x grid tiles): the next item, then the CTAs done drawing; both are zero on entry, and the
-// last CTA done drawing zeroes them again (as split counters are). Producer warp 0 draws (one item
-// ahead), skips items without a tile and publishes each item the CTA takes into the work-item ring
-// (AttnSmem::ws_work), then an end marker (b = -1); every warp of the CTA reads the items there and
-// frees each once done with it.
+// The next work item from `item` on (stepping gridDim.x) that has a tile: into w, item past it.
 template <class Traits, class Features>
-struct WsScheduler {
-  static constexpr int kItems = AttnSmem<Traits>::kWsItems;
-  static constexpr int kReaders = kWsProducerWarps + Traits::kThreads / 32;  // warps that free an item
-  // (no pointers held: the producer warps run on few registers, and p and the shared window are at
-  // hand in every function)
-  int next;  // producer warp 0: the item drawn ahead
-
-  static __device__ __forceinline__ int* counters(AttnParams const& p) {
-    return p.split_counters + p.num_seqs * p.num_kv_heads * p.grid_tiles;
+__device__ __forceinline__ bool ws_next_item(AttnParams const& p, int total, int& item, AttnWork& w) {
+  while (item < total) {
+    bool const has_tile = schedule<Traits, Features>(p, ws_slot(p, item), w);
+    item += gridDim.x;
+    if (has_tile) return true;
   }
-  __device__ __forceinline__ int draw(AttnParams const& p) const {  // producer warp 0, every lane
-#if PAGEDATTN_WS_STATIC  // forced (A/B studies): items blockIdx.x, blockIdx.x + gridDim.x, ...
-    return next + int(gridDim.x);
-#else
-    int idx = 0;
-    if (threadIdx.x % 32 == 0) idx = atomicAdd(counters(p), 1);
-    return __shfl_sync(0xffffffffu, idx, 0);
-#endif
-  }
-  __device__ __forceinline__ void start(AttnParams const& p) {
-#if PAGEDATTN_WS_STATIC
-    next = int(blockIdx.x);
-#else
-    next = draw(p);
-#endif
-  }
-  // producer warp 0: the CTA's n-th item (or the end marker) into the ring, once its slot is free
-  __device__ __forceinline__ void publish(AttnParams const& p, AttnSmem<Traits> const sm, int total, uint32_t n) {
-    AttnWork w;
-    bool found = false;
-    while (!found && next < total) {
-      found = schedule<Traits, Features>(p, ws_slot(p, next), w);
-      next = draw(p);  // ahead: its latency overlaps this item's copies
-    }
-    if (!found) w.b = -1;
-    mbarrier_wait(sm.ws_work_bar(1, n), (n / kItems & 1u) ^ 1u);
-    if (threadIdx.x % 32 == 0) {
-      *sm.ws_work(n) = w;
-      mbarrier_arrive(sm.ws_work_bar(0, n));  // release: the item's fields before the readers' acquire
-      if (!found) {  // done drawing: the last CTA done zeroes the counters for the next launch
-        int* const ctr = counters(p);
-        __threadfence();
-        if (atomicAdd(ctr + 1, 1) == int(gridDim.x) - 1) {
-          atomicExch(ctr, 0);
-          atomicExch(ctr + 1, 0);
-        }
-      }
-    }
-    __syncwarp();
-  }
-  // any warp: the CTA's n-th item once published (b < 0: no more)
-  static __device__ __forceinline__ AttnWork const& item(AttnSmem<Traits> const sm, uint32_t n) {
-    mbarrier_wait(sm.ws_work_bar(0, n), n / kItems & 1u);
-    return *sm.ws_work(n);
-  }
-  // any warp, once done with item n (each warp of the CTA frees it once)
-  static __device__ __forceinline__ void done(AttnSmem<Traits> const sm, uint32_t n) {
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) mbarrier_arrive(sm.ws_work_bar(1, n));
-  }
-};
+  return false;
+}
 
 // Rows past the grid's row tiles (rare; rows_past_grid.cuh) of this CTA's items: every thread checks
 // a share of them, and only if one has such rows do all warps walk them. Called by every thread.
@@ -623,7 +554,6 @@ __device__ __forceinline__ void ws_rows_past_grid(AttnParams const& p, int total
 template <class Traits, class Features>
 __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
   using Regs = WsRegisters<Traits>;
-  using Scheduler = WsScheduler<Traits, Features>;
   AttnSmem<Traits> const sm{smem};
   WsBarriers const bars(sm);
   if (threadIdx.x == 0) {
@@ -632,10 +562,6 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
       mbarrier_init(bars.full_v + s, kWsProducerWarps);
       mbarrier_init(bars.empty_k + s, Traits::kThreads / 32);
       mbarrier_init(bars.empty_v + s, Traits::kThreads / 32);
-    }
-    for (int i = 0; i < Scheduler::kItems; ++i) {
-      mbarrier_init(sm.ws_work_bar(0, i), 1);
-      mbarrier_init(sm.ws_work_bar(1, i), Scheduler::kReaders);
     }
     if constexpr (Traits::kIsFp8) {
       for (int i = 0; i < 2 * kWsProducerWarps * Traits::Smem::kRawStages; ++i) {
@@ -649,31 +575,17 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
   if (int(threadIdx.x) >= Traits::kThreads) {  // the producer warpgroup
     regs_decrease<Regs::kProducerRegs>();
     static_assert(Traits::kProducerThreads == 32 * kWsProducerWarps, "the producer warpgroup's warps");
-    bool const drawer = int(threadIdx.x) < Traits::kThreads + 32;  // producer warp 0
-    Scheduler sched;
-    if (drawer) {
-      sched.start(p);
-      sched.publish(p, sm, total, 0);
-    }
     WsRing ring{0};
-    for (uint32_t n = 0;; ++n) {
-      AttnWork const& w = Scheduler::item(sm, n);
-      if (w.b < 0) break;
-      {
-        // item n + 1 is published once item n's first copies are issued: the consumers find it there
-        // when they load its Q rows, and scheduling it (global loads) does not delay those copies
-        auto const started = [&] {
-          if (drawer) sched.publish(p, sm, total, n + 1);
-        };
-        TileCtx<Traits> const c(p, w, smem);
-        if constexpr (Traits::kIsFp8) {
-          ws_produce_fp8(c, ring, started);
-        } else {
-          ws_produce(c, ring, started);
-        }
+    int item = blockIdx.x;
+    AttnWork w;
+    while (ws_next_item<Traits, Features>(p, total, item, w)) {
+      TileCtx<Traits> const c(p, w, smem);
+      if constexpr (Traits::kIsFp8) {
+        ws_produce_fp8(c, ring);
+      } else {
+        ws_produce(c, ring);
       }
       ring.ring += uint32_t(w.step_end - w.step_begin);
-      Scheduler::done(sm, n);
     }
     // stay until the consumers are done (named barrier 4): the CTA's warps leave together, so that
     // compute-sanitizer sees the consumers' named barriers (tile_sync, ping-pong) with every warp resident
@@ -681,27 +593,42 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
     return;
   }
   regs_increase<Regs::kConsumerRegs>();
-  // The items come from the ring (WsScheduler): a warpgroup loads the next item's Q rows once its last
-  // S of the current one is done, and each warp frees an item after its epilogue.
+  // A warpgroup's items alternate between its two work slots in shared memory (written by its first
+  // thread, read after ws_q_ready's barrier): the mainloop reloads the few fields it needs there
+  // instead of holding (or spilling) a work item in registers through it.
   int const wg = int(threadIdx.x) / 128;
+  bool const leader = threadIdx.x % 128 == 0;
   WsPingPong<Traits::kPingPong> const pp{wg};
   pp.start();
   WsRing ring{0};
-  bool more = Scheduler::item(sm, 0).b >= 0;
-  if (more) ws_load_q<Traits>(p, Scheduler::item(sm, 0), smem, wg);
-  for (uint32_t n = 0; more; ++n) {
+  int item = blockIdx.x;  // the next item to look at
+  int parity = 0;
+  bool more;
+  {
+    AttnWork first;
+    more = ws_next_item<Traits, Features>(p, total, item, first);
+    if (more) {
+      ws_load_q<Traits>(p, first, smem, wg);
+      if (leader) *sm.ws_work(wg, 0) = first;
+    }
+  }
+  while (more) {
     ws_q_ready(wg);
-    AttnWork const& w = Scheduler::item(sm, n);
+    AttnWork const& w = *sm.ws_work(wg, parity);
+    more = false;
     {
       TileCtx<Traits> const c(p, w, smem);
       ws_consume<Traits, Features>(c, ring, pp, [&] {
-        AttnWork const& next = Scheduler::item(sm, n + 1);
-        more = next.b >= 0;
-        if (more) ws_load_q<Traits>(p, next, smem, wg);
+        AttnWork next;
+        more = ws_next_item<Traits, Features>(p, total, item, next);
+        if (more) {
+          ws_load_q<Traits>(p, next, smem, wg);
+          if (leader) *sm.ws_work(wg, parity ^ 1) = next;
+        }
       });
     }
     ring.ring += uint32_t(w.step_end - w.step_begin);
-    Scheduler::done(sm, n);
+    parity ^= 1;
   }
   pp.finish();
   asm volatile("bar.arrive 4, %0;\n" ::"n"(Traits::kCtaThreads) : "memory");
