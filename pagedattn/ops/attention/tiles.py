@@ -109,15 +109,17 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # O and S accumulators fit the consumers' registers (64 + 64 fp32 at d128), 64 keys above.
         # Two slots at d128: measured on H200 (perf/results/ws_tiles_f4cd955.json, ws_tiles_328a07c.json:
         # causal B=4 S=4096, B=1 S=16384, B=16 S=1024, B=8 512 over 8192) 1-5 % faster than three in
-        # every case, before and after the kernel became persistent; three elsewhere where they fit
-        # (tile_config drops to two where shared memory ends, at d256).
+        # every case, before and after the kernel became persistent. Two at d64 too: B=4 S=4096 causal
+        # 814 / 809 -> 801 / 796 us (rot / flush; two rounds alike, perf/results/ws_tiles_d64/; 192-key
+        # stages gain the same, with spills). Three elsewhere where they fit (tile_config drops to two
+        # where shared memory ends, at d256).
         # fp8 (head dim 128, forced only): kKAhead widens K(n + 1) before V(n) (not measured yet).
         # Softcap at d128 (a tanh per score: the SFU, not the tensor cores, bounds the step): 2 of the 16
         # column groups take 2^x on the FMA pipe; measured on H200 (perf/results/ws_tiles_softcap_exp2fma_*
         # 0485e2d: B=4 S=4096 causal 1428 -> 1395-1408 us, B=1 S=16384 4990 -> 4936 us; 1 and 3 no gain,
         # 4, 6 and 8 slower: the FMA pipe fills).
         return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1,
-                    kStages=2 if head_dim == 128 else 3, kMinBlocks=1, kTma=True, kPingPong=True,
+                    kStages=2 if head_dim <= 128 else 3, kMinBlocks=1, kTma=True, kPingPong=True,
                     kExp2FmaSoftcap=2 if head_dim == 128 else 0, **(dict(kKAhead=False) if fp8 else {}))
     if mode == "prefill_wgmma":
         # Measured on H200, B=4 S=4096 causal d128 (perf/results/history/prefill_sweep_h200_*): more
