@@ -1066,7 +1066,7 @@ def test_ws_prefill_dispatch_rules():
         assert spec.supports_arch("sm_90a") and not spec.supports_arch("sm_80")
         assert "true,true,1,true," in "".join(Kernel(spec).source.split())  # kTma, kWgmma, kWarpsD, kPingPong
     assert tile_config(256, "prefill_ws")["kStages"] == 2 and tile_config(128, "prefill_ws")["kStages"] == 2
-    assert tile_config(64, "prefill_ws")["kStages"] == 3
+    assert tile_config(64, "prefill_ws")["kStages"] == 2 and tile_config(192, "prefill_ws")["kStages"] == 3
     # softcap at d128: 2 of the 16 column groups take 2^x on the FMA pipe (the SFU has the tanh too)
     assert tile_config(128, "prefill_ws")["kExp2FmaSoftcap"] == 2 and tile_config(64, "prefill_ws")["kExp2FmaSoftcap"] == 0
     assert "false,2,Smem>" in "".join(Kernel(AttnFwdSpec("bf16", "auto", 128, "prefill_ws", softcap=True)).source.split())
