@@ -428,7 +428,17 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   using Tiles = WgmmaTiles<Traits>;
   typename Tiles::TiledMmaQK mma_qk;
   typename Tiles::TiledMmaPV mma_pv;
-  Tensor tSrQ = Tiles::frag_q(c.smem.q(), c.tidx);  // = thr_qk.partition_fragment_A(Q tile)
+  // Q's descriptors (one per 16-column k-step: = thr_qk.partition_fragment_A(Q tile)). Loop-invariant, so
+  // the compiler would hold them all across the step loop (16 x 64 bits at d256, spilled with the O
+  // accumulator); with PAGEDATTN_WS_Q_LATE each S makes them afresh from an address the compiler cannot
+  // see through (an add and a move to a uniform register per k-step).
+  auto tSrQ = [&] {
+    Element const* q = c.smem.q();
+#if PAGEDATTN_WS_Q_LATE
+    asm volatile("" : "+l"(q));
+#endif
+    return Tiles::frag_q(q, c.tidx);
+  };
   Tensor acc_o = Tiles::template acc<typename Tiles::TiledMmaPV, kHeadDim>();  // = partition_fragment_C(mma_pv, ..)
   clear(acc_o);
   Tensor o_rows = make_tensor(acc_o.data(), Layout<Shape<_4, _1, Int<kHeadDim / 8>>>{});
@@ -480,7 +490,10 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   } else {
     wait_k(0);
     pp.my_turn();
-    wgmma_gemm<true, false>(mma_qk, tSrQ, tSrK(0), acc_s);
+    {
+      Tensor q0 = tSrQ();
+      wgmma_gemm<true, false>(mma_qk, q0, tSrK(0), acc_s);
+    }
     pp.your_turn();
     wgmma_wait<0>(acc_s);
     release(bars.empty_k, 0);
@@ -491,7 +504,10 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       wait_k(it);
       wait_v(it - 1);
       pp.my_turn();
-      wgmma_gemm<true, false>(mma_qk, tSrQ, tSrK(it), acc_s);
+      {
+        Tensor q = tSrQ();
+        wgmma_gemm<true, false>(mma_qk, q, tSrK(it), acc_s);
+      }
       if (!fixed_max) softmax.rescale(o_rows, alpha);  // while S's MMAs run (O is zero at step 1)
       wgmma_gemm<false, false>(mma_pv, tOrP, tOrVt(it - 1), acc_o);
       pp.your_turn();
