@@ -1067,6 +1067,9 @@ def test_ws_prefill_dispatch_rules():
         assert "true,true,1,true," in "".join(Kernel(spec).source.split())  # kTma, kWgmma, kWarpsD, kPingPong
     assert tile_config(256, "prefill_ws")["kStages"] == 2 and tile_config(128, "prefill_ws")["kStages"] == 2
     assert tile_config(64, "prefill_ws")["kStages"] == 2 and tile_config(192, "prefill_ws")["kStages"] == 3
+    # d256: Q's wgmma descriptors made per S (held across the loop they spilled with O)
+    assert [tile_config(d, "prefill_ws")["kWsQLate"] for d in (64, 128, 192, 256)] == [False, False, False, True]
+    assert "#define PAGEDATTN_WS_Q_LATE 1" in Kernel(AttnFwdSpec("bf16", "auto", 256, "prefill_ws")).source
     # softcap at d128: 2 of the 16 column groups take 2^x on the FMA pipe (the SFU has the tanh too)
     assert tile_config(128, "prefill_ws")["kExp2FmaSoftcap"] == 2 and tile_config(64, "prefill_ws")["kExp2FmaSoftcap"] == 0
     assert "false,2,Smem>" in "".join(Kernel(AttnFwdSpec("bf16", "auto", 128, "prefill_ws", softcap=True)).source.split())

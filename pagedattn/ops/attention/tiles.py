@@ -118,9 +118,14 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # column groups take 2^x on the FMA pipe; measured on H200 (perf/results/ws_tiles_softcap_exp2fma_*
         # 0485e2d: B=4 S=4096 causal 1428 -> 1395-1408 us, B=1 S=16384 4990 -> 4936 us; 1 and 3 no gain,
         # 4, 6 and 8 slower: the FMA pipe fills).
+        # kWsQLate at d256: Q's 16 wgmma descriptors made per S rather than held across the step loop,
+        # where they spilled with the 128-register O: B=4 S=4096 causal 2467 / 2407 and 2447 / 2429 ->
+        # 2290 / 2256 and 2291 / 2281 us (rot / flush, two rounds in one call); d128 and d192 alike either
+        # way (perf/results/ws_q_late/).
         return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1,
                     kStages=2 if head_dim <= 128 else 3, kMinBlocks=1, kTma=True, kPingPong=True,
-                    kExp2FmaSoftcap=2 if head_dim == 128 else 0, **(dict(kKAhead=False) if fp8 else {}))
+                    kExp2FmaSoftcap=2 if head_dim == 128 else 0, kWsQLate=head_dim == 256,
+                    **(dict(kKAhead=False) if fp8 else {}))
     if mode == "prefill_wgmma":
         # Measured on H200, B=4 S=4096 causal d128 (perf/results/history/prefill_sweep_h200_*): more
         # warpgroups sharing each K/V stage win. rows x keys: 128x128 227 TFLOP/s, 192x128 300-309,

@@ -430,8 +430,8 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   typename Tiles::TiledMmaPV mma_pv;
   // Q's descriptors (one per 16-column k-step: = thr_qk.partition_fragment_A(Q tile)). Loop-invariant, so
   // the compiler would hold them all across the step loop (16 x 64 bits at d256, spilled with the O
-  // accumulator); with PAGEDATTN_WS_Q_LATE each S makes them afresh from an address the compiler cannot
-  // see through (an add and a move to a uniform register per k-step).
+  // accumulator); with PAGEDATTN_WS_Q_LATE (tile field kWsQLate: d256) each S makes them afresh from an
+  // address the compiler cannot see through (an add and a move to a uniform register per k-step).
   auto tSrQ = [&] {
     Element const* q = c.smem.q();
 #if PAGEDATTN_WS_Q_LATE
