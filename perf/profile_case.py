@@ -1,7 +1,7 @@
 """One attention case (or, kind write_<NHD|HND>_<auto|fp8_e4m3>[_head], the write suite's T=65536 cache write,
 random slots) launched a few times, for `ncu` (perf/h200.sh stages ncu, ncusrc). Kind <kind>_cudnn runs a peer
 instead: torch SDPA's cuDNN backend on an unpaged copy of the case (NCU_KERNELS=sdpa|fprop|fmha); <kind>_fa4
-FlashAttention-4 on the same paged cache, num_splits=1 (its best there; NCU_KERNELS=kernel|Flash)."""
+FlashAttention-4 on the same paged cache, num_splits=1 (its best there; NCU_KERNELS=kernel_cutlass)."""
 import contextlib
 import sys
 

@@ -418,6 +418,38 @@ def test_decode_case_list_has_the_issue17_goal_cases():
     assert [c.id for c in attention.decode_cases(Ctx.make("cpu", quick=False))] == list(cases)
 
 
+def test_prefill_case_list_has_the_issue16_goal_cases():
+    ctx = Ctx.make("cpu", quick=True)               # the real list, not run here
+    cases = {c.id: c for c in attention.prefill_cases(ctx)}
+    assert list(cases) == [
+        "prefill/B4/S4096/causal", "prefill/B4/S4096/causal/fp8_e4m3", "prefill/B1/S16384/causal",
+        "prefill/B4/S4096/noncausal", "chunk/B8/q512/ctx8192/causal", "prefill/B4/S4096/causal/d64",
+        "prefill/B4/S4096/causal/d256", "multi/B32/q8/ctx4096/causal", "multi/B32/q32/ctx4096/causal"]
+    assert [c.params["causal"] for c in cases.values()].count(False) == 1
+    assert cases["prefill/B4/S4096/noncausal"].params["causal"] is False
+    assert [cases[f"prefill/B4/S4096/causal/d{d}"].params["d"] for d in (64, 256)] == [64, 256]
+    fp8 = cases["prefill/B4/S4096/causal/fp8_e4m3"].params    # held to ours on a bf16 cache, same shape
+    assert (fp8["peers"], fp8["base"]["kv_cache_dtype"], fp8["base_name"]) == ("base", "auto", attention.BF16)
+    goals = {cid: s["goal"] for s, cid in zip(attention.PREFILL, cases)}
+    assert goals["prefill/B4/S4096/causal"] == {"tflops": 560.0, "vs": (("sdpa cudnn", 1.0), ("fa4 paged", 1.0))}
+    assert goals["prefill/B4/S4096/noncausal"]["tflops"] == 600.0 and goals["chunk/B8/q512/ctx8192/causal"]["tflops"] == 500.0
+    assert goals["prefill/B4/S4096/causal/d256"] == {"vs": (("sdpa cudnn", 0.9),)}
+    assert goals["multi/B32/q32/ctx4096/causal"] == {"us": 170.0}
+
+
+def test_prefill_work_counts_the_keys_each_query_sees(monkeypatch):
+    """TFLOP/s of the tiny prefill cases (square causal, and fewer queries than keys non-causal): the keys each
+    query sees, summed (the multi-token cases, at most 64 queries over 8x as many keys, count KV bytes)."""
+    monkeypatch.setattr(pagedattn, "flash_attn_varlen_func", _fake_flash, raising=False)
+    ctx = _cpu_ctx()
+    for case in attention.prefill_cases(ctx):
+        p = case.params
+        rec = _run_case(case, ctx)
+        B, sq, L = p["B"], p["q_len"], p["ctx"]
+        keys = sq * (L - sq) + sq * (sq + 1) / 2 if p["causal"] else sq * L
+        assert rec["unit"] == "TFLOP/s" and rec["work"] == 4 * B * p["hq"] * p["d"] * keys, case.id
+
+
 def _goal_record(monkeypatch, case_filter):
     """Run one tiny decode case with the goals of the real list attached (run_case skips them when tiny)."""
     monkeypatch.setattr(pagedattn, "flash_attn_varlen_func", _fake_flash, raising=False)

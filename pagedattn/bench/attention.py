@@ -38,22 +38,17 @@ DECODE = (
 TINY_DECODE = ({"B": 2, "ctx": 80}, {"B": 3, "ctx": 48, "kv": "fp8_e4m3"}, {"B": 2, "ctx": 48, "kv": "fp8_e5m2"},
                {"B": 2, "ctx": 80, "layout": "HND", "vs": (BASE_PEER, WITHIN_3PCT)},
                {"B": 2, "ctx": 80, "bs": 32, "vs": (BASE_PEER, WITHIN_3PCT)})
-# prefill and chunked prefill (q queries over ctx keys, the last q of them new; causal unless "causal": False)
-# and multi-token decode (q <= 64), with issue 16's goals: "tflops" / "us" (ours at least / at most), "vs"
-# ((peer, ratio), ...: ours at least `ratio` times the peer's speed), "base" (params of the base peer: ours in
-# another configuration, named BF16 here)
-BF16 = "pagedattn bf16"
-_AHEAD = (("sdpa cudnn", 1.0), ("fa4 paged", 1.0))
-PREFILL = ({"B": 4, "q": 4096, "ctx": 4096, "goal": {"tflops": 560.0, "vs": _AHEAD}},
-           {"B": 4, "q": 4096, "ctx": 4096, "kv": "fp8_e4m3",
-            "goal": {"vs": ((BF16, 0.9),), "base": {"kv_cache_dtype": "auto", "cache": "bf16"}}},
+# prefill, chunked prefill (q queries over ctx keys, the last q new; causal unless "causal": False), multi-token
+# decode (q <= 64); issue 16's goals: "tflops" / "us" (ours at least / at most), "vs" ((peer, ratio), ...: ours at
+# least `ratio` times the peer's speed), "base" (the params of ours in another configuration, peer BF16)
+BF16, _AHEAD, _S4K = "pagedattn bf16", (("sdpa cudnn", 1.0), ("fa4 paged", 1.0)), {"B": 4, "q": 4096, "ctx": 4096}
+PREFILL = ({**_S4K, "goal": {"tflops": 560.0, "vs": _AHEAD}}, {**_S4K, "kv": "fp8_e4m3", "goal": {
+               "vs": ((BF16, 0.9),), "base": {"kv_cache_dtype": "auto", "cache": "bf16"}}},
            {"B": 1, "q": 16384, "ctx": 16384, "goal": {"tflops": 580.0, "vs": _AHEAD}},
-           {"B": 4, "q": 4096, "ctx": 4096, "causal": False, "goal": {"tflops": 600.0, "vs": _AHEAD}},
+           {**_S4K, "causal": False, "goal": {"tflops": 600.0, "vs": _AHEAD}},
            {"B": 8, "q": 512, "ctx": 8192, "goal": {"tflops": 500.0, "vs": _AHEAD}},
-           {"B": 4, "q": 4096, "ctx": 4096, "d": 64, "goal": {"vs": (("sdpa cudnn", 0.9),)}},
-           {"B": 4, "q": 4096, "ctx": 4096, "d": 256, "goal": {"vs": (("sdpa cudnn", 0.9),)}},
-           {"B": 32, "q": 8, "ctx": 4096, "goal": {"us": 150.0}},
-           {"B": 32, "q": 32, "ctx": 4096, "goal": {"us": 170.0}})
+           *({**_S4K, "d": d, "goal": {"vs": (("sdpa cudnn", 0.9),)}} for d in (64, 256)),
+           *({"B": 32, "q": q, "ctx": 4096, "goal": {"us": us}} for q, us in ((8, 150.0), (32, 170.0))))
 TINY_PREFILL = ({"B": 2, "q": 40, "ctx": 40}, {"B": 2, "q": 24, "ctx": 40, "causal": False})
 # features (issue 14): each variant against the plain kernel (PLAIN) at the goal's shape, or (`base`) at the
 # window's keys, a ratio goal each; head dim 512 against the copy ceiling: (id, shape, features, goal)
@@ -118,10 +113,8 @@ def prefill_cases(ctx: Ctx) -> list[Case]:
         kind = "prefill" if s["q"] == s["ctx"] else "chunk" if s["q"] > 64 else "multi"
         cid = (f"{kind}/B{s['B']}/" + (f"S{s['q']}" if kind == "prefill" else f"q{s['q']}/ctx{s['ctx']}")
                + ("/causal" if causal else "/noncausal") + (f"/d{d}" if d else "") + ("" if kv == "auto" else f"/{kv}"))
-        more = {"d": d} if d else {}
-        more["peers"] = "all" if kv == "auto" else "none"
-        if "base" in goal:
-            more.update(peers="base", base=goal.pop("base"), base_name=BF16)
+        base = {"peers": "base", "base": goal.pop("base"), "base_name": BF16} if "base" in goal else {}
+        more = {"peers": "all" if kv == "auto" else "none", **({"d": d} if d else {}), **base}
         params = _params(ctx, s["B"], s["q"], s["ctx"], kv, causal=causal, **more)
         out.append(_case(cid, "prefill", params, goal))
     return out
@@ -247,7 +240,7 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
     kv, supported = p["kv_cache_dtype"], pagedattn.ops.attention.AttnFwdSpec.SUPPORTED["kv_cache_dtype"]
     feats = feature_kwargs(p.get("features") or {}, hq, ctx.device)
     kv_bytes = 2 * B * L * hkv * d * (1 if kv != "auto" else 2)
-    if sq <= 64:  # decode and multi-token decode: bound by the KV bytes (a window's only)
+    if sq == 1 or sq <= 64 and sq < L // 8:  # decode, multi-token decode: bound by the KV bytes (a window's only)
         rec.work("GB/s", kv_bytes * min(L, feats.get("window_size", (L,))[0] + 1) // L, "copy")
     else:  # query i sees L - sq + i + 1 keys (bottom-right causal), or all L
         keys = sq * (L - sq) + sq * (sq + 1) / 2 if p.get("causal", True) else sq * L
