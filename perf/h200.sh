@@ -28,7 +28,7 @@ if [ ! -f /tmp/site/.pagedattn-installed ]; then
 fi
 cd /tmp
 # `pagedattn bench ARGS` writing into $OUT/results (RESULTS.md: see above)
-bench() { python3 -m pagedattn.cli bench "$@" --no-report --out "$OUT/results"; }
+bench() { python3 -m pagedattn.cli bench "$@" --no-report --out "${BENCH_OUT:-$OUT/results}"; }
 summary=()
 for stage in "$@"; do
   t0=$(date +%s)
@@ -111,9 +111,9 @@ for stage in "$@"; do
     kernelab)  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site-old "$ROOT"/.carry/oldwhl/*.whl || exit 1
                only=${AB_ONLY:-prefill/d128/B4/S4096,prefill/B1/S16384,prefill/B8/q512,prefill/d64/,prefill/d256/}
                for r in $(seq ${AB_ROUNDS:-2}); do
-                 PYTHONPATH=/tmp/site-old:$PYTHONPATH bench --suite sweep --only "$only" --quick --out "$OUT/results/old$r" | grep -E "^  prefill" | sed "s/^/old$r /"
-                 bench --suite sweep --only "$only" --quick --out "$OUT/results/new$r" | grep -E "^  prefill" | sed "s/^/new$r /"
-                 [ -z "${AB_OVERRIDES:-}" ] || bench --suite sweep --only "$only" --quick --overrides "$AB_OVERRIDES" --out "$OUT/results/ov$r" | grep -E "^  prefill" | sed "s/^/ov$r /"
+                 PYTHONPATH=/tmp/site-old:$PYTHONPATH BENCH_OUT=$OUT/results/old$r bench --suite sweep --only "$only" --quick | grep -E "^  prefill" | sed "s/^/old$r /"
+                 BENCH_OUT=$OUT/results/new$r bench --suite sweep --only "$only" --quick | grep -E "^  prefill" | sed "s/^/new$r /"
+                 [ -z "${AB_OVERRIDES:-}" ] || BENCH_OUT=$OUT/results/ov$r bench --suite sweep --only "$only" --quick --overrides "$AB_OVERRIDES" | grep -E "^  prefill" | sed "s/^/ov$r /"
                done ;;
     # issue 21 on the GPUs of this host (one: a smoke test of the code path)
     multigpu)  torchrun --nproc_per_node=${NGPUS:-$(nvidia-smi -L | wc -l)} "$ROOT/perf/multigpu.py" --out "$OUT/results" 2>&1 | tail -n 15 ;;

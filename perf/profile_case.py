@@ -24,7 +24,7 @@ if kind.startswith("write"):
              scale="head" if kv.endswith("_head") else "tensor")
     fn = write.ours_fn(write.inputs(Ctx.make("cuda", quick=True), p))
 else:
-    B, ctx, q_len, kv, splits, d, features = KINDS[kind.removesuffix(f"_{peer}")]
+    B, ctx, q_len, kv, splits, d, features = KINDS[kind.removesuffix(f"_{peer}") if peer else kind]
     data = attention.build(Ctx(torch.device("cuda")), dict(B=B, q_len=q_len, ctx=ctx, hq=32, hkv=8, d=d, bs=16,
                                                            kv_cache_dtype=kv), sets=1)  # shuffled table
     fn = attention.ours_fn(data, splits, **features)

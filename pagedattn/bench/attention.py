@@ -102,7 +102,7 @@ def decode_cases(ctx: Ctx) -> list[Case]:
         peers = ("base" if layout != "NHD" or bs != plain_bs
                  else {"auto": "all", "fp8_e4m3": "torch"}.get(kv, "none"))
         params = _params(ctx, s["B"], 1, s["ctx"], kv, layout=layout, bs=bs, peers=peers)
-        out.append(_case(cid, "decode", params, {"us": s.get("goal_us"), "vs": s.get("vs")}))
+        out.append(_case(cid, "decode", params, {"us": s.get("goal_us"), "vs": (s["vs"],) if "vs" in s else ()}))
     return out
 
 
@@ -128,7 +128,7 @@ def feature_cases(ctx: Ctx) -> list[Case]:
         goals = {"fraction": goal.get("fraction")}
         if "ratio" in goal:
             params.update(base=goal.get("base", {}), base_name=PLAIN)
-            goals["vs"] = (PLAIN, goal["ratio"])
+            goals["vs"] = ((PLAIN, goal["ratio"]),)
         out.append(_case(cid, "features", params, goals))
     return out
 
@@ -286,6 +286,5 @@ def run_case(ctx: Ctx, rec: Recorder, p: dict, goals: dict | None = None) -> Non
     for key, unit in (("us", "us"), ("tflops", "TFLOP/s"), ("fraction", "fraction")):
         if goals.get(key) is not None and not ctx.tiny:
             rec.target(goals[key], unit)
-    vs = goals.get("vs") or ()
-    for peer, ratio in ([vs] if vs and isinstance(vs[0], str) else vs):
+    for peer, ratio in goals.get("vs", ()):
         rec.goal_ratio(peer, ratio)
