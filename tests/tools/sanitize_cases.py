@@ -16,11 +16,20 @@ PART, PARTS = map(int, sys.argv[2].split("/")) if sys.argv[1:2] == ["part"] else
 if sys.argv[1:] == ["ws"]:
     from pagedattn.ops.attention import flash_attn_varlen_func
 
-    for layout, D in (("NHD", 128), ("HND", 64), ("NHD", 256)):
-        spec = CacheSpec(40, 16, 2, D, torch.bfloat16, "auto", layout)
+    from pagedattn.ops.attention.overrides import forced
+
+    # the fp8 case is forced onto prefill_ws (its producer widens the chunks; the dispatch keeps fp8
+    # caches on prefill_wgmma)
+    for layout, D, kv in (("NHD", 128, "auto"), ("HND", 64, "auto"), ("NHD", 256, "auto"), ("NHD", 128, "fp8_e4m3")):
+        fp8 = kv != "auto"
+        spec = CacheSpec(40, 16, 2, D, torch.uint8 if fp8 else torch.bfloat16, kv, layout)
         kc, vc = spec.allocate("cuda", fill=float("nan"))
-        kc[:32].normal_()
-        vc[:32].normal_()
+        for cache in (kc, vc):
+            if fp8:
+                cache[:32].copy_(torch.randn(cache[:32].shape, device="cuda").to(torch.float8_e4m3fn).view(torch.uint8))
+            else:
+                cache[:32].normal_()
+        scale = {"k_descale": torch.ones(1, device="cuda"), "v_descale": torch.ones(1, device="cuda")} if fp8 else {}
         # request 0: 300 keys over shuffled pages (a tail of 12 keys, NaN past it); request 1: a corrupt page
         table = torch.randperm(32, device="cuda").to(torch.int32).view(2, 16)
         table[1, 3] = 10**6
@@ -28,8 +37,9 @@ if sys.argv[1:] == ["ws"]:
         q = torch.randn(300 + 70, 8, D, dtype=torch.bfloat16, device="cuda")
         cu_q = torch.tensor([0, 300, 370], dtype=torch.int32, device="cuda")
         for splits in (1, 3):
-            out = flash_attn_varlen_func(q, kc, vc, 300, cu_q, 300, seqused_k=seq, block_table=table, causal=True,
-                                         num_splits=splits)
+            with forced(prefill="prefill_ws" if fp8 else None):
+                out = flash_attn_varlen_func(q, kc, vc, 300, cu_q, 300, seqused_k=seq, block_table=table,
+                                             causal=True, num_splits=splits, kv_cache_dtype=kv, **scale)
             assert torch.isfinite(out).all()
     torch.cuda.synchronize()
     print("sanitize ws cases done")

@@ -233,20 +233,28 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
     char* const dst = reinterpret_cast<char*>(is_v ? c.smem.v_tile(slot, 0) : c.smem.k_tile(slot, 0));
     mbarrier_wait(c.smem.ws_raw_bar(is_v, warp, rs), (n / kRaw) & 1u);
     mbarrier_wait((is_v ? bars.empty_v : bars.empty_k) + slot, ring.phase<kStages>(it) ^ 1u);
+    // a lane's pieces of a chunk: rows lane / 8 + 4 j (j < 4), raw piece jp = lane % 8 of each
+    constexpr int kPieces = 16 * 8 / 32;
+    int const jp = lane % 8, p0 = 2 * (jp % 4);
     for (int l = 0; l < kPerWarp; ++l) {
       bool const landed = loads >> l & 1u;
       if (!landed && !(bad >> l & 1u)) continue;  // uniform: a chunk past the request's end
       int const chunk = first_chunk + l;
+      // every raw load of the chunk before any store: the stores may alias the loads as far as the
+      // compiler knows, so loads placed after a store would wait for it (one piece at a time)
+      uint4 x[kPieces];
       CUTE_UNROLL
-      for (int i = lane; i < 16 * 8; i += 32) {  // 16 rows x 8 raw pieces
-        int const r = i / 8, jp = i % 8, row = 16 * chunk + r;
+      for (int j = 0; j < kPieces; ++j) {
+        int const r = lane / 8 + 4 * j;
+        x[j] = landed ? *reinterpret_cast<uint4 const*>(raw + (16 * chunk + r) * kHeadDim + (jp ^ (r % 8)) * 16)
+                      : make_uint4(0, 0, 0, 0);
+      }
+      CUTE_UNROLL
+      for (int j = 0; j < kPieces; ++j) {
+        int const r = lane / 8 + 4 * j;
         uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
-        if (landed) {
-          uint4 const x = *reinterpret_cast<uint4 const*>(raw + row * kHeadDim + (jp ^ (r % 8)) * 16);
-          widen_fp8x16_bits<Traits::kIsBf16, Traits::kFp8>(x, lo, hi);
-        }
-        char* const at = dst + ((jp / 4) * kBlockN + row) * 128;
-        int const p0 = 2 * (jp % 4);
+        if (landed) widen_fp8x16_bits<Traits::kIsBf16, Traits::kFp8>(x[j], lo, hi);
+        char* const at = dst + ((jp / 4) * kBlockN + 16 * chunk + r) * 128;
         *reinterpret_cast<uint4*>(at + (p0 ^ (r % 8)) * 16) = lo;
         *reinterpret_cast<uint4*>(at + ((p0 + 1) ^ (r % 8)) * 16) = hi;
       }
