@@ -19,7 +19,8 @@
 // real cache slots: the mask hides their scores and the consumers zero their V rows (0 * NaN is not
 // 0) before P V. A chunk in a page outside [0, num_blocks) is zero-filled by the producer instead.
 // fp8 caches (head dim 128): the producer lands raw chunks in stages of its own and widens them into
-// the same Element ring (ws_produce_fp8); the descales are folded into the softmax scale and the output.
+// the same Element ring (ws_produce_fp8), writing the V rows past the request's end as zeros itself;
+// the descales are folded into the softmax scale and the output.
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
@@ -233,27 +234,33 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
     char* const dst = reinterpret_cast<char*>(is_v ? c.smem.v_tile(slot, 0) : c.smem.k_tile(slot, 0));
     mbarrier_wait(c.smem.ws_raw_bar(is_v, warp, rs), (n / kRaw) & 1u);
     mbarrier_wait((is_v ? bars.empty_v : bars.empty_k) + slot, ring.phase<kStages>(it) ^ 1u);
+    // V rows past the request's end are written as zeros here (0 * NaN is not 0 in P V), chunks wholly
+    // past it too, so the consumers clear no tail: rows [live, kBlockN) of the step (K keeps them: the
+    // mask hides their scores)
+    int const live = is_v ? c.w.k_len - (c.w.step_begin + it) * kBlockN : kBlockN;
     // a lane's pieces of a chunk: rows lane / 8 + 4 j (j < 4), raw piece jp = lane % 8 of each
     constexpr int kPieces = 16 * 8 / 32;
     int const jp = lane % 8, p0 = 2 * (jp % 4);
     for (int l = 0; l < kPerWarp; ++l) {
-      bool const landed = loads >> l & 1u;
-      if (!landed && !(bad >> l & 1u)) continue;  // uniform: a chunk past the request's end
       int const chunk = first_chunk + l;
+      bool const landed = loads >> l & 1u;
+      // uniform: a chunk past the request's end (K), or one of a step that ends before it (V)
+      if (!landed && !(bad >> l & 1u) && (16 * chunk >= live || chunk >= kBlockN / 16)) continue;
       // every raw load of the chunk before any store: the stores may alias the loads as far as the
       // compiler knows, so loads placed after a store would wait for it (one piece at a time)
       uint4 x[kPieces];
       CUTE_UNROLL
       for (int j = 0; j < kPieces; ++j) {
         int const r = lane / 8 + 4 * j;
-        x[j] = landed ? *reinterpret_cast<uint4 const*>(raw + (16 * chunk + r) * kHeadDim + (jp ^ (r % 8)) * 16)
-                      : make_uint4(0, 0, 0, 0);
+        x[j] = landed && 16 * chunk + r < live
+                   ? *reinterpret_cast<uint4 const*>(raw + (16 * chunk + r) * kHeadDim + (jp ^ (r % 8)) * 16)
+                   : make_uint4(0, 0, 0, 0);
       }
       CUTE_UNROLL
       for (int j = 0; j < kPieces; ++j) {
         int const r = lane / 8 + 4 * j;
         uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
-        if (landed) widen_fp8x16_bits<Traits::kIsBf16, Traits::kFp8>(x[j], lo, hi);
+        if (landed && 16 * chunk + r < live) widen_fp8x16_bits<Traits::kIsBf16, Traits::kFp8>(x[j], lo, hi);
         char* const at = dst + ((jp / 4) * kBlockN + 16 * chunk + r) * 128;
         *reinterpret_cast<uint4*>(at + (p0 ^ (r % 8)) * 16) = lo;
         *reinterpret_cast<uint4*>(at + ((p0 + 1) ^ (r % 8)) * 16) = hi;
@@ -467,8 +474,10 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   auto wait_k = [&](int it) { mbarrier_wait(bars.full_k + ring.slot<kStages>(it), ring.phase<kStages>(it)); };
   auto wait_v = [&](int it) {  // step it's V landed; rows past the request's end zeroed
     mbarrier_wait(bars.full_v + ring.slot<kStages>(it), ring.phase<kStages>(it));
-    int const first = c.w.k_len - key0_of(it);
-    if (first < kBlockN) ws_clear_tail(c, ring.slot<kStages>(it), first);  // uniform: the last step only
+    if constexpr (!Traits::kIsFp8) {  // fp8: the producer wrote those rows as zeros
+      int const first = c.w.k_len - key0_of(it);
+      if (first < kBlockN) ws_clear_tail(c, ring.slot<kStages>(it), first);  // uniform: the last step only
+    }
   };
   auto tSrK = [&](int it) { return Tiles::frag_k(c.smem.k_tile(ring.slot<kStages>(it), 0)); };
   auto tOrVt = [&](int it) { return Tiles::frag_vt(c.smem.v_tile(ring.slot<kStages>(it), 0)); };
