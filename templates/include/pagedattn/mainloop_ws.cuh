@@ -244,8 +244,8 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
     for (int l = 0; l < kPerWarp; ++l) {
       int const chunk = first_chunk + l;
       bool const landed = loads >> l & 1u;
-      // uniform: a chunk past the request's end (K), or one of a step that ends before it (V)
-      if (!landed && !(bad >> l & 1u) && (16 * chunk >= live || chunk >= kBlockN / 16)) continue;
+      // uniform: a chunk past the request's end is skipped (K) or written as zeros (V)
+      if (!landed && !(bad >> l & 1u) && !is_v) continue;
       // every raw load of the chunk before any store: the stores may alias the loads as far as the
       // compiler knows, so loads placed after a store would wait for it (one piece at a time)
       uint4 x[kPieces];
