@@ -69,6 +69,12 @@ struct AttnTraits {
   // kWs: the warp-specialised sm_90a prefill (TMA feeding warpgroup MMAs, mainloop_ws.cuh), whose
   // producer warpgroup follows the kThreads consumer threads
   static constexpr bool kWs = kTma && kWgmma;
+  // The MMAs' operand type: Element, except in prefill_ws with an fp8 cache, whose producer widens
+  // the chunks to fp16 (one conversion per pair of e4m3 values, a byte move for e5m2: both formats
+  // are fp16 values exactly); a bf16 Q is then converted to fp16 in shared memory once per item, each
+  // warp's rows scaled by a power of two that keeps them below fp16's largest (kQToHalf)
+  using MmaElement = cute::conditional_t<kWs && kIsFp8, cutlass::half_t, Element>;
+  static constexpr bool kQToHalf = kWs && kIsFp8 && kIsBf16;
   static constexpr int kProducerThreads = kWs ? 128 : 0;
   static constexpr int kCtaThreads = kThreads + kProducerThreads;
   static constexpr bool kPingPong = kPingPong_;  // kWs: the consumer warpgroups take turns issuing MMAs

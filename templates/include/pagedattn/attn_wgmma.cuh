@@ -24,7 +24,7 @@ namespace pagedattn {
 
 template <class Traits>
 struct WgmmaTiles {
-  using Element = typename Traits::Element;
+  using Element = typename Traits::MmaElement;
   static constexpr int kM = Traits::kBlockM, kN = Traits::kBlockN, kD = Traits::kHeadDim;
   using WarpGroups = cute::Layout<cute::Shape<cute::Int<Traits::kWarpsM / 4>, cute::_1, cute::_1>>;
 

@@ -47,7 +47,8 @@ template <class Traits>
 struct WsRegisters {
   static constexpr int kAllThreads = Traits::kThreads + Traits::kProducerThreads;
   static constexpr int kPool = 65536 / kAllThreads / 8 * 8 * kAllThreads;
-  static constexpr int kProducerRegs = Traits::kIsFp8 ? 40 : 24;  // fp8: the producer widens the chunks
+  // fp8: the producer widens the chunks; PAGEDATTN_WS_PRODUCER_REGS (tile field kWsProducerRegs) overrides
+  static constexpr int kProducerRegs = PAGEDATTN_WS_PRODUCER_REGS ? PAGEDATTN_WS_PRODUCER_REGS : Traits::kIsFp8 ? 40 : 24;
   static constexpr int kLeft = (kPool - kProducerRegs * Traits::kProducerThreads) / Traits::kThreads / 8 * 8;
   static constexpr int kConsumerRegs = kLeft > 240 ? 240 : kLeft;
   static_assert(kProducerRegs * Traits::kProducerThreads + kConsumerRegs * Traits::kThreads <= kPool,
@@ -238,32 +239,41 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
     // past it too, so the consumers clear no tail: rows [live, kBlockN) of the step (K keeps them: the
     // mask hides their scores)
     int const live = is_v ? c.w.k_len - (c.w.step_begin + it) * kBlockN : kBlockN;
-    // a lane's pieces of a chunk: rows lane / 8 + 4 j (j < 4), raw piece jp = lane % 8 of each
-    constexpr int kPieces = 16 * 8 / 32;
-    int const jp = lane % 8, p0 = 2 * (jp % 4);
+    // A lane's pieces of a chunk: raw piece jp = lane % 8 of rows r = r0 + 4 j (r0 = lane / 8, j < 4),
+    // each 16 fp8 values that become two 16-byte pieces of the fp16 tile. A row's pieces sit at piece
+    // ^ (r % 8), and r % 8 = r0 ^ 4 (j % 2), so piece j of a chunk lies 512 j bytes past piece 0's
+    // offset (raw and fp16 rows are 128 bytes), XOR 64 for odd j: three offsets made once per tile.
+    constexpr int kPieces = 16 * 8 / 32, kChunkBytes = 16 * 128;
+    int const r0 = lane / 8, jp = lane % 8, panel = (jp / 4) * kBlockN * 128 + r0 * 128;
+    int const raw_at = r0 * 128 + ((jp ^ r0) << 4);
+    int const lo_at = panel + (((2 * (jp % 4)) ^ r0) << 4), hi_at = panel + (((2 * (jp % 4) + 1) ^ r0) << 4);
+    CUTE_UNROLL
     for (int l = 0; l < kPerWarp; ++l) {
       int const chunk = first_chunk + l;
       bool const landed = loads >> l & 1u;
       // uniform: a chunk past the request's end is skipped (K) or written as zeros (V)
       if (!landed && !(bad >> l & 1u) && !is_v) continue;
       // every raw load of the chunk before any store: the stores may alias the loads as far as the
-      // compiler knows, so loads placed after a store would wait for it (one piece at a time)
+      // compiler knows, so loads placed after a store would wait for it (one piece at a time). Pieces
+      // not landed, or of rows past `live`, are zeros, which widen to zeros.
       uint4 x[kPieces];
       CUTE_UNROLL
       for (int j = 0; j < kPieces; ++j) {
-        int const r = lane / 8 + 4 * j;
-        x[j] = landed && 16 * chunk + r < live
-                   ? *reinterpret_cast<uint4 const*>(raw + (16 * chunk + r) * kHeadDim + (jp ^ (r % 8)) * 16)
-                   : make_uint4(0, 0, 0, 0);
+        int const at = chunk * kChunkBytes + 512 * j + (raw_at ^ (64 * (j % 2)));
+        x[j] = landed && 16 * chunk + r0 + 4 * j < live ? *reinterpret_cast<uint4 const*>(raw + at)
+                                                         : make_uint4(0, 0, 0, 0);
       }
       CUTE_UNROLL
       for (int j = 0; j < kPieces; ++j) {
-        int const r = lane / 8 + 4 * j;
-        uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
-        if (landed && 16 * chunk + r < live) widen_fp8x16_bits<Traits::kIsBf16, Traits::kFp8>(x[j], lo, hi);
-        char* const at = dst + ((jp / 4) * kBlockN + 16 * chunk + r) * 128;
-        *reinterpret_cast<uint4*>(at + (p0 ^ (r % 8)) * 16) = lo;
-        *reinterpret_cast<uint4*>(at + ((p0 + 1) ^ (r % 8)) * 16) = hi;
+        uint4 lo, hi;  // to fp16 (Traits::MmaElement): e4m3 pairs by the hardware conversion, e5m2 by byte moves
+        if constexpr (Traits::kFp8 == Fp8Format::kE4M3) {
+          dequant_fp8x16<false, Traits::kFp8>(x[j], lo, hi);
+        } else {
+          widen_fp8x16_bits<false, Traits::kFp8>(x[j], lo, hi);
+        }
+        int const at = chunk * kChunkBytes + 512 * j;
+        *reinterpret_cast<uint4*>(dst + at + (lo_at ^ (64 * (j % 2)))) = lo;
+        *reinterpret_cast<uint4*>(dst + at + (hi_at ^ (64 * (j % 2)))) = hi;
       }
     }
     fence_proxy_async_smem();  // the Element writes before wgmma reads them; the raw reads before TMA refills
@@ -334,11 +344,50 @@ __device__ __forceinline__ void ws_load_q(AttnParams const& p, AttnWork const& w
   cp_async_commit();
 }
 
-// This warpgroup's Q rows landed and are visible to wgmma.
-__device__ __forceinline__ void ws_q_ready(int wg) {
+// This warpgroup's Q rows landed and are visible to wgmma. Traits::kQToHalf: each warp then converts
+// the 16 rows whose scores it holds (wgmma gives warp w of a warpgroup rows 16 w .. 16 w + 15) from
+// bf16 to fp16 in place, times 2^-e, e the least power keeping the rows' largest magnitude below 2^15
+// (0 unless some |q| >= 32768): the returned 2^e, applied to the scores, undoes it exactly.
+template <class Traits>
+__device__ __forceinline__ float ws_q_ready(AttnSmem<Traits> const& sm, int wg) {
   cp_async_wait<0>();
-  fence_proxy_async_smem();
-  ws_group_sync(wg);
+  if constexpr (Traits::kQToHalf) {
+    ws_group_sync(wg);  // every thread's copies of this warpgroup's rows landed
+    constexpr int kPanels = Traits::kHeadDim / 64;   // 64-column panels of 128-byte rows (SW128 atoms)
+    constexpr int kPerPanel = 16 * 8 / 32;           // a lane's 16-byte pieces of its warp's rows in a panel
+    int const lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32 % 4;
+    // piece i of the lane: 16 bytes of panel i / kPerPanel's 16 rows of the warp (the swizzle moves
+    // pieces within a 128-byte row, and the conversion does not care where a value sits)
+    auto piece = [&](int i) {
+      int const panel = i / kPerPanel, at = (i % kPerPanel) * 32 + lane;
+      return reinterpret_cast<uint4*>(sm.q()) + (panel * Traits::kBlockM + 64 * wg + 16 * warp) * 8 + at;
+    };
+    uint32_t top = 0;  // the rows' largest |q| as float bits (non-negative floats order as integers)
+    CUTE_UNROLL
+    for (int i = 0; i < kPanels * kPerPanel; ++i) {
+      uint4 const x = *piece(i);
+      for (uint32_t const w : {x.x, x.y, x.z, x.w}) top = max(top, max((w & 0x7fffu) << 16, w & 0x7fff0000u));
+    }
+    top = __reduce_max_sync(0xffffffffu, top);
+    int const e = max(0, int(top >> 23) - 127 - 14);  // |q| < 2^(E + 1) <= 2^15 once scaled by 2^-e
+    float const down = __uint_as_float(uint32_t(127 - e) << 23);
+    CUTE_UNROLL
+    for (int i = 0; i < kPanels * kPerPanel; ++i) {
+      uint4 x = *piece(i);
+      for (uint32_t* const w : {&x.x, &x.y, &x.z, &x.w}) {
+        __half2 const h = __floats2half2_rn(__uint_as_float(*w << 16) * down, __uint_as_float(*w & 0xffff0000u) * down);
+        *w = *reinterpret_cast<uint32_t const*>(&h);
+      }
+      *piece(i) = x;
+    }
+    fence_proxy_async_smem();
+    ws_group_sync(wg);
+    return __uint_as_float(uint32_t(127 + e) << 23);
+  } else {
+    fence_proxy_async_smem();
+    ws_group_sync(wg);
+    return 1.f;
+  }
 }
 
 // kPingPong: the two warpgroups take turns on the tensor cores, one issuing a step's MMAs while the
@@ -430,13 +479,15 @@ __device__ __forceinline__ void ws_store_tile(TileCtx<Traits> const& c, AccO con
 }
 
 // One item, by a consumer thread (c.tidx < kThreads), once this warpgroup's Q rows landed
-// (ws_q_ready); `next_q()` is called once, when the item's last S no longer reads them (before the
-// last P V and the epilogue, which its copies overlap).
+// (ws_q_ready, whose scale of this warp's Q rows q_unscale undoes in the scores); `next_q()` is called
+// once, when the item's last S no longer reads them (before the last P V and the epilogue, which its
+// copies overlap).
 template <class Traits, class Features, class NextQ>
 __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing const ring,
-                                           WsPingPong<Traits::kPingPong> const& pp, NextQ const& next_q) {
+                                           WsPingPong<Traits::kPingPong> const& pp, float const q_unscale,
+                                           NextQ const& next_q) {
   using namespace cute;
-  using Element = typename Traits::Element;
+  using Element = typename Traits::MmaElement;  // fp16 with an fp8 cache (its Q converted by ws_q_ready)
   constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   constexpr int kStages = Traits::kStages;
   static_assert(!Traits::kPingPong || Traits::kThreads == 256, "ping-pong: two consumer warpgroups");
@@ -448,7 +499,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   // accumulator); with PAGEDATTN_WS_Q_LATE (tile field kWsQLate: d256) each S makes them afresh from an
   // address the compiler cannot see through (an add and a move to a uniform register per k-step).
   auto tSrQ = [&] {
-    Element const* q = c.smem.q();
+    Element const* q = reinterpret_cast<Element const*>(c.smem.q());
 #if PAGEDATTN_WS_Q_LATE
     asm volatile("" : "+l"(q));
 #endif
@@ -479,8 +530,12 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       if (first < kBlockN) ws_clear_tail(c, ring.slot<kStages>(it), first);  // uniform: the last step only
     }
   };
-  auto tSrK = [&](int it) { return Tiles::frag_k(c.smem.k_tile(ring.slot<kStages>(it), 0)); };
-  auto tOrVt = [&](int it) { return Tiles::frag_vt(c.smem.v_tile(ring.slot<kStages>(it), 0)); };
+  auto tSrK = [&](int it) {
+    return Tiles::frag_k(reinterpret_cast<Element const*>(c.smem.k_tile(ring.slot<kStages>(it), 0)));
+  };
+  auto tOrVt = [&](int it) {
+    return Tiles::frag_vt(reinterpret_cast<Element const*>(c.smem.v_tile(ring.slot<kStages>(it), 0)));
+  };
   auto release = [&](uint64_t* empty, int it) {  // this warp is done with step it's slot
     __syncwarp();
     if (c.tidx % 32 == 0) mbarrier_arrive(empty + ring.slot<kStages>(it));
@@ -494,7 +549,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   // softcapped scores are bounded: a fixed maximum where P's type holds them (OnlineSoftmax::fix_max)
   bool const fixed_max = Features::kSoftcap && !Features::kAlibi && softmax.template fix_max<Element>(mask.cap_out);
   auto exponentiate = [&](int it, float (&alpha)[2]) {
-    float const k = mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2);
+    float const k = mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2 * q_unscale);
     if (fixed_max) {
       softmax.template exponentiate_fixed<kFma>(s_rows, k);
       alpha[0] = alpha[1] = 1.f;
@@ -646,12 +701,12 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
     }
   }
   while (more) {
-    ws_q_ready(wg);
+    float const q_unscale = ws_q_ready(sm, wg);
     AttnWork const& w = *sm.ws_work(wg, parity);
     more = false;
     {
       TileCtx<Traits> const c(p, w, smem);
-      ws_consume<Traits, Features>(c, ring, pp, [&] {
+      ws_consume<Traits, Features>(c, ring, pp, q_unscale, [&] {
         AttnWork next;
         more = ws_next_item<Traits, Features>(p, total, item, next);
         if (more) {
