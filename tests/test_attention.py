@@ -356,12 +356,17 @@ def _check_sm90a_mode(c, decode_loader, mode, required=True):
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", _fp8_wgmma_grid(40), ids=_case_id)
 def test_fp8_wgmma_prefill_matches_reference(c, decode_loader):
-    _check_sm90a_mode(c, decode_loader, "prefill_wgmma")  # fp8 stays there (prefill_mode: faster than prefill_ws)
+    from pagedattn.ops import attention as attention_ops
+
+    # forced: the dispatch takes prefill_ws at head dim 128 where TMA reads the cache
+    with attention_ops.forced(prefill="prefill_wgmma"):
+        _check_sm90a_mode(c, decode_loader, "prefill_wgmma")
 
 
 @pytest.fixture
 def fp8_ws():
-    """prefill_ws forced (the dispatch keeps fp8 caches on prefill_wgmma), on fresh plans."""
+    """prefill_ws forced (the dispatch takes it for fp8 caches at head dim 128 where TMA reads them;
+    forced, the grid's other cases reach it too), on fresh plans."""
     from pagedattn.ops import attention as attention_ops
 
     with attention_ops.forced(prefill="prefill_ws"):
@@ -370,7 +375,7 @@ def fp8_ws():
 
 def _fp8_ws_grid(n, seed=19):
     """fp8 caches through the warp-specialised prefill (head dim 128: raw TMA chunks widened by the
-    producer warps into the 16-bit ring): both formats and layouts, head sizes that run on the 128
+    producer warps into the fp16 ring its MMAs read): both formats and layouts, head sizes that run on the 128
     tile (112: the tensor map zero-fills the last columns), splits, mixed and long batches."""
     rng = random.Random(seed)
     axes = dict(dtype=[torch.float16, torch.bfloat16], D=[128, 112], layout=["NHD", "HND"],
@@ -390,8 +395,8 @@ def test_fp8_ws_prefill_matches_reference(c, decode_loader, fp8_ws):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_ws_widens_every_value_exactly(kv, dtype, fp8_ws):
-    """prefill_ws's producer widens fp8 with integer ops and one power-of-two multiply
-    (widen_fp8x16_bits). With one key per request each output row is the widened V row itself, so
+    """prefill_ws's producer widens fp8 to fp16 (e4m3 by the hardware conversion, e5m2 by byte moves)
+    and converts a bf16 Q to fp16. With one key per request each output row is the widened V row itself, so
     every finite fp8 value (both signs, the subnormals) must come out exactly as torch converts it.
     The rest of each key's 16-key chunk is NaN bytes; shuffled pages. Q is zero, so every score is 0
     and the key's weight exactly 1: with random Q, e5m2 keys (up to 57344) make scores of ~1e5 whose
@@ -1047,14 +1052,16 @@ def test_ws_prefill_dispatch_rules():
     from pagedattn.ops.attention import heuristics, smem_bytes, tile_config
 
     # the warp-specialised prefill: 16-bit caches TMA can read, on sm_90a
-    assert heuristics.prefill_mode(True, True, False) == "prefill_ws"
-    assert heuristics.prefill_mode(True, True, True) == "prefill_wgmma"     # fp8: faster there than on prefill_ws
-    assert heuristics.prefill_mode(True, False, False) == "prefill_wgmma"   # block size 1/8, contiguous KV
-    assert heuristics.prefill_mode(False, True, False) == "prefill"         # sm_80, head dims not multiples of 64
+    assert heuristics.prefill_mode(True, True, False, 64) == "prefill_ws"
+    assert heuristics.prefill_mode(True, True, True, 128) == "prefill_ws"       # fp8 at WS_FP8_HEAD_DIM
+    assert heuristics.prefill_mode(True, True, True, 256) == "prefill_wgmma"    # fp8 elsewhere
+    assert heuristics.prefill_mode(True, False, False, 128) == "prefill_wgmma"  # block size 1/8, contiguous KV
+    assert heuristics.prefill_mode(False, True, False, 128) == "prefill"        # sm_80, head dims not multiples of 64
     with pytest.raises(UnsupportedError, match="fp8 caches at head_dim 128"):
         AttnFwdSpec("bf16", "fp8_e4m3", 256, "prefill_ws")
     fp8 = AttnFwdSpec("bf16", "fp8_e5m2", 128, "prefill_ws")  # its raw stages and barriers fit beside the ring
-    assert fp8.tiles == {**tile_config(128, "prefill_ws"), "kKAhead": False} and fp8.dynamic_smem() <= 227 * 1024
+    assert fp8.tiles == {**tile_config(128, "prefill_ws"), "kKAhead": True, "kWsProducerRegs": 56}
+    assert fp8.dynamic_smem() <= 227 * 1024
     assert fp8.dynamic_smem() == smem_bytes(fp8.tiles, 128, False) + 2 * 2 * 128 * 128 + 8 * 2 * 4 * 2
     with pytest.raises(UnsupportedError, match="multiple of 64"):
         AttnFwdSpec("bf16", "auto", 96, "prefill_ws")

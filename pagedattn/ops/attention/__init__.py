@@ -275,7 +275,8 @@ class _Plan:
         self.decode_mode = "decode_tma" if tma else "decode"
         self.multi_mode = None if f.multi is False else multi_mode(call, self.head_dim, tma)
         self.multi_rows = FORCED_MULTI_ROWS if f.multi else MULTI_ROWS
-        self.prefill_mode = f.prefill or prefill_mode(wgmma_ok(call, arch, self.head_dim), tma, call.kv_name != "auto")
+        self.prefill_mode = f.prefill or prefill_mode(wgmma_ok(call, arch, self.head_dim), tma, call.kv_name != "auto",
+                                                     self.head_dim)
         # prefill_wgmma's tiles are larger: it takes over once the rows overflow one SM80 prefill tile.
         # Measured on H200 (perf/results/prefill_modes_nvidia_h200_20261130_short_3eaa587.json, d128,
         # B=32 over 4096 keys): q_len 5-32 (20-128 rows) ran 17 % slower on wgmma, q_len 64 1.7x faster.

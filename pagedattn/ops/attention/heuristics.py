@@ -26,8 +26,7 @@ MULTI_ROWS = 64
 # group 4): 32 rows multi_tma 137.6 us / prefill_ws 150.9; 64 rows 262.0 / 154.1; 128 rows (SM80
 # prefill) 321.4 / 159.5.
 WS_ROWS = 32
-# prefill_ws takes fp8 caches at this head dim only (AttnTraits: the raw stages need the shared memory);
-# prefill_mode does not pick it for them (slower than prefill_wgmma): forced runs only (tests, perf/)
+# prefill_ws takes fp8 caches at this head dim only (AttnTraits: the raw stages need the shared memory)
 WS_FP8_HEAD_DIM = 128
 
 # THE cap on KV splits: a forced num_splits is clamped to it, the heuristic stops at half of it, and
@@ -54,16 +53,16 @@ def wgmma_ok(call: _Call, arch: str, head_dim: int) -> bool:
     return arch == "sm_90a" and head_dim % 64 == 0 and head_dim <= MAX_HEAD_DIM_PER_GROUP
 
 
-def prefill_mode(wgmma: bool, tma: bool, fp8: bool) -> str:
+def prefill_mode(wgmma: bool, tma: bool, fp8: bool, head_dim: int) -> str:
     """The prefill of a plan's long queries, given wgmma_ok's and tma_ok's answers: prefill_ws (the
-    warp-specialised wgmma prefill, fed by TMA) for a 16-bit cache TMA can read, else prefill_wgmma
-    where warpgroup MMAs apply, else prefill. fp8 caches stay on prefill_wgmma: prefill_ws runs them
-    at head dim 128 (its producer warps widen the chunks) but slower, measured on the H200 at B4 S4096
-    causal: 234.5 TFLOP/s (perf/results/h200_sm90_20261202_prefill_fp8ws_bits_91b3bea.json) against
-    prefill_wgmma's 319.9."""
+    warp-specialised wgmma prefill, fed by TMA) for a cache TMA can read (fp8: at WS_FP8_HEAD_DIM),
+    else prefill_wgmma where warpgroup MMAs apply, else prefill. With an fp8 cache prefill_ws runs its
+    MMAs in fp16 (its producer widens e4m3 pairs with one conversion each): measured on the H200 at B=4
+    S=4096 causal d128 e4m3, 1331 us against prefill_wgmma's 1693-1812 and bf16 prefill_ws's 1150
+    (perf/results/ws_fp8_half/)."""
     if not wgmma:
         return "prefill"
-    return "prefill_ws" if tma and not fp8 else "prefill_wgmma"
+    return "prefill_ws" if tma and (not fp8 or head_dim == WS_FP8_HEAD_DIM) else "prefill_wgmma"
 
 
 def multi_mode(call: _Call, head_dim: int, tma: bool) -> str | None:

@@ -19,8 +19,9 @@
 // real cache slots: the mask hides their scores and the consumers zero their V rows (0 * NaN is not
 // 0) before P V. A chunk in a page outside [0, num_blocks) is zero-filled by the producer instead.
 // fp8 caches (head dim 128): the producer lands raw chunks in stages of its own and widens them into
-// the same Element ring (ws_produce_fp8), writing the V rows past the request's end as zeros itself;
-// the descales are folded into the softmax scale and the output.
+// the ring as fp16, the MMAs' type then (Traits::MmaElement; ws_produce_fp8), writing the V rows past
+// the request's end as zeros itself; a bf16 Q is converted to fp16 per item (ws_q_ready); the
+// descales are folded into the softmax scale and the output.
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
