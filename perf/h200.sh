@@ -20,11 +20,15 @@ if [ -f "$ROOT/.carry/fa4/install.sh" ]; then
   [ -d /tmp/fa4site ] || bash "$ROOT/.carry/fa4/install.sh" > /dev/null || echo "fa4 carry did not install"
   [ -d /tmp/fa4site ] && export PYTHONPATH=/tmp/site:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
 fi
-# once per call: later invocations in the same command (e.g. each under its own `timeout`) reuse the install
-if [ ! -f /tmp/site/.pagedattn-installed ]; then
+# once per tree: later invocations in the same command (e.g. each under its own `timeout`) reuse the
+# install; a warm machine's next call (a new tree: another PAGEDATTN_GIT_COMMIT or changed sources)
+# installs again (a stale install once ran a whole call on the previous commit's kernels)
+tree_id="${PAGEDATTN_GIT_COMMIT:-}:$(cat pyproject.toml templates/*.j2 templates/include/pagedattn/*.cuh pagedattn/*.py pagedattn/*/*.py pagedattn/*/*/*.py 2>/dev/null | sha256sum | cut -c1-16)"
+if [ "$(cat /tmp/site/.pagedattn-installed 2>/dev/null)" != "$tree_id" ]; then
+  rm -rf /tmp/site
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
-  touch /tmp/site/.pagedattn-installed
+  echo "$tree_id" > /tmp/site/.pagedattn-installed
 fi
 cd /tmp
 # `pagedattn bench ARGS` writing into $OUT/results (RESULTS.md: see above)

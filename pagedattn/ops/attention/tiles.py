@@ -113,10 +113,10 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # 814 / 809 -> 801 / 796 us (rot / flush; two rounds alike, perf/results/ws_tiles_d64/; 192-key
         # stages gain the same, with spills). Three elsewhere where they fit (tile_config drops to two
         # where shared memory ends, at d256).
-        # fp8 (head dim 128): the producer widens the chunks (to fp16), so it keeps 64 registers (the
-        # consumers 216) and widens K(n + 1) before V(n) (kKAhead). Measured on H200, B=4 S=4096 causal
-        # e4m3 (perf/results/ws_fp8_half/): 40 registers 1507 us, 48 1444, 56 1389, 56 + kKAhead
-        # 1331-1340, 64 + kKAhead 1300 (bf16 ws 1150-1170 in the same runs).
+        # fp8 (head dim 128): the producer widens the chunks (to fp16), so it keeps 72 registers (the
+        # consumers 216, as with 64) and widens K(n + 1) before V(n) (kKAhead). Measured on H200, B=4
+        # S=4096 causal e4m3 (perf/results/ws_fp8_half/): 40 registers 1507 us, 48 1444, 56 1389; with
+        # kKAhead 56 1331-1340, 64 1300, 72 1281-1287, 80 1347-1356 (bf16 ws 1140-1170 in those runs).
         # Softcap at d128 (a tanh per score: the SFU, not the tensor cores, bounds the step): 2 of the 16
         # column groups take 2^x on the FMA pipe; measured on H200 (perf/results/ws_tiles_softcap_exp2fma_*
         # 0485e2d: B=4 S=4096 causal 1428 -> 1395-1408 us, B=1 S=16384 4990 -> 4936 us; 1 and 3 no gain,
@@ -128,7 +128,7 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1,
                     kStages=2 if head_dim <= 128 else 3, kMinBlocks=1, kTma=True, kPingPong=True,
                     kExp2FmaSoftcap=2 if head_dim == 128 else 0, kWsQLate=head_dim == 256,
-                    **(dict(kKAhead=True, kWsProducerRegs=64) if fp8 else {}))
+                    **(dict(kKAhead=True, kWsProducerRegs=72) if fp8 else {}))
     if mode == "prefill_wgmma":
         # Measured on H200, B=4 S=4096 causal d128 (perf/results/history/prefill_sweep_h200_*): more
         # warpgroups sharing each K/V stage win. rows x keys: 128x128 227 TFLOP/s, 192x128 300-309,
