@@ -1,12 +1,8 @@
 """One attention case (or, kind write_<NHD|HND>_<auto|fp8_e4m3>[_head], the write suite's T=65536 cache write,
 random slots) launched a few times, for `ncu` (perf/h200.sh stages ncu, ncusrc). Kind <kind>_cudnn runs a peer
 instead: torch SDPA's cuDNN backend on an unpaged copy of the case (NCU_KERNELS=sdpa|fprop|fmha); <kind>_fa4
-FlashAttention-4 on the same paged cache, num_splits=1 (its best there; NCU_KERNELS=kernel_cutlass).
-PAGEDATTN_FORCED (JSON, pagedattn.ops.attention.forced's arguments) forces the dispatch, e.g.
-'{"prefill": "prefill_ws"}' for prefill_fp8 on the warp-specialised prefill."""
+FlashAttention-4 on the same paged cache, num_splits=1 (its best there; NCU_KERNELS=kernel_cutlass)."""
 import contextlib
-import json
-import os
 import sys
 
 import torch
@@ -14,7 +10,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pagedattn.bench import attention, peers, write
 from pagedattn.bench.common import Ctx
-from pagedattn.ops.attention.overrides import forced
 
 # kind: (B, ctx, q_len, kv cache dtype, num_splits, head dim, the op's feature arguments); all causal, as in the bench
 KINDS = {"decode": (64, 4096, 1, "auto", 1, 128, {}), "decode_fp8": (64, 4096, 1, "fp8_e4m3", 1, 128, {}),
@@ -41,8 +36,7 @@ else:
         fn = lambda k: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
             qq, kk, vv, enable_gqa=True, is_causal=q_len > 1)
 torch.cuda.synchronize()
-with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if peer == "cudnn" else contextlib.nullcontext(), \
-        forced(**json.loads(os.environ.get("PAGEDATTN_FORCED", "{}"))):
+with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if peer == "cudnn" else contextlib.nullcontext():
     for _ in range(4):
         fn(0)
 torch.cuda.synchronize()
