@@ -121,9 +121,9 @@ class AttnFwdSpec(KernelSpec):
 
     @property
     def dispatched(self) -> bool:
-        """Whether some plan picks this variant: all but prefill_ws with an fp8 cache, which compiles
-        and runs when forced (tests, perf/) but is slower than prefill_wgmma (heuristics.prefill_mode)."""
-        return not (self.mode == "prefill_ws" and self.kv_cache_dtype != "auto")
+        """Whether some plan picks this variant: all but prefill_ws with an fp8 cache at a head dim other
+        than WS_FP8_HEAD_DIM (heuristics.prefill_mode; check() refuses those anyway)."""
+        return not (self.mode == "prefill_ws" and self.kv_cache_dtype != "auto" and self.head_dim != WS_FP8_HEAD_DIM)
 
     @property
     def tile_arch(self) -> str:
