@@ -277,7 +277,7 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
         *reinterpret_cast<uint4*>(dst + at + (hi_at ^ (64 * (j % 2)))) = hi;
       }
     }
-    fence_proxy_async_smem();  // the Element writes before wgmma reads them; the raw reads before TMA refills
+    fence_proxy_async_smem();  // the fp16 writes before wgmma reads them; the raw reads before TMA refills
     __syncwarp();
     if (lane == 0) mbarrier_arrive((is_v ? bars.full_v : bars.full_k) + slot);
   };
