@@ -97,13 +97,14 @@ def test_reference_empty_request_and_fp8():
 
 
 # ---------------------------------------------------------------- compilation (CPU)
-# (the wgmma prefill with an fp8 cache: its widening and MMAs; the 16-bit loader is in the others)
+# (the wgmma prefill with an fp8 cache: its widening and MMAs; the 16-bit loader is in the others;
+# prefill_ws with fp8: bf16 e4m3 converts Q to fp16, fp16 e5m2 widens by byte moves)
 CI_SPECS = [AttnFwdSpec("bf16", "auto", 128, "decode"), AttnFwdSpec("bf16", "auto", 128, "prefill"),
             AttnFwdSpec("fp16", "fp8_e4m3", 80, "decode"), AttnFwdSpec("bf16", "auto", 128, "decode_tma"),
             AttnFwdSpec("fp16", "fp8_e5m2", 80, "decode_tma"), AttnFwdSpec("bf16", "fp8_e4m3", 128, "decode_tma"),
             AttnFwdSpec("bf16", "fp8_e4m3", 128, "prefill_wgmma"), AttnFwdSpec("bf16", "auto", 512, "decode_tma"),
             AttnFwdSpec("bf16", "auto", 128, "multi_tma"), AttnFwdSpec("bf16", "auto", 128, "prefill_ws"),
-            AttnFwdSpec("bf16", "fp8_e4m3", 128, "prefill_ws")]
+            AttnFwdSpec("bf16", "fp8_e4m3", 128, "prefill_ws"), AttnFwdSpec("fp16", "fp8_e5m2", 128, "prefill_ws")]
 
 
 # make test compiles the cp.async/mma.sync variants for one arch (sm_80 and sm_90a compile one source):
