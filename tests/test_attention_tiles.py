@@ -266,17 +266,18 @@ def test_small_smem_decode_matches_reference(D, kv, splits, monkeypatch):
 # 32-column atoms; multi: two MMA tiles per warp), TMA decode d512 (eight atoms, two column groups) and
 # multi_tma d128 (two MMA tiles per warp, Q kept in registers). The wgmma mainloops' written
 # accumulators, coordinates and descriptor fragments (WgmmaTiles, attn_wgmma.cuh): prefill_wgmma (four
-# warpgroups) and prefill_ws (two; d64: one 64-column panel). Each check is 3-16 s of one core: `make
-# test` runs one of each kind (atom width, warps per group, multi, column groups, wgmma), `make
-# test-all` the other head dims and dtypes too (marked slow).
+# warpgroups) and prefill_ws (two; d64: one 64-column panel; fp8: fp16 tiles beside a bf16 Q). Each
+# check is 3-16 s of one core: `make test` runs one of each kind (atom width, warps per group, multi,
+# column groups, wgmma), `make test-all` the other head dims and dtypes too (marked slow).
 _CHECK_OPTIONS = ("-fdevice-syntax-only", "-DPAGEDATTN_CHECK_TYPES=1", "-DPAGEDATTN_CHECK_TYPES_ONLY=1")
 
 
-def _check(arch, dtype, d, mode, slow=False):
+def _check(arch, dtype, d, mode, slow=False, kv="auto"):
     """A check build's parameters; the NVRTC farm compiles it in parallel with the others (`compiles`)."""
-    spec = AttnFwdSpec.for_arch(arch, dtype, "auto", d, mode)
+    spec = AttnFwdSpec.for_arch(arch, dtype, kv, d, mode)
     return pytest.param(arch, spec, marks=[pytest.mark.compiles((spec, arch, _CHECK_OPTIONS))]
-                        + ([pytest.mark.slow] if slow else []), id=f"{arch}-{dtype}-{d}-{mode}")
+                        + ([pytest.mark.slow] if slow else []),
+                        id=f"{arch}-{dtype}-{d}-{mode}" + ("" if kv == "auto" else f"-{kv}"))
 
 
 @pytest.mark.parametrize("arch,spec", [_check("sm_80", "bf16", 128, "decode"),
@@ -294,6 +295,7 @@ def _check(arch, dtype, d, mode, slow=False):
                                        _check("sm_90a", "bf16", 128, "multi_tma", slow=True),
                                        _check("sm_90a", "bf16", 128, "prefill_wgmma"),
                                        _check("sm_90a", "fp16", 256, "prefill_ws"),
+                                       _check("sm_90a", "bf16", 128, "prefill_ws", kv="fp8_e4m3"),  # fp16 tiles
                                        _check("sm_90a", "bf16", 64, "prefill_ws", slow=True)])
 def test_written_sm80_layouts_are_cutes(arch, spec):
     from pagedattn.codegen.compile import compile_source, nvrtc_options

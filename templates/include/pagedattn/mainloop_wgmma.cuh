@@ -34,7 +34,7 @@ template <class Traits>
 __device__ void check_wgmma_types() {
   using namespace cute;
   using Tiles = WgmmaTiles<Traits>;
-  using Element = typename Traits::Element;
+  using Element = typename Traits::MmaElement;  // the tiles' type (fp16 in prefill_ws with an fp8 cache)
   Tiles::template acc<typename Tiles::TiledMmaPV, Traits::kHeadDim>();
   Tiles::template acc<typename Tiles::TiledMmaQK, Traits::kBlockN>();
   Element* const tile = nullptr;

@@ -48,8 +48,10 @@ template <class Traits>
 struct WsRegisters {
   static constexpr int kAllThreads = Traits::kThreads + Traits::kProducerThreads;
   static constexpr int kPool = 65536 / kAllThreads / 8 * 8 * kAllThreads;
-  // fp8: the producer widens the chunks; PAGEDATTN_WS_PRODUCER_REGS (tile field kWsProducerRegs) overrides
-  static constexpr int kProducerRegs = PAGEDATTN_WS_PRODUCER_REGS ? PAGEDATTN_WS_PRODUCER_REGS : Traits::kIsFp8 ? 40 : 24;
+  // the tile field kWsProducerRegs (PAGEDATTN_WS_PRODUCER_REGS) when set: tile_config sets 72 for fp8 caches,
+  // whose producer widens the chunks
+  static constexpr int kProducerRegs =
+      PAGEDATTN_WS_PRODUCER_REGS ? PAGEDATTN_WS_PRODUCER_REGS : Traits::kIsFp8 ? 40 : 24;
   static constexpr int kLeft = (kPool - kProducerRegs * Traits::kProducerThreads) / Traits::kThreads / 8 * 8;
   static constexpr int kConsumerRegs = kLeft > 240 ? 240 : kLeft;
   static_assert(kProducerRegs * Traits::kProducerThreads + kConsumerRegs * Traits::kThreads <= kPool,
