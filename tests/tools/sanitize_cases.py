@@ -18,15 +18,16 @@ if sys.argv[1:] == ["ws"]:
 
     from pagedattn.ops.attention.overrides import forced
 
-    # the fp8 case is forced onto prefill_ws (its producer widens the chunks; the dispatch keeps fp8
-    # caches on prefill_wgmma)
-    for layout, D, kv in (("NHD", 128, "auto"), ("HND", 64, "auto"), ("NHD", 256, "auto"), ("NHD", 128, "fp8_e4m3")):
+    # the fp8 case: its producer widens the chunks to fp16 (forced, though the dispatch takes prefill_ws there)
+    cases = (("NHD", 128, "auto"), ("HND", 64, "auto"), ("NHD", 256, "auto"), ("NHD", 128, "fp8_e4m3"))
+    for layout, D, kv in cases:
         fp8 = kv != "auto"
         spec = CacheSpec(40, 16, 2, D, torch.uint8 if fp8 else torch.bfloat16, kv, layout)
         kc, vc = spec.allocate("cuda", fill=float("nan"))
         for cache in (kc, vc):
             if fp8:
-                cache[:32].copy_(torch.randn(cache[:32].shape, device="cuda").to(torch.float8_e4m3fn).view(torch.uint8))
+                values = torch.randn(cache[:32].shape, device="cuda").to(torch.float8_e4m3fn)
+                cache[:32].copy_(values.view(torch.uint8))
             else:
                 cache[:32].normal_()
         scale = {"k_descale": torch.ones(1, device="cuda"), "v_descale": torch.ones(1, device="cuda")} if fp8 else {}
