@@ -48,10 +48,9 @@ template <class Traits>
 struct WsRegisters {
   static constexpr int kAllThreads = Traits::kThreads + Traits::kProducerThreads;
   static constexpr int kPool = 65536 / kAllThreads / 8 * 8 * kAllThreads;
-  // the tile field kWsProducerRegs (PAGEDATTN_WS_PRODUCER_REGS) when set: tile_config sets 72 for fp8 caches,
-  // whose producer widens the chunks
-  static constexpr int kProducerRegs =
-      PAGEDATTN_WS_PRODUCER_REGS ? PAGEDATTN_WS_PRODUCER_REGS : Traits::kIsFp8 ? 40 : 24;
+  // 24, or the tile field kWsProducerRegs (PAGEDATTN_WS_PRODUCER_REGS) when set: tile_config sets it for fp8
+  // caches, whose producer widens the chunks
+  static constexpr int kProducerRegs = PAGEDATTN_WS_PRODUCER_REGS ? PAGEDATTN_WS_PRODUCER_REGS : 24;
   static constexpr int kLeft = (kPool - kProducerRegs * Traits::kProducerThreads) / Traits::kThreads / 8 * 8;
   static constexpr int kConsumerRegs = kLeft > 240 ? 240 : kLeft;
   static_assert(kProducerRegs * Traits::kProducerThreads + kConsumerRegs * Traits::kThreads <= kPool,
@@ -272,7 +271,7 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
         if constexpr (Traits::kFp8 == Fp8Format::kE4M3) {
           dequant_fp8x16<false, Traits::kFp8>(x[j], lo, hi);
         } else {
-          widen_fp8x16_bits<false, Traits::kFp8>(x[j], lo, hi);
+          widen_e5m2x16_half(x[j], lo, hi);
         }
         int const at = chunk * kChunkBytes + 512 * j;
         *reinterpret_cast<uint4*>(dst + at + (lo_at ^ (64 * (j % 2)))) = lo;
@@ -354,6 +353,7 @@ __device__ __forceinline__ void ws_load_q(AttnParams const& p, AttnWork const& w
 template <class Traits>
 __device__ __forceinline__ float ws_q_ready(AttnSmem<Traits> const& sm, int wg) {
   cp_async_wait<0>();
+  float unscale = 1.f;
   if constexpr (Traits::kQToHalf) {
     ws_group_sync(wg);  // every thread's copies of this warpgroup's rows landed
     constexpr int kPanels = Traits::kHeadDim / 64;   // 64-column panels of 128-byte rows (SW128 atoms)
@@ -383,14 +383,11 @@ __device__ __forceinline__ float ws_q_ready(AttnSmem<Traits> const& sm, int wg) 
       }
       *piece(i) = x;
     }
-    fence_proxy_async_smem();
-    ws_group_sync(wg);
-    return __uint_as_float(uint32_t(127 + e) << 23);
-  } else {
-    fence_proxy_async_smem();
-    ws_group_sync(wg);
-    return 1.f;
+    unscale = __uint_as_float(uint32_t(127 + e) << 23);
   }
+  fence_proxy_async_smem();
+  ws_group_sync(wg);
+  return unscale;
 }
 
 // kPingPong: the two warpgroups take turns on the tensor cores, one issuing a step's MMAs while the
