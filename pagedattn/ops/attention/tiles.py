@@ -171,7 +171,7 @@ def smem_plan(cfg: dict, head_dim: int, fp8: bool) -> dict:
         elem_stages = 0 if fp8_regs(head_dim, cfg["kTma"] and not cfg["kWgmma"]) else 1
     raw_stages = (WS_RAW_STAGES if ws else cfg["kStages"]) if fp8 else 0
     rows = cfg["kWarpsN"] * cfg["kBlockM"]  # the epilogue's rows: every warp group's
-    plan = dict(ElemStages=elem_stages, RawStages=raw_stages, Q=cfg["kBlockM"] * head_dim,
+    plan = dict(ElemStages=elem_stages, RawStages=raw_stages, Q=cfg.get("kWsQBuffers", 1) * cfg["kBlockM"] * head_dim,
                 K=elem_stages * stage, V=elem_stages * stage, RawK=raw_stages * stage, RawV=raw_stages * stage,
                 O=rows * head_dim, RowStats=2 * rows,
                 # TMA: an mbarrier per (warp, ring slot); prefill_ws: a full and an empty one per slot of
