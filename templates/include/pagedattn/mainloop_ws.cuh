@@ -248,6 +248,8 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
     constexpr int kPieces = 16 * 8 / 32, kChunkBytes = 16 * 128;
     int const r0 = lane / 8, jp = lane % 8, panel = (jp / 4) * kBlockN * 128 + r0 * 128;
     int const raw_at = r0 * 128 + ((jp ^ r0) << 4);
+    uint8_t const* const raw_even = raw + raw_at;  // pieces at constant offsets from these two
+    uint8_t const* const raw_odd = raw + (raw_at ^ 64);
     int const lo_at = panel + (((2 * (jp % 4)) ^ r0) << 4), hi_at = panel + (((2 * (jp % 4) + 1) ^ r0) << 4);
     CUTE_UNROLL
     for (int l = 0; l < kPerWarp; ++l) {
@@ -255,15 +257,27 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
       bool const landed = loads >> l & 1u;
       // uniform: a chunk past the request's end is skipped (K) or written as zeros (V)
       if (!landed && !(bad >> l & 1u) && !is_v) continue;
+      auto put = [&](int j, uint4 lo, uint4 hi) {
+        char* const at = dst + chunk * kChunkBytes + 512 * j;
+        *reinterpret_cast<uint4*>(at + (lo_at ^ (64 * (j % 2)))) = lo;
+        *reinterpret_cast<uint4*>(at + (hi_at ^ (64 * (j % 2)))) = hi;
+      };
+      auto raw_piece = [&](int j) {
+        return *reinterpret_cast<uint4 const*>((j % 2 ? raw_odd : raw_even) + chunk * kChunkBytes + 512 * j);
+      };
+      // the chunk's rows to widen (the rest are written as zeros): all 16 but in V's last chunk
+      int const rows = !landed ? 0 : is_v ? min(16, live - 16 * chunk) : 16;
+      if (rows <= 0) {  // a corrupt page's chunk, or V past the request's end
+        CUTE_UNROLL
+        for (int j = 0; j < kPieces; ++j) put(j, make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0));
+        continue;
+      }
       // every raw load of the chunk before any store: the stores may alias the loads as far as the
-      // compiler knows, so loads placed after a store would wait for it (one piece at a time). Pieces
-      // not landed, or of rows past `live`, are zeros, which widen to zeros.
+      // compiler knows, so loads placed after a store would wait for it (one piece at a time)
       uint4 x[kPieces];
       CUTE_UNROLL
       for (int j = 0; j < kPieces; ++j) {
-        int const at = chunk * kChunkBytes + 512 * j + (raw_at ^ (64 * (j % 2)));
-        x[j] = landed && 16 * chunk + r0 + 4 * j < live ? *reinterpret_cast<uint4 const*>(raw + at)
-                                                         : make_uint4(0, 0, 0, 0);
+        x[j] = rows == 16 || r0 + 4 * j < rows ? raw_piece(j) : make_uint4(0, 0, 0, 0);  // rows == 16: uniform
       }
       CUTE_UNROLL
       for (int j = 0; j < kPieces; ++j) {
@@ -275,9 +289,7 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
         } else {
           widen_e5m2x16_half(x[j], lo, hi);
         }
-        int const at = chunk * kChunkBytes + 512 * j;
-        *reinterpret_cast<uint4*>(dst + at + (lo_at ^ (64 * (j % 2)))) = lo;
-        *reinterpret_cast<uint4*>(dst + at + (hi_at ^ (64 * (j % 2)))) = hi;
+        put(j, lo, hi);
       }
     }
     fence_proxy_async_smem();  // the fp16 writes before wgmma reads them; the raw reads before TMA refills
