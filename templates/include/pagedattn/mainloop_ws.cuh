@@ -229,7 +229,8 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
       tma_load_4d(c.smem.raw_v(rs, 16 * my.q), my.v_map, 0, k.c1, k.c2, phys, v_bar);
     }
   };
-  // step it's K or V from its raw stage into its ring slot, once the consumers freed the slot
+  // step it's K or V from its raw stage into its ring slot, once the consumers freed the slot; the
+  // caller then publishes it (publish: one fence for the tiles widened since the last one)
   auto widen = [&](int it, bool is_v, uint32_t loads, uint32_t bad) {
     uint32_t const n = ring.ring + uint32_t(it);
     int const rs = int(n % kRaw), slot = ring.slot<kStages>(it);
@@ -274,27 +275,39 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
       }
       // every raw load of the chunk before any store: the stores may alias the loads as far as the
       // compiler knows, so loads placed after a store would wait for it (one piece at a time)
-      uint4 x[kPieces];
-      CUTE_UNROLL
-      for (int j = 0; j < kPieces; ++j) {
-        x[j] = rows == 16 || r0 + 4 * j < rows ? raw_piece(j) : make_uint4(0, 0, 0, 0);  // rows == 16: uniform
-      }
-      CUTE_UNROLL
-      for (int j = 0; j < kPieces; ++j) {
-        uint4 lo, hi;  // to fp16 (Traits::MmaElement): e4m3 pairs by the hardware conversion, e5m2 by byte moves
-        if constexpr (Traits::kFp8 == Fp8Format::kE4M3 && PAGEDATTN_FP8_BIT_WIDEN) {
-          widen_e4m3x16_half_scaled(x[j], lo, hi);
-        } else if constexpr (Traits::kFp8 == Fp8Format::kE4M3) {
-          dequant_fp8x16<false, Traits::kFp8>(x[j], lo, hi);
-        } else {
-          widen_e5m2x16_half(x[j], lo, hi);
+      auto widen_chunk = [&](auto whole) {  // whole: every row (a copy of its own, no predicates)
+        uint4 x[kPieces];
+        CUTE_UNROLL
+        for (int j = 0; j < kPieces; ++j) x[j] = whole || r0 + 4 * j < rows ? raw_piece(j) : make_uint4(0, 0, 0, 0);
+        CUTE_UNROLL
+        for (int j = 0; j < kPieces; ++j) {
+          uint4 lo, hi;  // to fp16 (Traits::MmaElement): e4m3 pairs by the hardware conversion, e5m2 by byte moves
+          if constexpr (Traits::kFp8 == Fp8Format::kE4M3 && PAGEDATTN_FP8_BIT_WIDEN) {
+            widen_e4m3x16_half_scaled(x[j], lo, hi);
+          } else if constexpr (Traits::kFp8 == Fp8Format::kE4M3) {
+            dequant_fp8x16<false, Traits::kFp8>(x[j], lo, hi);
+          } else {
+            widen_e5m2x16_half(x[j], lo, hi);
+          }
+          put(j, lo, hi);
         }
-        put(j, lo, hi);
+      };
+      if (rows == 16) {  // uniform: all but V's last chunk
+        widen_chunk(cute::true_type{});
+      } else {
+        widen_chunk(cute::false_type{});
       }
     }
-    fence_proxy_async_smem();  // the fp16 writes before wgmma reads them; the raw reads before TMA refills
+  };
+  // the tiles widened since the last call to the consumers: K of step k_it, V of step v_it (-1: none).
+  // The fence orders the fp16 writes before wgmma reads them, and the raw reads before TMA refills.
+  auto publish = [&](int k_it, int v_it) {
+    fence_proxy_async_smem();
     __syncwarp();
-    if (lane == 0) mbarrier_arrive((is_v ? bars.full_v : bars.full_k) + slot);
+    if (lane == 0) {
+      if (k_it >= 0) mbarrier_arrive(bars.full_k + ring.slot<kStages>(k_it));
+      if (v_it >= 0) mbarrier_arrive(bars.full_v + ring.slot<kStages>(v_it));
+    }
   };
   // Masks of step it (bit l: chunk first_chunk + l lands / lies in a corrupt page) and of the next
   // steps; raw stage it % 2 is refilled with a later step once step it is out of it.
@@ -306,19 +319,26 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
       issue(it + 1, phys_next, loads1, bad1);
       phys_next = my.chunk_page(it + 2);
       widen(it, false, loads0, bad0);
+      publish(it, -1);
       widen(it, true, loads0, bad0);
+      publish(-1, it);
       loads0 = loads1, bad0 = bad1;
     }
   } else {
     // K a step ahead of V: the consumers wait for K(it) and V(it - 1) together, and free K(it)'s slot
-    // after S(it) but V(it)'s only after P V(it), so K(it + 1) is widened before V(it); raw(it + 2)
-    // is issued once V(it) is out of its stage.
+    // after S(it) but V(it)'s only after P V(it), so K(it + 1) is widened before V(it), and the two are
+    // published together (one fence); raw(it + 2) is issued once V(it) is out of its stage.
     issue(1, my.chunk_page(1), loads1, bad1);
     int phys_next = my.chunk_page(2);
-    if (n_steps > 0) widen(0, false, loads0, bad0);
+    if (n_steps > 0) {
+      widen(0, false, loads0, bad0);
+      publish(0, -1);
+    }
     for (int it = 0; it < n_steps; ++it) {
-      if (it + 1 < n_steps) widen(it + 1, false, loads1, bad1);
+      bool const k_next = it + 1 < n_steps;
+      if (k_next) widen(it + 1, false, loads1, bad1);
       widen(it, true, loads0, bad0);
+      publish(k_next ? it + 1 : -1, it);
       uint32_t loads2, bad2;
       issue(it + 2, phys_next, loads2, bad2);
       phys_next = my.chunk_page(it + 3);
