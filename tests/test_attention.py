@@ -1061,7 +1061,7 @@ def test_ws_prefill_dispatch_rules():
     with pytest.raises(UnsupportedError, match="fp8 caches at head_dim 128"):
         AttnFwdSpec("bf16", "fp8_e4m3", 256, "prefill_ws")
     fp8 = AttnFwdSpec("bf16", "fp8_e5m2", 128, "prefill_ws")  # its raw stages and barriers fit beside the ring
-    assert fp8.tiles == {**tile_config(128, "prefill_ws"), "kKAhead": True, "kWsProducerRegs": 72}
+    assert fp8.tiles == {**tile_config(128, "prefill_ws"), "kKAhead": True, "kWsProducerRegs": 72, "kWsQLate": True}
     assert fp8.dynamic_smem() <= 227 * 1024
     assert fp8.dynamic_smem() == smem_bytes(fp8.tiles, 128, False) + 2 * 2 * 128 * 128 + 8 * 2 * 4 * 2
     with pytest.raises(UnsupportedError, match="multiple of 64"):
@@ -1077,6 +1077,7 @@ def test_ws_prefill_dispatch_rules():
     assert tile_config(64, "prefill_ws")["kStages"] == 2 and tile_config(192, "prefill_ws")["kStages"] == 3
     # d256: Q's wgmma descriptors made per S (held across the loop they spilled with O)
     assert [tile_config(d, "prefill_ws")["kWsQLate"] for d in (64, 128, 192, 256)] == [False, False, False, True]
+    assert tile_config(128, "prefill_ws", fp8=True)["kWsQLate"]  # its consumers have 216 registers
     assert "#define PAGEDATTN_WS_Q_LATE 1" in Kernel(AttnFwdSpec("bf16", "auto", 256, "prefill_ws")).source
     # softcap at d128: 2 of the 16 column groups take 2^x on the FMA pipe (the SFU has the tanh too)
     assert tile_config(128, "prefill_ws")["kExp2FmaSoftcap"] == 2 and tile_config(64, "prefill_ws")["kExp2FmaSoftcap"] == 0

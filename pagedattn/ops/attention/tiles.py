@@ -127,7 +127,7 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # way (perf/results/ws_q_late/).
         return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1,
                     kStages=2 if head_dim <= 128 else 3, kMinBlocks=1, kTma=True, kPingPong=True,
-                    kExp2FmaSoftcap=2 if head_dim == 128 else 0, kWsQLate=head_dim == 256,
+                    kExp2FmaSoftcap=2 if head_dim == 128 else 0, kWsQLate=head_dim == 256 or fp8,
                     **(dict(kKAhead=True, kWsProducerRegs=72) if fp8 else {}))
     if mode == "prefill_wgmma":
         # Measured on H200, B=4 S=4096 causal d128 (perf/results/history/prefill_sweep_h200_*): more
