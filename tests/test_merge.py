@@ -144,3 +144,39 @@ def test_tp_and_cp_over_nccl(tmp_path):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script),
                         "--out", str(tmp_path), "--ctx", "16384"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_two_devices_in_one_process(kv):
+    """One process, the same write and decode on cuda:0 and cuda:1 while cuda:0 stays the current device:
+    each device's module is loaded in its own primary context, and a launch on cuda:1 from a thread whose
+    current context is cuda:0's takes the wrong-context path (codegen/launch.py). Both devices' outputs
+    are bit-identical and match the reference; the current device is left as it was."""
+    from pagedattn import reference
+
+    case, lens_k = _decode_case(7, kv=kv)
+    torch.cuda.set_device(0)
+    outs, caches = [], []
+    for dev in ("cuda:0", "cuda:1", "cuda:0", "cuda:1"):  # twice each: the steady path on each device too
+        moved = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+        k_new = torch.randn(4, 8, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(dev)
+        slots = torch.tensor([0, 1, 17, 40], dtype=torch.int64, device=dev)
+        kc, vc = moved["kc"].clone(), moved["vc"].clone()
+        pagedattn.reshape_and_cache_flash(k_new, k_new, kc, vc, slots, case["spec"].kv_cache_dtype,
+                                          moved["ks"], moved["vs"])
+        caches.append(kc.cpu())
+        outs.append(_call(moved, moved["table"], moved["seqused"], max(lens_k), kc=kc, vc=vc).cpu())
+        assert torch.cuda.current_device() == 0
+    for o, kc in zip(outs[1:], caches[1:]):
+        assert torch.equal(o.view(torch.int16), outs[0].view(torch.int16))
+        assert torch.equal(kc.view(torch.uint8), caches[0].view(torch.uint8))
+    kc_ref, vc_ref = case["kc"].clone(), case["vc"].clone()  # the same write by the reference, then its attention
+    reference.reshape_and_cache_flash(k_new.to(kc_ref.device), k_new.to(kc_ref.device), kc_ref, vc_ref,
+                                      slots.to(kc_ref.device), case["spec"].kv_cache_dtype, case["ks"], case["vs"])
+    assert torch.equal(kc_ref.cpu().view(torch.uint8), caches[0].view(torch.uint8))
+    want = reference.paged_attention(case["q"], kc_ref, vc_ref, case["cu_q"], case["seqused"], case["table"],
+                                     causal=True, kv_cache_dtype=case["spec"].kv_cache_dtype,
+                                     k_descale=case["ks"], v_descale=case["vs"])
+    assert rel_l2(outs[1], want.cpu()) <= 2e-2
