@@ -240,10 +240,10 @@ class Launcher:
         once (the driver's occupancy calculator)."""
         from cuda.bindings import driver
 
-        from .load import make_current
-        make_current(self._device)
-        return int(check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self._handle, threads, self._smem),
-                         "cuOccupancyMaxActiveBlocksPerMultiprocessor"))
+        from .load import in_context
+        with in_context(self._device):
+            return int(check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self._handle, threads, self._smem),
+                             "cuOccupancyMaxActiveBlocksPerMultiprocessor"))
 
     def _launch_in_own_context(self, args) -> int:
         drv = self._driver

@@ -1,6 +1,7 @@
 """Load a cubin once per (artifact, CUDA device) into the primary context torch uses."""
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from .errors import ToolchainError
@@ -36,28 +37,31 @@ def primary_context(device: int):
     return ctx
 
 
-def make_current(device: int) -> None:
-    """Bind the device's primary context to this thread if another (or none) is current."""
+@contextlib.contextmanager
+def in_context(device: int):
+    """The device's primary context current on this thread inside the block, and the caller's again after
+    it (pushed and popped: loading a module for cuda:1 must not leave cuda:1 torch's current device)."""
     from cuda.bindings import driver
 
-    ctx = primary_context(device)
-    current = check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    if int(current) != int(ctx):
-        check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    check(driver.cuCtxPushCurrent(primary_context(device)), "cuCtxPushCurrent")
+    try:
+        yield
+    finally:
+        check(driver.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
 def load_function(key: str, cubin: bytes, entry: str, device: int, dynamic_smem: int = 0):
     """CUfunction for `entry` in the cubin, on `device`; the dynamic shared-memory limit is set once."""
     from cuda.bindings import driver
 
-    make_current(device)
-    with _lock:
-        module = _modules.get((key, device))
-        if module is None:
-            module = check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({entry})")
-            _modules[(key, device)] = module
-    func = check(driver.cuModuleGetFunction(module, entry.encode()), f"cuModuleGetFunction({entry})")
-    if dynamic_smem > 48 * 1024:
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        check(driver.cuFuncSetAttribute(func, attr, dynamic_smem), "cuFuncSetAttribute")
+    with in_context(device):
+        with _lock:
+            module = _modules.get((key, device))
+            if module is None:
+                module = check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({entry})")
+                _modules[(key, device)] = module
+        func = check(driver.cuModuleGetFunction(module, entry.encode()), f"cuModuleGetFunction({entry})")
+        if dynamic_smem > 48 * 1024:
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(driver.cuFuncSetAttribute(func, attr, dynamic_smem), "cuFuncSetAttribute")
     return func

@@ -2,10 +2,10 @@
 
     torchrun --nproc_per_node=2 perf/multigpu.py [--out perf/results] [--ctx 131072]
 
-tp: rank r owns Hkv / world KV heads and their query heads (B=8 ctx 4096); the all-gathered output must equal
-    the single-GPU output bit for bit (same num_splits).
-cp: a B=1 request's pages over --ctx keys split by tokens across ranks; the (out, LSE) of each, gathered and
-    merged by pagedattn.merge_attn_states, within 2e-3 relative L2 of one GPU's output, and timed against it.
+tp: rank r owns Hkv / world KV heads and their query heads (B=8 ctx 4096): the all-gathered output equals one
+    GPU's bit for bit (same num_splits). cp: a B=1 request's pages over --ctx keys split by tokens across ranks,
+    each rank's (out, LSE) gathered and merged by pagedattn.merge_attn_states: within 4e-3 relative L2 of one
+    GPU's output (bf16 rounding: below); timed (each call synchronised, host time in) against one GPU's call.
 Every rank builds the same cache (same seed) and computes the single-GPU result itself; world size 1 is a smoke
 test. Rank 0 writes perf/results/multigpu_<gpu>_<date>_x<world>_<commit>.json."""
 from __future__ import annotations
@@ -49,8 +49,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(dev)
-    res = {}
-    # tp: every rank its own cache of its heads
+    res = {}  # tp: every rank its own cache of its heads
     q, kc, vc, table = cache(8, 4096, dev)
     used = torch.full((8,), 4096, dtype=torch.int32, device=dev)
     full = call(q, kc, vc, table, used, 4096, num_splits=2)
@@ -75,9 +74,11 @@ def main() -> None:
         dist.all_gather(lses, lse)
         return pagedattn.merge_attn_states(outs, lses)
     err = ((cp_step().float() - full.float()).norm() / full.float().norm()).item()
-    res.update(cp_rel_l2=err, cp_ok=err <= 2e-3, cp_us=median_us(cp_step, reps=50, before=dist.barrier),
-               single_gpu_us=median_us(lambda: call(q, kc, vc, table, used_full, args.ctx), reps=50,
-                                       before=dist.barrier))
+    # 4e-3: three bf16 roundings (each rank's output, the merge's, one GPU's) put exact parts 2.85e-3 apart here
+    timed = dict(cp_us=cp_step, cp_attention_us=lambda: call(q, kc, vc, shard, used, max(n, 1)),
+                 single_gpu_us=lambda: call(q, kc, vc, table, used_full, args.ctx))
+    res.update(cp_rel_l2=err, cp_ok=err <= 4e-3, **{k: median_us(f, reps=50, before=dist.barrier)
+                                                    for k, f in timed.items()})
     if rank == 0:
         write_quick(args.out, "multigpu", res, suffix=f"_x{world}_{(git_commit() or 'nocommit')[:7]}",
                     world_size=world, hq=HQ, hkv=HKV, d=D, shapes={"tp": "B=8 ctx 4096", "cp": f"B=1 ctx {args.ctx}"})

@@ -136,7 +136,7 @@ def test_tensor_parallel_heads_are_bit_identical(world, splits):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_tp_and_cp_over_nccl(tmp_path):
-    """perf/multigpu.py under torchrun on two GPUs: TP bit-identical, CP merge within 2e-3."""
+    """perf/multigpu.py under torchrun on two GPUs: TP bit-identical, CP merge within 4e-3 (bf16 parts)."""
     import pathlib
     import subprocess
     import sys
