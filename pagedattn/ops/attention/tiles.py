@@ -124,7 +124,9 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # kWsQLate at d256: Q's 16 wgmma descriptors made per S rather than held across the step loop,
         # where they spilled with the 128-register O: B=4 S=4096 causal 2467 / 2407 and 2447 / 2429 ->
         # 2290 / 2256 and 2291 / 2281 us (rot / flush, two rounds in one call); d128 and d192 alike either
-        # way (perf/results/ws_q_late/).
+        # way (perf/results/ws_q_late/). On for fp8 too, whose consumers (216 registers) spilled the
+        # descriptors in the step loop: 5.0 M -> 0.74 M local-memory requests (ncu), time unchanged
+        # (1285-1292 us against 1274-1283 without; perf/results/ws_fp8_producer/).
         return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1,
                     kStages=2 if head_dim <= 128 else 3, kMinBlocks=1, kTma=True, kPingPong=True,
                     kExp2FmaSoftcap=2 if head_dim == 128 else 0, kWsQLate=head_dim == 256 or fp8,
@@ -171,7 +173,7 @@ def smem_plan(cfg: dict, head_dim: int, fp8: bool) -> dict:
         elem_stages = 0 if fp8_regs(head_dim, cfg["kTma"] and not cfg["kWgmma"]) else 1
     raw_stages = (WS_RAW_STAGES if ws else cfg["kStages"]) if fp8 else 0
     rows = cfg["kWarpsN"] * cfg["kBlockM"]  # the epilogue's rows: every warp group's
-    plan = dict(ElemStages=elem_stages, RawStages=raw_stages, Q=cfg.get("kWsQBuffers", 1) * cfg["kBlockM"] * head_dim,
+    plan = dict(ElemStages=elem_stages, RawStages=raw_stages, Q=cfg["kBlockM"] * head_dim,
                 K=elem_stages * stage, V=elem_stages * stage, RawK=raw_stages * stage, RawV=raw_stages * stage,
                 O=rows * head_dim, RowStats=2 * rows,
                 # TMA: an mbarrier per (warp, ring slot); prefill_ws: a full and an empty one per slot of

@@ -80,9 +80,7 @@ struct AttnSmem {
 
   // what the tiles need of the plan (the plan is the host's; these are the kernel's side of it)
   static_assert(sizeof(Storage) == Plan::kBytes, "SharedStorage is not the plan's size (tiles.smem_plan)");
-  static constexpr int kQTile = cute::cosize(typename Traits::SmemLayoutQ{});
-  static_assert(Plan::kQ == PAGEDATTN_WS_Q_BUFFERS * kQTile && (Traits::kWs || PAGEDATTN_WS_Q_BUFFERS == 1),
-                "Q region: one Q tile (prefill_ws: PAGEDATTN_WS_Q_BUFFERS of them)");
+  static_assert(Plan::kQ == cute::cosize(typename Traits::SmemLayoutQ{}), "Q region: one Q tile");
   static_assert(Plan::kK == Plan::kElemStages * Traits::kSmemStageElems && Plan::kV == Plan::kK,
                 "K/V regions: kElemStages stages of kWarpsN tiles");
   static_assert(Plan::kElemStages == (Traits::kFp8Regs ? 0 : Traits::kIsFp8 && !Traits::kWs ? 1 : Traits::kStages),
@@ -113,7 +111,7 @@ struct AttnSmem {
   __device__ __forceinline__ SmemEpilogue<Plan>& epilogue() const { return storage().main.epilogue; }
 
   // mainloop
-  __device__ __forceinline__ Element* q(int buffer = 0) const { return region<kTagQ>(mainloop()) + buffer * kQTile; }
+  __device__ __forceinline__ Element* q() const { return region<kTagQ>(mainloop()); }
   // Element tile the MMAs read: (stage, warp group); fp8 widens into stage 0 only
   __device__ __forceinline__ Element* k_tile(int stage, int group) const {
     return region<kTagK>(mainloop()) + (stage * Traits::kWarpsN + group) * Traits::kTileElems;

@@ -32,10 +32,8 @@ struct TileCtx {
         scale_log2(p_.scale_log2), v_scale(1.f) {
     if constexpr (Traits::kIsFp8) {
       int const di = w.b * p.descale_batch_stride + w.kv_head * p.descale_head_stride;
-      // prefill_ws widening e4m3 by bit moves (PAGEDATTN_FP8_BIT_WIDEN) leaves K and V times 2^-8
-      float const widened = Traits::kWs && Traits::kFp8 == Fp8Format::kE4M3 && PAGEDATTN_FP8_BIT_WIDEN ? 256.f : 1.f;
-      scale_log2 *= p.k_descale[di] * widened;
-      v_scale = p.v_descale[di] * widened;
+      scale_log2 *= p.k_descale[di];
+      v_scale = p.v_descale[di];
     }
   }
 

@@ -282,9 +282,7 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
         CUTE_UNROLL
         for (int j = 0; j < kPieces; ++j) {
           uint4 lo, hi;  // to fp16 (Traits::MmaElement): e4m3 pairs by the hardware conversion, e5m2 by byte moves
-          if constexpr (Traits::kFp8 == Fp8Format::kE4M3 && PAGEDATTN_FP8_BIT_WIDEN) {
-            widen_e4m3x16_half_scaled(x[j], lo, hi);
-          } else if constexpr (Traits::kFp8 == Fp8Format::kE4M3) {
+          if constexpr (Traits::kFp8 == Fp8Format::kE4M3) {
             dequant_fp8x16<false, Traits::kFp8>(x[j], lo, hi);
           } else {
             widen_e5m2x16_half(x[j], lo, hi);
@@ -375,8 +373,8 @@ __device__ __forceinline__ void ws_group_sync(int wg) {
 
 // Warpgroup wg's 64 rows of item w's Q tile, by cp.async (committed; ws_q_ready waits for them).
 template <class Traits>
-__device__ __forceinline__ void ws_load_q(AttnParams const& p, AttnWork const& w, char* smem, int wg, int buf) {
-  load_q_rows<Traits>(p, w, AttnSmem<Traits>{smem}.q(buf), 64 * wg, 64, int(threadIdx.x) % 128, 128);
+__device__ __forceinline__ void ws_load_q(AttnParams const& p, AttnWork const& w, char* smem, int wg) {
+  load_q_rows<Traits>(p, w, AttnSmem<Traits>{smem}.q(), 64 * wg, 64, int(threadIdx.x) % 128, 128);
   cp_async_commit();
 }
 
@@ -385,7 +383,7 @@ __device__ __forceinline__ void ws_load_q(AttnParams const& p, AttnWork const& w
 // bf16 to fp16 in place, times 2^-e, e the least power keeping the rows' largest magnitude below 2^15
 // (0 unless some |q| >= 32768): the returned 2^e, applied to the scores, undoes it exactly.
 template <class Traits>
-__device__ __forceinline__ float ws_q_ready(AttnSmem<Traits> const& sm, int wg, int buf) {
+__device__ __forceinline__ float ws_q_ready(AttnSmem<Traits> const& sm, int wg) {
   cp_async_wait<0>();
   float unscale = 1.f;
   if constexpr (Traits::kQToHalf) {
@@ -397,7 +395,7 @@ __device__ __forceinline__ float ws_q_ready(AttnSmem<Traits> const& sm, int wg, 
     // pieces within a 128-byte row, and the conversion does not care where a value sits)
     auto piece = [&](int i) {
       int const panel = i / kPerPanel, at = (i % kPerPanel) * 32 + lane;
-      return reinterpret_cast<uint4*>(sm.q(buf)) + (panel * Traits::kBlockM + 64 * wg + 16 * warp) * 8 + at;
+      return reinterpret_cast<uint4*>(sm.q()) + (panel * Traits::kBlockM + 64 * wg + 16 * warp) * 8 + at;
     };
     uint32_t top = 0;  // the rows' largest |q| as float bits (non-negative floats order as integers)
     CUTE_UNROLL
@@ -518,8 +516,8 @@ __device__ __forceinline__ void ws_store_tile(TileCtx<Traits> const& c, AccO con
 // copies overlap).
 template <class Traits, class Features, class NextQ>
 __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing const ring,
-                                           WsPingPong<Traits::kPingPong> const& pp, int const q_buf,
-                                           float const q_unscale, NextQ const& next_q) {
+                                           WsPingPong<Traits::kPingPong> const& pp, float const q_unscale,
+                                           NextQ const& next_q) {
   using namespace cute;
   using Element = typename Traits::MmaElement;  // fp16 with an fp8 cache (its Q converted by ws_q_ready)
   constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -533,7 +531,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   // accumulator); with PAGEDATTN_WS_Q_LATE (tile field kWsQLate: d256) each S makes them afresh from an
   // address the compiler cannot see through (an add and a move to a uniform register per k-step).
   auto tSrQ = [&] {
-    Element const* q = reinterpret_cast<Element const*>(c.smem.q(q_buf));
+    Element const* q = reinterpret_cast<Element const*>(c.smem.q());
 #if PAGEDATTN_WS_Q_LATE
     asm volatile("" : "+l"(q));
 #endif
@@ -545,7 +543,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   Tensor tScS = Tiles::template coords<kBlockN>(c.tidx);
   AttnMask<2, Features> const mask(c.p, c.w, tScS);
   OnlineSoftmax<2> softmax;
-  constexpr int kFma = Features::kSoftcap ? Traits::kExp2FmaSoftcap : PAGEDATTN_EXP2_FMA;
+  constexpr int kFma = Features::kSoftcap ? Traits::kExp2FmaSoftcap : 0;
   typename Tiles::FragP tOrP;
   WsBarriers const bars(c.smem);  // from the shared window's base: constants, not registers held per item
 
@@ -591,9 +589,6 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       softmax.template exponentiate<kFma>(s_rows, k, alpha);
     }
   };
-  // PAGEDATTN_WS_Q_BUFFERS 2: the next item's Q goes to the other buffer, so its copies start while
-  // the item's first S runs; else once the item's last S no longer reads this one
-  constexpr bool kNextQFirst = PAGEDATTN_WS_Q_BUFFERS > 1;
   if (n_steps == 0) {
     next_q();
   } else {
@@ -604,7 +599,6 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       wgmma_gemm<true, false>(mma_qk, q0, tSrK(0), acc_s);
     }
     pp.your_turn();
-    if constexpr (kNextQFirst) next_q();
     wgmma_wait<0>(acc_s);
     release(bars.empty_k, 0);
     float alpha[2];  // the rescaling of O that step it's scores ask for
@@ -629,7 +623,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       release(bars.empty_v, it - 1);
       to_p(acc_s);
     }
-    if constexpr (!kNextQFirst) next_q();  // the last S is done (and S's registers are free): Q's shared memory is no longer read
+    next_q();  // the last S is done (and S's registers are free): Q's shared memory is no longer read
     wait_v(n_steps - 1);
     if (!fixed_max) softmax.rescale(o_rows, alpha);
     pp.my_turn();
@@ -734,22 +728,21 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
     AttnWork first;
     more = ws_next_item<Traits, Features>(p, total, item, first);
     if (more) {
-      ws_load_q<Traits>(p, first, smem, wg, 0);
+      ws_load_q<Traits>(p, first, smem, wg);
       if (leader) *sm.ws_work(wg, 0) = first;
     }
   }
   while (more) {
-    int const q_buf = PAGEDATTN_WS_Q_BUFFERS > 1 ? parity : 0;
-    float const q_unscale = ws_q_ready(sm, wg, q_buf);
+    float const q_unscale = ws_q_ready(sm, wg);
     AttnWork const& w = *sm.ws_work(wg, parity);
     more = false;
     {
       TileCtx<Traits> const c(p, w, smem);
-      ws_consume<Traits, Features>(c, ring, pp, q_buf, q_unscale, [&] {
+      ws_consume<Traits, Features>(c, ring, pp, q_unscale, [&] {
         AttnWork next;
         more = ws_next_item<Traits, Features>(p, total, item, next);
         if (more) {
-          ws_load_q<Traits>(p, next, smem, wg, PAGEDATTN_WS_Q_BUFFERS > 1 ? parity ^ 1 : 0);
+          ws_load_q<Traits>(p, next, smem, wg);
           if (leader) *sm.ws_work(wg, parity ^ 1) = next;
         }
       });

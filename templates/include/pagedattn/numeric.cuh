@@ -59,23 +59,4 @@ __device__ __forceinline__ void widen_e5m2x16_half(uint4 raw, uint4& lo, uint4& 
   hi = make_uint4(words[4], words[5], words[6], words[7]);
 }
 
-// 16 e4m3 values -> 16 fp16 values times 2^-8, by bit moves (PRMT, shift, LOP3): the sign to fp16's
-// sign, the 4 exponent and 3 mantissa bits to the low 4 exponent and top 3 mantissa bits, so the
-// fp16 reads the value with bias 15 for 7, subnormals included. The caller takes 2^8 into its scales.
-// e4m3's NaN (S.1111.111) becomes the finite 1.875.
-__device__ __forceinline__ void widen_e4m3x16_half_scaled(uint4 raw, uint4& lo, uint4& hi) {
-  uint32_t const in[4] = {raw.x, raw.y, raw.z, raw.w};
-  uint32_t words[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      uint32_t const t = __byte_perm(in[i], 0u, k ? 0x3424 : 0x1404);  // two bytes into bits 8-15, 24-31
-      words[2 * i + k] = (t & 0x80008000u) | ((t >> 1) & 0x3f803f80u);
-    }
-  }
-  lo = make_uint4(words[0], words[1], words[2], words[3]);
-  hi = make_uint4(words[4], words[5], words[6], words[7]);
-}
-
 }  // namespace pagedattn
