@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
 # (info precompile packbundle bundle tests alltests sanitize racecheck fuzz fuzzsanitize overhead overheadab sweep benchwrite aotcheck ncu ncusrc
-# benchdw benchp benchs benchq bench-full demo kernelab multigpu hfcb aot16 programsass).
+# benchdw benchp benchs benchq bench-full demo kernelab multigpu hfcb aot16 programsass pack).
 # Logs and results go under $OUT; RESULTS.md is regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
 # tests: PYTEST_FILES, PYTEST_K, PYTEST_N (xdist workers), PYTEST_ARGS (e.g. "-vv --tb=line": with the -q
@@ -121,6 +121,9 @@ for stage in "$@"; do
                done ;;
     # issue 21 on the GPUs of this host (one: a smoke test of the code path)
     multigpu)  torchrun --nproc_per_node=${NGPUS:-$(nvidia-smi -L | wc -l)} "$ROOT/perf/multigpu.py" --out "$OUT/results" 2>&1 | tail -n 15 ;;
+    # last: $OUT/results and the logs into one results.tgz (the device gives back at most 8 files, and each
+    # sweep point writes a JSON of its own)
+    pack)      (cd "$OUT" && tar czf results.tgz results $(ls *.log *.log.gz 2>/dev/null) && rm -rf results *.log *.log.gz; ls "$OUT") ;;
     hfcb)      python3 "$ROOT/perf/hf_continuous_batching.py" --out "$OUT/results" ${HF_ARGS:-} > "$OUT/hf_cb.log" 2>&1; rc=$?; tail -n 25 "$OUT/hf_cb.log"; (exit $rc) ;;
     *)         echo "unknown stage $stage" ;;
   esac
