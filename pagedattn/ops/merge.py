@@ -6,9 +6,8 @@ the same stable rule as split-KV inside the kernel (split_combine.cuh):
 
     lse = log(sum_i exp(lse_i)),   out = sum_i exp(lse_i - lse) * out_i
 
-in float32 (torch's stable logsumexp), in the same few torch ops for any number of parts. A part whose
-row saw no key (lse_i = -inf) adds nothing, even where its out_i is NaN; a row no part saw gives out 0 and
-lse -inf, as the kernel does.
+computed from the largest lse_i, in float32. A part whose row saw no key (lse_i = -inf) adds nothing,
+even where its out_i is NaN; a row no part saw gives out 0 and lse -inf, as the kernel does.
 Learnable sinks (s_aux) are one logit of the whole softmax: pass them to ONE part's call only, or the
 merge counts them once per part.
 """
@@ -30,13 +29,17 @@ def merge_attn_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
     (written into `out` when given) and, with return_lse, the merged lse [Hq, total_q]."""
     outs, lses = list(outs), list(lses)
     _check(outs, lses, out)
-    # the same torch ops for any number of parts (a decode step's merge is host-bound: kernel launches)
-    lse = torch.stack(lses)                                         # [P, Hq, T]
-    merged_lse = torch.logsumexp(lse, dim=0)                        # -inf where no part saw a key
-    w = torch.exp(lse - merged_lse).nan_to_num_(0.0)                # -inf - -inf: NaN -> 0
-    w = w.transpose(1, 2).unsqueeze(-1)                             # [P, T, Hq, 1]
-    parts = torch.stack(outs).float().masked_fill_(w == 0, 0.0)     # [P, T, Hq, D]: an empty part's (NaN) rows out
-    acc = (w * parts).sum(dim=0)
+    lse = torch.stack([x.float() for x in lses])                    # [P, Hq, T]
+    top = lse.amax(dim=0)
+    top_safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = torch.exp(lse - top_safe)                                   # exp(-inf) = 0 for empty parts
+    total = w.sum(dim=0)
+    merged_lse = torch.where(total > 0, top_safe + torch.log(total), torch.full_like(top, float("-inf")))
+    w = w / total.clamp_min(1.0)  # total >= 1 where any part saw a key (its top term is exp(0)); else w = 0
+    acc = torch.zeros(outs[0].shape, dtype=torch.float32, device=outs[0].device)
+    for wi, oi in zip(w, outs):
+        wt = wi.transpose(0, 1).unsqueeze(-1)                       # [T, Hq, 1]
+        acc += torch.where(wt > 0, wt * oi.float(), torch.zeros((), device=acc.device))
     result = acc.to(outs[0].dtype)
     if out is not None:
         out.copy_(result)
