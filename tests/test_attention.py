@@ -1061,9 +1061,12 @@ def test_ws_prefill_dispatch_rules():
     with pytest.raises(UnsupportedError, match="fp8 caches at head_dim 128"):
         AttnFwdSpec("bf16", "fp8_e4m3", 256, "prefill_ws")
     fp8 = AttnFwdSpec("bf16", "fp8_e5m2", 128, "prefill_ws")  # its raw stages and barriers fit beside the ring
-    assert fp8.tiles == {**tile_config(128, "prefill_ws"), "kKAhead": True, "kWsProducerRegs": 72, "kWsQLate": True}
+    assert fp8.tiles == {**tile_config(128, "prefill_ws"), "kKAhead": True, "kWsProducerRegs": 72, "kWsQLate": True,
+                           "kWsFp8Qk": 4}
     assert fp8.dynamic_smem() <= 227 * 1024
-    assert fp8.dynamic_smem() == smem_bytes(fp8.tiles, 128, False) + 2 * 2 * 128 * 128 + 8 * 2 * 4 * 2
+    # a 16-bit cache's plan, then: K's 4 raw slots in the place of its 2 fp16 ones (the same bytes), 2 raw
+    # V stages, the mbarriers of the 2 more K slots (full, empty: 4 kinds per slot) and of the raw stages
+    assert fp8.dynamic_smem() == smem_bytes(fp8.tiles, 128, False) + 2 * 128 * 128 + 8 * (4 * 2 + 2 * 4 * 2)
     with pytest.raises(UnsupportedError, match="multiple of 64"):
         AttnFwdSpec("bf16", "auto", 96, "prefill_ws")
     for d in (64, 128, 192, 256):  # two consumer warpgroups of 64 rows and a producer warpgroup

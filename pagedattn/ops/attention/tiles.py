@@ -130,7 +130,7 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1,
                     kStages=2 if head_dim <= 128 else 3, kMinBlocks=1, kTma=True, kPingPong=True,
                     kExp2FmaSoftcap=2 if head_dim == 128 else 0, kWsQLate=head_dim == 256 or fp8,
-                    **(dict(kKAhead=True, kWsProducerRegs=72) if fp8 else {}))
+                    **(dict(kKAhead=True, kWsProducerRegs=72, kWsFp8Qk=4) if fp8 else {}))
     if mode == "prefill_wgmma":
         # Measured on H200, B=4 S=4096 causal d128 (perf/results/history/prefill_sweep_h200_*): more
         # warpgroups sharing each K/V stage win. rows x keys: 128x128 227 TFLOP/s, 192x128 300-309,
@@ -172,13 +172,17 @@ def smem_plan(cfg: dict, head_dim: int, fp8: bool) -> dict:
     else:
         elem_stages = 0 if fp8_regs(head_dim, cfg["kTma"] and not cfg["kWgmma"]) else 1
     raw_stages = (WS_RAW_STAGES if ws else cfg["kStages"]) if fp8 else 0
+    # prefill_ws, fp8 with kWsFp8Qk = n: K is not widened; its raw chunks land in a ring of n slots that
+    # S's fp8 MMAs read as they are (the RawK region), and only V has Element slots
+    k_slots = cfg.get("kWsFp8Qk", 0) if ws and fp8 else 0
     rows = cfg["kWarpsN"] * cfg["kBlockM"]  # the epilogue's rows: every warp group's
     plan = dict(ElemStages=elem_stages, RawStages=raw_stages, Q=cfg["kBlockM"] * head_dim,
-                K=elem_stages * stage, V=elem_stages * stage, RawK=raw_stages * stage, RawV=raw_stages * stage,
+                K=0 if k_slots else elem_stages * stage, V=elem_stages * stage,
+                RawK=(k_slots or raw_stages) * stage, RawV=raw_stages * stage,
                 O=rows * head_dim, RowStats=2 * rows,
                 # TMA: an mbarrier per (warp, ring slot); prefill_ws: a full and an empty one per slot of
                 # the K ring and of the V ring, and (fp8) one per (K or V, producer warp, raw stage)
-                RingBars=(4 if ws else cfg["kWarpsN"]) * cfg["kStages"] if cfg["kTma"] else 0,
+                RingBars=(4 if ws else cfg["kWarpsN"]) * max(cfg["kStages"], k_slots) if cfg["kTma"] else 0,
                 WsFlag=int(ws), WsWork=4 if ws else 0, WsRawBars=2 * 4 * raw_stages if ws else 0)
     main = max(2 * (plan["Q"] + plan["K"] + plan["V"]) + plan["RawK"] + plan["RawV"],
                4 * (plan["O"] + plan["RowStats"]))

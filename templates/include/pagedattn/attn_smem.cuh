@@ -81,18 +81,20 @@ struct AttnSmem {
   // what the tiles need of the plan (the plan is the host's; these are the kernel's side of it)
   static_assert(sizeof(Storage) == Plan::kBytes, "SharedStorage is not the plan's size (tiles.smem_plan)");
   static_assert(Plan::kQ == cute::cosize(typename Traits::SmemLayoutQ{}), "Q region: one Q tile");
-  static_assert(Plan::kK == Plan::kElemStages * Traits::kSmemStageElems && Plan::kV == Plan::kK,
-                "K/V regions: kElemStages stages of kWarpsN tiles");
+  static_assert(Plan::kV == Plan::kElemStages * Traits::kSmemStageElems &&
+                Plan::kK == (Traits::kFp8Qk ? 0 : Plan::kV),
+                "K/V regions: kElemStages stages of kWarpsN tiles (no K with fp8 S: its ring is RawK)");
   static_assert(Plan::kElemStages == (Traits::kFp8Regs ? 0 : Traits::kIsFp8 && !Traits::kWs ? 1 : Traits::kStages),
                 "Element stages: every stage (16-bit caches, prefill_ws), one widened stage (fp8), none (fp8 "
                 "operands in registers)");
-  static_assert(Plan::kRawK == Plan::kRawStages * Traits::kSmemStageRaw && Plan::kRawV == Plan::kRawK &&
+  static_assert(Plan::kRawV == Plan::kRawStages * Traits::kSmemStageRaw &&
+                Plan::kRawK == (Traits::kFp8Qk ? Traits::kKSlots * Traits::kSmemStageRaw : Plan::kRawV) &&
                 (Traits::kIsFp8 ? Plan::kRawStages >= 2 && (Traits::kWs || Plan::kRawStages == Traits::kStages)
                                 : Plan::kRawStages == 0),
                 "raw fp8 stages: the pipeline's (prefill_ws: its own count), none for 16-bit caches");
   static_assert(Plan::kO == kEpilogueRows * Traits::kHeadDim && Plan::kRowStats == 2 * kEpilogueRows,
                 "epilogue: O, m and l of every warp group's rows");
-  static_assert(Plan::kRingBars == (Traits::kTma ? (Traits::kWs ? 4 : Traits::kWarpsN) * Traits::kStages : 0),
+  static_assert(Plan::kRingBars == (Traits::kTma ? (Traits::kWs ? 4 : Traits::kWarpsN) * Traits::kRingSlots : 0),
                 "ring mbarriers: one per (warp, slot); prefill_ws: full and empty of K and V per slot");
   static_assert(Plan::kWsFlag == int(Traits::kWs) && Plan::kWsWork == (Traits::kWs ? 4 : 0) &&
                 Plan::kWsRawBars == (Traits::kWs ? 2 * 4 * Plan::kRawStages : 0),
@@ -119,16 +121,18 @@ struct AttnSmem {
   __device__ __forceinline__ Element* v_tile(int stage, int group) const {
     return region<kTagV>(mainloop()) + (stage * Traits::kWarpsN + group) * Traits::kTileElems;
   }
-  // fp8 bytes of `keys` rows from row `row` of stage `stage` (kHeadDim bytes a row, unpadded)
+  // fp8 bytes of `keys` rows from row `row` of stage `stage` (kHeadDim bytes a row, unpadded); K with
+  // fp8 S (kFp8Qk): the stages are its ring's slots
   __device__ __forceinline__ uint8_t* raw_k(int stage, int row = 0) const {
     return region<kTagRawK>(mainloop()) + (stage * Traits::kStageKeys + row) * Traits::kHeadDim;
   }
   __device__ __forceinline__ uint8_t* raw_v(int stage, int row = 0) const {
     return region<kTagRawV>(mainloop()) + (stage * Traits::kStageKeys + row) * Traits::kHeadDim;
   }
-  // TMA ring barriers of warp group `group` (kWs: 0 full K, 1 full V, 2 empty K, 3 empty V): kStages of them
+  // TMA ring barriers of warp group `group` (kWs: 0 full K, 1 full V, 2 empty K, 3 empty V): kRingSlots
+  // of them (kStages but with a deeper fp8 K ring)
   __device__ __forceinline__ uint64_t* ring_bars(int group) const {
-    return region<kTagRingBars>(storage()) + group * Traits::kStages;
+    return region<kTagRingBars>(storage()) + group * Traits::kRingSlots;
   }
 
   // epilogue

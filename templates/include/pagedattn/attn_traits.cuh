@@ -74,11 +74,19 @@ struct AttnTraits {
   // are fp16 values exactly); a bf16 Q is then converted to fp16 in shared memory once per item, each
   // warp's rows scaled by a power of two that keeps them below fp16's largest (kQToHalf)
   using MmaElement = cute::conditional_t<kWs && kIsFp8, cutlass::half_t, Element>;
-  static constexpr bool kQToHalf = kWs && kIsFp8 && kIsBf16;
+  static constexpr bool kQToHalf = kWs && kIsFp8 && kIsBf16 && !PAGEDATTN_WS_FP8_QK;
   static constexpr int kProducerThreads = kWs ? 128 : 0;
   static constexpr int kCtaThreads = kThreads + kProducerThreads;
   static constexpr bool kPingPong = kPingPong_;  // kWs: the consumer warpgroups take turns issuing MMAs
   static constexpr bool kKAhead = kKAhead_;  // kWs, fp8: the producer widens K a step ahead of V
+  // kWs, fp8 (PAGEDATTN_WS_FP8_QK, tile field kWsFp8Qk: its slots, 0 off): K is not widened. Its raw
+  // chunks land by TMA in a ring of kKSlots slots and S = Q K^T runs as fp8 MMAs on them: Q is split
+  // per item into two e4m3 tiles, hi + lo, which hold a bf16 or fp16 Q's value exactly (but for parts
+  // below 2^-9 of the largest |q| of the warp's rows), so S costs the MMAs of one 16-bit S and the
+  // producer widens V alone
+  static constexpr int kKSlots = kWs && kIsFp8 ? PAGEDATTN_WS_FP8_QK : 0;
+  static constexpr bool kFp8Qk = kKSlots > 0;
+  static constexpr int kRingSlots = kKSlots > kStages ? kKSlots : kStages;  // mbarriers per ring kind
   // kWs with softcap (a tanh per score on the SFU too): column groups of 8 keys, of kBlockN / 8, whose
   // 2^x the consumers compute on the FMA pipe instead (OnlineSoftmax::exponentiate)
   static constexpr int kExp2FmaSoftcap = kExp2FmaSoftcap_;

@@ -19,6 +19,7 @@
 #include <cute/arch/mma_sm90.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/atom/mma_atom.hpp>
+#include "pagedattn/numeric.cuh"
 
 namespace pagedattn {
 
@@ -96,7 +97,11 @@ struct WgmmaTiles {
   using VtSteps = cute::Layout<cute::Shape<cute::_1, cute::_1, cute::Int<kN / 16>>,
                                cute::Stride<cute::_0, cute::_0, cute::_128>>;
 
-  __device__ __forceinline__ static cute::GmmaDescriptor sw128_desc(Element const* tile, uint32_t leading,
+  // fp8 operands (kFp8Qk): a k-step is 32 columns (32 bytes, 2 units) of the one 128-byte panel
+  using Fp8Steps = cute::Layout<cute::Shape<cute::_1, cute::_1, cute::Int<kD / 32>>,
+                                cute::Stride<cute::_0, cute::_0, cute::_2>>;
+
+  __device__ __forceinline__ static cute::GmmaDescriptor sw128_desc(void const* tile, uint32_t leading,
                                                                      uint32_t stride) {
     cute::GmmaDescriptor d;
     d.bitfield.layout_type_ = uint8_t(cute::GMMA::LayoutType::B128);
@@ -121,9 +126,34 @@ struct WgmmaTiles {
                              VtSteps{});
   }
 
+  // kFp8Qk: the e4m3 Q tile `half` (0: hi, 1: lo; kM rows of kD bytes each, hi first) of thread
+  // tidx's warpgroup, and a raw K slot
+  __device__ __forceinline__ static auto frag_q8(void const* q_tiles, int half, int tidx) {
+    static_assert(kD == 128, "one 128-byte panel");
+    int const wg = tidx / 128 % (Traits::kWarpsM / 4);
+    char const* const at = static_cast<char const*>(q_tiles) + (half * kM + wg * 64) * kD;
+    return cute::make_tensor(cute::GMMA::DescriptorIterator{sw128_desc(at, 1, 64)}, Fp8Steps{});
+  }
+  __device__ __forceinline__ static auto frag_k8(void const* k_raw) {
+    return cute::make_tensor(cute::GMMA::DescriptorIterator{sw128_desc(k_raw, 1, 64)}, Fp8Steps{});
+  }
+
   // P in registers, in the A-operand order of TiledMmaPV: (8 values, 1 row block, kBlockN / 16 steps)
   using FragP = decltype(cute::make_tensor<Element>(
       cute::Shape<cute::Shape<cute::_2, cute::_2, cute::_2>, cute::_1, cute::Int<kN / 16>>{}));
+};
+
+// kFp8Qk (prefill_ws, fp8 cache): S = Q K^T as e4m3 Q (hi, then lo) times the raw fp8 K, both K-major
+// in 128-byte swizzled rows (one 128-column panel: the decode path's TMA boxes). Apart from WgmmaTiles
+// so that only the kernels that use it instantiate it.
+template <class Traits>
+struct WgmmaQk8 {
+  using Tiles = WgmmaTiles<Traits>;
+  using KElement = cute::conditional_t<Traits::kFp8 == Fp8Format::kE5M2, cutlass::float_e5m2_t, cutlass::float_e4m3_t>;
+  using TiledMma = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<cutlass::float_e4m3_t, KElement, float,
+                                 cute::Shape<cute::_64, cute::Int<Tiles::kN>, cute::Int<Tiles::kD>>>(),
+      typename Tiles::WarpGroups{}));
 };
 
 // C (+)= A B over all k-steps of the operands, issued as one wgmma batch; kZeroInit overwrites C (no
@@ -148,6 +178,23 @@ __device__ __forceinline__ void wgmma_gemm(TiledMma& mma, TA& a, TB const& b, TC
     warpgroup_fence_operand(c);
     if constexpr (kRegA) warpgroup_fence_operand(a);
   }
+}
+
+// C = A1 B + A2 B as one wgmma batch, not waited for (kFp8Qk's S: Q's e4m3 hi and lo against one K).
+template <class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void wgmma_gemm_split(TiledMma& mma, TA const& a1, TA const& a2, TB const& b, TC& c) {
+  using namespace cute;
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a1); ++k) {
+    cute::gemm(mma, a1(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a2); ++k) cute::gemm(mma, a2(_, _, k), b(_, _, k), c);
+  warpgroup_commit_batch();
 }
 
 // Waits until at most kPending of this warpgroup's wgmma batches are in flight (they complete in

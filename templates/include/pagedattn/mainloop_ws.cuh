@@ -220,13 +220,33 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
     uint64_t* const k_bar = c.smem.ws_raw_bar(0, warp, rs);
     uint64_t* const v_bar = c.smem.ws_raw_bar(1, warp, rs);
     if (lane == 0) {
-      mbarrier_arrive_expect_tx(k_bar, __popc(loads) * kRawChunkBytes);
+      if constexpr (!Traits::kFp8Qk) mbarrier_arrive_expect_tx(k_bar, __popc(loads) * kRawChunkBytes);
       mbarrier_arrive_expect_tx(v_bar, __popc(loads) * kRawChunkBytes);
     }
     __syncwarp();
     if (k.valid) {
-      tma_load_4d(c.smem.raw_k(rs, 16 * my.q), my.k_map, 0, k.c1, k.c2, phys, k_bar);
+      if constexpr (!Traits::kFp8Qk) tma_load_4d(c.smem.raw_k(rs, 16 * my.q), my.k_map, 0, k.c1, k.c2, phys, k_bar);
       tma_load_4d(c.smem.raw_v(rs, 16 * my.q), my.v_map, 0, k.c1, k.c2, phys, v_bar);
+    }
+    if constexpr (Traits::kFp8Qk) {
+      // K straight into its ring slot once the consumers' S freed it (chunks of corrupt pages as zeros)
+      constexpr int kKSlots = Traits::kKSlots;
+      int const slot = ring.slot<kKSlots>(it);
+      uint8_t* const dst = c.smem.raw_k(slot);
+      mbarrier_wait(bars.empty_k + slot, ring.phase<kKSlots>(it) ^ 1u);
+      if (bad) {  // rare
+        for (int l = 0; l < kPerWarp; ++l) {
+          if (!(bad >> l & 1u)) continue;
+          for (int b = 16 * lane; b < kRawChunkBytes; b += 16 * 32) {
+            *reinterpret_cast<uint4*>(dst + (first_chunk + l) * kRawChunkBytes + b) = make_uint4(0, 0, 0, 0);
+          }
+        }
+        fence_proxy_async_smem();
+        __syncwarp();
+      }
+      if (lane == 0) mbarrier_arrive_expect_tx(bars.full_k + slot, __popc(loads) * kRawChunkBytes);
+      __syncwarp();
+      if (k.valid) tma_load_4d(dst + 16 * my.q * kHeadDim, my.k_map, 0, k.c1, k.c2, phys, bars.full_k + slot);
     }
   };
   // step it's K or V from its raw stage into its ring slot, once the consumers freed the slot; the
@@ -311,7 +331,21 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
   // steps; raw stage it % 2 is refilled with a later step once step it is out of it.
   uint32_t loads0, bad0, loads1, bad1;
   issue(0, my.chunk_page(0), loads0, bad0);
-  if constexpr (!Traits::kKAhead) {  // K(it), V(it); raw(it + 1) in flight meanwhile
+  if constexpr (Traits::kFp8Qk) {
+    // V(it) widened while K(it + 1) and raw V(it + 1) are in flight; then K and raw V of step it + 2
+    // (its raw V stage is V(it)'s, just freed; its K slot S(it + 2 - kKSlots)'s)
+    issue(1, my.chunk_page(1), loads1, bad1);
+    int phys_next = my.chunk_page(2);
+    for (int it = 0; it < n_steps; ++it) {
+      widen(it, true, loads0, bad0);
+      publish(-1, it);
+      uint32_t loads2, bad2;
+      issue(it + 2, phys_next, loads2, bad2);
+      phys_next = my.chunk_page(it + 3);
+      loads0 = loads1, bad0 = bad1;
+      loads1 = loads2, bad1 = bad2;
+    }
+  } else if constexpr (!Traits::kKAhead) {  // K(it), V(it); raw(it + 1) in flight meanwhile
     int phys_next = my.chunk_page(1);
     for (int it = 0; it < n_steps; ++it) {
       issue(it + 1, phys_next, loads1, bad1);
@@ -378,6 +412,62 @@ __device__ __forceinline__ void ws_load_q(AttnParams const& p, AttnWork const& w
   cp_async_commit();
 }
 
+// Traits::kFp8Qk: each warp turns the 16 Q rows whose scores it holds from 16-bit panels (two of 64
+// columns, 128 bytes a row) into two e4m3 tiles of 128-byte rows in the same bytes, hi (q times 2^s,
+// rounded) where panel 0 was and lo (the rest, rounded) where panel 1 was, each row where it was. s
+// puts the rows' largest |q| in [128, 256), so hi + lo is q 2^s exactly but for parts below 2^-9
+// (e4m3's least subnormal), under 2^-16 of that largest |q|. The two lanes of a row each convert one
+// panel's 64 columns (16-byte pieces at piece ^ (row % 8) in both layouts); unscale = 2^-s.
+template <class Traits>
+__device__ __forceinline__ void ws_q_split(AttnSmem<Traits> const& sm, int wg, float& unscale) {
+  static_assert(Traits::kHeadDim == 128 && Traits::kBlockM == 128, "two 64-column panels, one 128-byte row");
+  constexpr int kPanelBytes = Traits::kBlockM * 128;
+  int const lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32 % 4;
+  int const row = 64 * wg + 16 * warp + lane / 2, half = lane % 2, sw = row % 8;
+  char* const q = reinterpret_cast<char*>(sm.q());
+  char* const src = q + half * kPanelBytes + row * 128;
+  float v[64];  // the lane's 64 values, in column order
+  CUTE_UNROLL
+  for (int j = 0; j < 8; ++j) {
+    uint4 const x = *reinterpret_cast<uint4 const*>(src + ((j ^ sw) << 4));
+    auto const* e = reinterpret_cast<typename Traits::Element const*>(&x);
+    CUTE_UNROLL
+    for (int i = 0; i < 8; ++i) v[8 * j + i] = to_float(e[i]);
+  }
+  float top = 0.f;  // NaN is left out here and stays NaN in hi
+  CUTE_UNROLL
+  for (int i = 0; i < 64; ++i) top = fmaxf(top, fabsf(v[i]));
+  uint32_t const top_bits = __reduce_max_sync(0xffffffffu, __float_as_uint(top));  // non-negative: as integers
+  int const s = min(120, max(-120, 7 - (int(top_bits >> 23) - 127)));
+  float const up = __uint_as_float(uint32_t(127 + s) << 23);
+  unscale = __uint_as_float(uint32_t(127 - s) << 23);
+  __syncwarp();  // every read of the row's two panels before either lane writes over them
+  CUTE_UNROLL
+  for (int t = 0; t < 4; ++t) {  // fp8 piece 4 half + t: columns 16 t .. 16 t + 15 of the lane's panel
+    uint32_t hi[4], lo[4];
+    CUTE_UNROLL
+    for (int w = 0; w < 4; ++w) {
+      uint32_t hw[2], lw[2];
+      CUTE_UNROLL
+      for (int p = 0; p < 2; ++p) {
+        int const i = 16 * t + 4 * w + 2 * p;
+        float2 const x = make_float2(v[i] * up, v[i + 1] * up);
+        __nv_fp8x2_storage_t const h = __nv_cvt_float2_to_fp8x2(x, __NV_SATFINITE, __NV_E4M3);
+        __half2_raw const hr = __nv_cvt_fp8x2_to_halfraw2(h, __NV_E4M3);
+        float2 const back = __half22float2(*reinterpret_cast<__half2 const*>(&hr));
+        float2 const r = make_float2(x.x - back.x, x.y - back.y);
+        hw[p] = h;
+        lw[p] = __nv_cvt_float2_to_fp8x2(r, __NV_SATFINITE, __NV_E4M3);
+      }
+      hi[w] = hw[0] | hw[1] << 16;
+      lo[w] = lw[0] | lw[1] << 16;
+    }
+    int const at = row * 128 + (((4 * half + t) ^ sw) << 4);
+    *reinterpret_cast<uint4*>(q + at) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    *reinterpret_cast<uint4*>(q + kPanelBytes + at) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+  }
+}
+
 // This warpgroup's Q rows landed and are visible to wgmma. Traits::kQToHalf: each warp then converts
 // the 16 rows whose scores it holds (wgmma gives warp w of a warpgroup rows 16 w .. 16 w + 15) from
 // bf16 to fp16 in place, times 2^-e, e the least power keeping the rows' largest magnitude below 2^15
@@ -416,6 +506,10 @@ __device__ __forceinline__ float ws_q_ready(AttnSmem<Traits> const& sm, int wg) 
       *piece(i) = x;
     }
     unscale = __uint_as_float(uint32_t(127 + e) << 23);
+  }
+  if constexpr (Traits::kFp8Qk) {
+    ws_group_sync(wg);  // every thread's copies of this warpgroup's rows landed
+    ws_q_split<Traits>(sm, wg, unscale);
   }
   fence_proxy_async_smem();
   ws_group_sync(wg);
@@ -554,7 +648,9 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   // 1135-1157 us, B=1 S=16384 4183-4303 -> 3978 us, B=8 512 over 8192 1023-1031 -> 969-978 us).
   int const n_steps = c.w.step_end - c.w.step_begin;
   auto key0_of = [&](int it) { return (c.w.step_begin + it) * kBlockN; };
-  auto wait_k = [&](int it) { mbarrier_wait(bars.full_k + ring.slot<kStages>(it), ring.phase<kStages>(it)); };
+  constexpr int kKSlots = Traits::kFp8Qk ? Traits::kKSlots : kStages;  // K's ring
+  Tensor acc_s = Tiles::template acc<typename Tiles::TiledMmaQK, kBlockN>();
+  auto wait_k = [&](int it) { mbarrier_wait(bars.full_k + ring.slot<kKSlots>(it), ring.phase<kKSlots>(it)); };
   auto wait_v = [&](int it) {  // step it's V landed; rows past the request's end zeroed
     mbarrier_wait(bars.full_v + ring.slot<kStages>(it), ring.phase<kStages>(it));
     if constexpr (!Traits::kIsFp8) {  // fp8: the producer wrote those rows as zeros
@@ -568,15 +664,31 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   auto tOrVt = [&](int it) {
     return Tiles::frag_vt(reinterpret_cast<Element const*>(c.smem.v_tile(ring.slot<kStages>(it), 0)));
   };
-  auto release = [&](uint64_t* empty, int it) {  // this warp is done with step it's slot
+  auto release_slot = [&](uint64_t* empty) {  // this warp is done with a slot
     __syncwarp();
-    if (c.tidx % 32 == 0) mbarrier_arrive(empty + ring.slot<kStages>(it));
+    if (c.tidx % 32 == 0) mbarrier_arrive(empty);
+  };
+  auto release_k = [&](int it) { release_slot(bars.empty_k + ring.slot<kKSlots>(it)); };
+  auto release_v = [&](int it) { release_slot(bars.empty_v + ring.slot<kStages>(it)); };
+  // S of step it, issued (not waited for)
+  auto issue_s = [&](int it) {
+    if constexpr (Traits::kFp8Qk) {
+      void const* q = c.smem.q();
+#if PAGEDATTN_WS_Q_LATE
+      asm volatile("" : "+l"(q));
+#endif
+      typename WgmmaQk8<Traits>::TiledMma mma_qk8;
+      Tensor k8 = Tiles::frag_k8(c.smem.raw_k(ring.slot<kKSlots>(it)));
+      wgmma_gemm_split(mma_qk8, Tiles::frag_q8(q, 0, c.tidx), Tiles::frag_q8(q, 1, c.tidx), k8, acc_s);
+    } else {
+      Tensor q = tSrQ();
+      wgmma_gemm<true, false>(mma_qk, q, tSrK(it), acc_s);
+    }
   };
   auto to_p = [&](auto const& s) {
     CUTE_UNROLL
     for (int i = 0; i < size(s); ++i) tOrP(i) = Element(s(i));
   };
-  Tensor acc_s = Tiles::template acc<typename Tiles::TiledMmaQK, kBlockN>();
   Tensor s_rows = make_tensor(acc_s.data(), Layout<Shape<_4, _1, Int<kBlockN / 8>>>{});
   // softcapped scores are bounded: a fixed maximum where P's type holds them (OnlineSoftmax::fix_max)
   bool const fixed_max = Features::kSoftcap && !Features::kAlibi && softmax.template fix_max<Element>(mask.cap_out);
@@ -594,13 +706,10 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   } else {
     wait_k(0);
     pp.my_turn();
-    {
-      Tensor q0 = tSrQ();
-      wgmma_gemm<true, false>(mma_qk, q0, tSrK(0), acc_s);
-    }
+    issue_s(0);
     pp.your_turn();
     wgmma_wait<0>(acc_s);
-    release(bars.empty_k, 0);
+    release_k(0);
     float alpha[2];  // the rescaling of O that step it's scores ask for
     exponentiate(0, alpha);
     to_p(acc_s);
@@ -608,19 +717,16 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       wait_k(it);
       wait_v(it - 1);
       pp.my_turn();
-      {
-        Tensor q = tSrQ();
-        wgmma_gemm<true, false>(mma_qk, q, tSrK(it), acc_s);
-      }
+      issue_s(it);
       if (!fixed_max) softmax.rescale(o_rows, alpha);  // while S's MMAs run (O is zero at step 1)
       wgmma_gemm<false, false>(mma_pv, tOrP, tOrVt(it - 1), acc_o);
       pp.your_turn();
       wgmma_wait<1>(acc_s);
-      release(bars.empty_k, it);
+      release_k(it);
       exponentiate(it, alpha);
       wgmma_wait<0>(acc_o);
       warpgroup_fence_operand(tOrP);  // P of step it - 1 stays in its registers until its MMAs are done
-      release(bars.empty_v, it - 1);
+      release_v(it - 1);
       to_p(acc_s);
     }
     next_q();  // the last S is done (and S's registers are free): Q's shared memory is no longer read
@@ -631,7 +737,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
     pp.your_turn();
     wgmma_wait<0>(acc_o);
     warpgroup_fence_operand(tOrP);
-    release(bars.empty_v, n_steps - 1);
+    release_v(n_steps - 1);
   }
   ws_store_tile<Traits, Features>(c, o_rows, softmax,
                                   Tiles::template coords<kHeadDim>(c.tidx));
@@ -677,7 +783,7 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
   AttnSmem<Traits> const sm{smem};
   WsBarriers const bars(sm);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < Traits::kStages; ++s) {
+    for (int s = 0; s < Traits::kRingSlots; ++s) {
       mbarrier_init(bars.full_k + s, kWsProducerWarps);
       mbarrier_init(bars.full_v + s, kWsProducerWarps);
       mbarrier_init(bars.empty_k + s, Traits::kThreads / 32);
