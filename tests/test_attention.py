@@ -375,8 +375,8 @@ def fp8_ws():
 
 
 def _fp8_ws_grid(n, seed=19):
-    """fp8 caches through the warp-specialised prefill (head dim 128: S as fp8 MMAs on raw TMA K chunks,
-    V's chunks widened by the producer warps into the fp16 ring P V reads): both formats and layouts, head sizes that run on the 128
+    """fp8 caches through the warp-specialised prefill (head dim 128: raw TMA chunks widened by the
+    producer warps into the fp16 ring its MMAs read): both formats and layouts, head sizes that run on the 128
     tile (112: the tensor map zero-fills the last columns), splits, mixed and long batches."""
     rng = random.Random(seed)
     axes = dict(dtype=[torch.float16, torch.bfloat16], D=[128, 112], layout=["NHD", "HND"],
@@ -396,8 +396,8 @@ def test_fp8_ws_prefill_matches_reference(c, decode_loader, fp8_ws):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_ws_widens_every_value_exactly(kv, dtype, fp8_ws):
-    """prefill_ws's producer widens V's fp8 to fp16 (e4m3 by the hardware conversion, e5m2 by byte moves;
-    S reads K as fp8: test_fp8_ws_scores_keep_q_exact). With one key per request each output row is the widened V row itself, so
+    """prefill_ws's producer widens fp8 to fp16 (e4m3 by the hardware conversion, e5m2 by byte moves)
+    and converts a bf16 Q to fp16. With one key per request each output row is the widened V row itself, so
     every finite fp8 value (both signs, the subnormals) must come out exactly as torch converts it.
     The rest of each key's 16-key chunk is NaN bytes; shuffled pages. Q is zero, so every score is 0
     and the key's weight exactly 1: with random Q, e5m2 keys (up to 57344) make scores of ~1e5 whose
@@ -437,11 +437,17 @@ def test_fp8_ws_widens_every_value_exactly(kv, dtype, fp8_ws):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_ws_scores_keep_q_exact(kv, dtype, fp8_ws):
-    """prefill_ws with an fp8 cache computes S = Q K^T as e4m3 MMAs, Q split into hi + lo e4m3 tiles per
-    item. The LSE is the sharpest view of S: with scores of std ~10 and |q| spread over e^±3, rounding
-    Q to one e4m3 tile moves it by ~2 (a float64 emulation), hi + lo by ~3e-4. Float64 reference on
-    the same fp8 cache, ragged requests over shuffled pages, fresh random inputs."""
+@pytest.mark.parametrize("k_slots", [0, 4], ids=["widened", "fp8_s"])
+def test_fp8_ws_scores_keep_q_exact(k_slots, kv, dtype, fp8_ws):
+    """The LSE is the sharpest view of S = Q K^T: scores of std ~10, |q| spread over e^±3, float64
+    reference on the same fp8 cache, ragged requests over shuffled pages, fresh random inputs.
+    The default path widens K to fp16, so S is the dequantised cache's: the LSE within 5e-3 (H200: 6e-5,
+    equal to a bf16 cache's). The opt-in fp8 S (tile field kWsFp8Qk) splits Q into e4m3 hi + lo tiles,
+    exact to ~3e-4 of the LSE in a float64 emulation (one e4m3 tile: ~2), but the fp8 MMAs accumulate
+    with less than fp32's precision: H200 measured 0.08-0.15 here (perf/results/ws_fp8_qk/precision/);
+    this holds it to 0.3 and the output to the grid's rel L2 2e-2."""
+    from pagedattn.ops import attention as attention_ops
+
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("prefill_ws is sm_90a-only")
     gen = torch.Generator().manual_seed(29)
@@ -460,14 +466,26 @@ def test_fp8_ws_scores_keep_q_exact(kv, dtype, fp8_ws):
     cu_q = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=DEV)
     seqused = torch.tensor(k_lens, dtype=torch.int32, device=DEV)
     one = torch.ones(1, device=DEV)
-    out, lse = flash_attn_varlen_func(q, kc, vc, max(q_lens), cu_q, max(k_lens), seqused_k=seqused,
-                                      block_table=block_table.to(DEV), causal=True, return_softmax_lse=True,
-                                      kv_cache_dtype=kv, k_descale=one, v_descale=one)
+    with attention_ops.forced(tiles={"prefill_ws": {"kWsFp8Qk": k_slots}}):
+        out, lse = flash_attn_varlen_func(q, kc, vc, max(q_lens), cu_q, max(k_lens), seqused_k=seqused,
+                                          block_table=block_table.to(DEV), causal=True, return_softmax_lse=True,
+                                          kv_cache_dtype=kv, k_descale=one, v_descale=one)
     want, want_lse = reference.paged_attention(q, kc, vc, cu_q, seqused, block_table.to(DEV), causal=True,
                                                kv_cache_dtype=kv, k_descale=one, v_descale=one,
                                                return_lse=True, compute_dtype=torch.float64)
-    assert (lse.float() - want_lse).abs().max().item() < 5e-3
-    assert rel_l2(out.float(), want) < 1e-2
+    assert (lse.float() - want_lse).abs().max().item() < (0.3 if k_slots else 5e-3)
+    assert rel_l2(out.float(), want) < (2e-2 if k_slots else 5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", _fp8_ws_grid(32)[:12], ids=_case_id)
+def test_fp8_ws_fp8_scores_match_reference(c, decode_loader, fp8_ws):
+    """The opt-in fp8 S of prefill_ws (tile field kWsFp8Qk: K read raw by e4m3 x fp8 MMAs, the producer
+    widening V alone) over a share of the fp8 ws grid."""
+    from pagedattn.ops import attention as attention_ops
+
+    with attention_ops.forced(tiles={"prefill_ws": {"kWsFp8Qk": 4}}):
+        _check_sm90a_mode(c, decode_loader, "prefill_ws", required=c["batch"] != "mixed")
 
 
 def _ws_grid(n, seed=17):
@@ -1097,11 +1115,9 @@ def test_ws_prefill_dispatch_rules():
     with pytest.raises(UnsupportedError, match="fp8 caches at head_dim 128"):
         AttnFwdSpec("bf16", "fp8_e4m3", 256, "prefill_ws")
     fp8 = AttnFwdSpec("bf16", "fp8_e5m2", 128, "prefill_ws")  # its raw stages and barriers fit beside the ring
-    assert fp8.tiles == {**tile_config(128, "prefill_ws"), "kWsProducerRegs": 72, "kWsQLate": True, "kWsKSlots": 4}
+    assert fp8.tiles == {**tile_config(128, "prefill_ws"), "kKAhead": True, "kWsProducerRegs": 72, "kWsQLate": True}
     assert fp8.dynamic_smem() <= 227 * 1024
-    # a 16-bit cache's plan, then: K's 4 raw slots in the place of its 2 fp16 ones (the same bytes), 2 raw
-    # V stages, the mbarriers of the 2 more K slots (4 kinds per slot) and of the raw V stages (per warp)
-    assert fp8.dynamic_smem() == smem_bytes(fp8.tiles, 128, False) + 2 * 128 * 128 + 8 * (4 * 2 + 4 * 2)
+    assert fp8.dynamic_smem() == smem_bytes(fp8.tiles, 128, False) + 2 * 2 * 128 * 128 + 8 * 2 * 4 * 2
     with pytest.raises(UnsupportedError, match="multiple of 64"):
         AttnFwdSpec("bf16", "auto", 96, "prefill_ws")
     for d in (64, 128, 192, 256):  # two consumer warpgroups of 64 rows and a producer warpgroup
@@ -1119,8 +1135,7 @@ def test_ws_prefill_dispatch_rules():
     assert "#define PAGEDATTN_WS_Q_LATE 1" in Kernel(AttnFwdSpec("bf16", "auto", 256, "prefill_ws")).source
     # softcap at d128: 2 of the 16 column groups take 2^x on the FMA pipe (the SFU has the tanh too)
     assert tile_config(128, "prefill_ws")["kExp2FmaSoftcap"] == 2 and tile_config(64, "prefill_ws")["kExp2FmaSoftcap"] == 0
-    # the traits' last arguments: kPingPong, kExp2FmaSoftcap
-    assert "true,2,Smem>" in "".join(Kernel(AttnFwdSpec("bf16", "auto", 128, "prefill_ws", softcap=True)).source.split())
+    assert "false,2,Smem>" in "".join(Kernel(AttnFwdSpec("bf16", "auto", 128, "prefill_ws", softcap=True)).source.split())
 
 
 def test_tiles_beyond_shared_memory_are_refused():

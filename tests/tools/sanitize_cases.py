@@ -18,7 +18,7 @@ if sys.argv[1:] == ["ws"]:
 
     from pagedattn.ops.attention.overrides import forced
 
-    # the fp8 case: S reads the raw K chunks, the producer widens V's (forced; the dispatch takes prefill_ws there)
+    # the fp8 case: its producer widens the chunks to fp16 (forced, though the dispatch takes prefill_ws there)
     cases = (("NHD", 128, "auto"), ("HND", 64, "auto"), ("NHD", 256, "auto"), ("NHD", 128, "fp8_e4m3"))
     for layout, D, kv in cases:
         fp8 = kv != "auto"

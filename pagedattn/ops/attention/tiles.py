@@ -27,7 +27,7 @@ SM90_MODES = (*TMA_MODES, "prefill_wgmma")
 # Shared memory one CTA may use (the opt-in maximum of cudaFuncSetAttribute), per NVRTC target.
 SMEM_PER_CTA = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90a": 227 * 1024}
 SMEM_LIMIT = SMEM_PER_CTA["sm_90a"]  # the budget of the default tiles (every one of them also fits sm_80's)
-WS_RAW_STAGES = 2  # prefill_ws with an fp8 cache: V's raw stages (Smem::kRawStages; K's ring is kWsKSlots)
+WS_RAW_STAGES = 2  # prefill_ws with an fp8 cache: raw stages per K and V (AttnTraits::kRawStages)
 SMALL_SMEM_ARCH = "sm_86"  # the tiles of AttnFwdSpec.small_smem: those of the 99 KiB archs (sm_86, sm_89)
 
 
@@ -113,18 +113,22 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # 814 / 809 -> 801 / 796 us (rot / flush; two rounds alike, perf/results/ws_tiles_d64/; 192-key
         # stages gain the same, with spills). Three elsewhere where they fit (tile_config drops to two
         # where shared memory ends, at d256).
-        # fp8 (head dim 128): S = Q K^T runs as e4m3 x fp8 MMAs on K's raw chunks, in a ring of kWsKSlots
-        # = 4 raw slots (the bytes of two fp16 ones), Q split per item into e4m3 hi + lo (exact to 2^-16
-        # of a warp's largest |q|); the producer widens V alone (to fp16, for P V) and keeps 72 registers
-        # (the consumers 216). Measured on H200, B=4 S=4096 causal e4m3, us back to back / flushed
-        # (perf/results/ws_fp8_qk/): with K widened too (K a step ahead of V) 1287 / 1287, 0.89x of bf16
-        # in the same run; S in fp8 1204-1215 / 1208-1214, 0.91-0.93x; producer registers 56 alike
-        # (1195-1218), 48 slower (1238-1252); three V slots alike (1203-1221). With K widened, producer
-        # registers had mattered (perf/results/ws_fp8_half/: 40 1507 us, 56 1331-1340, 72 1281-1287).
+        # fp8 (head dim 128): the producer widens the chunks (to fp16), so it keeps 72 registers (the
+        # consumers 216, as with 64) and widens K(n + 1) before V(n) (kKAhead). Measured on H200, B=4
+        # S=4096 causal e4m3 (perf/results/ws_fp8_half/): 40 registers 1507 us, 48 1444, 56 1389; with
+        # kKAhead 56 1331-1340, 64 1300, 72 1281-1287, 80 1347-1356 (bf16 ws 1140-1170 in those runs).
         # Softcap at d128 (a tanh per score: the SFU, not the tensor cores, bounds the step): 2 of the 16
         # column groups take 2^x on the FMA pipe; measured on H200 (perf/results/ws_tiles_softcap_exp2fma_*
         # 0485e2d: B=4 S=4096 causal 1428 -> 1395-1408 us, B=1 S=16384 4990 -> 4936 us; 1 and 3 no gain,
         # 4, 6 and 8 slower: the FMA pipe fills).
+        # kWsFp8Qk (fp8; off, opt-in through tile overrides): S = Q K^T as e4m3 x fp8 MMAs on K's raw chunks
+        # (a ring of kWsFp8Qk raw slots in the bytes of the two fp16 K slots; Q split per item into e4m3
+        # hi + lo, exact to 2^-16 of a warp's largest |q|), so the producer widens V alone. Faster: B=4
+        # S=4096 causal e4m3 on H200, 1287 -> 1204-1221 us, 0.89x -> 0.91-0.94x of bf16 in the same runs
+        # (perf/results/ws_fp8_qk/). Not the default because the fp8 MMAs accumulate with less than fp32's
+        # precision: against float64, the LSE moved by up to 1e-3 with normal Q and 0.15-0.33 with
+        # heavy-tailed or outlier-channel Q, the output's rel L2 up to 1e-2, where the widened path
+        # matches the bf16 cache's results bit for bit (ws_fp8_qk/precision/).
         # kWsQLate at d256: Q's 16 wgmma descriptors made per S rather than held across the step loop,
         # where they spilled with the 128-register O: B=4 S=4096 causal 2467 / 2407 and 2447 / 2429 ->
         # 2290 / 2256 and 2291 / 2281 us (rot / flush, two rounds in one call); d128 and d192 alike either
@@ -134,7 +138,7 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1,
                     kStages=2 if head_dim <= 128 else 3, kMinBlocks=1, kTma=True, kPingPong=True,
                     kExp2FmaSoftcap=2 if head_dim == 128 else 0, kWsQLate=head_dim == 256 or fp8,
-                    **(dict(kWsProducerRegs=72, kWsKSlots=4) if fp8 else {}))
+                    **(dict(kKAhead=True, kWsProducerRegs=72) if fp8 else {}))
     if mode == "prefill_wgmma":
         # Measured on H200, B=4 S=4096 causal d128 (perf/results/history/prefill_sweep_h200_*): more
         # warpgroups sharing each K/V stage win. rows x keys: 128x128 227 TFLOP/s, 192x128 300-309,
@@ -176,9 +180,9 @@ def smem_plan(cfg: dict, head_dim: int, fp8: bool) -> dict:
     else:
         elem_stages = 0 if fp8_regs(head_dim, cfg["kTma"] and not cfg["kWgmma"]) else 1
     raw_stages = (WS_RAW_STAGES if ws else cfg["kStages"]) if fp8 else 0
-    # prefill_ws, fp8: K is not widened; its raw chunks land in a ring of kWsKSlots slots that S's fp8
-    # MMAs read as they are (the RawK region), and only V has Element slots
-    k_slots = cfg["kWsKSlots"] if ws and fp8 else 0
+    # prefill_ws, fp8 with kWsFp8Qk = n (opt-in): K is not widened; its raw chunks land in a ring of n
+    # slots that S's fp8 MMAs read as they are (the RawK region), and only V has Element slots
+    k_slots = cfg.get("kWsFp8Qk", 0) if ws and fp8 else 0
     rows = cfg["kWarpsN"] * cfg["kBlockM"]  # the epilogue's rows: every warp group's
     plan = dict(ElemStages=elem_stages, RawStages=raw_stages, Q=cfg["kBlockM"] * head_dim,
                 K=0 if k_slots else elem_stages * stage, V=elem_stages * stage,
@@ -187,7 +191,7 @@ def smem_plan(cfg: dict, head_dim: int, fp8: bool) -> dict:
                 # TMA: an mbarrier per (warp, ring slot); prefill_ws: a full and an empty one per slot of
                 # the K ring and of the V ring, and (fp8) one per (K or V, producer warp, raw stage)
                 RingBars=(4 if ws else cfg["kWarpsN"]) * max(cfg["kStages"], k_slots) if cfg["kTma"] else 0,
-                WsFlag=int(ws), WsWork=4 if ws else 0, WsRawBars=4 * raw_stages if ws else 0)
+                WsFlag=int(ws), WsWork=4 if ws else 0, WsRawBars=2 * 4 * raw_stages if ws else 0)
     main = max(2 * (plan["Q"] + plan["K"] + plan["V"]) + plan["RawK"] + plan["RawV"],
                4 * (plan["O"] + plan["RowStats"]))
     tail = 8 * (plan["RingBars"] + plan["WsFlag"] + plan["WsRawBars"]) + WS_WORK_BYTES * plan["WsWork"]

@@ -11,7 +11,7 @@
 //   ring_bars:   TMA: one mbarrier per (warp, ring slot); kWs: the K and V rings' full and empty ones
 //   kWs:         the split-KV flag (its epilogue needs no shared memory, and the next tile's Q and K/V
 //                may already be landing in the mainloop's bytes), the consumer warpgroups' work items,
-//                then (fp8) the producer warps' raw V stages' mbarriers (never reused)
+//                then (fp8) the producer warps' raw-stage mbarriers (never reused)
 //
 // A region the plan leaves empty takes no bytes: regions are base classes (SmemRegion<tag, T, 0> is
 // empty), and empty bases share their neighbour's address.
@@ -97,7 +97,7 @@ struct AttnSmem {
   static_assert(Plan::kRingBars == (Traits::kTma ? (Traits::kWs ? 4 : Traits::kWarpsN) * Traits::kRingSlots : 0),
                 "ring mbarriers: one per (warp, slot); prefill_ws: full and empty of K and V per slot");
   static_assert(Plan::kWsFlag == int(Traits::kWs) && Plan::kWsWork == (Traits::kWs ? 4 : 0) &&
-                Plan::kWsRawBars == (Traits::kWs ? 4 * Plan::kRawStages : 0),
+                Plan::kWsRawBars == (Traits::kWs ? 2 * 4 * Plan::kRawStages : 0),
                 "prefill_ws: the split flag, two work items per consumer warpgroup, raw-stage mbarriers");
 
   char* base;
@@ -152,9 +152,9 @@ struct AttnSmem {
   __device__ __forceinline__ AttnWork* ws_work(int wg, int parity) const {
     return region<kTagWsWork>(storage()) + 2 * wg + parity;
   }
-  // kWs, fp8: the mbarrier of producer warp `warp`'s raw V stage `stage`
-  __device__ __forceinline__ uint64_t* ws_raw_bar(int warp, int stage) const {
-    return region<kTagWsRawBars>(storage()) + warp * Plan::kRawStages + stage;
+  // kWs, fp8: the raw-stage mbarrier of (K: kv 0, V: kv 1, producer warp `warp`, raw stage `stage`)
+  __device__ __forceinline__ uint64_t* ws_raw_bar(int kv, int warp, int stage) const {
+    return region<kTagWsRawBars>(storage()) + (kv * 4 + warp) * Plan::kRawStages + stage;
   }
 };
 

@@ -46,7 +46,7 @@ namespace pagedattn {
 
 template <class Element_, Fp8Format kFp8_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsM_,
           int kWarpsN_, int kStages_, bool kTma_, bool kWgmma_, int kWarpsD_,
-          bool kPingPong_, int kExp2FmaSoftcap_, class Smem_>
+          bool kPingPong_, bool kKAhead_, int kExp2FmaSoftcap_, class Smem_>
 struct AttnTraits {
   using Element = Element_;  // cutlass::half_t or cutlass::bfloat16_t: Q, O and both MMA operands
   static constexpr Fp8Format kFp8 = kFp8_;
@@ -69,21 +69,24 @@ struct AttnTraits {
   // kWs: the warp-specialised sm_90a prefill (TMA feeding warpgroup MMAs, mainloop_ws.cuh), whose
   // producer warpgroup follows the kThreads consumer threads
   static constexpr bool kWs = kTma && kWgmma;
-  // The P V MMAs' operand type: Element, except in prefill_ws with an fp8 cache, whose producer widens
-  // V's chunks to fp16 (one conversion per pair of e4m3 values, a byte move for e5m2: both formats are
-  // fp16 values exactly) and whose S is fp8 MMAs (kFp8Qk)
+  // The MMAs' operand type: Element, except in prefill_ws with an fp8 cache, whose producer widens
+  // the chunks to fp16 (one conversion per pair of e4m3 values, a byte move for e5m2: both formats
+  // are fp16 values exactly); a bf16 Q is then converted to fp16 in shared memory once per item, each
+  // warp's rows scaled by a power of two that keeps them below fp16's largest (kQToHalf)
   using MmaElement = cute::conditional_t<kWs && kIsFp8, cutlass::half_t, Element>;
+  static constexpr bool kQToHalf = kWs && kIsFp8 && kIsBf16 && !PAGEDATTN_WS_FP8_QK;
   static constexpr int kProducerThreads = kWs ? 128 : 0;
   static constexpr int kCtaThreads = kThreads + kProducerThreads;
   static constexpr bool kPingPong = kPingPong_;  // kWs: the consumer warpgroups take turns issuing MMAs
-  // kWs, fp8: K is not widened. Its raw chunks land by TMA in a ring of kKSlots slots (tile field
-  // kWsKSlots, PAGEDATTN_WS_K_SLOTS) and S = Q K^T runs as fp8 MMAs on them: each warp splits its Q
-  // rows per item into two e4m3 tiles, hi + lo, which hold a bf16 or fp16 Q's values exactly but for
-  // parts below 2^-16 of the rows' largest |q|, so S costs the MMAs of one 16-bit S and the producer
-  // widens V alone
-  static constexpr bool kFp8Qk = kWs && kIsFp8;
-  static constexpr int kKSlots = kFp8Qk ? PAGEDATTN_WS_K_SLOTS : 0;
-  static_assert(!kFp8Qk || kKSlots >= 2, "the fp8 K ring needs two slots or more");
+  static constexpr bool kKAhead = kKAhead_;  // kWs, fp8: the producer widens K a step ahead of V
+  // kWs, fp8 (PAGEDATTN_WS_FP8_QK, tile field kWsFp8Qk: its slots, 0 off, the default): K is not
+  // widened. Its raw chunks land by TMA in a ring of kKSlots slots and S = Q K^T runs as fp8 MMAs on
+  // them: Q is split per item into two e4m3 tiles, hi + lo, which hold a bf16 or fp16 Q's values
+  // exactly but for parts below 2^-16 of the warp's rows' largest |q|, so S costs the MMAs of one
+  // 16-bit S and the producer widens V alone. The fp8 MMAs accumulate with less precision than fp32
+  // (tiles.py: the LSE off by up to 0.33 on outlier inputs), hence opt-in
+  static constexpr int kKSlots = kWs && kIsFp8 ? PAGEDATTN_WS_FP8_QK : 0;
+  static constexpr bool kFp8Qk = kKSlots > 0;
   static constexpr int kRingSlots = kKSlots > kStages ? kKSlots : kStages;  // mbarriers per ring kind
   // kWs with softcap (a tanh per score on the SFU too): column groups of 8 keys, of kBlockN / 8, whose
   // 2^x the consumers compute on the FMA pipe instead (OnlineSoftmax::exponentiate)

@@ -21,9 +21,10 @@
 // fp8 caches (head dim 128): the producer lands raw chunks in stages of its own and widens them into
 // the ring as fp16, the MMAs' type then (Traits::MmaElement; ws_produce_fp8), writing the V rows past
 // the request's end as zeros itself; a bf16 Q is converted to fp16 per item (ws_q_ready); the
-// descales are folded into the softmax scale and the output. With kFp8Qk (the default) only V is
-// widened: K's raw chunks land in a ring of kKSlots slots of their own, S = Q K^T runs as e4m3 x fp8
-// MMAs on them, and each warp splits its Q rows into e4m3 hi and lo tiles per item (ws_q_split).
+// descales are folded into the softmax scale and the output. With kFp8Qk (tile field kWsFp8Qk,
+// opt-in: faster, less precise; tiles.py says how much) only V is widened: K's raw chunks land in a
+// ring of kKSlots slots of their own, S = Q K^T runs as e4m3 x fp8 MMAs on them, and each warp splits
+// its Q rows into e4m3 hi and lo tiles per item (ws_q_split).
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
@@ -195,69 +196,76 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
   }
 }
 
-// fp8 caches (head dim 128): each producer warp TMA-loads its chunks of a step (one 128-column,
-// 128-byte swizzled box per 16-key chunk: the decode path's tensor maps) two steps ahead: K's straight
-// into K's raw ring slot (Traits::kKSlots of them), which S's fp8 MMAs read as it is, once the
-// consumers' S freed it; V's into raw stage n % kRawStages of its own (n: the CTA's step), which it
-// widens into the fp16 V ring slot once the consumers freed that. Raw 16-byte piece jp of chunk row r
-// lies at piece jp ^ (r % 8); its 16 columns are piece 2 (jp % 4) and the one after of the Element
-// tile's 64-column block jp / 4, each at that piece ^ (r % 8) too (SmemLayoutKV). Chunks of corrupt
-// pages land as zeros (K: written before the slot's bytes are expected; V: widened so). The warp then
-// publishes its V writes to the async proxy (wgmma) and arrives on the slot's full barrier.
+// fp8 caches (head dim 128): each producer warp TMA-loads its chunks of a step raw (kFp8Qk: V's; K's go
+// straight into K's raw ring, which S reads) (one 128-column,
+// 128-byte swizzled box per 16-key chunk: the decode path's tensor maps) into raw stage n % kRawStages
+// of its own (n: the CTA's step), up to two steps ahead of widening them into the Element ring slot
+// once the consumers freed it. Raw 16-byte piece jp of chunk row r lies at piece jp ^ (r % 8); its 16
+// columns are piece 2 (jp % 4) and the one after of the Element tile's 64-column block jp / 4, each
+// at that piece ^ (r % 8) too (SmemLayoutKV). Chunks of corrupt pages are written as zeros. The warp
+// then publishes its writes to the async proxy (wgmma) and arrives on the slot's full barrier.
 template <class Traits>
 __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing const ring) {
   constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
-  constexpr int kKSlots = Traits::kKSlots, kRaw = Traits::Smem::kRawStages;
-  constexpr int kPerWarp = WsProducerLane<Traits>::kPerWarp;
+  constexpr int kRaw = Traits::Smem::kRawStages, kPerWarp = WsProducerLane<Traits>::kPerWarp;
   constexpr int kRawChunkBytes = 16 * kHeadDim;  // K (or V) bytes of one raw chunk
   static_assert(kHeadDim == 128, "one 128-byte swizzled box per chunk");
   WsBarriers const bars(c.smem);
   WsProducerLane<Traits> const my(c);
   int const lane = my.lane, warp = my.warp, first_chunk = my.first_chunk, n_steps = my.n_steps;
-  // step it's K chunks of this warp into K's ring, its raw V chunks into its raw stage; loads / bad:
-  // the warp's chunks that land / that lie in a corrupt page (bit l: chunk first_chunk + l)
+  // step it's raw K and V chunks of this warp into its raw stage; loads / bad: the warp's chunks that
+  // land / that lie in a corrupt page (bit l: chunk first_chunk + l)
   auto issue = [&](int it, int phys, uint32_t& loads, uint32_t& bad) {
     auto const k = my.chunk(it, phys);
     loads = k.loads;
     bad = k.bad;
     if (it >= n_steps) return;
-    uint64_t* const v_bar = c.smem.ws_raw_bar(warp, int((ring.ring + uint32_t(it)) % kRaw));
-    if (lane == 0) mbarrier_arrive_expect_tx(v_bar, __popc(loads) * kRawChunkBytes);
+    int const rs = int((ring.ring + uint32_t(it)) % kRaw);
+    uint64_t* const k_bar = c.smem.ws_raw_bar(0, warp, rs);
+    uint64_t* const v_bar = c.smem.ws_raw_bar(1, warp, rs);
+    if (lane == 0) {
+      if constexpr (!Traits::kFp8Qk) mbarrier_arrive_expect_tx(k_bar, __popc(loads) * kRawChunkBytes);
+      mbarrier_arrive_expect_tx(v_bar, __popc(loads) * kRawChunkBytes);
+    }
     __syncwarp();
     if (k.valid) {
-      tma_load_4d(c.smem.raw_v(int((ring.ring + uint32_t(it)) % kRaw), 16 * my.q), my.v_map, 0, k.c1, k.c2, phys,
-                  v_bar);
+      if constexpr (!Traits::kFp8Qk) tma_load_4d(c.smem.raw_k(rs, 16 * my.q), my.k_map, 0, k.c1, k.c2, phys, k_bar);
+      tma_load_4d(c.smem.raw_v(rs, 16 * my.q), my.v_map, 0, k.c1, k.c2, phys, v_bar);
     }
-    int const slot = ring.slot<kKSlots>(it);
-    uint8_t* const dst = c.smem.raw_k(slot);
-    mbarrier_wait(bars.empty_k + slot, ring.phase<kKSlots>(it) ^ 1u);
-    if (bad) {  // rare
-      for (int l = 0; l < kPerWarp; ++l) {
-        if (!(bad >> l & 1u)) continue;
-        for (int b = 16 * lane; b < kRawChunkBytes; b += 16 * 32) {
-          *reinterpret_cast<uint4*>(dst + (first_chunk + l) * kRawChunkBytes + b) = make_uint4(0, 0, 0, 0);
+    if constexpr (Traits::kFp8Qk) {
+      // K straight into its ring slot once the consumers' S freed it (chunks of corrupt pages as zeros)
+      constexpr int kKSlots = Traits::kKSlots;
+      int const slot = ring.slot<kKSlots>(it);
+      uint8_t* const dst = c.smem.raw_k(slot);
+      mbarrier_wait(bars.empty_k + slot, ring.phase<kKSlots>(it) ^ 1u);
+      if (bad) {  // rare
+        for (int l = 0; l < kPerWarp; ++l) {
+          if (!(bad >> l & 1u)) continue;
+          for (int b = 16 * lane; b < kRawChunkBytes; b += 16 * 32) {
+            *reinterpret_cast<uint4*>(dst + (first_chunk + l) * kRawChunkBytes + b) = make_uint4(0, 0, 0, 0);
+          }
         }
+        fence_proxy_async_smem();
+        __syncwarp();
       }
-      fence_proxy_async_smem();
+      if (lane == 0) mbarrier_arrive_expect_tx(bars.full_k + slot, __popc(loads) * kRawChunkBytes);
       __syncwarp();
+      if (k.valid) tma_load_4d(dst + 16 * my.q * kHeadDim, my.k_map, 0, k.c1, k.c2, phys, bars.full_k + slot);
     }
-    if (lane == 0) mbarrier_arrive_expect_tx(bars.full_k + slot, __popc(loads) * kRawChunkBytes);
-    __syncwarp();
-    if (k.valid) tma_load_4d(dst + 16 * my.q * kHeadDim, my.k_map, 0, k.c1, k.c2, phys, bars.full_k + slot);
   };
-  // step it's V from its raw stage into its ring slot, once the consumers freed the slot, then
-  // published: the fence orders the fp16 writes before wgmma reads them, and the raw reads before TMA
-  // refills the stage
-  auto widen_v = [&](int it, uint32_t loads, uint32_t bad) {
+  // step it's K or V from its raw stage into its ring slot, once the consumers freed the slot; the
+  // caller then publishes it (publish: one fence for the tiles widened since the last one)
+  auto widen = [&](int it, bool is_v, uint32_t loads, uint32_t bad) {
     uint32_t const n = ring.ring + uint32_t(it);
     int const rs = int(n % kRaw), slot = ring.slot<kStages>(it);
-    uint8_t const* const raw = c.smem.raw_v(rs);
-    char* const dst = reinterpret_cast<char*>(c.smem.v_tile(slot, 0));
-    mbarrier_wait(c.smem.ws_raw_bar(warp, rs), (n / kRaw) & 1u);
-    mbarrier_wait(bars.empty_v + slot, ring.phase<kStages>(it) ^ 1u);
+    uint8_t const* const raw = is_v ? c.smem.raw_v(rs) : c.smem.raw_k(rs);
+    char* const dst = reinterpret_cast<char*>(is_v ? c.smem.v_tile(slot, 0) : c.smem.k_tile(slot, 0));
+    mbarrier_wait(c.smem.ws_raw_bar(is_v, warp, rs), (n / kRaw) & 1u);
+    mbarrier_wait((is_v ? bars.empty_v : bars.empty_k) + slot, ring.phase<kStages>(it) ^ 1u);
     // V rows past the request's end are written as zeros here (0 * NaN is not 0 in P V), chunks wholly
-    // past it too, so the consumers clear no tail: rows [live, kBlockN) of the step
-    int const live = c.w.k_len - (c.w.step_begin + it) * kBlockN;
+    // past it too, so the consumers clear no tail: rows [live, kBlockN) of the step (K keeps them: the
+    // mask hides their scores)
+    int const live = is_v ? c.w.k_len - (c.w.step_begin + it) * kBlockN : kBlockN;
     // A lane's pieces of a chunk: raw piece jp = lane % 8 of rows r = r0 + 4 j (r0 = lane / 8, j < 4),
     // each 16 fp8 values that become two 16-byte pieces of the fp16 tile. A row's pieces sit at piece
     // ^ (r % 8), and r % 8 = r0 ^ 4 (j % 2), so piece j of a chunk lies 512 j bytes past piece 0's
@@ -272,6 +280,8 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
     for (int l = 0; l < kPerWarp; ++l) {
       int const chunk = first_chunk + l;
       bool const landed = loads >> l & 1u;
+      // uniform: a chunk past the request's end is skipped (K) or written as zeros (V)
+      if (!landed && !(bad >> l & 1u) && !is_v) continue;
       auto put = [&](int j, uint4 lo, uint4 hi) {
         char* const at = dst + chunk * kChunkBytes + 512 * j;
         *reinterpret_cast<uint4*>(at + (lo_at ^ (64 * (j % 2)))) = lo;
@@ -280,9 +290,9 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
       auto raw_piece = [&](int j) {
         return *reinterpret_cast<uint4 const*>((j % 2 ? raw_odd : raw_even) + chunk * kChunkBytes + 512 * j);
       };
-      // the chunk's rows to widen (the rest are written as zeros): all 16 but in the last chunk
-      int const rows = !landed ? 0 : min(16, live - 16 * chunk);
-      if (rows <= 0) {  // a corrupt page's chunk, or past the request's end
+      // the chunk's rows to widen (the rest are written as zeros): all 16 but in V's last chunk
+      int const rows = !landed ? 0 : is_v ? min(16, live - 16 * chunk) : 16;
+      if (rows <= 0) {  // a corrupt page's chunk, or V past the request's end
         CUTE_UNROLL
         for (int j = 0; j < kPieces; ++j) put(j, make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0));
         continue;
@@ -304,29 +314,73 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
           put(j, lo, hi);
         }
       };
-      if (rows == 16) {  // uniform: all but the last chunk
+      if (rows == 16) {  // uniform: all but V's last chunk
         widen_chunk(cute::true_type{});
       } else {
         widen_chunk(cute::false_type{});
       }
     }
+  };
+  // the tiles widened since the last call to the consumers: K of step k_it, V of step v_it (-1: none).
+  // The fence orders the fp16 writes before wgmma reads them, and the raw reads before TMA refills.
+  auto publish = [&](int k_it, int v_it) {
     fence_proxy_async_smem();
     __syncwarp();
-    if (lane == 0) mbarrier_arrive(bars.full_v + slot);
+    if (lane == 0) {
+      if (k_it >= 0) mbarrier_arrive(bars.full_k + ring.slot<kStages>(k_it));
+      if (v_it >= 0) mbarrier_arrive(bars.full_v + ring.slot<kStages>(v_it));
+    }
   };
-  // V(it) widened while K(it + 1) and raw V(it + 1) are in flight; then K and raw V of step it + 2 (its
-  // raw V stage is V(it)'s, just freed; its K slot S(it + 2 - kKSlots)'s)
+  // Masks of step it (bit l: chunk first_chunk + l lands / lies in a corrupt page) and of the next
+  // steps; raw stage it % 2 is refilled with a later step once step it is out of it.
   uint32_t loads0, bad0, loads1, bad1;
   issue(0, my.chunk_page(0), loads0, bad0);
-  issue(1, my.chunk_page(1), loads1, bad1);
-  int phys_next = my.chunk_page(2);
-  for (int it = 0; it < n_steps; ++it) {
-    widen_v(it, loads0, bad0);
-    uint32_t loads2, bad2;
-    issue(it + 2, phys_next, loads2, bad2);
-    phys_next = my.chunk_page(it + 3);
-    loads0 = loads1, bad0 = bad1;
-    loads1 = loads2, bad1 = bad2;
+  if constexpr (Traits::kFp8Qk) {
+    // V(it) widened while K(it + 1) and raw V(it + 1) are in flight; then K and raw V of step it + 2
+    // (its raw V stage is V(it)'s, just freed; its K slot S(it + 2 - kKSlots)'s)
+    issue(1, my.chunk_page(1), loads1, bad1);
+    int phys_next = my.chunk_page(2);
+    for (int it = 0; it < n_steps; ++it) {
+      widen(it, true, loads0, bad0);
+      publish(-1, it);
+      uint32_t loads2, bad2;
+      issue(it + 2, phys_next, loads2, bad2);
+      phys_next = my.chunk_page(it + 3);
+      loads0 = loads1, bad0 = bad1;
+      loads1 = loads2, bad1 = bad2;
+    }
+  } else if constexpr (!Traits::kKAhead) {  // K(it), V(it); raw(it + 1) in flight meanwhile
+    int phys_next = my.chunk_page(1);
+    for (int it = 0; it < n_steps; ++it) {
+      issue(it + 1, phys_next, loads1, bad1);
+      phys_next = my.chunk_page(it + 2);
+      widen(it, false, loads0, bad0);
+      publish(it, -1);
+      widen(it, true, loads0, bad0);
+      publish(-1, it);
+      loads0 = loads1, bad0 = bad1;
+    }
+  } else {
+    // K a step ahead of V: the consumers wait for K(it) and V(it - 1) together, and free K(it)'s slot
+    // after S(it) but V(it)'s only after P V(it), so K(it + 1) is widened before V(it), and the two are
+    // published together (one fence); raw(it + 2) is issued once V(it) is out of its stage.
+    issue(1, my.chunk_page(1), loads1, bad1);
+    int phys_next = my.chunk_page(2);
+    if (n_steps > 0) {
+      widen(0, false, loads0, bad0);
+      publish(0, -1);
+    }
+    for (int it = 0; it < n_steps; ++it) {
+      bool const k_next = it + 1 < n_steps;
+      if (k_next) widen(it + 1, false, loads1, bad1);
+      widen(it, true, loads0, bad0);
+      publish(k_next ? it + 1 : -1, it);
+      uint32_t loads2, bad2;
+      issue(it + 2, phys_next, loads2, bad2);
+      phys_next = my.chunk_page(it + 3);
+      loads0 = loads1, bad0 = bad1;
+      loads1 = loads2, bad1 = bad2;
+    }
   }
 }
 
@@ -367,9 +421,9 @@ __device__ __forceinline__ void ws_load_q(AttnParams const& p, AttnWork const& w
 // rounded) where panel 0 was and lo (the rest, rounded) where panel 1 was, each row where it was. s
 // puts the rows' largest |q| in [128, 256), so hi + lo is q 2^s exactly but for parts below 2^-9
 // (e4m3's least subnormal), under 2^-16 of that largest |q|. The two lanes of a row each convert one
-// panel's 64 columns (16-byte pieces at piece ^ (row % 8) in both layouts). Returns 2^-s.
+// panel's 64 columns (16-byte pieces at piece ^ (row % 8) in both layouts); unscale = 2^-s.
 template <class Traits>
-__device__ __forceinline__ float ws_q_split(AttnSmem<Traits> const& sm, int wg) {
+__device__ __forceinline__ void ws_q_split(AttnSmem<Traits> const& sm, int wg, float& unscale) {
   static_assert(Traits::kHeadDim == 128 && Traits::kBlockM == 128, "two 64-column panels, one 128-byte row");
   constexpr int kPanelBytes = Traits::kBlockM * 128;
   int const lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32 % 4;
@@ -390,6 +444,7 @@ __device__ __forceinline__ float ws_q_split(AttnSmem<Traits> const& sm, int wg) 
   uint32_t const top_bits = __reduce_max_sync(0xffffffffu, __float_as_uint(top));  // non-negative: as integers
   int const s = min(120, max(-120, 7 - (int(top_bits >> 23) - 127)));
   float const up = __uint_as_float(uint32_t(127 + s) << 23);
+  unscale = __uint_as_float(uint32_t(127 - s) << 23);
   __syncwarp();  // every read of the row's two panels before either lane writes over them
   CUTE_UNROLL
   for (int t = 0; t < 4; ++t) {  // fp8 piece 4 half + t: columns 16 t .. 16 t + 15 of the lane's panel
@@ -415,18 +470,50 @@ __device__ __forceinline__ float ws_q_split(AttnSmem<Traits> const& sm, int wg) 
     *reinterpret_cast<uint4*>(q + at) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
     *reinterpret_cast<uint4*>(q + kPanelBytes + at) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
   }
-  return __uint_as_float(uint32_t(127 - s) << 23);
 }
 
-// This warpgroup's Q rows landed (with an fp8 cache: split into e4m3 hi and lo, ws_q_split) and are
-// visible to wgmma; returns the factor of the scores that undoes Q's scaling (1 but with fp8).
+// This warpgroup's Q rows landed and are visible to wgmma. Traits::kQToHalf: each warp then converts
+// the 16 rows whose scores it holds (wgmma gives warp w of a warpgroup rows 16 w .. 16 w + 15) from
+// bf16 to fp16 in place, times 2^-e, e the least power keeping the rows' largest magnitude below 2^15
+// (0 unless some |q| >= 32768): the returned 2^e, applied to the scores, undoes it exactly.
 template <class Traits>
 __device__ __forceinline__ float ws_q_ready(AttnSmem<Traits> const& sm, int wg) {
   cp_async_wait<0>();
   float unscale = 1.f;
+  if constexpr (Traits::kQToHalf) {
+    ws_group_sync(wg);  // every thread's copies of this warpgroup's rows landed
+    constexpr int kPanels = Traits::kHeadDim / 64;   // 64-column panels of 128-byte rows (SW128 atoms)
+    constexpr int kPerPanel = 16 * 8 / 32;           // a lane's 16-byte pieces of its warp's rows in a panel
+    int const lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32 % 4;
+    // piece i of the lane: 16 bytes of panel i / kPerPanel's 16 rows of the warp (the swizzle moves
+    // pieces within a 128-byte row, and the conversion does not care where a value sits)
+    auto piece = [&](int i) {
+      int const panel = i / kPerPanel, at = (i % kPerPanel) * 32 + lane;
+      return reinterpret_cast<uint4*>(sm.q()) + (panel * Traits::kBlockM + 64 * wg + 16 * warp) * 8 + at;
+    };
+    uint32_t top = 0;  // the rows' largest |q| as float bits (non-negative floats order as integers)
+    CUTE_UNROLL
+    for (int i = 0; i < kPanels * kPerPanel; ++i) {
+      uint4 const x = *piece(i);
+      for (uint32_t const w : {x.x, x.y, x.z, x.w}) top = max(top, max((w & 0x7fffu) << 16, w & 0x7fff0000u));
+    }
+    top = __reduce_max_sync(0xffffffffu, top);
+    int const e = max(0, int(top >> 23) - 127 - 14);  // |q| < 2^(E + 1) <= 2^15 once scaled by 2^-e
+    float const down = __uint_as_float(uint32_t(127 - e) << 23);
+    CUTE_UNROLL
+    for (int i = 0; i < kPanels * kPerPanel; ++i) {
+      uint4 x = *piece(i);
+      for (uint32_t* const w : {&x.x, &x.y, &x.z, &x.w}) {
+        __half2 const h = __floats2half2_rn(__uint_as_float(*w << 16) * down, __uint_as_float(*w & 0xffff0000u) * down);
+        *w = *reinterpret_cast<uint32_t const*>(&h);
+      }
+      *piece(i) = x;
+    }
+    unscale = __uint_as_float(uint32_t(127 + e) << 23);
+  }
   if constexpr (Traits::kFp8Qk) {
     ws_group_sync(wg);  // every thread's copies of this warpgroup's rows landed
-    unscale = ws_q_split<Traits>(sm, wg);
+    ws_q_split<Traits>(sm, wg, unscale);
   }
   fence_proxy_async_smem();
   ws_group_sync(wg);
@@ -707,8 +794,8 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
       mbarrier_init(bars.empty_v + s, Traits::kThreads / 32);
     }
     if constexpr (Traits::kIsFp8) {
-      for (int i = 0; i < kWsProducerWarps * Traits::Smem::kRawStages; ++i) {
-        mbarrier_init(sm.ws_raw_bar(0, 0) + i, 1);
+      for (int i = 0; i < 2 * kWsProducerWarps * Traits::Smem::kRawStages; ++i) {
+        mbarrier_init(sm.ws_raw_bar(0, 0, 0) + i, 1);
       }
     }
     mbarrier_init_fence();
