@@ -131,6 +131,21 @@ def test_attention_variants_compile(spec, arch):
     assert _code_bytes(res.cubin) <= 256 * 1024, (k.name, _code_bytes(res.cubin))
 
 
+def test_fp8_scores_opt_in_compiles():
+    """prefill_ws's opt-in fp8 S (tile field kWsFp8Qk: K read raw by e4m3 x fp8 MMAs) renders and compiles
+    for sm_90a, with e4m3 and e5m2 keys (in the test's process: the NVRTC farm compiles specs' default
+    tiles)."""
+    from pagedattn.ops import attention as attention_ops
+
+    for dtype, kv in (("bf16", "fp8_e4m3"), ("fp16", "fp8_e5m2")):
+        with attention_ops.forced(tiles={"prefill_ws": {"kWsFp8Qk": 4}}):  # the tiles are read as it renders
+            k = Kernel(AttnFwdSpec(dtype, kv, 128, "prefill_ws"))
+            source = k.source
+        assert "#define PAGEDATTN_WS_FP8_QK 4" in source
+        res = compile_source(source, variant=k.name, arch="sm_90a", options=nvrtc_options("sm_90a", toolchain()))
+        assert res.cubin[:4] == b"\x7fELF"
+
+
 def _code_bytes(cubin: bytes) -> int:
     """Bytes of the cubin's .text sections (64-bit little-endian ELF)."""
     import struct
