@@ -185,13 +185,12 @@ def smem_plan(cfg: dict, head_dim: int, fp8: bool) -> dict:
     k_slots = cfg.get("kWsFp8Qk", 0) if ws and fp8 else 0
     rows = cfg["kWarpsN"] * cfg["kBlockM"]  # the epilogue's rows: every warp group's
     plan = dict(ElemStages=elem_stages, RawStages=raw_stages, Q=cfg["kBlockM"] * head_dim,
-                K=0 if k_slots and not cfg.get("kWsKByConsumers") else elem_stages * stage, V=elem_stages * stage,
+                K=0 if k_slots else elem_stages * stage, V=elem_stages * stage,
                 RawK=(k_slots or raw_stages) * stage, RawV=raw_stages * stage,
                 O=rows * head_dim, RowStats=2 * rows,
                 # TMA: an mbarrier per (warp, ring slot); prefill_ws: a full and an empty one per slot of
                 # the K ring and of the V ring, and (fp8) one per (K or V, producer warp, raw stage)
-                RingBars=((6 if k_slots and cfg.get("kWsKByConsumers") else 4) if ws else cfg["kWarpsN"]) *
-                max(cfg["kStages"], k_slots) if cfg["kTma"] else 0,
+                RingBars=(4 if ws else cfg["kWarpsN"]) * max(cfg["kStages"], k_slots) if cfg["kTma"] else 0,
                 WsFlag=int(ws), WsWork=4 if ws else 0, WsRawBars=2 * 4 * raw_stages if ws else 0)
     main = max(2 * (plan["Q"] + plan["K"] + plan["V"]) + plan["RawK"] + plan["RawV"],
                4 * (plan["O"] + plan["RowStats"]))

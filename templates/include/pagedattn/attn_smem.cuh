@@ -88,14 +88,13 @@ struct AttnSmem {
                 "Element stages: every stage (16-bit caches, prefill_ws), one widened stage (fp8), none (fp8 "
                 "operands in registers)");
   static_assert(Plan::kRawV == Plan::kRawStages * Traits::kSmemStageRaw &&
-                Plan::kRawK == (Traits::kKRaw ? Traits::kKSlots * Traits::kSmemStageRaw : Plan::kRawV) &&
+                Plan::kRawK == (Traits::kFp8Qk ? Traits::kKSlots * Traits::kSmemStageRaw : Plan::kRawV) &&
                 (Traits::kIsFp8 ? Plan::kRawStages >= 2 && (Traits::kWs || Plan::kRawStages == Traits::kStages)
                                 : Plan::kRawStages == 0),
                 "raw fp8 stages: the pipeline's (prefill_ws: its own count), none for 16-bit caches");
   static_assert(Plan::kO == kEpilogueRows * Traits::kHeadDim && Plan::kRowStats == 2 * kEpilogueRows,
                 "epilogue: O, m and l of every warp group's rows");
-  static_assert(Plan::kRingBars == (Traits::kTma ? (Traits::kWs ? (Traits::kKByConsumers ? 6 : 4) : Traits::kWarpsN) *
-                                                      Traits::kRingSlots : 0),
+  static_assert(Plan::kRingBars == (Traits::kTma ? (Traits::kWs ? 4 : Traits::kWarpsN) * Traits::kRingSlots : 0),
                 "ring mbarriers: one per (warp, slot); prefill_ws: full and empty of K and V per slot");
   static_assert(Plan::kWsFlag == int(Traits::kWs) && Plan::kWsWork == (Traits::kWs ? 4 : 0) &&
                 Plan::kWsRawBars == (Traits::kWs ? 2 * 4 * Plan::kRawStages : 0),

@@ -74,7 +74,7 @@ struct AttnTraits {
   // are fp16 values exactly); a bf16 Q is then converted to fp16 in shared memory once per item, each
   // warp's rows scaled by a power of two that keeps them below fp16's largest (kQToHalf)
   using MmaElement = cute::conditional_t<kWs && kIsFp8, cutlass::half_t, Element>;
-  static constexpr bool kQToHalf = kWs && kIsFp8 && kIsBf16 && !(PAGEDATTN_WS_FP8_QK && !PAGEDATTN_WS_K_BY_CONSUMERS);
+  static constexpr bool kQToHalf = kWs && kIsFp8 && kIsBf16 && !PAGEDATTN_WS_FP8_QK;
   static constexpr int kProducerThreads = kWs ? 128 : 0;
   static constexpr int kCtaThreads = kThreads + kProducerThreads;
   static constexpr bool kPingPong = kPingPong_;  // kWs: the consumer warpgroups take turns issuing MMAs
@@ -86,11 +86,7 @@ struct AttnTraits {
   // 16-bit S and the producer widens V alone. The fp8 MMAs accumulate with less precision than fp32
   // (tiles.py: the LSE off by up to 0.33 on outlier inputs), hence opt-in
   static constexpr int kKSlots = kWs && kIsFp8 ? PAGEDATTN_WS_FP8_QK : 0;
-  static constexpr bool kKRaw = kKSlots > 0;  // K lands raw in a ring of its own: the producer widens V alone
-  // (study, PAGEDATTN_WS_K_BY_CONSUMERS, tile field kWsKByConsumers) the consumer warpgroups widen K into
-  // fp16 slots of their own, one of them per step, while their MMAs run; S stays a 16-bit MMA
-  static constexpr bool kKByConsumers = kKRaw && PAGEDATTN_WS_K_BY_CONSUMERS;
-  static constexpr bool kFp8Qk = kKRaw && !kKByConsumers;
+  static constexpr bool kFp8Qk = kKSlots > 0;
   static constexpr int kRingSlots = kKSlots > kStages ? kKSlots : kStages;  // mbarriers per ring kind
   // kWs with softcap (a tanh per score on the SFU too): column groups of 8 keys, of kBlockN / 8, whose
   // 2^x the consumers compute on the FMA pipe instead (OnlineSoftmax::exponentiate)

@@ -73,13 +73,10 @@ __device__ __forceinline__ void regs_decrease() {
 // as its S is computed while its V slot waits for the P V of the step.
 struct WsBarriers {
   uint64_t *full_k, *full_v, *empty_k, *empty_v;
-  uint64_t *full_k16, *empty_k16;  // kKByConsumers: the consumers' fp16 K slots
 
   template <class Traits>
   __device__ __forceinline__ explicit WsBarriers(AttnSmem<Traits> const& sm)
-      : full_k(sm.ring_bars(0)), full_v(sm.ring_bars(1)), empty_k(sm.ring_bars(2)), empty_v(sm.ring_bars(3)),
-        full_k16(Traits::kKByConsumers ? sm.ring_bars(4) : nullptr),
-        empty_k16(Traits::kKByConsumers ? sm.ring_bars(5) : nullptr) {}
+      : full_k(sm.ring_bars(0)), full_v(sm.ring_bars(1)), empty_k(sm.ring_bars(2)), empty_v(sm.ring_bars(3)) {}
 };
 
 // Where step `it` of an item whose steps start at ring step `ring` lives, and the phase its full
@@ -227,15 +224,15 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
     uint64_t* const k_bar = c.smem.ws_raw_bar(0, warp, rs);
     uint64_t* const v_bar = c.smem.ws_raw_bar(1, warp, rs);
     if (lane == 0) {
-      if constexpr (!Traits::kKRaw) mbarrier_arrive_expect_tx(k_bar, __popc(loads) * kRawChunkBytes);
+      if constexpr (!Traits::kFp8Qk) mbarrier_arrive_expect_tx(k_bar, __popc(loads) * kRawChunkBytes);
       mbarrier_arrive_expect_tx(v_bar, __popc(loads) * kRawChunkBytes);
     }
     __syncwarp();
     if (k.valid) {
-      if constexpr (!Traits::kKRaw) tma_load_4d(c.smem.raw_k(rs, 16 * my.q), my.k_map, 0, k.c1, k.c2, phys, k_bar);
+      if constexpr (!Traits::kFp8Qk) tma_load_4d(c.smem.raw_k(rs, 16 * my.q), my.k_map, 0, k.c1, k.c2, phys, k_bar);
       tma_load_4d(c.smem.raw_v(rs, 16 * my.q), my.v_map, 0, k.c1, k.c2, phys, v_bar);
     }
-    if constexpr (Traits::kKRaw) {
+    if constexpr (Traits::kFp8Qk) {
       // K straight into its ring slot once the consumers' S freed it (chunks of corrupt pages as zeros)
       constexpr int kKSlots = Traits::kKSlots;
       int const slot = ring.slot<kKSlots>(it);
@@ -338,7 +335,7 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
   // steps; raw stage it % 2 is refilled with a later step once step it is out of it.
   uint32_t loads0, bad0, loads1, bad1;
   issue(0, my.chunk_page(0), loads0, bad0);
-  if constexpr (Traits::kKRaw) {
+  if constexpr (Traits::kFp8Qk) {
     // V(it) widened while K(it + 1) and raw V(it + 1) are in flight; then K and raw V of step it + 2
     // (its raw V stage is V(it)'s, just freed; its K slot S(it + 2 - kKSlots)'s)
     issue(1, my.chunk_page(1), loads1, bad1);
@@ -384,55 +381,6 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
       loads0 = loads1, bad0 = bad1;
       loads1 = loads2, bad1 = bad2;
     }
-  }
-}
-
-// kKByConsumers: one consumer warpgroup widens step it's K from its raw slot into its fp16 slot, every
-// chunk whole (chunks past the request's end hold stale bytes the mask hides, those of corrupt pages
-// the producer's zeros), warp w of the warpgroup the chunks the producer's warp w loaded; then frees
-// the raw slot and publishes the fp16 one.
-template <class Traits>
-__device__ __forceinline__ void ws_widen_k(TileCtx<Traits> const& c, WsRing const ring, int it) {
-  constexpr int kBlockN = Traits::kBlockN, kStages = Traits::kStages, kKSlots = Traits::kKSlots;
-  constexpr int kPerWarp = WsProducerLane<Traits>::kPerWarp, kPieces = 16 * 8 / 32, kChunkBytes = 16 * 128;
-  WsBarriers const bars(c.smem);
-  int const raw_slot = ring.slot<kKSlots>(it), slot = ring.slot<kStages>(it);
-  int const lane = c.tidx % 32, warp = c.tidx / 32 % 4;
-  uint8_t const* const raw = c.smem.raw_k(raw_slot);
-  char* const dst = reinterpret_cast<char*>(c.smem.k_tile(slot, 0));
-  mbarrier_wait(bars.full_k + raw_slot, ring.phase<kKSlots>(it));
-  mbarrier_wait(bars.empty_k16 + slot, ring.phase<kStages>(it) ^ 1u);
-  // the producer's piece offsets (ws_produce_fp8's widen)
-  int const r0 = lane / 8, jp = lane % 8, panel = (jp / 4) * kBlockN * 128 + r0 * 128;
-  int const raw_at = r0 * 128 + ((jp ^ r0) << 4);
-  int const lo_at = panel + (((2 * (jp % 4)) ^ r0) << 4), hi_at = panel + (((2 * (jp % 4) + 1) ^ r0) << 4);
-  CUTE_UNROLL
-  for (int l = 0; l < kPerWarp; ++l) {
-    int const chunk = warp * kPerWarp + l;
-    if (chunk >= kBlockN / 16) break;
-    uint4 x[kPieces];
-    CUTE_UNROLL
-    for (int j = 0; j < kPieces; ++j) {
-      x[j] = *reinterpret_cast<uint4 const*>(raw + (raw_at ^ (64 * (j % 2))) + chunk * kChunkBytes + 512 * j);
-    }
-    CUTE_UNROLL
-    for (int j = 0; j < kPieces; ++j) {
-      uint4 lo, hi;
-      if constexpr (Traits::kFp8 == Fp8Format::kE4M3) {
-        dequant_fp8x16<false, Traits::kFp8>(x[j], lo, hi);
-      } else {
-        widen_e5m2x16_half(x[j], lo, hi);
-      }
-      char* const at = dst + chunk * kChunkBytes + 512 * j;
-      *reinterpret_cast<uint4*>(at + (lo_at ^ (64 * (j % 2)))) = lo;
-      *reinterpret_cast<uint4*>(at + (hi_at ^ (64 * (j % 2)))) = hi;
-    }
-  }
-  fence_proxy_async_smem();
-  __syncwarp();
-  if (lane == 0) {
-    mbarrier_arrive(bars.full_k16 + slot);
-    mbarrier_arrive(bars.empty_k + raw_slot);
   }
 }
 
@@ -704,19 +652,9 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   // 1135-1157 us, B=1 S=16384 4183-4303 -> 3978 us, B=8 512 over 8192 1023-1031 -> 969-978 us).
   int const n_steps = c.w.step_end - c.w.step_begin;
   auto key0_of = [&](int it) { return (c.w.step_begin + it) * kBlockN; };
-  constexpr int kKSlots = Traits::kFp8Qk ? Traits::kKSlots : kStages;  // the ring of the K that S reads
-  uint64_t* const k_full = Traits::kKByConsumers ? bars.full_k16 : bars.full_k;
-  uint64_t* const k_empty = Traits::kKByConsumers ? bars.empty_k16 : bars.empty_k;
+  constexpr int kKSlots = Traits::kFp8Qk ? Traits::kKSlots : kStages;  // K's ring
   Tensor acc_s = Tiles::template acc<typename Tiles::TiledMmaQK, kBlockN>();
-  auto wait_k = [&](int it) { mbarrier_wait(k_full + ring.slot<kKSlots>(it), ring.phase<kKSlots>(it)); };
-  // kKByConsumers: step it's K is widened by warpgroup 0 (the first step of an item) or by warpgroup
-  // (CTA step) % 2, while the MMAs it issued the step before run
-  auto widen_k = [&](int it) {
-    if constexpr (Traits::kKByConsumers) {
-      int const by = it == 0 ? 0 : int((ring.ring + uint32_t(it)) & 1u);
-      if (it < n_steps && by == c.tidx / 128) ws_widen_k(c, ring, it);
-    }
-  };
+  auto wait_k = [&](int it) { mbarrier_wait(bars.full_k + ring.slot<kKSlots>(it), ring.phase<kKSlots>(it)); };
   auto wait_v = [&](int it) {  // step it's V landed; rows past the request's end zeroed
     mbarrier_wait(bars.full_v + ring.slot<kStages>(it), ring.phase<kStages>(it));
     if constexpr (!Traits::kIsFp8) {  // fp8: the producer wrote those rows as zeros
@@ -734,7 +672,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
     __syncwarp();
     if (c.tidx % 32 == 0) mbarrier_arrive(empty);
   };
-  auto release_k = [&](int it) { release_slot(k_empty + ring.slot<kKSlots>(it)); };
+  auto release_k = [&](int it) { release_slot(bars.empty_k + ring.slot<kKSlots>(it)); };
   auto release_v = [&](int it) { release_slot(bars.empty_v + ring.slot<kStages>(it)); };
   // S of step it, issued (not waited for)
   auto issue_s = [&](int it) {
@@ -770,12 +708,10 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   if (n_steps == 0) {
     next_q();
   } else {
-    widen_k(0);
     wait_k(0);
     pp.my_turn();
     issue_s(0);
     pp.your_turn();
-    widen_k(1);
     wgmma_wait<0>(acc_s);
     release_k(0);
     float alpha[2];  // the rescaling of O that step it's scores ask for
@@ -789,7 +725,6 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       if (!fixed_max) softmax.rescale(o_rows, alpha);  // while S's MMAs run (O is zero at step 1)
       wgmma_gemm<false, false>(mma_pv, tOrP, tOrVt(it - 1), acc_o);
       pp.your_turn();
-      widen_k(it + 1);
       wgmma_wait<1>(acc_s);
       release_k(it);
       exponentiate(it, alpha);
@@ -855,12 +790,8 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
     for (int s = 0; s < Traits::kRingSlots; ++s) {
       mbarrier_init(bars.full_k + s, kWsProducerWarps);
       mbarrier_init(bars.full_v + s, kWsProducerWarps);
-      mbarrier_init(bars.empty_k + s, Traits::kKByConsumers ? 4 : Traits::kThreads / 32);  // the widening warpgroup's
+      mbarrier_init(bars.empty_k + s, Traits::kThreads / 32);
       mbarrier_init(bars.empty_v + s, Traits::kThreads / 32);
-      if constexpr (Traits::kKByConsumers) {
-        mbarrier_init(bars.full_k16 + s, 4);
-        mbarrier_init(bars.empty_k16 + s, Traits::kThreads / 32);
-      }
     }
     if constexpr (Traits::kIsFp8) {
       for (int i = 0; i < 2 * kWsProducerWarps * Traits::Smem::kRawStages; ++i) {
