@@ -196,9 +196,9 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
   }
 }
 
-// fp8 caches (head dim 128): each producer warp TMA-loads its chunks of a step raw (kFp8Qk: V's; K's go
-// straight into K's raw ring, which S reads) (one 128-column,
-// 128-byte swizzled box per 16-key chunk: the decode path's tensor maps) into raw stage n % kRawStages
+// fp8 caches (head dim 128): each producer warp TMA-loads its chunks of a step raw (one 128-column,
+// 128-byte swizzled box per 16-key chunk: the decode path's tensor maps; kFp8Qk: K's straight into K's
+// raw ring, which S reads, and the raw K stages and their mbarriers go unused) into raw stage n % kRawStages
 // of its own (n: the CTA's step), up to two steps ahead of widening them into the Element ring slot
 // once the consumers freed it. Raw 16-byte piece jp of chunk row r lies at piece jp ^ (r % 8); its 16
 // columns are piece 2 (jp % 4) and the one after of the Element tile's 64-column block jp / 4, each
