@@ -74,7 +74,6 @@ struct AttnTraits {
   // are fp16 values exactly); a bf16 Q is then converted to fp16 in shared memory once per item, each
   // warp's rows scaled by a power of two that keeps them below fp16's largest (kQToHalf)
   using MmaElement = cute::conditional_t<kWs && kIsFp8, cutlass::half_t, Element>;
-  static constexpr bool kQToHalf = kWs && kIsFp8 && kIsBf16 && !PAGEDATTN_WS_FP8_QK;
   static constexpr int kProducerThreads = kWs ? 128 : 0;
   static constexpr int kCtaThreads = kThreads + kProducerThreads;
   static constexpr bool kPingPong = kPingPong_;  // kWs: the consumer warpgroups take turns issuing MMAs
@@ -87,6 +86,7 @@ struct AttnTraits {
   // (tiles.py: the LSE off by up to 0.33 on outlier inputs), hence opt-in
   static constexpr int kKSlots = kWs && kIsFp8 ? PAGEDATTN_WS_FP8_QK : 0;
   static constexpr bool kFp8Qk = kKSlots > 0;
+  static constexpr bool kQToHalf = kWs && kIsFp8 && kIsBf16 && !kFp8Qk;  // see MmaElement
   static constexpr int kRingSlots = kKSlots > kStages ? kKSlots : kStages;  // mbarriers per ring kind
   // kWs with softcap (a tanh per score on the SFU too): column groups of 8 keys, of kBlockN / 8, whose
   // 2^x the consumers compute on the FMA pipe instead (OnlineSoftmax::exponentiate)

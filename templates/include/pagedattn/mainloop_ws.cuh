@@ -421,9 +421,9 @@ __device__ __forceinline__ void ws_load_q(AttnParams const& p, AttnWork const& w
 // rounded) where panel 0 was and lo (the rest, rounded) where panel 1 was, each row where it was. s
 // puts the rows' largest |q| in [128, 256), so hi + lo is q 2^s exactly but for parts below 2^-9
 // (e4m3's least subnormal), under 2^-16 of that largest |q|. The two lanes of a row each convert one
-// panel's 64 columns (16-byte pieces at piece ^ (row % 8) in both layouts); unscale = 2^-s.
+// panel's 64 columns (16-byte pieces at piece ^ (row % 8) in both layouts). Returns 2^-s, the scores' factor.
 template <class Traits>
-__device__ __forceinline__ void ws_q_split(AttnSmem<Traits> const& sm, int wg, float& unscale) {
+__device__ __forceinline__ float ws_q_split(AttnSmem<Traits> const& sm, int wg) {
   static_assert(Traits::kHeadDim == 128 && Traits::kBlockM == 128, "two 64-column panels, one 128-byte row");
   constexpr int kPanelBytes = Traits::kBlockM * 128;
   int const lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32 % 4;
@@ -444,7 +444,6 @@ __device__ __forceinline__ void ws_q_split(AttnSmem<Traits> const& sm, int wg, f
   uint32_t const top_bits = __reduce_max_sync(0xffffffffu, __float_as_uint(top));  // non-negative: as integers
   int const s = min(120, max(-120, 7 - (int(top_bits >> 23) - 127)));
   float const up = __uint_as_float(uint32_t(127 + s) << 23);
-  unscale = __uint_as_float(uint32_t(127 - s) << 23);
   __syncwarp();  // every read of the row's two panels before either lane writes over them
   CUTE_UNROLL
   for (int t = 0; t < 4; ++t) {  // fp8 piece 4 half + t: columns 16 t .. 16 t + 15 of the lane's panel
@@ -470,6 +469,7 @@ __device__ __forceinline__ void ws_q_split(AttnSmem<Traits> const& sm, int wg, f
     *reinterpret_cast<uint4*>(q + at) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
     *reinterpret_cast<uint4*>(q + kPanelBytes + at) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
   }
+  return __uint_as_float(uint32_t(127 - s) << 23);
 }
 
 // This warpgroup's Q rows landed and are visible to wgmma. Traits::kQToHalf: each warp then converts
@@ -513,7 +513,7 @@ __device__ __forceinline__ float ws_q_ready(AttnSmem<Traits> const& sm, int wg) 
   }
   if constexpr (Traits::kFp8Qk) {
     ws_group_sync(wg);  // every thread's copies of this warpgroup's rows landed
-    ws_q_split<Traits>(sm, wg, unscale);
+    unscale = ws_q_split<Traits>(sm, wg);
   }
   fence_proxy_async_smem();
   ws_group_sync(wg);
