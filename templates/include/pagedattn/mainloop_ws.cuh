@@ -42,7 +42,9 @@
 
 // Study probes (tile fields kWsFp8Probe / kWsProbe; timing only, the results are wrong): the fp8
 // producer 1: stores the raw bits (no conversion), 2: converts values made from the step, not loaded,
-// 3: widens nothing, 4: loads and converts but stores nothing; the consumers 1: no mask or softmax.
+// 3: widens nothing, 4: loads and converts but stores nothing; kWsProbe 1: the consumers run no mask or
+// softmax, 2: no 2^x (softmax.cuh), 3: no row maxima, 4: 1 with the 16-bit producer loading every other
+// step's tiles only, 5: that alone.
 #ifndef PAGEDATTN_WS_FP8_PROBE
 #define PAGEDATTN_WS_FP8_PROBE 0
 #endif
@@ -172,8 +174,9 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
     int const phys = phys_next;
     phys_next = my.chunk_page(it + 1);
     auto const k = my.chunk(it, phys);
-    bool const valid = k.valid;
-    uint32_t const loads = k.loads, bad = k.bad;
+    bool const probe_skip = PAGEDATTN_WS_PROBE >= 4 && (it & 1);  // study: every other step's tiles not loaded
+    bool const valid = k.valid && !probe_skip;
+    uint32_t const loads = probe_skip ? 0u : k.loads, bad = probe_skip ? 0u : k.bad;
     int const c1 = k.c1, c2 = k.c2;
     // one tile (K or V) of the step into its slot
     auto load = [&](char* dst, void const* map, uint64_t* full, uint64_t* empty) {
@@ -724,7 +727,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   // softcapped scores are bounded: a fixed maximum where P's type holds them (OnlineSoftmax::fix_max)
   bool const fixed_max = Features::kSoftcap && !Features::kAlibi && softmax.template fix_max<Element>(mask.cap_out);
   auto exponentiate = [&](int it, float (&alpha)[2]) {
-    if constexpr (PAGEDATTN_WS_PROBE == 1) {
+    if constexpr (PAGEDATTN_WS_PROBE == 1 || PAGEDATTN_WS_PROBE == 4) {
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= 0.0625f;
       alpha[0] = alpha[1] = 1.f;

@@ -44,6 +44,13 @@ __device__ __forceinline__ float exp2_fma(float x) {
   return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
 }
 
+#ifndef PAGEDATTN_SOFTMAX_CHAINS
+#define PAGEDATTN_SOFTMAX_CHAINS 1  // tile field kSoftmaxChains: independent partial maxima / sums per row
+#endif
+#ifndef PAGEDATTN_WS_PROBE
+#define PAGEDATTN_WS_PROBE 0
+#endif
+
 template <int kRows>
 struct OnlineSoftmax {
   float m[kRows];  // running max of scaled logits, log2 units (-inf: no key seen yet)
@@ -80,27 +87,38 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         int const r = 2 * mi + h;
-        float tile_max = kNegInf;
+        constexpr int kChains = PAGEDATTN_SOFTMAX_CHAINS;
+        float part[kChains];
+#pragma unroll
+        for (int k = 0; k < kChains; ++k) part[k] = kNegInf;
 #pragma unroll
         for (int ni = 0; ni < kMmaN; ++ni) {
-          tile_max = fmaxf(tile_max, fmaxf(acc_s(2 * h, mi, ni), acc_s(2 * h + 1, mi, ni)));
+          part[ni % kChains] = fmaxf(part[ni % kChains], fmaxf(acc_s(2 * h, mi, ni), acc_s(2 * h + 1, mi, ni)));
         }
-        float const m_new = fmaxf(m[r], quad_max(tile_max) * scale_log2);
+#pragma unroll
+        for (int k = 1; k < kChains; ++k) part[0] = fmaxf(part[0], part[k]);
+        float const tile_max = PAGEDATTN_WS_PROBE == 3 ? 0.f : part[0];
+        float const m_new = PAGEDATTN_WS_PROBE == 3 ? 0.f : fmaxf(m[r], quad_max(tile_max) * scale_log2);
         float const m_use = m_new == kNegInf ? 0.f : m_new;  // an all-masked row stays at p = 0
         alpha[r] = exp2_ftz(m[r] - m_use);
         m[r] = m_new;
-        float sum = 0.f;
+        float sums[kChains];
+#pragma unroll
+        for (int k = 0; k < kChains; ++k) sums[k] = 0.f;
 #pragma unroll
         for (int ni = 0; ni < kMmaN; ++ni) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             float const x = fmaf(acc_s(2 * h + c, mi, ni), scale_log2, -m_use);
-            float const p = (ni * kFma) % kMmaN < kFma ? exp2_fma(x) : exp2_ftz(x);
+            float const p = PAGEDATTN_WS_PROBE == 2 ? x * 0.5f
+                            : (ni * kFma) % kMmaN < kFma ? exp2_fma(x) : exp2_ftz(x);
             acc_s(2 * h + c, mi, ni) = p;
-            sum += p;
+            sums[(2 * ni + c) % kChains] += p;
           }
         }
-        l[r] = l[r] * alpha[r] + sum;
+#pragma unroll
+        for (int k = 1; k < kChains; ++k) sums[0] += sums[k];
+        l[r] = l[r] * alpha[r] + sums[0];
       }
     }
   }
