@@ -493,6 +493,44 @@ def test_fp8_ws_scores_keep_q_exact(k_slots, kv, dtype, fp8_ws):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("lazy", [0, 1, 2])
+def test_ws_lazy_max_rows_that_grow(lazy, dtype):
+    """prefill_ws's row maxima (tile field kLazyMax): 0 quad-reduces every tile's, 1 only when a row of
+    the warp grew, 2 when one grew by more than 2^8 (the maximum then lags by up to 8 in log2 units, which
+    l undoes). Keys whose scale rises along the sequence make the maxima grow by small and by large steps
+    at every point of it; ragged requests over shuffled pages, float64 reference."""
+    from pagedattn.ops import attention as attention_ops
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("prefill_ws is sm_90a-only")
+    gen = torch.Generator().manual_seed(31 + lazy)
+    Hq, Hkv, D, bs = 8, 2, 128, 16
+    q_lens, k_lens = [260, 77], [700, 77]
+    pages = [-(-n // bs) for n in k_lens]
+    table = torch.randperm(sum(pages) + 3, generator=gen)[:sum(pages)].int()
+    block_table = torch.zeros(len(pages), max(pages), dtype=torch.int32)
+    for b, (at, n) in enumerate(zip([0, pages[0]], pages)):
+        block_table[b, :n] = table[at:at + n]
+    rise = (1 + torch.arange(bs * (sum(pages) + 3)) / 48).view(-1, bs, 1, 1)  # a page's keys by its slot
+    kc = (torch.randn(sum(pages) + 3, bs, Hkv, D, generator=gen) * rise).to(dtype).to(DEV)
+    vc = torch.randn(sum(pages) + 3, bs, Hkv, D, generator=gen).to(dtype).to(DEV)
+    q = torch.randn(sum(q_lens), Hq, D, generator=gen).to(dtype).to(DEV)
+    cu_q = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=DEV)
+    seqused = torch.tensor(k_lens, dtype=torch.int32, device=DEV)
+    with attention_ops.forced(prefill="prefill_ws", tiles={"prefill_ws": {"kLazyMax": lazy}}):
+        out, lse = flash_attn_varlen_func(q, kc, vc, max(q_lens), cu_q, max(k_lens), seqused_k=seqused,
+                                          block_table=block_table.to(DEV), causal=True, return_softmax_lse=True)
+        again = flash_attn_varlen_func(q, kc, vc, max(q_lens), cu_q, max(k_lens), seqused_k=seqused,
+                                       block_table=block_table.to(DEV), causal=True)
+    want, want_lse = reference.paged_attention(q, kc, vc, cu_q, seqused, block_table.to(DEV), causal=True,
+                                               return_lse=True, compute_dtype=torch.float64)
+    assert torch.equal(out, again)
+    assert (lse.float() - want_lse).abs().max().item() < 2e-3
+    assert rel_l2(out.float(), want) < 1e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("c", _fp8_ws_grid(32)[:12], ids=_case_id)
 def test_fp8_ws_fp8_scores_match_reference(c, decode_loader, fp8_ws):
     """The opt-in fp8 S of prefill_ws (tile field kWsFp8Qk: K read raw by e4m3 x fp8 MMAs, the producer

@@ -135,9 +135,11 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # way (perf/results/ws_q_late/). On for fp8 too, whose consumers (216 registers) spilled the
         # descriptors in the step loop: 5.0 M -> 0.74 M local-memory requests (ncu), time unchanged
         # (1285-1292 us against 1274-1283 without; perf/results/ws_fp8_producer/).
+        # kLazyMax 2: a tile's row maxima are quad-reduced only when some row of the warp grew by more than
+        # 8 (log2 units) past its maximum, which otherwise lags (p <= 2^8, undone by l). STUDY: measuring.
         return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1,
                     kStages=2 if head_dim <= 128 else 3, kMinBlocks=1, kTma=True, kPingPong=True,
-                    kExp2FmaSoftcap=2 if head_dim == 128 else 0, kWsQLate=head_dim == 256 or fp8,
+                    kExp2FmaSoftcap=2 if head_dim == 128 else 0, kWsQLate=head_dim == 256 or fp8, kLazyMax=2,
                     **(dict(kKAhead=True, kWsProducerRegs=72) if fp8 else {}))
     if mode == "prefill_wgmma":
         # Measured on H200, B=4 S=4096 causal d128 (perf/results/history/prefill_sweep_h200_*): more

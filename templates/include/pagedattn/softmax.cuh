@@ -47,6 +47,9 @@ __device__ __forceinline__ float exp2_fma(float x) {
 #ifndef PAGEDATTN_SOFTMAX_CHAINS
 #define PAGEDATTN_SOFTMAX_CHAINS 1  // tile field kSoftmaxChains: independent partial maxima / sums per row
 #endif
+#ifndef PAGEDATTN_LAZY_MAX
+#define PAGEDATTN_LAZY_MAX 0  // tile field kLazyMax: 0 every tile's row maxima quad-reduced; 1 only when a warp's grew; 2 grew by more than 2^8
+#endif
 #ifndef PAGEDATTN_WS_PROBE
 #define PAGEDATTN_WS_PROBE 0
 #endif
@@ -82,11 +85,11 @@ struct OnlineSoftmax {
     using namespace cute;
     constexpr int kMmaN = decltype(size<2>(acc_s))::value;
     static_assert(kFma >= 0 && kFma <= kMmaN, "kFma: column groups of the tile");
+    float tile_max[kRows];  // this thread's part of each row's maximum (raw scores)
 #pragma unroll
     for (int mi = 0; mi < kRows / 2; ++mi) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        int const r = 2 * mi + h;
         constexpr int kChains = PAGEDATTN_SOFTMAX_CHAINS;
         float part[kChains];
 #pragma unroll
@@ -97,8 +100,31 @@ struct OnlineSoftmax {
         }
 #pragma unroll
         for (int k = 1; k < kChains; ++k) part[0] = fmaxf(part[0], part[k]);
-        float const tile_max = PAGEDATTN_WS_PROBE == 3 ? 0.f : part[0];
-        float const m_new = PAGEDATTN_WS_PROBE == 3 ? 0.f : fmaxf(m[r], quad_max(tile_max) * scale_log2);
+        tile_max[2 * mi + h] = part[0];
+      }
+    }
+    // PAGEDATTN_LAZY_MAX: the quad reductions only when some row of the warp grew past its maximum (by
+    // more than kSlack: the maximum then stays behind by at most 2^kSlack, undone by l exactly)
+    bool grow = true;
+    if constexpr (PAGEDATTN_LAZY_MAX > 0) {
+      constexpr float kSlack = PAGEDATTN_LAZY_MAX == 1 ? 0.f : 8.f;
+      bool mine = false;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) mine |= !(tile_max[r] * scale_log2 <= m[r] + kSlack);  // NaN: grow
+      grow = __any_sync(0xffffffffu, mine);
+    }
+#pragma unroll
+    for (int mi = 0; mi < kRows / 2; ++mi) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int const r = 2 * mi + h;
+        constexpr int kChains = PAGEDATTN_SOFTMAX_CHAINS;
+        float m_new = m[r];
+        if (PAGEDATTN_WS_PROBE == 3) {
+          m_new = 0.f;
+        } else if (grow) {
+          m_new = fmaxf(m[r], quad_max(tile_max[r]) * scale_log2);
+        }
         float const m_use = m_new == kNegInf ? 0.f : m_new;  // an all-masked row stays at p = 0
         alpha[r] = exp2_ftz(m[r] - m_use);
         m[r] = m_new;
