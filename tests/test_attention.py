@@ -1186,6 +1186,12 @@ def test_ws_prefill_dispatch_rules():
     assert [tile_config(d, "prefill_ws")["kWsQLate"] for d in (64, 128, 192, 256)] == [False, False, False, True]
     assert tile_config(128, "prefill_ws", fp8=True)["kWsQLate"]  # its consumers have 216 registers
     assert "#define PAGEDATTN_WS_Q_LATE 1" in Kernel(AttnFwdSpec("bf16", "auto", 256, "prefill_ws")).source
+    # lazy row maxima from d128 on (measured slower at d64), fp8 too; other modes never define the macro
+    assert [tile_config(d, "prefill_ws")["kLazyMax"] for d in (64, 128, 192, 256)] == [0, 2, 2, 2]
+    assert tile_config(128, "prefill_ws", fp8=True)["kLazyMax"] == 2
+    assert "#define PAGEDATTN_LAZY_MAX 2" in Kernel(AttnFwdSpec("bf16", "auto", 128, "prefill_ws")).source
+    for spec in (AttnFwdSpec("bf16", "auto", 64, "prefill_ws"), AttnFwdSpec("bf16", "auto", 128, "decode")):
+        assert "PAGEDATTN_LAZY_MAX" not in Kernel(spec).source
     # softcap at d128: 2 of the 16 column groups take 2^x on the FMA pipe (the SFU has the tanh too)
     assert tile_config(128, "prefill_ws")["kExp2FmaSoftcap"] == 2 and tile_config(64, "prefill_ws")["kExp2FmaSoftcap"] == 0
     assert "false,2,Smem>" in "".join(Kernel(AttnFwdSpec("bf16", "auto", 128, "prefill_ws", softcap=True)).source.split())

@@ -135,11 +135,18 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # way (perf/results/ws_q_late/). On for fp8 too, whose consumers (216 registers) spilled the
         # descriptors in the step loop: 5.0 M -> 0.74 M local-memory requests (ncu), time unchanged
         # (1285-1292 us against 1274-1283 without; perf/results/ws_fp8_producer/).
-        # kLazyMax 2: a tile's row maxima are quad-reduced only when some row of the warp grew by more than
-        # 8 (log2 units) past its maximum, which otherwise lags (p <= 2^8, undone by l). STUDY: measuring.
+        # kLazyMax 2 at head dims >= 128 (softmax.cuh): a tile's row maxima are quad-reduced, and O rescaled,
+        # only when a row of the warp grew by more than 8 (log2 units) past its maximum, which otherwise
+        # lags (p <= 2^8, undone by l). The row maxima cost ~10 % of the d128 step (a probe with none:
+        # 1144 -> 1027 us); lazy ones, A/B interleaved in one call on H200 (perf/results/ws_softmax_lazy/,
+        # B=4 S=4096 causal, rot / flush us): d128 1121 / 1110 and 1115 / 1086 -> 1094 / 1089 and
+        # 1094 / 1087, B=1 S=16384 3894-3899 -> 3803-3806, d192 1727-1729 -> 1658-1659, d256 2233 ->
+        # 2120-2123, fp8 e4m3 1296 -> 1261; d64 798-799 -> 824-825 (slower: off there); B=8 512 over 8192
+        # alike (946-949 -> 939-948). 1 (exact maxima, fewer skips) measured no better than 0.
         return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1,
                     kStages=2 if head_dim <= 128 else 3, kMinBlocks=1, kTma=True, kPingPong=True,
-                    kExp2FmaSoftcap=2 if head_dim == 128 else 0, kWsQLate=head_dim == 256 or fp8, kLazyMax=2,
+                    kExp2FmaSoftcap=2 if head_dim == 128 else 0, kWsQLate=head_dim == 256 or fp8,
+                    kLazyMax=2 if head_dim >= 128 else 0,
                     **(dict(kKAhead=True, kWsProducerRegs=72) if fp8 else {}))
     if mode == "prefill_wgmma":
         # Measured on H200, B=4 S=4096 causal d128 (perf/results/history/prefill_sweep_h200_*): more

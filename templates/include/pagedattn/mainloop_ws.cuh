@@ -40,18 +40,6 @@
 #include "pagedattn/tile_scheduler.cuh"
 #include "pagedattn/tma_copy.cuh"
 
-// Study probes (tile fields kWsFp8Probe / kWsProbe; timing only, the results are wrong): the fp8
-// producer 1: stores the raw bits (no conversion), 2: converts values made from the step, not loaded,
-// 3: widens nothing, 4: loads and converts but stores nothing; kWsProbe 1: the consumers run no mask or
-// softmax, 2: no 2^x (softmax.cuh), 3: no row maxima, 4: 1 with the 16-bit producer loading every other
-// step's tiles only, 5: that alone.
-#ifndef PAGEDATTN_WS_FP8_PROBE
-#define PAGEDATTN_WS_FP8_PROBE 0
-#endif
-#ifndef PAGEDATTN_WS_PROBE
-#define PAGEDATTN_WS_PROBE 0
-#endif
-
 namespace pagedattn {
 
 // Registers per thread after the hand-over: the producer keeps kProducerRegs, the consumers take
@@ -174,9 +162,8 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
     int const phys = phys_next;
     phys_next = my.chunk_page(it + 1);
     auto const k = my.chunk(it, phys);
-    bool const probe_skip = PAGEDATTN_WS_PROBE >= 4 && (it & 1);  // study: every other step's tiles not loaded
-    bool const valid = k.valid && !probe_skip;
-    uint32_t const loads = probe_skip ? 0u : k.loads, bad = probe_skip ? 0u : k.bad;
+    bool const valid = k.valid;
+    uint32_t const loads = k.loads, bad = k.bad;
     int const c1 = k.c1, c2 = k.c2;
     // one tile (K or V) of the step into its slot
     auto load = [&](char* dst, void const* map, uint64_t* full, uint64_t* empty) {
@@ -278,8 +265,6 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
     // V rows past the request's end are written as zeros here (0 * NaN is not 0 in P V), chunks wholly
     // past it too, so the consumers clear no tail: rows [live, kBlockN) of the step (K keeps them: the
     // mask hides their scores)
-    if (PAGEDATTN_WS_FP8_PROBE == 3) return;
-    uint32_t probe_sink = 0;
     int const live = is_v ? c.w.k_len - (c.w.step_begin + it) * kBlockN : kBlockN;
     // A lane's pieces of a chunk: raw piece jp = lane % 8 of rows r = r0 + 4 j (r0 = lane / 8, j < 4),
     // each 16 fp8 values that become two 16-byte pieces of the fp16 tile. A row's pieces sit at piece
@@ -317,30 +302,16 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
       auto widen_chunk = [&](auto whole) {  // whole: every row (a copy of its own, no predicates)
         uint4 x[kPieces];
         CUTE_UNROLL
-        for (int j = 0; j < kPieces; ++j) {
-          if constexpr (PAGEDATTN_WS_FP8_PROBE == 2) {
-            uint32_t const v = (n * 0x01010101u) ^ uint32_t(lane + 8 * j + 64 * chunk);
-            x[j] = make_uint4(v & 0x3b3b3b3bu, v & 0x3a3a3a3au, v & 0x39393939u, v & 0x38383838u);
-          } else {
-            x[j] = whole || r0 + 4 * j < rows ? raw_piece(j) : make_uint4(0, 0, 0, 0);
-          }
-        }
+        for (int j = 0; j < kPieces; ++j) x[j] = whole || r0 + 4 * j < rows ? raw_piece(j) : make_uint4(0, 0, 0, 0);
         CUTE_UNROLL
         for (int j = 0; j < kPieces; ++j) {
           uint4 lo, hi;  // to fp16 (Traits::MmaElement): e4m3 pairs by the hardware conversion, e5m2 by byte moves
-          if constexpr (PAGEDATTN_WS_FP8_PROBE == 1) {
-            lo = x[j];
-            hi = x[j];
-          } else if constexpr (Traits::kFp8 == Fp8Format::kE4M3) {
+          if constexpr (Traits::kFp8 == Fp8Format::kE4M3) {
             dequant_fp8x16<false, Traits::kFp8>(x[j], lo, hi);
           } else {
             widen_e5m2x16_half(x[j], lo, hi);
           }
-          if constexpr (PAGEDATTN_WS_FP8_PROBE == 4) {
-            probe_sink ^= lo.x ^ lo.y ^ lo.z ^ lo.w ^ hi.x ^ hi.y ^ hi.z ^ hi.w;
-          } else {
-            put(j, lo, hi);
-          }
+          put(j, lo, hi);
         }
       };
       if (rows == 16) {  // uniform: all but V's last chunk
@@ -349,7 +320,6 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
         widen_chunk(cute::false_type{});
       }
     }
-    if (PAGEDATTN_WS_FP8_PROBE == 4 && probe_sink == 0x9e3779b9u) *reinterpret_cast<uint32_t*>(dst) = probe_sink;
   };
   // the tiles widened since the last call to the consumers: K of step k_it, V of step v_it (-1: none).
   // The fence orders the fp16 writes before wgmma reads them, and the raw reads before TMA refills.
@@ -727,12 +697,6 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   // softcapped scores are bounded: a fixed maximum where P's type holds them (OnlineSoftmax::fix_max)
   bool const fixed_max = Features::kSoftcap && !Features::kAlibi && softmax.template fix_max<Element>(mask.cap_out);
   auto exponentiate = [&](int it, float (&alpha)[2]) {
-    if constexpr (PAGEDATTN_WS_PROBE == 1 || PAGEDATTN_WS_PROBE == 4) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= 0.0625f;
-      alpha[0] = alpha[1] = 1.f;
-      return;
-    }
     float const k = mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2 * q_unscale);
     if (fixed_max) {
       softmax.template exponentiate_fixed<kFma>(s_rows, k);

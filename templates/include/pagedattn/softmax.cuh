@@ -44,14 +44,10 @@ __device__ __forceinline__ float exp2_fma(float x) {
   return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
 }
 
-#ifndef PAGEDATTN_SOFTMAX_CHAINS
-#define PAGEDATTN_SOFTMAX_CHAINS 1  // tile field kSoftmaxChains: independent partial maxima / sums per row
-#endif
+// Tile field kLazyMax (prefill_ws at head dims >= 128): 0 quad-reduces every tile's row maxima; 1 only
+// when some row of the warp grew past its maximum; 2 only when one grew by more than 2^8 (see exponentiate).
 #ifndef PAGEDATTN_LAZY_MAX
-#define PAGEDATTN_LAZY_MAX 0  // tile field kLazyMax: 0 every tile's row maxima quad-reduced; 1 only when a warp's grew; 2 grew by more than 2^8
-#endif
-#ifndef PAGEDATTN_WS_PROBE
-#define PAGEDATTN_WS_PROBE 0
+#define PAGEDATTN_LAZY_MAX 0
 #endif
 
 template <int kRows>
@@ -85,32 +81,20 @@ struct OnlineSoftmax {
     using namespace cute;
     constexpr int kMmaN = decltype(size<2>(acc_s))::value;
     static_assert(kFma >= 0 && kFma <= kMmaN, "kFma: column groups of the tile");
+    // PAGEDATTN_LAZY_MAX: the quad shuffles, the new maxima and O's rescaling only when a row of the warp
+    // grew past its maximum (1; the same maxima as always) or past it by more than kSlack (2): a row's
+    // maximum then lags its scores' by up to kSlack, so p <= 2^kSlack, which l undoes exactly (a bf16
+    // or fp16 P keeps its relative precision; fp32 l and O have the headroom). The vote is warp-uniform.
     float tile_max[kRows];  // this thread's part of each row's maximum (raw scores)
-#pragma unroll
-    for (int mi = 0; mi < kRows / 2; ++mi) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        constexpr int kChains = PAGEDATTN_SOFTMAX_CHAINS;
-        float part[kChains];
-#pragma unroll
-        for (int k = 0; k < kChains; ++k) part[k] = kNegInf;
-#pragma unroll
-        for (int ni = 0; ni < kMmaN; ++ni) {
-          part[ni % kChains] = fmaxf(part[ni % kChains], fmaxf(acc_s(2 * h, mi, ni), acc_s(2 * h + 1, mi, ni)));
-        }
-#pragma unroll
-        for (int k = 1; k < kChains; ++k) part[0] = fmaxf(part[0], part[k]);
-        tile_max[2 * mi + h] = part[0];
-      }
-    }
-    // PAGEDATTN_LAZY_MAX: the quad reductions only when some row of the warp grew past its maximum (by
-    // more than kSlack: the maximum then stays behind by at most 2^kSlack, undone by l exactly)
     bool grow = true;
     if constexpr (PAGEDATTN_LAZY_MAX > 0) {
       constexpr float kSlack = PAGEDATTN_LAZY_MAX == 1 ? 0.f : 8.f;
       bool mine = false;
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) mine |= !(tile_max[r] * scale_log2 <= m[r] + kSlack);  // NaN: grow
+      for (int r = 0; r < kRows; ++r) {
+        tile_max[r] = row_max(acc_s, r / 2, r % 2);
+        mine |= !(tile_max[r] * scale_log2 <= m[r] + kSlack);  // NaN: grow
+      }
       grow = __any_sync(0xffffffffu, mine);
     }
 #pragma unroll
@@ -118,35 +102,37 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         int const r = 2 * mi + h;
-        constexpr int kChains = PAGEDATTN_SOFTMAX_CHAINS;
-        float m_new = m[r];
-        if (PAGEDATTN_WS_PROBE == 3) {
-          m_new = 0.f;
-        } else if (grow) {
-          m_new = fmaxf(m[r], quad_max(tile_max[r]) * scale_log2);
-        }
+        float const t = PAGEDATTN_LAZY_MAX > 0 ? tile_max[r] : row_max(acc_s, mi, h);
+        float const m_new = grow ? fmaxf(m[r], quad_max(t) * scale_log2) : m[r];
         float const m_use = m_new == kNegInf ? 0.f : m_new;  // an all-masked row stays at p = 0
         alpha[r] = exp2_ftz(m[r] - m_use);
         m[r] = m_new;
-        float sums[kChains];
-#pragma unroll
-        for (int k = 0; k < kChains; ++k) sums[k] = 0.f;
+        float sum = 0.f;
 #pragma unroll
         for (int ni = 0; ni < kMmaN; ++ni) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             float const x = fmaf(acc_s(2 * h + c, mi, ni), scale_log2, -m_use);
-            float const p = PAGEDATTN_WS_PROBE == 2 ? x * 0.5f
-                            : (ni * kFma) % kMmaN < kFma ? exp2_fma(x) : exp2_ftz(x);
+            float const p = (ni * kFma) % kMmaN < kFma ? exp2_fma(x) : exp2_ftz(x);
             acc_s(2 * h + c, mi, ni) = p;
-            sums[(2 * ni + c) % kChains] += p;
+            sum += p;
           }
         }
-#pragma unroll
-        for (int k = 1; k < kChains; ++k) sums[0] += sums[k];
-        l[r] = l[r] * alpha[r] + sums[0];
+        l[r] = l[r] * alpha[r] + sum;
       }
     }
+  }
+
+  // This thread's part of the maximum of row (mi, h) of a tile's raw scores.
+  template <class TensorS>
+  __device__ __forceinline__ static float row_max(TensorS const& acc_s, int mi, int h) {
+    using namespace cute;
+    float t = kNegInf;
+#pragma unroll
+    for (int ni = 0; ni < decltype(size<2>(acc_s))::value; ++ni) {
+      t = fmaxf(t, fmaxf(acc_s(2 * h, mi, ni), acc_s(2 * h + 1, mi, ni)));
+    }
+    return t;
   }
 
   // Softcapped scores are bounded: s = cap * t with |t| <= 1 (cap = softcap * log2(e), log2 units).
