@@ -449,6 +449,17 @@ def test_fp8_ws_widens_every_value_exactly(kv, dtype, fp8_ws):
     assert "prefill_ws" in modes, modes
 
 
+def _two_requests_pages(gen, k_lens, bs):
+    """A cache of three pages more than two requests of k_lens keys take, and their block table: the
+    requests' pages shuffled over it."""
+    pages = [-(-n // bs) for n in k_lens]
+    table = torch.randperm(sum(pages) + 3, generator=gen)[:sum(pages)].int()
+    block_table = torch.zeros(len(pages), max(pages), dtype=torch.int32)
+    for b, (at, n) in enumerate(zip([0, pages[0]], pages)):
+        block_table[b, :n] = table[at:at + n]
+    return sum(pages) + 3, block_table
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
@@ -468,14 +479,10 @@ def test_fp8_ws_scores_keep_q_exact(k_slots, kv, dtype, fp8_ws):
     gen = torch.Generator().manual_seed(29)
     Hq, Hkv, D, bs = 8, 2, 128, 16
     q_lens, k_lens = [200, 77], [300, 77]
-    pages = [-(-n // bs) for n in k_lens]
-    table = torch.randperm(sum(pages) + 3, generator=gen)[:sum(pages)].int()
-    block_table = torch.zeros(len(pages), max(pages), dtype=torch.int32)
-    for b, (at, n) in enumerate(zip([0, pages[0]], pages)):
-        block_table[b, :n] = table[at:at + n]
+    blocks, block_table = _two_requests_pages(gen, k_lens, bs)
     fp8 = torch.float8_e4m3fn if kv == "fp8_e4m3" else torch.float8_e5m2
-    kc = torch.randn(sum(pages) + 3, bs, Hkv, D, generator=gen).to(fp8).view(torch.uint8).to(DEV)
-    vc = torch.randn(sum(pages) + 3, bs, Hkv, D, generator=gen).to(fp8).view(torch.uint8).to(DEV)
+    kc = torch.randn(blocks, bs, Hkv, D, generator=gen).to(fp8).view(torch.uint8).to(DEV)
+    vc = torch.randn(blocks, bs, Hkv, D, generator=gen).to(fp8).view(torch.uint8).to(DEV)
     q = (4 * torch.randn(sum(q_lens), Hq, D, generator=gen) * torch.randn(sum(q_lens), Hq, D, generator=gen).exp())
     q = q.to(dtype).to(DEV)
     cu_q = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=DEV)
@@ -507,14 +514,10 @@ def test_ws_lazy_max_rows_that_grow(lazy, dtype):
     gen = torch.Generator().manual_seed(31 + lazy)
     Hq, Hkv, D, bs = 8, 2, 128, 16
     q_lens, k_lens = [260, 77], [700, 77]
-    pages = [-(-n // bs) for n in k_lens]
-    table = torch.randperm(sum(pages) + 3, generator=gen)[:sum(pages)].int()
-    block_table = torch.zeros(len(pages), max(pages), dtype=torch.int32)
-    for b, (at, n) in enumerate(zip([0, pages[0]], pages)):
-        block_table[b, :n] = table[at:at + n]
-    rise = (1 + torch.arange(bs * (sum(pages) + 3)) / 48).view(-1, bs, 1, 1)  # a page's keys by its slot
-    kc = (torch.randn(sum(pages) + 3, bs, Hkv, D, generator=gen) * rise).to(dtype).to(DEV)
-    vc = torch.randn(sum(pages) + 3, bs, Hkv, D, generator=gen).to(dtype).to(DEV)
+    blocks, block_table = _two_requests_pages(gen, k_lens, bs)
+    rise = (1 + torch.arange(bs * blocks) / 48).view(-1, bs, 1, 1)  # a page's keys by its slot
+    kc = (torch.randn(blocks, bs, Hkv, D, generator=gen) * rise).to(dtype).to(DEV)
+    vc = torch.randn(blocks, bs, Hkv, D, generator=gen).to(dtype).to(DEV)
     q = torch.randn(sum(q_lens), Hq, D, generator=gen).to(dtype).to(DEV)
     cu_q = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=DEV)
     seqused = torch.tensor(k_lens, dtype=torch.int32, device=DEV)
