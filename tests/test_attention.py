@@ -146,6 +146,19 @@ def test_fp8_scores_opt_in_compiles():
         assert res.cubin[:4] == b"\x7fELF"
 
 
+def test_lazy_max_exact_option_compiles():
+    """prefill_ws's row maxima with kLazyMax 1 (skip the quad reductions only when no row of the warp grew;
+    the default is 2 from d128 on, 0 at d64) render and compile for sm_90a."""
+    from pagedattn.ops import attention as attention_ops
+
+    with attention_ops.forced(tiles={"prefill_ws": {"kLazyMax": 1}}):
+        k = Kernel(AttnFwdSpec("bf16", "auto", 128, "prefill_ws"))
+        source = k.source
+    assert "#define PAGEDATTN_LAZY_MAX 1" in source
+    res = compile_source(source, variant=k.name, arch="sm_90a", options=nvrtc_options("sm_90a", toolchain()))
+    assert res.cubin[:4] == b"\x7fELF"
+
+
 def _code_bytes(cubin: bytes) -> int:
     """Bytes of the cubin's .text sections (64-bit little-endian ELF)."""
     import struct
