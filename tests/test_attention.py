@@ -131,30 +131,22 @@ def test_attention_variants_compile(spec, arch):
     assert _code_bytes(res.cubin) <= 256 * 1024, (k.name, _code_bytes(res.cubin))
 
 
-def test_fp8_scores_opt_in_compiles():
-    """prefill_ws's opt-in fp8 S (tile field kWsFp8Qk: K read raw by e4m3 x fp8 MMAs) renders and compiles
-    for sm_90a, with e4m3 and e5m2 keys (in the test's process: the NVRTC farm compiles specs' default
-    tiles)."""
+@pytest.mark.parametrize("dtype,kv,tiles,define", [
+    ("bf16", "fp8_e4m3", {"kWsFp8Qk": 4}, "#define PAGEDATTN_WS_FP8_QK 4"),
+    ("fp16", "fp8_e5m2", {"kWsFp8Qk": 4}, "#define PAGEDATTN_WS_FP8_QK 4"),
+    ("bf16", "auto", {"kLazyMax": 1}, "#define PAGEDATTN_LAZY_MAX 1"),
+], ids=["fp8_s_e4m3", "fp8_s_e5m2", "lazy_max_exact"])
+def test_ws_opt_in_tiles_compile(dtype, kv, tiles, define):
+    """prefill_ws's opt-in tile fields render and compile for sm_90a (in the test's process: the NVRTC
+    farm compiles specs' default tiles): fp8 S (kWsFp8Qk: K read raw by e4m3 x fp8 MMAs) with e4m3 and
+    e5m2 keys, and the exact lazy row maxima (kLazyMax 1: the quad reductions skipped only when no row of
+    the warp grew; the default is 2 from d128 on, 0 at d64)."""
     from pagedattn.ops import attention as attention_ops
 
-    for dtype, kv in (("bf16", "fp8_e4m3"), ("fp16", "fp8_e5m2")):
-        with attention_ops.forced(tiles={"prefill_ws": {"kWsFp8Qk": 4}}):  # the tiles are read as it renders
-            k = Kernel(AttnFwdSpec(dtype, kv, 128, "prefill_ws"))
-            source = k.source
-        assert "#define PAGEDATTN_WS_FP8_QK 4" in source
-        res = compile_source(source, variant=k.name, arch="sm_90a", options=nvrtc_options("sm_90a", toolchain()))
-        assert res.cubin[:4] == b"\x7fELF"
-
-
-def test_lazy_max_exact_option_compiles():
-    """prefill_ws's row maxima with kLazyMax 1 (skip the quad reductions only when no row of the warp grew;
-    the default is 2 from d128 on, 0 at d64) render and compile for sm_90a."""
-    from pagedattn.ops import attention as attention_ops
-
-    with attention_ops.forced(tiles={"prefill_ws": {"kLazyMax": 1}}):
-        k = Kernel(AttnFwdSpec("bf16", "auto", 128, "prefill_ws"))
+    with attention_ops.forced(tiles={"prefill_ws": tiles}):  # the tiles are read as it renders
+        k = Kernel(AttnFwdSpec(dtype, kv, 128, "prefill_ws"))
         source = k.source
-    assert "#define PAGEDATTN_LAZY_MAX 1" in source
+    assert define in source
     res = compile_source(source, variant=k.name, arch="sm_90a", options=nvrtc_options("sm_90a", toolchain()))
     assert res.cubin[:4] == b"\x7fELF"
 
