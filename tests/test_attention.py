@@ -135,7 +135,8 @@ def test_attention_variants_compile(spec, arch):
     ("bf16", "fp8_e4m3", {"kWsFp8Qk": 4}, "#define PAGEDATTN_WS_FP8_QK 4"),
     ("fp16", "fp8_e5m2", {"kWsFp8Qk": 4}, "#define PAGEDATTN_WS_FP8_QK 4"),
     ("bf16", "auto", {"kLazyMax": 1}, "#define PAGEDATTN_LAZY_MAX 1"),
-], ids=["fp8_s_e4m3", "fp8_s_e5m2", "lazy_max_exact"])
+    ("fp16", "auto", {"kLazyMax": 3}, "#define PAGEDATTN_LAZY_MAX 3"),
+], ids=["fp8_s_e4m3", "fp8_s_e5m2", "lazy_max_exact", "lazy_max_lagging"])
 def test_ws_opt_in_tiles_compile(dtype, kv, tiles, define):
     """prefill_ws's opt-in tile fields render and compile for sm_90a (in the test's process: the NVRTC
     farm compiles specs' default tiles): fp8 S (kWsFp8Qk: K read raw by e4m3 x fp8 MMAs) with e4m3 and
@@ -506,12 +507,13 @@ def test_fp8_ws_scores_keep_q_exact(k_slots, kv, dtype, fp8_ws):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("lazy", [0, 1, 2])
+@pytest.mark.parametrize("lazy", [0, 1, 2, 3])
 def test_ws_lazy_max_rows_that_grow(lazy, dtype):
     """prefill_ws's row maxima (tile field kLazyMax): 0 quad-reduces every tile's, 1 only when a row of
     the warp grew, 2 when one grew by more than 2^8 (the maximum then lags by up to 8 in log2 units, which
-    l undoes). Keys whose scale rises along the sequence make the maxima grow by small and by large steps
-    at every point of it; ragged requests over shuffled pages, float64 reference."""
+    l undoes), 3 as 2 with the exponentials taken before the tile's maxima are known. Keys whose scale
+    rises along the sequence make the maxima grow by small and by large steps at every point of it;
+    ragged requests over shuffled pages, float64 reference."""
     from pagedattn.ops import attention as attention_ops
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -536,6 +538,53 @@ def test_ws_lazy_max_rows_that_grow(lazy, dtype):
     assert torch.equal(out, again)
     assert (lse.float() - want_lse).abs().max().item() < 2e-3
     assert rel_l2(out.float(), want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("window", [-1, 150], ids=["full", "window150"])
+@pytest.mark.parametrize("D", [128, 256])
+def test_ws_lagging_max_scores_that_jump(D, window, dtype):
+    """kLazyMax 3 exponentiates a step's scores against the row maxima as they stand, before it knows the
+    step's: a score far past its row's maximum (or, for a row that has seen no key yet, far from 0) sends
+    the warp back to make S again from the shared-memory tiles (mainloop_ws.cuh: ws_scores_again). Keys
+    scaled by 1 up to 400 at scattered positions make scores jump by every amount, including far more than
+    2^60 and than P's type holds; a sliding window leaves rows with no key in an item's first steps, and
+    negative scale factors send some of those rows' first scores far below 0. Against float64, and against
+    kLazyMax 2 on the same inputs; reruns bit-identical."""
+    from pagedattn.ops import attention as attention_ops
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("prefill_ws is sm_90a-only")
+    gen = torch.Generator().manual_seed(7 + D + window)
+    Hq, Hkv, bs = 8, 2, 16
+    q_lens, k_lens = [300, 90], [800, 90]
+    blocks, block_table = _two_requests_pages(gen, k_lens, bs)
+    jump = torch.ones(blocks * bs)
+    at = torch.randperm(blocks * bs, generator=gen)[:40]
+    jump[at] = torch.tensor([1.0, -3.0, 5.0, 20.0, -60.0, 100.0, 400.0, -400.0] * 5)
+    kc = (torch.randn(blocks, bs, Hkv, D, generator=gen) * jump.view(blocks, bs, 1, 1)).to(dtype).to(DEV)
+    vc = torch.randn(blocks, bs, Hkv, D, generator=gen).to(dtype).to(DEV)
+    q = torch.randn(sum(q_lens), Hq, D, generator=gen).to(dtype).to(DEV)
+    cu_q = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=DEV)
+    seqused = torch.tensor(k_lens, dtype=torch.int32, device=DEV)
+    args = dict(seqused_k=seqused, block_table=block_table.to(DEV), causal=True, window_size=(window, 0))
+    runs = {}
+    for lazy in (2, 3):
+        with attention_ops.forced(prefill="prefill_ws", tiles={"prefill_ws": {"kLazyMax": lazy}}):
+            runs[lazy] = flash_attn_varlen_func(q, kc, vc, max(q_lens), cu_q, max(k_lens), return_softmax_lse=True,
+                                                **args)
+            if lazy == 3:
+                again = flash_attn_varlen_func(q, kc, vc, max(q_lens), cu_q, max(k_lens), **args)
+    want, want_lse = reference.paged_attention(q, kc, vc, cu_q, seqused, block_table.to(DEV), causal=True,
+                                               window_size=(window, 0), return_lse=True,
+                                               compute_dtype=torch.float64)
+    out, lse = runs[3]
+    assert torch.equal(out, again)
+    assert (lse.float() - want_lse).abs().max().item() < 2e-3
+    assert rel_l2(out.float(), want) < 1e-2
+    assert (lse.float() - runs[2][1].float()).abs().max().item() < 1e-3
+    assert rel_l2(out.float(), runs[2][0].float()) < 1e-2
 
 
 @pytest.mark.gpu

@@ -399,6 +399,52 @@ __device__ __forceinline__ void ws_clear_tail(TileCtx<Traits> const& c, int slot
   tile_sync<Traits>();
 }
 
+// The raw scores S = Q K^T of a thread's accumulator entries (coordinates tScS) against K's ring slot,
+// made again by the warp alone from the shared-memory tiles with fp32 FMAs: exponentiate_lagging's
+// rare way back (a warpgroup MMA would need all four warps). Entries unrolled (the accumulator stays in
+// registers), 8-column pieces of the head dim not. The coordinates come from a thread index the compiler
+// cannot see through: it would otherwise make the 34 swizzled offsets once, ahead of the step loop, and
+// hold them there at the cost of the loop's registers.
+template <class Traits, class TensorS>
+__device__ __forceinline__ void ws_scores_again(AttnSmem<Traits> const& sm, int slot, TensorS& acc_s, int tidx) {
+  using namespace cute;
+  using Element = typename Traits::MmaElement;
+  using Tiles = WgmmaTiles<Traits>;
+  asm volatile("" : "+r"(tidx));
+  auto const tScS = Tiles::template coords<Traits::kBlockN>(tidx);
+  Element const* const q = reinterpret_cast<Element const*>(sm.q());
+  Element const* const k = reinterpret_cast<Element const*>(sm.k_tile(slot, 0));
+  auto piece = [&](Element const* tile, int at, float (&f)[8]) {  // 8 columns: 16 bytes of a swizzled row
+    uint4 const x = *reinterpret_cast<uint4 const*>(tile + at);
+    Element const* const e = reinterpret_cast<Element const*>(&x);
+    CUTE_UNROLL
+    for (int j = 0; j < 8; ++j) f[j] = float(e[j]);
+  };
+  int const row0 = int(get<0>(tScS(0))), row1 = int(get<0>(tScS(2)));  // the thread's two rows
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_s); i += 4) {  // entries i .. i + 3: columns c, c + 1 of rows 0 and 1
+    CUTE_UNROLL
+    for (int c = 0; c < 2; ++c) {
+      int const col = int(get<1>(tScS(i + c)));
+      float s0 = 0.f, s1 = 0.f;
+#pragma unroll 1
+      for (int d = 0; d < Traits::kHeadDim; d += 8) {
+        float q0[8], q1[8], kf[8];
+        piece(q, typename Tiles::SmemLayoutQ{}(row0, d), q0);
+        piece(q, typename Tiles::SmemLayoutQ{}(row1, d), q1);
+        piece(k, typename Tiles::SmemLayoutK{}(col, d), kf);
+        CUTE_UNROLL
+        for (int j = 0; j < 8; ++j) {
+          s0 = fmaf(q0[j], kf[j], s0);
+          s1 = fmaf(q1[j], kf[j], s1);
+        }
+      }
+      acc_s(i + c) = s0;
+      acc_s(i + c + 2) = s1;
+    }
+  }
+}
+
 // Barrier over one consumer warpgroup (named barriers 5 and 6; ids as immediates: ptxas then
 // reserves 7 barriers, not all 16).
 __device__ __forceinline__ void ws_group_sync(int wg) {
@@ -696,14 +742,31 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   Tensor s_rows = make_tensor(acc_s.data(), Layout<Shape<_4, _1, Int<kBlockN / 8>>>{});
   // softcapped scores are bounded: a fixed maximum where P's type holds them (OnlineSoftmax::fix_max)
   bool const fixed_max = Features::kSoftcap && !Features::kAlibi && softmax.template fix_max<Element>(mask.cap_out);
-  auto exponentiate = [&](int it, float (&alpha)[2]) {
+  // kLag (kLazyMax 3): an item's steps after its first take exponentiate_lagging, whose rare way back
+  // makes the step's S afresh (the warp's scores from the Q and K tiles, so K's slot goes back after it)
+  constexpr bool kLag = PAGEDATTN_LAZY_MAX == 3;
+  static_assert(!kLag || !Traits::kFp8Qk, "kLazyMax 3 remakes S from 16-bit Q and K tiles");
+  // Returns true when exponentiate_lagging asks for S afresh (scores_again).
+  auto exponentiate = [&](int it, float (&alpha)[2], bool lag) {
     float const k = mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2 * q_unscale);
     if (fixed_max) {
       softmax.template exponentiate_fixed<kFma>(s_rows, k);
       alpha[0] = alpha[1] = 1.f;
-    } else {
+    } else if (!kLag || !lag) {
       softmax.template exponentiate<kFma>(s_rows, k, alpha);
+    } else {
+      return softmax.template exponentiate_lagging<kFma>(s_rows, k, alpha);
     }
+    return false;
+  };
+  // Step it's S made again by the warp, and exponentiate()d (rare; warp-uniform). The P V before is
+  // waited for first, so that P's registers are free.
+  auto scores_again = [&](int it, float (&alpha)[2]) {
+    wgmma_wait<0>(acc_o);
+    warpgroup_fence_operand(tOrP);
+    ws_scores_again<Traits>(c.smem, ring.slot<kKSlots>(it), acc_s, c.tidx);
+    float const k = mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2 * q_unscale);
+    softmax.template exponentiate<kFma>(s_rows, k, alpha);
   };
   if (n_steps == 0) {
     next_q();
@@ -715,7 +778,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
     wgmma_wait<0>(acc_s);
     release_k(0);
     float alpha[2];  // the rescaling of O that step it's scores ask for
-    exponentiate(0, alpha);
+    exponentiate(0, alpha, false);
     to_p(acc_s);
     for (int it = 1; it < n_steps; ++it) {
       wait_k(it);
@@ -726,8 +789,11 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       wgmma_gemm<false, false>(mma_pv, tOrP, tOrVt(it - 1), acc_o);
       pp.your_turn();
       wgmma_wait<1>(acc_s);
+      if constexpr (kLag) {
+        if (exponentiate(it, alpha, true)) scores_again(it, alpha);
+      }
       release_k(it);
-      exponentiate(it, alpha);
+      if constexpr (!kLag) exponentiate(it, alpha, true);
       wgmma_wait<0>(acc_o);
       warpgroup_fence_operand(tOrP);  // P of step it - 1 stays in its registers until its MMAs are done
       release_v(it - 1);

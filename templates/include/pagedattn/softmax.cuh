@@ -45,7 +45,9 @@ __device__ __forceinline__ float exp2_fma(float x) {
 }
 
 // Tile field kLazyMax (prefill_ws at head dims >= 128): 0 quad-reduces every tile's row maxima; 1 only
-// when some row of the warp grew past its maximum; 2 only when one grew by more than 2^8 (see exponentiate).
+// when some row of the warp grew past its maximum; 2 only when one grew by more than 2^8 (see exponentiate);
+// 3 as 2, and prefill_ws's steps after an item's first exponentiate against the lagging maxima before
+// they know the tile's (exponentiate_lagging).
 #ifndef PAGEDATTN_LAZY_MAX
 #define PAGEDATTN_LAZY_MAX 0
 #endif
@@ -82,13 +84,13 @@ struct OnlineSoftmax {
     constexpr int kMmaN = decltype(size<2>(acc_s))::value;
     static_assert(kFma >= 0 && kFma <= kMmaN, "kFma: column groups of the tile");
     // PAGEDATTN_LAZY_MAX: the quad shuffles, the new maxima and O's rescaling only when a row of the warp
-    // grew past its maximum (1; the same maxima as always) or past it by more than kSlack (2): a row's
+    // grew past its maximum (1; the same maxima as always) or past it by more than kSlack (2, 3): a row's
     // maximum then lags its scores' by up to kSlack, so p <= 2^kSlack, which l undoes exactly (a bf16
     // or fp16 P keeps its relative precision; fp32 l and O have the headroom). The vote is warp-uniform.
     float tile_max[kRows];  // this thread's part of each row's maximum (raw scores)
     bool grow = true;
     if constexpr (PAGEDATTN_LAZY_MAX > 0) {
-      constexpr float kSlack = PAGEDATTN_LAZY_MAX == 1 ? 0.f : 8.f;
+      constexpr float kSlack = PAGEDATTN_LAZY_MAX == 1 ? 0.f : kLagSlack;
       bool mine = false;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
@@ -121,6 +123,82 @@ struct OnlineSoftmax {
         l[r] = l[r] * alpha[r] + sum;
       }
     }
+  }
+
+  // PAGEDATTN_LAZY_MAX 3 (prefill_ws, every step of an item but its first): exponentiate() with the
+  // exponentials first, against the maxima as they stand (a row with none yet: against 0), and the
+  // tile's maxima taken from the same scores alongside, so that 2^x waits for no FMNMX pass and vote.
+  // The votes come after: if no row of the warp grew by more than kLagSlack, that is exponentiate()'s
+  // result (alpha = 1); if one did, the warp quad-reduces the new maxima and multiplies its p, l and
+  // alpha by 2^(old - new), which is exact as long as no p overflowed. So a score more than kLagRange
+  // past its row's maximum (or, for a row with no maximum yet, outside [-kLagRange, kLagRange]) makes
+  // it return true with the state untouched and the scores lost: the caller then makes S afresh and
+  // calls exponentiate() on it. kLagRange < 64 keeps exp2_fma's range.
+  static constexpr float kLagSlack = 8.f, kLagRange = 60.f;
+
+  template <int kFma = 0, class TensorS>
+  __device__ __forceinline__ bool exponentiate_lagging(TensorS& acc_s, float scale_log2, float (&alpha)[kRows]) {
+    using namespace cute;
+    constexpr int kMmaN = decltype(size<2>(acc_s))::value;
+    static_assert(kFma >= 0 && kFma <= kMmaN, "kFma: column groups of the tile");
+    float tile_max[kRows], sum[kRows], m_use[kRows];
+#pragma unroll
+    for (int mi = 0; mi < kRows / 2; ++mi) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int const r = 2 * mi + h;
+        m_use[r] = m[r] == kNegInf ? 0.f : m[r];
+        float t = kNegInf, s = 0.f;
+#pragma unroll
+        for (int ni = 0; ni < kMmaN; ++ni) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float const v = acc_s(2 * h + c, mi, ni);
+            t = fmaxf(t, v);
+            float const x = fmaf(v, scale_log2, -m_use[r]);
+            float const p = (ni * kFma) % kMmaN < kFma ? exp2_fma(x) : exp2_ftz(x);
+            acc_s(2 * h + c, mi, ni) = p;
+            s += p;
+          }
+        }
+        tile_max[r] = t * scale_log2;
+        sum[r] = s;
+      }
+    }
+    bool far = false, grew = false;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      far |= !(tile_max[r] <= m_use[r] + kLagRange) || (m[r] == kNegInf && tile_max[r] != kNegInf &&
+                                                         tile_max[r] < -kLagRange);
+      grew |= !(tile_max[r] <= m[r] + kLagSlack);
+    }
+    if (__any_sync(0xffffffffu, far)) return true;
+    if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+      for (int mi = 0; mi < kRows / 2; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          int const r = 2 * mi + h;
+          float const m_new = fmaxf(m[r], quad_max(tile_max[r]));
+          float const a = exp2_ftz(m_use[r] - (m_new == kNegInf ? 0.f : m_new));
+#pragma unroll
+          for (int ni = 0; ni < kMmaN; ++ni) {
+            acc_s(2 * h, mi, ni) *= a;
+            acc_s(2 * h + 1, mi, ni) *= a;
+          }
+          alpha[r] = a;
+          l[r] = (l[r] + sum[r]) * a;
+          m[r] = m_new;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        alpha[r] = 1.f;
+        l[r] += sum[r];
+      }
+    }
+    return false;
   }
 
   // This thread's part of the maximum of row (mi, h) of a tile's raw scores.
