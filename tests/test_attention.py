@@ -543,32 +543,36 @@ def test_ws_lazy_max_rows_that_grow(lazy, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("window", [-1, 150], ids=["full", "window150"])
-@pytest.mark.parametrize("D", [128, 256])
-def test_ws_lagging_max_scores_that_jump(D, window, dtype):
-    """kLazyMax 3 exponentiates a step's scores against the row maxima as they stand, before it knows the
-    step's: a score far past its row's maximum (or, for a row that has seen no key yet, far from 0) sends
-    the warp back to make S again from the shared-memory tiles (mainloop_ws.cuh: ws_scores_again). Keys
-    scaled by 1 up to 400 at scattered positions make scores jump by every amount, including far more than
-    2^60 and than P's type holds; a sliding window leaves rows with no key in an item's first steps, and
-    negative scale factors send some of those rows' first scores far below 0. Against float64, and against
-    kLazyMax 2 on the same inputs; reruns bit-identical."""
+@pytest.mark.parametrize("D,kv", [(128, "auto"), (256, "auto"), (120, "auto"), (128, "fp8_e4m3"), (128, "fp8_e5m2")])
+def test_ws_lagging_max_scores_that_jump(D, kv, window, dtype):
+    """kLazyMax 3 exponentiates a step's scores against the row maxima as they stand and checks the rows'
+    sums after: a p past 2^60 sends the warp back to make S again, from Q's tile and the cache's K
+    (mainloop_ws.cuh: ws_scores_again). Keys scaled by 1 up to 400 at scattered positions make scores
+    jump by every amount, far past what P's type holds among them; a sliding window leaves rows with no
+    key in an item's first steps; head size 120 (columns past it zero); fp8 caches (K widened as the
+    producer does). Against float64 and against kLazyMax 2
+    on the same inputs; reruns bit-identical."""
     from pagedattn.ops import attention as attention_ops
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("prefill_ws is sm_90a-only")
-    gen = torch.Generator().manual_seed(7 + D + window)
+    gen = torch.Generator().manual_seed(7 + D + window + len(kv))
     Hq, Hkv, bs = 8, 2, 16
     q_lens, k_lens = [300, 90], [800, 90]
     blocks, block_table = _two_requests_pages(gen, k_lens, bs)
     jump = torch.ones(blocks * bs)
     at = torch.randperm(blocks * bs, generator=gen)[:40]
     jump[at] = torch.tensor([1.0, -3.0, 5.0, 20.0, -60.0, 100.0, 400.0, -400.0] * 5)
-    kc = (torch.randn(blocks, bs, Hkv, D, generator=gen) * jump.view(blocks, bs, 1, 1)).to(dtype).to(DEV)
-    vc = torch.randn(blocks, bs, Hkv, D, generator=gen).to(dtype).to(DEV)
+    kc = torch.randn(blocks, bs, Hkv, D, generator=gen) * jump.view(blocks, bs, 1, 1)
+    vc = torch.randn(blocks, bs, Hkv, D, generator=gen)
+    fp8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(kv)
+    kc, vc = ((x.to(fp8).view(torch.uint8) if fp8 else x.to(dtype)).to(DEV) for x in (kc, vc))
     q = torch.randn(sum(q_lens), Hq, D, generator=gen).to(dtype).to(DEV)
     cu_q = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=DEV)
     seqused = torch.tensor(k_lens, dtype=torch.int32, device=DEV)
-    args = dict(seqused_k=seqused, block_table=block_table.to(DEV), causal=True, window_size=(window, 0))
+    scales = dict(kv_cache_dtype=kv, k_descale=torch.ones(1, device=DEV), v_descale=torch.ones(1, device=DEV))
+    args = dict(seqused_k=seqused, block_table=block_table.to(DEV), causal=True, window_size=(window, 0),
+                **(scales if fp8 else {}))
     runs = {}
     for lazy in (2, 3):
         with attention_ops.forced(prefill="prefill_ws", tiles={"prefill_ws": {"kLazyMax": lazy}}):
@@ -578,7 +582,7 @@ def test_ws_lagging_max_scores_that_jump(D, window, dtype):
                 again = flash_attn_varlen_func(q, kc, vc, max(q_lens), cu_q, max(k_lens), **args)
     want, want_lse = reference.paged_attention(q, kc, vc, cu_q, seqused, block_table.to(DEV), causal=True,
                                                window_size=(window, 0), return_lse=True,
-                                               compute_dtype=torch.float64)
+                                               compute_dtype=torch.float64, **(scales if fp8 else {}))
     out, lse = runs[3]
     assert torch.equal(out, again)
     assert (lse.float() - want_lse).abs().max().item() < 2e-3

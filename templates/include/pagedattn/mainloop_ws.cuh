@@ -399,50 +399,70 @@ __device__ __forceinline__ void ws_clear_tail(TileCtx<Traits> const& c, int slot
   tile_sync<Traits>();
 }
 
-// The raw scores S = Q K^T of a thread's accumulator entries (coordinates tScS) against K's ring slot,
-// made again by the warp alone from the shared-memory tiles with fp32 FMAs: exponentiate_lagging's
-// rare way back (a warpgroup MMA would need all four warps). Entries unrolled (the accumulator stays in
-// registers), 8-column pieces of the head dim not. The coordinates come from a thread index the compiler
-// cannot see through: it would otherwise make the 34 swizzled offsets once, ahead of the step loop, and
-// hold them there at the cost of the loop's registers.
+// The raw scores S = Q K^T of a thread's accumulator entries for the step whose first key is key0, made
+// again by the warp alone with fp32 FMAs: exponentiate_lagging's rare way back. Q from its shared-memory
+// tile; K from the cache itself (its ring slot went back before the exponentials), as the producer
+// reads it: keys past the request's end and columns past head_size as zeros, a page outside
+// [0, num_blocks) as zeros, fp8 widened exactly. Nothing unrolled (code size): the scores gather in
+// local memory. The coordinates come from a thread index the compiler cannot see through: it would
+// otherwise make the swizzled offsets ahead of the step loop and hold them there.
 template <class Traits, class TensorS>
-__device__ __forceinline__ void ws_scores_again(AttnSmem<Traits> const& sm, int slot, TensorS& acc_s, int tidx) {
+__device__ __forceinline__ void ws_scores_again(TileCtx<Traits> const& c, int key0, TensorS& acc_s) {
   using namespace cute;
   using Element = typename Traits::MmaElement;
   using Tiles = WgmmaTiles<Traits>;
+  int tidx = c.tidx;
   asm volatile("" : "+r"(tidx));
   auto const tScS = Tiles::template coords<Traits::kBlockN>(tidx);
-  Element const* const q = reinterpret_cast<Element const*>(sm.q());
-  Element const* const k = reinterpret_cast<Element const*>(sm.k_tile(slot, 0));
-  auto piece = [&](Element const* tile, int at, float (&f)[8]) {  // 8 columns: 16 bytes of a swizzled row
-    uint4 const x = *reinterpret_cast<uint4 const*>(tile + at);
-    Element const* const e = reinterpret_cast<Element const*>(&x);
+  Element const* const q = reinterpret_cast<Element const*>(c.smem.q());
+  auto widen = [](uint4 const& x, auto const* e, float (&f)[8]) {  // 8 values of a 16-byte piece
+    e = reinterpret_cast<decltype(e)>(&x);
     CUTE_UNROLL
     for (int j = 0; j < 8; ++j) f[j] = float(e[j]);
   };
-  int const row0 = int(get<0>(tScS(0))), row1 = int(get<0>(tScS(2)));  // the thread's two rows
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_s); i += 4) {  // entries i .. i + 3: columns c, c + 1 of rows 0 and 1
-    CUTE_UNROLL
-    for (int c = 0; c < 2; ++c) {
-      int const col = int(get<1>(tScS(i + c)));
-      float s0 = 0.f, s1 = 0.f;
+  // the thread's two rows, and its first column: entry c + 2 h + 4 n is column col0 + c + 8 n of row h
+  int const row0 = int(get<0>(tScS(0))), row1 = int(get<0>(tScS(2))), col0 = int(get<1>(tScS(0)));
+  constexpr int kEntries = decltype(size(acc_s))::value;
+  float again[kEntries];  // local memory: the loops below are not unrolled (code size)
 #pragma unroll 1
-      for (int d = 0; d < Traits::kHeadDim; d += 8) {
-        float q0[8], q1[8], kf[8];
-        piece(q, typename Tiles::SmemLayoutQ{}(row0, d), q0);
-        piece(q, typename Tiles::SmemLayoutQ{}(row1, d), q1);
-        piece(k, typename Tiles::SmemLayoutK{}(col, d), kf);
-        CUTE_UNROLL
-        for (int j = 0; j < 8; ++j) {
-          s0 = fmaf(q0[j], kf[j], s0);
-          s1 = fmaf(q1[j], kf[j], s1);
+  for (int e = 0; e < kEntries / 2; ++e) {  // column col0 + e % 2 + 8 (e / 2) of both rows
+    int const cc = e % 2, n = e / 2;
+    int const key = key0 + col0 + cc + 8 * n;
+    char const* k_row = nullptr;
+    char const* v_row;
+    bool const live = key < c.w.k_len && c.kv.locate(key, k_row, v_row);
+    float s0 = 0.f, s1 = 0.f;
+#pragma unroll 1
+    for (int d = 0; d < Traits::kHeadDim; d += 8) {
+      float q0[8], q1[8], kf[8];
+      widen(*reinterpret_cast<uint4 const*>(q + typename Tiles::SmemLayoutQ{}(row0, d)), q, q0);
+      widen(*reinterpret_cast<uint4 const*>(q + typename Tiles::SmemLayoutQ{}(row1, d)), q, q1);
+      uint4 kx = make_uint4(0, 0, 0, 0);
+      if (live && d < c.p.head_size) {
+        if constexpr (Traits::kIsFp8) {  // 8 fp8 bytes -> 8 fp16 values (the producer's widening)
+          uint2 const raw = *reinterpret_cast<uint2 const*>(k_row + d);
+          uint4 hi;
+          if constexpr (Traits::kFp8 == Fp8Format::kE4M3) {
+            dequant_fp8x16<false, Traits::kFp8>(make_uint4(raw.x, raw.y, 0, 0), kx, hi);
+          } else {
+            widen_e5m2x16_half(make_uint4(raw.x, raw.y, 0, 0), kx, hi);
+          }
+        } else {
+          kx = *reinterpret_cast<uint4 const*>(k_row + d * int(sizeof(Element)));
         }
       }
-      acc_s(i + c) = s0;
-      acc_s(i + c + 2) = s1;
+      widen(kx, q, kf);
+      CUTE_UNROLL
+      for (int j = 0; j < 8; ++j) {
+        s0 = fmaf(q0[j], kf[j], s0);
+        s1 = fmaf(q1[j], kf[j], s1);
+      }
     }
+    again[4 * n + cc] = s0;
+    again[4 * n + cc + 2] = s1;
   }
+  CUTE_UNROLL
+  for (int i = 0; i < kEntries; ++i) acc_s(i) = again[i];
 }
 
 // Barrier over one consumer warpgroup (named barriers 5 and 6; ids as immediates: ptxas then
@@ -743,28 +763,26 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   // softcapped scores are bounded: a fixed maximum where P's type holds them (OnlineSoftmax::fix_max)
   bool const fixed_max = Features::kSoftcap && !Features::kAlibi && softmax.template fix_max<Element>(mask.cap_out);
   // kLag (kLazyMax 3): an item's steps after its first take exponentiate_lagging, whose rare way back
-  // makes the step's S afresh (the warp's scores from the Q and K tiles, so K's slot goes back after it)
-  constexpr bool kLag = PAGEDATTN_LAZY_MAX == 3;
-  static_assert(!kLag || !Traits::kFp8Qk, "kLazyMax 3 remakes S from 16-bit Q and K tiles");
+  // makes the step's S afresh (ws_scores_again: Q's tile and the cache's K). Not with 2^x on the FMA
+  // pipe (exp2_fma holds for x <= 64 only).
+  constexpr bool kLag = PAGEDATTN_LAZY_MAX == 3 && kFma == 0;
+  static_assert(!kLag || !Traits::kFp8Qk, "kLazyMax 3 remakes S from a 16-bit Q tile");
   // Returns true when exponentiate_lagging asks for S afresh (scores_again).
   auto exponentiate = [&](int it, float (&alpha)[2], bool lag) {
     float const k = mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2 * q_unscale);
     if (fixed_max) {
       softmax.template exponentiate_fixed<kFma>(s_rows, k);
       alpha[0] = alpha[1] = 1.f;
-    } else if (!kLag || !lag) {
+    } else if (!kLag || !lag || softmax.no_max()) {
       softmax.template exponentiate<kFma>(s_rows, k, alpha);
     } else {
-      return softmax.template exponentiate_lagging<kFma>(s_rows, k, alpha);
+      return softmax.exponentiate_lagging(s_rows, k, alpha);
     }
     return false;
   };
-  // Step it's S made again by the warp, and exponentiate()d (rare; warp-uniform). The P V before is
-  // waited for first, so that P's registers are free.
+  // Step it's S made again by the warp, and exponentiate()d (rare; warp-uniform)
   auto scores_again = [&](int it, float (&alpha)[2]) {
-    wgmma_wait<0>(acc_o);
-    warpgroup_fence_operand(tOrP);
-    ws_scores_again<Traits>(c.smem, ring.slot<kKSlots>(it), acc_s, c.tidx);
+    ws_scores_again<Traits>(c, key0_of(it), acc_s);
     float const k = mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2 * q_unscale);
     softmax.template exponentiate<kFma>(s_rows, k, alpha);
   };
@@ -789,11 +807,8 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       wgmma_gemm<false, false>(mma_pv, tOrP, tOrVt(it - 1), acc_o);
       pp.your_turn();
       wgmma_wait<1>(acc_s);
-      if constexpr (kLag) {
-        if (exponentiate(it, alpha, true)) scores_again(it, alpha);
-      }
       release_k(it);
-      if constexpr (!kLag) exponentiate(it, alpha, true);
+      if (exponentiate(it, alpha, true)) scores_again(it, alpha);  // the latter: kLag only, rare
       wgmma_wait<0>(acc_o);
       warpgroup_fence_operand(tOrP);  // P of step it - 1 stays in its registers until its MMAs are done
       release_v(it - 1);

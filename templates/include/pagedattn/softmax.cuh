@@ -125,62 +125,69 @@ struct OnlineSoftmax {
     }
   }
 
-  // PAGEDATTN_LAZY_MAX 3 (prefill_ws, every step of an item but its first): exponentiate() with the
-  // exponentials first, against the maxima as they stand (a row with none yet: against 0), and the
-  // tile's maxima taken from the same scores alongside, so that 2^x waits for no FMNMX pass and vote.
-  // The votes come after: if no row of the warp grew by more than kLagSlack, that is exponentiate()'s
-  // result (alpha = 1); if one did, the warp quad-reduces the new maxima and multiplies its p, l and
-  // alpha by 2^(old - new), which is exact as long as no p overflowed. So a score more than kLagRange
-  // past its row's maximum (or, for a row with no maximum yet, outside [-kLagRange, kLagRange]) makes
-  // it return true with the state untouched and the scores lost: the caller then makes S afresh and
-  // calls exponentiate() on it. kLagRange < 64 keeps exp2_fma's range.
+  // PAGEDATTN_LAZY_MAX 3 (prefill_ws, an item's steps after its first): exponentiate() with no pass over
+  // the scores for their maxima. The exponentials come first, against the maxima as they stand, and a
+  // row's sum of them tells whether its maximum may stay: a sum <= 2^kLagSlack bounds every p of the
+  // row's part by it (p >= 0), which is exponentiate()'s lag (alpha = 1). Otherwise the warp takes the
+  // tile's largest p per row (quad-reduced), moves each maximum up by its log2 and multiplies the row's
+  // p, l and alpha by 2^(old - new): exact as long as no p overflowed. A p past 2^kLagRange (an
+  // overflow, +inf, among them) makes it return true with the state untouched and the scores lost: the
+  // caller then makes S afresh and calls exponentiate() on it. A row with no maximum yet takes
+  // exponentiate() too (the caller checks no_max first): its scores' scale is not known.
   static constexpr float kLagSlack = 8.f, kLagRange = 60.f;
 
-  template <int kFma = 0, class TensorS>
+  __device__ __forceinline__ bool no_max() const {
+    bool none = false;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) none |= m[r] == kNegInf;
+    return __any_sync(0xffffffffu, none);
+  }
+
+  template <class TensorS>
   __device__ __forceinline__ bool exponentiate_lagging(TensorS& acc_s, float scale_log2, float (&alpha)[kRows]) {
     using namespace cute;
     constexpr int kMmaN = decltype(size<2>(acc_s))::value;
-    static_assert(kFma >= 0 && kFma <= kMmaN, "kFma: column groups of the tile");
-    float tile_max[kRows], sum[kRows], m_use[kRows];
+    float sum[kRows];
 #pragma unroll
     for (int mi = 0; mi < kRows / 2; ++mi) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         int const r = 2 * mi + h;
-        m_use[r] = m[r] == kNegInf ? 0.f : m[r];
-        float t = kNegInf, s = 0.f;
+        float s = 0.f;
 #pragma unroll
         for (int ni = 0; ni < kMmaN; ++ni) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            float const v = acc_s(2 * h + c, mi, ni);
-            t = fmaxf(t, v);
-            float const x = fmaf(v, scale_log2, -m_use[r]);
-            float const p = (ni * kFma) % kMmaN < kFma ? exp2_fma(x) : exp2_ftz(x);
+            float const p = exp2_ftz(fmaf(acc_s(2 * h + c, mi, ni), scale_log2, -m[r]));
             acc_s(2 * h + c, mi, ni) = p;
             s += p;
           }
         }
-        tile_max[r] = t * scale_log2;
         sum[r] = s;
       }
     }
-    bool far = false, grew = false;
+    bool big = false;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      far |= !(tile_max[r] <= m_use[r] + kLagRange) || (m[r] == kNegInf && tile_max[r] != kNegInf &&
-                                                         tile_max[r] < -kLagRange);
-      grew |= !(tile_max[r] <= m[r] + kLagSlack);
-    }
-    if (__any_sync(0xffffffffu, far)) return true;
-    if (__any_sync(0xffffffffu, grew)) {
+    for (int r = 0; r < kRows; ++r) big |= !(sum[r] <= 1.f * (1 << int(kLagSlack)));  // NaN too
+    if (__any_sync(0xffffffffu, big)) {  // rare: the tile's largest p per row
+      float top[kRows];
+      bool far = false;
+#pragma unroll
+      for (int mi = 0; mi < kRows / 2; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          top[2 * mi + h] = quad_max(row_max(acc_s, mi, h));
+          far |= !(top[2 * mi + h] <= 1.f * (1ull << int(kLagRange)));
+        }
+      }
+      if (__any_sync(0xffffffffu, far)) return true;
 #pragma unroll
       for (int mi = 0; mi < kRows / 2; ++mi) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           int const r = 2 * mi + h;
-          float const m_new = fmaxf(m[r], quad_max(tile_max[r]));
-          float const a = exp2_ftz(m_use[r] - (m_new == kNegInf ? 0.f : m_new));
+          float const up = top[r] > 1.f ? __log2f(top[r]) : 0.f;  // the maximum only rises
+          float const a = exp2_ftz(-up);
 #pragma unroll
           for (int ni = 0; ni < kMmaN; ++ni) {
             acc_s(2 * h, mi, ni) *= a;
@@ -188,7 +195,7 @@ struct OnlineSoftmax {
           }
           alpha[r] = a;
           l[r] = (l[r] + sum[r]) * a;
-          m[r] = m_new;
+          m[r] += up;
         }
       }
     } else {
