@@ -410,10 +410,9 @@ template <class Traits, class TensorS>
 __device__ __forceinline__ void ws_scores_again(TileCtx<Traits> const& c, int key0, TensorS& acc_s) {
   using namespace cute;
   using Element = typename Traits::MmaElement;
-  using Tiles = WgmmaTiles<Traits>;
   int tidx = c.tidx;
   asm volatile("" : "+r"(tidx));
-  auto const tScS = Tiles::template coords<Traits::kBlockN>(tidx);
+  auto const tScS = WgmmaTiles<Traits>::template coords<Traits::kBlockN>(tidx);
   Element const* const q = reinterpret_cast<Element const*>(c.smem.q());
   auto widen = [](uint4 const& x, auto const* e, float (&f)[8]) {  // 8 values of a 16-byte piece
     e = reinterpret_cast<decltype(e)>(&x);
@@ -435,8 +434,8 @@ __device__ __forceinline__ void ws_scores_again(TileCtx<Traits> const& c, int ke
 #pragma unroll 1
     for (int d = 0; d < Traits::kHeadDim; d += 8) {
       float q0[8], q1[8], kf[8];
-      widen(*reinterpret_cast<uint4 const*>(q + typename Tiles::SmemLayoutQ{}(row0, d)), q, q0);
-      widen(*reinterpret_cast<uint4 const*>(q + typename Tiles::SmemLayoutQ{}(row1, d)), q, q1);
+      widen(*reinterpret_cast<uint4 const*>(q + typename Traits::SmemLayoutQ{}(row0, d)), q, q0);
+      widen(*reinterpret_cast<uint4 const*>(q + typename Traits::SmemLayoutQ{}(row1, d)), q, q1);
       uint4 kx = make_uint4(0, 0, 0, 0);
       if (live && d < c.p.head_size) {
         if constexpr (Traits::kIsFp8) {  // 8 fp8 bytes -> 8 fp16 values (the producer's widening)
@@ -764,9 +763,8 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   bool const fixed_max = Features::kSoftcap && !Features::kAlibi && softmax.template fix_max<Element>(mask.cap_out);
   // kLag (kLazyMax 3): an item's steps after its first take exponentiate_lagging, whose rare way back
   // makes the step's S afresh (ws_scores_again: Q's tile and the cache's K). Not with 2^x on the FMA
-  // pipe (exp2_fma holds for x <= 64 only).
-  constexpr bool kLag = PAGEDATTN_LAZY_MAX == 3 && kFma == 0;
-  static_assert(!kLag || !Traits::kFp8Qk, "kLazyMax 3 remakes S from a 16-bit Q tile");
+  // pipe (exp2_fma holds for x <= 64 only), nor with kFp8Qk (Q split into e4m3 tiles): kLazyMax 2 then.
+  constexpr bool kLag = PAGEDATTN_LAZY_MAX == 3 && kFma == 0 && !Traits::kFp8Qk;
   // Returns true when exponentiate_lagging asks for S afresh (scores_again).
   auto exponentiate = [&](int it, float (&alpha)[2], bool lag) {
     float const k = mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2 * q_unscale);
