@@ -143,17 +143,18 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # 1094 / 1087, B=1 S=16384 3894-3899 -> 3803-3806, d192 1727-1729 -> 1658-1659, d256 2233 ->
         # 2120-2123, fp8 e4m3 1296 -> 1261; d64 798-799 -> 824-825 (slower: off there); B=8 512 over 8192
         # alike (946-949 -> 939-948). 1 (exact maxima, fewer skips) measured no better than 0.
-        # kLazyMax 3, every head dim (softmax.cuh: exponentiate_lagging): an item's steps after its first
-        # exponentiate against the maxima as they stand, with no FMNMX pass; a row part's sum of p over
-        # 2^8 takes the maxima from the p, one past 2^60 makes S again from the cache (rare). A/B
-        # interleaved in one call on H200 (perf/results/ws_lag/, rot / flush us, 2 against 3): B=4 S=4096
-        # causal d128 1112 / 1113 and 1135 / 1101 -> 1094 / 1084 and 1088 / 1086, B=1 S=16384 3943 -> 3750-3757,
-        # d64 (against 0) 794 -> 767, d256 2185-2198 -> 2175-2185. Exponentials first with the FMNMX pass
-        # kept (the maxima voted on after them) measured no gain: the pass's instructions cost, not its latency.
+        # kLazyMax 3 (softmax.cuh: exponentiate_lagging; opt-in until its GPU tests pass, see
+        # perf/results/ws_lag/README.md): an item's steps after its first exponentiate against the maxima as
+        # they stand, with no FMNMX pass; a row part's sum of p over 2^8 takes the maxima from the p, one past
+        # 2^60 makes S again from the cache (rare). A/B interleaved in one call on H200 (rot / flush us, the
+        # defaults against 3): B=4 S=4096 causal d128 1112 / 1113 and 1135 / 1101 -> 1094 / 1084 and
+        # 1088 / 1086, B=1 S=16384 3943 -> 3750-3757, d64 794 -> 767, d256 2185-2198 -> 2175-2185.
+        # Exponentials first with the FMNMX pass kept (the maxima voted on after them) measured no gain:
+        # the pass's instructions cost, not its latency.
         return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1,
                     kStages=2 if head_dim <= 128 else 3, kMinBlocks=1, kTma=True, kPingPong=True,
                     kExp2FmaSoftcap=2 if head_dim == 128 else 0, kWsQLate=head_dim == 256 or fp8,
-                    kLazyMax=3,
+                    kLazyMax=2 if head_dim >= 128 else 0,
                     **(dict(kKAhead=True, kWsProducerRegs=72) if fp8 else {}))
     if mode == "prefill_wgmma":
         # Measured on H200, B=4 S=4096 causal d128 (perf/results/history/prefill_sweep_h200_*): more

@@ -46,8 +46,8 @@ __device__ __forceinline__ float exp2_fma(float x) {
 
 // Tile field kLazyMax (prefill_ws at head dims >= 128): 0 quad-reduces every tile's row maxima; 1 only
 // when some row of the warp grew past its maximum; 2 only when one grew by more than 2^8 (see exponentiate);
-// 3 as 2, and prefill_ws's steps after an item's first exponentiate against the lagging maxima before
-// they know the tile's (exponentiate_lagging).
+// 3 (opt-in) as 2 in an item's first step, and in its later ones no pass for the tile's maxima at all
+// (exponentiate_lagging).
 #ifndef PAGEDATTN_LAZY_MAX
 #define PAGEDATTN_LAZY_MAX 0
 #endif
