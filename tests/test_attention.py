@@ -627,6 +627,17 @@ def test_ws_prefill_matches_reference(c, decode_loader):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("c", _ws_grid(48)[::2] + _fp8_ws_grid(32)[:8], ids=_case_id)
+def test_ws_lagging_max_matches_reference(c, decode_loader, fp8_ws):
+    """The opt-in lagging exponentials (kLazyMax 3: no pass for the tiles' maxima; softmax.cuh) over a
+    share of the ws grid and of the fp8 ws grid."""
+    from pagedattn.ops import attention as attention_ops
+
+    with attention_ops.forced(tiles={"prefill_ws": {"kLazyMax": 3}}):
+        _check_sm90a_mode(c, decode_loader, "prefill_ws", required=c["batch"] != "mixed")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 3])
 def test_ws_prefill_is_deterministic_and_leaves_counters_zero(splits):
     """The persistent prefill_ws over many more work items than SMs, of very different lengths (causal,

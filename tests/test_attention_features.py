@@ -208,6 +208,18 @@ def test_features_with_understated_max_seqlen_q(c, decode_loader):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("c", [c for c in _feature_grid(160, seed=5) if c["batch"] in ("mixed", "prefill")][:16],
+                         ids=_fid)
+def test_features_with_lagging_max(c, decode_loader):
+    """Every feature under prefill_ws's opt-in lagging exponentials (tile field kLazyMax 3; softcap's
+    exponentials on the FMA pipe keep kLazyMax 2 inside the kernel)."""
+    from pagedattn.ops import attention as attention_ops
+
+    with attention_ops.forced(tiles={"prefill_ws": {"kLazyMax": 3}}):
+        _check_feature_case(c, decode_loader)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("c", [dict(c, D=512, loader=("auto", "cp_async")[i % 2])
                                for i, c in enumerate(_feature_grid(160, seed=3)[::8])], ids=_fid)
 def test_features_at_head_dim_512(c, decode_loader):
