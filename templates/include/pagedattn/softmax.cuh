@@ -148,24 +148,7 @@ struct OnlineSoftmax {
     using namespace cute;
     constexpr int kMmaN = decltype(size<2>(acc_s))::value;
     float sum[kRows];
-#pragma unroll
-    for (int mi = 0; mi < kRows / 2; ++mi) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        int const r = 2 * mi + h;
-        float s = 0.f;
-#pragma unroll
-        for (int ni = 0; ni < kMmaN; ++ni) {
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            float const p = exp2_ftz(fmaf(acc_s(2 * h + c, mi, ni), scale_log2, -m[r]));
-            acc_s(2 * h + c, mi, ni) = p;
-            s += p;
-          }
-        }
-        sum[r] = s;
-      }
-    }
+    exponentiate_at_max(acc_s, scale_log2, sum);
     bool big = false;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) big |= !(sum[r] <= 1.f * (1 << int(kLagSlack)));  // NaN too
@@ -237,9 +220,10 @@ struct OnlineSoftmax {
     return true;
   }
 
-  // exponentiate() once fix_max() has set the maximum: p = 2^(s * scale_log2 - m0), alpha = 1.
+  // p = 2^(s * scale_log2 - m) in place, m as it stands, and each row's part of their sum. kFma: as in
+  // exponentiate().
   template <int kFma = 0, class TensorS>
-  __device__ __forceinline__ void exponentiate_fixed(TensorS& acc_s, float scale_log2) {
+  __device__ __forceinline__ void exponentiate_at_max(TensorS& acc_s, float scale_log2, float (&sum)[kRows]) const {
     using namespace cute;
     constexpr int kMmaN = decltype(size<2>(acc_s))::value;
     static_assert(kFma >= 0 && kFma <= kMmaN, "kFma: column groups of the tile");
@@ -248,7 +232,7 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         int const r = 2 * mi + h;
-        float sum = 0.f;
+        float s = 0.f;
 #pragma unroll
         for (int ni = 0; ni < kMmaN; ++ni) {
 #pragma unroll
@@ -256,12 +240,21 @@ struct OnlineSoftmax {
             float const x = fmaf(acc_s(2 * h + c, mi, ni), scale_log2, -m[r]);
             float const p = (ni * kFma) % kMmaN < kFma ? exp2_fma(x) : exp2_ftz(x);
             acc_s(2 * h + c, mi, ni) = p;
-            sum += p;
+            s += p;
           }
         }
-        l[r] += sum;
+        sum[r] = s;
       }
     }
+  }
+
+  // exponentiate() once fix_max() has set the maximum: p = 2^(s * scale_log2 - m0), alpha = 1.
+  template <int kFma = 0, class TensorS>
+  __device__ __forceinline__ void exponentiate_fixed(TensorS& acc_s, float scale_log2) {
+    float sum[kRows];
+    exponentiate_at_max<kFma>(acc_s, scale_log2, sum);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) l[r] += sum[r];
   }
 
   // The second half: O's rows times alpha (a row whose max did not move is skipped, exactly).
