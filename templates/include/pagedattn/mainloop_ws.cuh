@@ -414,8 +414,8 @@ __device__ __forceinline__ void ws_scores_again(TileCtx<Traits> const& c, int ke
   asm volatile("" : "+r"(tidx));
   auto const tScS = WgmmaTiles<Traits>::template coords<Traits::kBlockN>(tidx);
   Element const* const q = reinterpret_cast<Element const*>(c.smem.q());
-  auto widen = [](uint4 const& x, auto const* e, float (&f)[8]) {  // 8 values of a 16-byte piece
-    e = reinterpret_cast<decltype(e)>(&x);
+  auto to_floats = [](uint4 const& x, float (&f)[8]) {  // the 8 Element values of a 16-byte piece
+    Element const* const e = reinterpret_cast<Element const*>(&x);
     CUTE_UNROLL
     for (int j = 0; j < 8; ++j) f[j] = float(e[j]);
   };
@@ -434,8 +434,8 @@ __device__ __forceinline__ void ws_scores_again(TileCtx<Traits> const& c, int ke
 #pragma unroll 1
     for (int d = 0; d < Traits::kHeadDim; d += 8) {
       float q0[8], q1[8], kf[8];
-      widen(*reinterpret_cast<uint4 const*>(q + typename Traits::SmemLayoutQ{}(row0, d)), q, q0);
-      widen(*reinterpret_cast<uint4 const*>(q + typename Traits::SmemLayoutQ{}(row1, d)), q, q1);
+      to_floats(*reinterpret_cast<uint4 const*>(q + typename Traits::SmemLayoutQ{}(row0, d)), q0);
+      to_floats(*reinterpret_cast<uint4 const*>(q + typename Traits::SmemLayoutQ{}(row1, d)), q1);
       uint4 kx = make_uint4(0, 0, 0, 0);
       if (live && d < c.p.head_size) {
         if constexpr (Traits::kIsFp8) {  // 8 fp8 bytes -> 8 fp16 values (the producer's widening)
@@ -450,7 +450,7 @@ __device__ __forceinline__ void ws_scores_again(TileCtx<Traits> const& c, int ke
           kx = *reinterpret_cast<uint4 const*>(k_row + d * int(sizeof(Element)));
         }
       }
-      widen(kx, q, kf);
+      to_floats(kx, kf);
       CUTE_UNROLL
       for (int j = 0; j < 8; ++j) {
         s0 = fmaf(q0[j], kf[j], s0);

@@ -149,9 +149,10 @@ struct OnlineSoftmax {
     constexpr int kMmaN = decltype(size<2>(acc_s))::value;
     float sum[kRows];
     exponentiate_at_max(acc_s, scale_log2, sum);
+    constexpr float kSumMax = float(1 << int(kLagSlack)), kPMax = float(1ull << int(kLagRange));
     bool big = false;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) big |= !(sum[r] <= 1.f * (1 << int(kLagSlack)));  // NaN too
+    for (int r = 0; r < kRows; ++r) big |= !(sum[r] <= kSumMax);  // NaN too
     if (__any_sync(0xffffffffu, big)) {  // rare: the tile's largest p per row
       float top[kRows];
       bool far = false;
@@ -160,7 +161,7 @@ struct OnlineSoftmax {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           top[2 * mi + h] = quad_max(row_max(acc_s, mi, h));
-          far |= !(top[2 * mi + h] <= 1.f * (1ull << int(kLagRange)));
+          far |= !(top[2 * mi + h] <= kPMax);
         }
       }
       if (__any_sync(0xffffffffu, far)) return true;
