@@ -513,7 +513,7 @@ def test_fp8_ws_scores_keep_q_exact(k_slots, kv, dtype, fp8_ws):
 def test_ws_lazy_max_rows_that_grow(lazy, dtype):
     """prefill_ws's row maxima (tile field kLazyMax): 0 quad-reduces every tile's, 1 only when a row of
     the warp grew, 2 when one grew by more than 2^8 (the maximum then lags by up to 8 in log2 units, which
-    l undoes), 3 as 2 with the exponentials taken before the tile's maxima are known. Keys whose scale
+    l undoes), 3 with no pass for the tile's maxima (the rows' sums of p tell when one must move). Keys whose scale
     rises along the sequence make the maxima grow by small and by large steps at every point of it;
     ragged requests over shuffled pages, float64 reference."""
     from pagedattn.ops import attention as attention_ops
@@ -552,8 +552,7 @@ def test_ws_lagging_max_scores_that_jump(D, kv, window, dtype):
     (mainloop_ws.cuh: ws_scores_again). Keys scaled by 1 up to 400 at scattered positions make scores
     jump by every amount, far past what P's type holds among them; a sliding window leaves rows with no
     key in an item's first steps; head size 120 (columns past it zero); fp8 caches (K widened as the
-    producer does). Against float64 and against kLazyMax 2
-    on the same inputs; reruns bit-identical."""
+    producer does). Against float64 and against kLazyMax 2 on the same inputs; reruns bit-identical."""
     from pagedattn.ops import attention as attention_ops
 
     if torch.cuda.get_device_capability() != (9, 0):
