@@ -765,24 +765,26 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   // makes the step's S afresh (ws_scores_again: Q's tile and the cache's K). Not with 2^x on the FMA
   // pipe (exp2_fma holds for x <= 64 only), nor with kFp8Qk (Q split into e4m3 tiles): kLazyMax 2 then.
   constexpr bool kLag = PAGEDATTN_LAZY_MAX == 3 && kFma == 0 && !Traits::kFp8Qk;
-  // Returns true when exponentiate_lagging asks for S afresh (scores_again).
+  // Step it's masked scores into probabilities (lag: the step may take exponentiate_lagging). Its rare
+  // way back (warp-uniform) makes S again and takes the loop's second turn, so that the mask and
+  // exponentiate() are inlined once.
   auto exponentiate = [&](int it, float (&alpha)[2], bool lag) {
-    float const k = mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2 * q_unscale);
-    if (fixed_max) {
-      softmax.template exponentiate_fixed<kFma>(s_rows, k);
-      alpha[0] = alpha[1] = 1.f;
-    } else if (!kLag || !lag || softmax.no_max()) {
-      softmax.template exponentiate<kFma>(s_rows, k, alpha);
-    } else {
-      return softmax.exponentiate_lagging(s_rows, k, alpha);
+    bool exact = !kLag || !lag || fixed_max || softmax.no_max();
+    for (bool again = false;; again = true) {
+      if (again) ws_scores_again<Traits>(c, key0_of(it), acc_s);
+      float const k = mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2 * q_unscale);
+      if (fixed_max) {
+        softmax.template exponentiate_fixed<kFma>(s_rows, k);
+        alpha[0] = alpha[1] = 1.f;
+        return;
+      }
+      if (exact) {
+        softmax.template exponentiate<kFma>(s_rows, k, alpha);
+        return;
+      }
+      if (!softmax.exponentiate_lagging(s_rows, k, alpha)) return;
+      exact = true;
     }
-    return false;
-  };
-  // Step it's S made again by the warp, and exponentiate()d (rare; warp-uniform)
-  auto scores_again = [&](int it, float (&alpha)[2]) {
-    ws_scores_again<Traits>(c, key0_of(it), acc_s);
-    float const k = mask.template apply<kBlockN>(acc_s, tScS, key0_of(it), c.scale_log2 * q_unscale);
-    softmax.template exponentiate<kFma>(s_rows, k, alpha);
   };
   if (n_steps == 0) {
     next_q();
@@ -806,7 +808,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       pp.your_turn();
       wgmma_wait<1>(acc_s);
       release_k(it);
-      if (exponentiate(it, alpha, true)) scores_again(it, alpha);  // the latter: kLag only, rare
+      exponentiate(it, alpha, true);
       wgmma_wait<0>(acc_o);
       warpgroup_fence_operand(tOrP);  // P of step it - 1 stays in its registers until its MMAs are done
       release_v(it - 1);
