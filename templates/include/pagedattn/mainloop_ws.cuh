@@ -305,12 +305,8 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
         for (int j = 0; j < kPieces; ++j) x[j] = whole || r0 + 4 * j < rows ? raw_piece(j) : make_uint4(0, 0, 0, 0);
         CUTE_UNROLL
         for (int j = 0; j < kPieces; ++j) {
-          uint4 lo, hi;  // to fp16 (Traits::MmaElement): e4m3 pairs by the hardware conversion, e5m2 by byte moves
-          if constexpr (Traits::kFp8 == Fp8Format::kE4M3) {
-            dequant_fp8x16<false, Traits::kFp8>(x[j], lo, hi);
-          } else {
-            widen_e5m2x16_half(x[j], lo, hi);
-          }
+          uint4 lo, hi;  // to fp16 (Traits::MmaElement)
+          widen_fp8x16_half<Traits::kFp8>(x[j], lo, hi);
           put(j, lo, hi);
         }
       };
@@ -441,11 +437,7 @@ __device__ __forceinline__ void ws_scores_again(TileCtx<Traits> const& c, int ke
         if constexpr (Traits::kIsFp8) {  // 8 fp8 bytes -> 8 fp16 values (the producer's widening)
           uint2 const raw = *reinterpret_cast<uint2 const*>(k_row + d);
           uint4 hi;
-          if constexpr (Traits::kFp8 == Fp8Format::kE4M3) {
-            dequant_fp8x16<false, Traits::kFp8>(make_uint4(raw.x, raw.y, 0, 0), kx, hi);
-          } else {
-            widen_e5m2x16_half(make_uint4(raw.x, raw.y, 0, 0), kx, hi);
-          }
+          widen_fp8x16_half<Traits::kFp8>(make_uint4(raw.x, raw.y, 0, 0), kx, hi);
         } else {
           kx = *reinterpret_cast<uint4 const*>(k_row + d * int(sizeof(Element)));
         }

@@ -59,4 +59,15 @@ __device__ __forceinline__ void widen_e5m2x16_half(uint4 raw, uint4& lo, uint4& 
   hi = make_uint4(words[4], words[5], words[6], words[7]);
 }
 
+// 16 fp8 values -> 16 fp16 values as the warp-specialised prefill widens them: e4m3 pairs by the
+// hardware conversion, e5m2 by byte moves.
+template <Fp8Format kFp8>
+__device__ __forceinline__ void widen_fp8x16_half(uint4 raw, uint4& lo, uint4& hi) {
+  if constexpr (kFp8 == Fp8Format::kE4M3) {
+    dequant_fp8x16<false, kFp8>(raw, lo, hi);
+  } else {
+    widen_e5m2x16_half(raw, lo, hi);
+  }
+}
+
 }  // namespace pagedattn
