@@ -186,7 +186,8 @@ def smem_plan(cfg: dict, head_dim: int, fp8: bool) -> dict:
     that sizeof(SharedStorage) is Bytes, the dynamic shared memory the launch asks for.
 
       union { Q | K stages | V stages (Element) | raw K | raw V (fp8 bytes);  O | m, l (float) }
-      RingBars mbarriers; prefill_ws: the split-KV flag (8 bytes), WsWork work items, WsRawBars mbarriers"""
+      RingBars mbarriers; prefill_ws: the split-KV flag (8 bytes), WsWork work items, WsRawBars and WsQBars
+      mbarriers"""
     stage = cfg["kBlockN"] * cfg["kWarpsN"] * head_dim  # one stage (cp.async) or one slot of every warp's ring
     ws = cfg["kTma"] and cfg["kWgmma"]
     # Element stages the MMAs read: one per stage (16-bit caches); fp8: the one stage raw stages are
@@ -208,10 +209,13 @@ def smem_plan(cfg: dict, head_dim: int, fp8: bool) -> dict:
                 # TMA: an mbarrier per (warp, ring slot); prefill_ws: a full and an empty one per slot of
                 # the K ring and of the V ring, and (fp8) one per (K or V, producer warp, raw stage)
                 RingBars=(4 if ws else cfg["kWarpsN"]) * max(cfg["kStages"], k_slots) if cfg["kTma"] else 0,
-                WsFlag=int(ws), WsWork=4 if ws else 0, WsRawBars=2 * 4 * raw_stages if ws else 0)
+                WsFlag=int(ws), WsWork=4 if ws else 0, WsRawBars=2 * 4 * raw_stages if ws else 0,
+                # prefill_ws with kWsQFeed (opt-in): a full and an empty mbarrier per consumer warpgroup's Q rows
+                WsQBars=4 if ws and cfg.get("kWsQFeed") else 0)
     main = max(2 * (plan["Q"] + plan["K"] + plan["V"]) + plan["RawK"] + plan["RawV"],
                4 * (plan["O"] + plan["RowStats"]))
-    tail = 8 * (plan["RingBars"] + plan["WsFlag"] + plan["WsRawBars"]) + WS_WORK_BYTES * plan["WsWork"]
+    tail = 8 * (plan["RingBars"] + plan["WsFlag"] + plan["WsRawBars"] + plan["WsQBars"]) + \
+        WS_WORK_BYTES * plan["WsWork"]
     plan["Bytes"] = (-(-main // 8) * 8 if tail else main) + tail
     return plan
 

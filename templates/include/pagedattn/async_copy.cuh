@@ -27,4 +27,13 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
+// One arrival on an mbarrier once every cp.async this thread issued before has landed (sm_90; the
+// arrival is one of those the barrier was initialised to expect: .noinc).
+__device__ __forceinline__ void cp_async_arrive_on(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(cute::cast_smem_ptr_to_uint(bar))
+               : "memory");
+#endif
+}
+
 }  // namespace pagedattn

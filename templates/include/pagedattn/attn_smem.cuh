@@ -11,7 +11,8 @@
 //   ring_bars:   TMA: one mbarrier per (warp, ring slot); kWs: the K and V rings' full and empty ones
 //   kWs:         the split-KV flag (its epilogue needs no shared memory, and the next tile's Q and K/V
 //                may already be landing in the mainloop's bytes), the consumer warpgroups' work items,
-//                then (fp8) the producer warps' raw-stage mbarriers (never reused)
+//                then (fp8) the producer warps' raw-stage mbarriers (never reused), then (kWsQFeed) the
+//                Q tile's mbarriers: full and empty of each consumer warpgroup's rows
 //
 // A region the plan leaves empty takes no bytes: regions are base classes (SmemRegion<tag, T, 0> is
 // empty), and empty bases share their neighbour's address.
@@ -41,7 +42,7 @@ __device__ __forceinline__ T* region(SmemRegion<kTag, T, kCount>& r) {
 }
 
 enum SmemTag { kTagQ, kTagK, kTagV, kTagRawK, kTagRawV, kTagO, kTagRowStats, kTagRingBars, kTagWsFlag, kTagWsWork,
-               kTagWsRawBars };
+               kTagWsRawBars, kTagWsQBars };
 
 template <class Element, class Plan>
 struct SmemMainloop : SmemRegion<kTagQ, Element, Plan::kQ>, SmemRegion<kTagK, Element, Plan::kK>,
@@ -68,7 +69,8 @@ struct SharedStorage : SmemMainHolder<typename Traits::Element, typename Traits:
                        SmemRegion<kTagRingBars, uint64_t, Traits::Smem::kRingBars>,
                        SmemRegion<kTagWsFlag, uint64_t, Traits::Smem::kWsFlag>,
                        SmemRegion<kTagWsWork, AttnWork, Traits::Smem::kWsWork>,
-                       SmemRegion<kTagWsRawBars, uint64_t, Traits::Smem::kWsRawBars> {};
+                       SmemRegion<kTagWsRawBars, uint64_t, Traits::Smem::kWsRawBars>,
+                       SmemRegion<kTagWsQBars, uint64_t, Traits::Smem::kWsQBars> {};
 
 // The regions of SharedStorage<Traits> by name, at `base` (the kernel's dynamic shared memory).
 template <class Traits>
@@ -99,6 +101,8 @@ struct AttnSmem {
   static_assert(Plan::kWsFlag == int(Traits::kWs) && Plan::kWsWork == (Traits::kWs ? 4 : 0) &&
                 Plan::kWsRawBars == (Traits::kWs ? 2 * 4 * Plan::kRawStages : 0),
                 "prefill_ws: the split flag, two work items per consumer warpgroup, raw-stage mbarriers");
+  static_assert(Plan::kWsQBars == (Traits::kQFeed ? 4 : 0),
+                "prefill_ws with kWsQFeed: a full and an empty mbarrier per consumer warpgroup's Q rows");
 
   char* base;
 
@@ -156,6 +160,9 @@ struct AttnSmem {
   __device__ __forceinline__ uint64_t* ws_raw_bar(int kv, int warp, int stage) const {
     return region<kTagWsRawBars>(storage()) + (kv * 4 + warp) * Plan::kRawStages + stage;
   }
+  // kQFeed: the mbarrier of consumer warpgroup wg's Q rows, full (landed) or empty (read)
+  __device__ __forceinline__ uint64_t* ws_q_full(int wg) const { return region<kTagWsQBars>(storage()) + wg; }
+  __device__ __forceinline__ uint64_t* ws_q_empty(int wg) const { return region<kTagWsQBars>(storage()) + 2 + wg; }
 };
 
 }  // namespace pagedattn

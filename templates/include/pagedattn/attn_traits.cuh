@@ -42,6 +42,11 @@
 #include <cutlass/numeric_types.h>
 #include "pagedattn/cute_trim.cuh"  // the CuTe traits headers left out (after CuTe: cache keys only)
 
+// prefill_ws: the producer feeds the consumers their work items and Q rows (AttnTraits::kQFeed)
+#ifndef PAGEDATTN_WS_Q_FEED
+#define PAGEDATTN_WS_Q_FEED 0
+#endif
+
 namespace pagedattn {
 
 template <class Element_, Fp8Format kFp8_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsM_,
@@ -87,6 +92,11 @@ struct AttnTraits {
   static constexpr int kKSlots = kWs && kIsFp8 ? PAGEDATTN_WS_FP8_QK : 0;
   static constexpr bool kFp8Qk = kKSlots > 0;
   static constexpr bool kQToHalf = kWs && kIsFp8 && kIsBf16 && !kFp8Qk;  // see MmaElement
+  // kWs (PAGEDATTN_WS_Q_FEED, tile field kWsQFeed; opt-in): the producer finds each work item, hands it
+  // to the consumers in shared memory and copies its Q rows (cp.async, landing on an mbarrier per
+  // consumer warpgroup) once the warpgroup's last S of the item before no longer reads them; without
+  // it each consumer warpgroup finds its next item and copies its own Q rows
+  static constexpr bool kQFeed = kWs && PAGEDATTN_WS_Q_FEED;
   static constexpr int kRingSlots = kKSlots > kStages ? kKSlots : kStages;  // mbarriers per ring kind
   // kWs with softcap (a tanh per score on the SFU too): column groups of 8 keys, of kBlockN / 8, whose
   // 2^x the consumers compute on the FMA pipe instead (OnlineSoftmax::exponentiate)

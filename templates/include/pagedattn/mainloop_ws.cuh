@@ -51,9 +51,12 @@ template <class Traits>
 struct WsRegisters {
   static constexpr int kAllThreads = Traits::kThreads + Traits::kProducerThreads;
   static constexpr int kPool = 65536 / kAllThreads / 8 * 8 * kAllThreads;
-  // 24, or the tile field kWsProducerRegs (PAGEDATTN_WS_PRODUCER_REGS) when set: tile_config sets it for fp8
-  // caches, whose producer widens the chunks
-  static constexpr int kProducerRegs = PAGEDATTN_WS_PRODUCER_REGS ? PAGEDATTN_WS_PRODUCER_REGS : 24;
+  // 24 (40 with kQFeed, whose producer copies Q too: the consumers' 232 then hold the kernel without
+  // spills), or the tile field kWsProducerRegs (PAGEDATTN_WS_PRODUCER_REGS) when set: tile_config sets it
+  // for fp8 caches, whose producer widens the chunks
+  static constexpr int kProducerRegs = PAGEDATTN_WS_PRODUCER_REGS ? PAGEDATTN_WS_PRODUCER_REGS
+                                      : Traits::kQFeed                ? 40
+                                                                      : 24;
   static constexpr int kLeft = (kPool - kProducerRegs * Traits::kProducerThreads) / Traits::kThreads / 8 * 8;
   static constexpr int kConsumerRegs = kLeft > 240 ? 240 : kLeft;
   static_assert(kProducerRegs * Traits::kProducerThreads + kConsumerRegs * Traits::kThreads <= kPool,
@@ -147,8 +150,8 @@ struct WsProducerLane {
   }
 };
 
-template <class Traits>
-__device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing const ring) {
+template <class Traits, class Feed>
+__device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing const ring, Feed const& feed) {
   constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
   constexpr int kBoxCols = 64, kPerWarp = WsProducerLane<Traits>::kPerWarp;
   constexpr int kChunkBytes = 16 * kHeadDim * 2;  // K (or V) bytes of one chunk
@@ -156,6 +159,7 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
   WsProducerLane<Traits> const my(c);
   int const lane = my.lane, first_chunk = my.first_chunk, q = my.q;
   int phys_next = my.chunk_page(0);
+  if (my.n_steps == 0) feed();
   for (int it = 0; it < my.n_steps; ++it) {
     int const slot = ring.slot<kStages>(it);
     uint32_t const free_phase = ring.phase<kStages>(it) ^ 1u;
@@ -192,6 +196,7 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
       }
     };
     load(reinterpret_cast<char*>(c.smem.k_tile(slot, 0)), my.k_map, bars.full_k, bars.empty_k);
+    if (it == 0) feed();  // the item to the consumers once its first K is on its way
     load(reinterpret_cast<char*>(c.smem.v_tile(slot, 0)), my.v_map, bars.full_v, bars.empty_v);
   }
 }
@@ -204,8 +209,8 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
 // columns are piece 2 (jp % 4) and the one after of the Element tile's 64-column block jp / 4, each
 // at that piece ^ (r % 8) too (SmemLayoutKV). Chunks of corrupt pages are written as zeros. The warp
 // then publishes its writes to the async proxy (wgmma) and arrives on the slot's full barrier.
-template <class Traits>
-__device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing const ring) {
+template <class Traits, class Feed>
+__device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing const ring, Feed const& feed) {
   constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
   constexpr int kRaw = Traits::Smem::kRawStages, kPerWarp = WsProducerLane<Traits>::kPerWarp;
   constexpr int kRawChunkBytes = 16 * kHeadDim;  // K (or V) bytes of one raw chunk
@@ -335,6 +340,7 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
     // V(it) widened while K(it + 1) and raw V(it + 1) are in flight; then K and raw V of step it + 2
     // (its raw V stage is V(it)'s, just freed; its K slot S(it + 2 - kKSlots)'s)
     issue(1, my.chunk_page(1), loads1, bad1);
+    feed();
     int phys_next = my.chunk_page(2);
     for (int it = 0; it < n_steps; ++it) {
       widen(it, true, loads0, bad0);
@@ -346,6 +352,7 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
       loads1 = loads2, bad1 = bad2;
     }
   } else if constexpr (!Traits::kKAhead) {  // K(it), V(it); raw(it + 1) in flight meanwhile
+    feed();
     int phys_next = my.chunk_page(1);
     for (int it = 0; it < n_steps; ++it) {
       issue(it + 1, phys_next, loads1, bad1);
@@ -366,6 +373,7 @@ __device__ __forceinline__ void ws_produce_fp8(TileCtx<Traits> const& c, WsRing 
       widen(0, false, loads0, bad0);
       publish(0, -1);
     }
+    feed();
     for (int it = 0; it < n_steps; ++it) {
       bool const k_next = it + 1 < n_steps;
       if (k_next) widen(it + 1, false, loads1, bad1);
@@ -473,6 +481,35 @@ __device__ __forceinline__ void ws_load_q(AttnParams const& p, AttnWork const& w
   cp_async_commit();
 }
 
+// Traits::kQFeed: the producer hands item number n of this CTA, work item `item` of the grid (or, done,
+// the end: a work item with b = -1), to the consumers, by every producer thread. For each consumer
+// warpgroup, once its last S of item n - 1 is done (its empty mbarrier): the work item into slot n % 2
+// of the warpgroup (ws_work), published by the first thread's arrival on the warpgroup's full mbarrier,
+// and its 64 Q rows by cp.async, each thread's copies arriving there as they land (so the full
+// mbarrier expects kProducerThreads + 1 arrivals). The work item is found again here (its fields
+// held through the producer's step loop would take registers the producer does not have).
+template <class Traits, class Features>
+__device__ __forceinline__ void ws_feed_q(AttnParams const& p, int item, AttnSmem<Traits> const& sm, uint32_t n,
+                                          bool done) {
+  int const tid = int(threadIdx.x) - Traits::kThreads;
+  AttnWork w;
+  if (!done) schedule<Traits, Features>(p, ws_slot(p, item), w);
+  for (int wg = 0; wg < Traits::kThreads / 128; ++wg) {
+    mbarrier_wait(sm.ws_q_empty(wg), (n & 1u) ^ 1u);
+    if (tid == 0) {
+      AttnWork* const slot = sm.ws_work(wg, int(n & 1u));
+      if (done) {
+        slot->b = -1;
+      } else {
+        *slot = w;
+      }
+      mbarrier_arrive(sm.ws_q_full(wg));
+    }
+    if (!done) load_q_rows<Traits>(p, w, sm.q(), 64 * wg, 64, tid, Traits::kProducerThreads);
+    cp_async_arrive_on(sm.ws_q_full(wg));
+  }
+}
+
 // Traits::kFp8Qk: each warp turns the 16 Q rows whose scores it holds from 16-bit panels (two of 64
 // columns, 128 bytes a row) into two e4m3 tiles of 128-byte rows in the same bytes, hi (q times 2^s,
 // rounded) where panel 0 was and lo (the rest, rounded) where panel 1 was, each row where it was. s
@@ -535,10 +572,15 @@ __device__ __forceinline__ float ws_q_split(AttnSmem<Traits> const& sm, int wg) 
 // (0 unless some |q| >= 32768): the returned 2^e, applied to the scores, undoes it exactly.
 template <class Traits>
 __device__ __forceinline__ float ws_q_ready(AttnSmem<Traits> const& sm, int wg) {
-  cp_async_wait<0>();
+  // every row of this warpgroup landed: kQFeed, the full mbarrier the caller waited on says so; else
+  // each thread waits for its own copies, and then the warpgroup for all of them
+  auto all_landed = [&] {
+    if constexpr (!Traits::kQFeed) ws_group_sync(wg);
+  };
+  if constexpr (!Traits::kQFeed) cp_async_wait<0>();
   float unscale = 1.f;
   if constexpr (Traits::kQToHalf) {
-    ws_group_sync(wg);  // every thread's copies of this warpgroup's rows landed
+    all_landed();
     constexpr int kPanels = Traits::kHeadDim / 64;   // 64-column panels of 128-byte rows (SW128 atoms)
     constexpr int kPerPanel = 16 * 8 / 32;           // a lane's 16-byte pieces of its warp's rows in a panel
     int const lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32 % 4;
@@ -569,11 +611,14 @@ __device__ __forceinline__ float ws_q_ready(AttnSmem<Traits> const& sm, int wg) 
     unscale = __uint_as_float(uint32_t(127 + e) << 23);
   }
   if constexpr (Traits::kFp8Qk) {
-    ws_group_sync(wg);  // every thread's copies of this warpgroup's rows landed
+    all_landed();
     unscale = ws_q_split<Traits>(sm, wg);
   }
+  // the rows (written by cp.async, or converted) to wgmma, the async proxy. kQFeed with no conversion
+  // needs no barrier: each warp fences after its own wait, and a warpgroup MMA starts once all four
+  // warps issued it
   fence_proxy_async_smem();
-  ws_group_sync(wg);
+  if constexpr (!Traits::kQFeed || Traits::kQToHalf || Traits::kFp8Qk) ws_group_sync(wg);
   return unscale;
 }
 
@@ -853,6 +898,70 @@ __device__ __forceinline__ void ws_rows_past_grid(AttnParams const& p, int total
   }
 }
 
+// A consumer warpgroup's items, found by itself: the items blockIdx.x, blockIdx.x + gridDim.x, ... that
+// have a tile, each found (and its Q rows copied) by the warpgroup once the last S of the one before is
+// done. Its items alternate between its two work slots in shared memory (written by its first thread,
+// read after ws_q_ready's barrier): the mainloop reloads the few fields it needs there instead of
+// holding (or spilling) a work item in registers through it.
+template <class Traits, class Features>
+__device__ __forceinline__ void ws_consume_found(AttnParams const& p, AttnSmem<Traits> const& sm,
+                                                 WsPingPong<Traits::kPingPong> const& pp, int wg, int total) {
+  bool const leader = threadIdx.x % 128 == 0;
+  WsRing ring{0};
+  int item = blockIdx.x;  // the next item to look at
+  int parity = 0;
+  bool more;
+  {
+    AttnWork first;
+    more = ws_next_item<Traits, Features>(p, total, item, first);
+    if (more) {
+      ws_load_q<Traits>(p, first, sm.base, wg);
+      if (leader) *sm.ws_work(wg, 0) = first;
+    }
+  }
+  while (more) {
+    float const q_unscale = ws_q_ready(sm, wg);
+    AttnWork const& w = *sm.ws_work(wg, parity);
+    more = false;
+    {
+      TileCtx<Traits> const c(p, w, sm.base);
+      ws_consume<Traits, Features>(c, ring, pp, q_unscale, [&] {
+        AttnWork next;
+        more = ws_next_item<Traits, Features>(p, total, item, next);
+        if (more) {
+          ws_load_q<Traits>(p, next, sm.base, wg);
+          if (leader) *sm.ws_work(wg, parity ^ 1) = next;
+        }
+      });
+    }
+    ring.ring += uint32_t(w.step_end - w.step_begin);
+    parity ^= 1;
+  }
+}
+
+// Traits::kQFeed: a consumer warpgroup's items as the producer hands them over (ws_feed_q), item n in
+// work slot n % 2 once the full mbarrier's phase n completed, until the end item (b = -1). Each warp
+// hands the Q rows back (the empty mbarrier) once the item's last S is done.
+template <class Traits, class Features>
+__device__ __forceinline__ void ws_consume_fed(AttnParams const& p, AttnSmem<Traits> const& sm,
+                                               WsPingPong<Traits::kPingPong> const& pp, int wg) {
+  WsRing ring{0};
+  for (uint32_t n = 0;; ++n) {
+    mbarrier_wait(sm.ws_q_full(wg), n & 1u);
+    AttnWork const& w = *sm.ws_work(wg, int(n & 1u));
+    if (w.b < 0) return;
+    float const q_unscale = ws_q_ready(sm, wg);
+    {
+      TileCtx<Traits> const c(p, w, sm.base);
+      ws_consume<Traits, Features>(c, ring, pp, q_unscale, [&] {
+        __syncwarp();
+        if (threadIdx.x % 32 == 0) mbarrier_arrive(sm.ws_q_empty(wg));
+      });
+    }
+    ring.ring += uint32_t(w.step_end - w.step_begin);
+  }
+}
+
 // The persistent warp-specialised prefill: every thread of the CTA calls it.
 template <class Traits, class Features>
 __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
@@ -871,6 +980,12 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
         mbarrier_init(sm.ws_raw_bar(0, 0, 0) + i, 1);
       }
     }
+    if constexpr (Traits::kQFeed) {
+      for (int wg = 0; wg < Traits::kThreads / 128; ++wg) {
+        mbarrier_init(sm.ws_q_full(wg), Traits::kProducerThreads + 1);  // ws_feed_q
+        mbarrier_init(sm.ws_q_empty(wg), 4);                            // the warpgroup's warps
+      }
+    }
     mbarrier_init_fence();
   }
   int const total = p.num_seqs * p.num_kv_heads * p.grid_tiles * p.num_splits;
@@ -881,57 +996,35 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
     WsRing ring{0};
     int item = blockIdx.x;
     AttnWork w;
+    uint32_t n = 0;  // the CTA's items so far
     while (ws_next_item<Traits, Features>(p, total, item, w)) {
       TileCtx<Traits> const c(p, w, smem);
+      int const found = item - int(gridDim.x);  // ws_next_item steps past it
+      auto const feed = [&] {  // kQFeed: the item and its Q rows to the consumers
+        if constexpr (Traits::kQFeed) ws_feed_q<Traits, Features>(p, found, sm, n, false);
+      };
       if constexpr (Traits::kIsFp8) {
-        ws_produce_fp8(c, ring);
+        ws_produce_fp8(c, ring, feed);
       } else {
-        ws_produce(c, ring);
+        ws_produce(c, ring, feed);
       }
       ring.ring += uint32_t(w.step_end - w.step_begin);
+      ++n;
     }
+    if constexpr (Traits::kQFeed) ws_feed_q<Traits, Features>(p, 0, sm, n, true);
     // stay until the consumers are done (named barrier 4): the CTA's warps leave together, so that
     // compute-sanitizer sees the consumers' named barriers (tile_sync, ping-pong) with every warp resident
     asm volatile("bar.sync 4, %0;\n" ::"n"(Traits::kCtaThreads) : "memory");
     return;
   }
   regs_increase<Regs::kConsumerRegs>();
-  // A warpgroup's items alternate between its two work slots in shared memory (written by its first
-  // thread, read after ws_q_ready's barrier): the mainloop reloads the few fields it needs there
-  // instead of holding (or spilling) a work item in registers through it.
   int const wg = int(threadIdx.x) / 128;
-  bool const leader = threadIdx.x % 128 == 0;
   WsPingPong<Traits::kPingPong> const pp{wg};
   pp.start();
-  WsRing ring{0};
-  int item = blockIdx.x;  // the next item to look at
-  int parity = 0;
-  bool more;
-  {
-    AttnWork first;
-    more = ws_next_item<Traits, Features>(p, total, item, first);
-    if (more) {
-      ws_load_q<Traits>(p, first, smem, wg);
-      if (leader) *sm.ws_work(wg, 0) = first;
-    }
-  }
-  while (more) {
-    float const q_unscale = ws_q_ready(sm, wg);
-    AttnWork const& w = *sm.ws_work(wg, parity);
-    more = false;
-    {
-      TileCtx<Traits> const c(p, w, smem);
-      ws_consume<Traits, Features>(c, ring, pp, q_unscale, [&] {
-        AttnWork next;
-        more = ws_next_item<Traits, Features>(p, total, item, next);
-        if (more) {
-          ws_load_q<Traits>(p, next, smem, wg);
-          if (leader) *sm.ws_work(wg, parity ^ 1) = next;
-        }
-      });
-    }
-    ring.ring += uint32_t(w.step_end - w.step_begin);
-    parity ^= 1;
+  if constexpr (Traits::kQFeed) {
+    ws_consume_fed<Traits, Features>(p, sm, pp, wg);
+  } else {
+    ws_consume_found<Traits, Features>(p, sm, pp, wg, total);
   }
   pp.finish();
   asm volatile("bar.arrive 4, %0;\n" ::"n"(Traits::kCtaThreads) : "memory");
