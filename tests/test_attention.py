@@ -137,13 +137,17 @@ def test_attention_variants_compile(spec, arch):
     ("bf16", "auto", {"kLazyMax": 1}, "#define PAGEDATTN_LAZY_MAX 1"),
     ("fp16", "auto", {"kLazyMax": 3}, "#define PAGEDATTN_LAZY_MAX 3"),
     ("bf16", "fp8_e5m2", {"kLazyMax": 3}, "#define PAGEDATTN_LAZY_MAX 3"),
-], ids=["fp8_s_e4m3", "fp8_s_e5m2", "lazy_max_exact", "lazy_max_lagging", "lazy_max_lagging_fp8"])
+    ("bf16", "auto", {"kWsQFeed": True, "kLazyMax": 3}, "#define PAGEDATTN_WS_Q_FEED 1"),
+    ("fp16", "fp8_e4m3", {"kWsQFeed": True}, "#define PAGEDATTN_WS_Q_FEED 1"),
+], ids=["fp8_s_e4m3", "fp8_s_e5m2", "lazy_max_exact", "lazy_max_lagging", "lazy_max_lagging_fp8", "q_feed_lagging",
+        "q_feed_fp8"])
 def test_ws_opt_in_tiles_compile(dtype, kv, tiles, define):
     """prefill_ws's opt-in tile fields render and compile for sm_90a (in the test's process: the NVRTC
     farm compiles specs' default tiles): fp8 S (kWsFp8Qk: K read raw by e4m3 x fp8 MMAs) with e4m3 and
     e5m2 keys, and the lazy row maxima the defaults do not take (kLazyMax 1: the quad reductions skipped
     only when no row of the warp grew; 3: exponentials against the maxima as they stand, checked by the
-    rows' sums, with a way back that makes S again from the cache; the default is 2 from d128 on, 0 at d64)."""
+    rows' sums, with a way back that makes S again from the cache; the default is 2 from d128 on, 0 at d64),
+    and the producer feeding the consumers their work items and Q rows (kWsQFeed)."""
     from pagedattn.ops import attention as attention_ops
 
     with attention_ops.forced(tiles={"prefill_ws": tiles}):  # the tiles are read as it renders
@@ -637,11 +641,25 @@ def test_ws_lagging_max_matches_reference(c, decode_loader, fp8_ws):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("c", _ws_grid(48)[1::2] + _fp8_ws_grid(32)[8:16], ids=_case_id)
+def test_ws_q_feed_matches_reference(c, decode_loader, fp8_ws):
+    """The opt-in producer feed (kWsQFeed: the producer finds each work item and copies its Q rows onto
+    an mbarrier per consumer warpgroup) over the half of the ws grid the lagging maxima's test leaves
+    out, and over fp8 ws cases (its bf16 Q converted to fp16 by the consumers after the feed)."""
+    from pagedattn.ops import attention as attention_ops
+
+    with attention_ops.forced(tiles={"prefill_ws": {"kWsQFeed": True}}):
+        _check_sm90a_mode(c, decode_loader, "prefill_ws", required=c["batch"] != "mixed")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [{}, {"kWsQFeed": True, "kLazyMax": 3}], ids=["defaults", "q_feed_lagging"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_ws_prefill_is_deterministic_and_leaves_counters_zero(splits):
+def test_ws_prefill_is_deterministic_and_leaves_counters_zero(splits, tiles):
     """The persistent prefill_ws over many more work items than SMs, of very different lengths (causal,
     ragged requests, one with no keys), run back to back and on a second stream: bit-identical, equal
-    to the reference, and every split counter is zero again after each launch."""
+    to the reference, and every split counter is zero again after each launch; with the default tiles
+    and with the opt-in producer feed (its work items and Q rows handed over item after item)."""
     from pagedattn.ops import attention as attention_ops
     from pagedattn.ops import workspace
 
@@ -667,8 +685,10 @@ def test_ws_prefill_is_deterministic_and_leaves_counters_zero(splits):
     q = torch.randn(int(cu_q[-1]), Hq, D, generator=gen).bfloat16().cuda()
 
     def run():
-        out, lse = flash_attn_varlen_func(q, kc, vc, max(lens), cu_q, max(lens), seqused_k=seq, block_table=table,
-                                          causal=True, num_splits=splits, return_softmax_lse=True)
+        with attention_ops.forced(tiles={"prefill_ws": tiles}):
+            out, lse = flash_attn_varlen_func(q, kc, vc, max(lens), cu_q, max(lens), seqused_k=seq,
+                                              block_table=table, causal=True, num_splits=splits,
+                                              return_softmax_lse=True)
         torch.cuda.synchronize()
         assert all(int(b.abs().sum()) == 0 for b in workspace.counter_buffers().values())
         return out, lse

@@ -37,11 +37,14 @@ if sys.argv[1:] == ["ws"]:
         seq = torch.tensor([300, 250], dtype=torch.int32, device="cuda")
         q = torch.randn(300 + 70, 8, D, dtype=torch.bfloat16, device="cuda")
         cu_q = torch.tensor([0, 300, 370], dtype=torch.int32, device="cuda")
+        # at D = 128 the opt-in tiles too: the producer feeding items and Q rows, the lagging maxima
+        opt_in = ({}, {"kWsQFeed": True, "kLazyMax": 3}) if D == 128 else ({},)
         for splits in (1, 3):
-            with forced(prefill="prefill_ws" if fp8 else None):
-                out = flash_attn_varlen_func(q, kc, vc, 300, cu_q, 300, seqused_k=seq, block_table=table,
-                                             causal=True, num_splits=splits, kv_cache_dtype=kv, **scale)
-            assert torch.isfinite(out).all()
+            for tiles in opt_in:
+                with forced(prefill="prefill_ws" if fp8 else None, tiles={"prefill_ws": tiles}):
+                    out = flash_attn_varlen_func(q, kc, vc, 300, cu_q, 300, seqused_k=seq, block_table=table,
+                                                 causal=True, num_splits=splits, kv_cache_dtype=kv, **scale)
+                assert torch.isfinite(out).all()
     torch.cuda.synchronize()
     print("sanitize ws cases done")
     sys.exit(0)

@@ -151,6 +151,13 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # 1088 / 1086, B=1 S=16384 3943 -> 3750-3757, d64 794 -> 767, d256 2185-2198 -> 2175-2185.
         # Exponentials first with the FMNMX pass kept (the maxima voted on after them) measured no gain:
         # the pass's instructions cost, not its latency.
+        # kWsQFeed (opt-in, not yet run on a GPU; mainloop_ws.cuh ws_feed_q): the producer finds each work
+        # item, hands it over in shared memory and copies its Q rows by cp.async onto an mbarrier per consumer
+        # warpgroup, which hands the rows back after its last S of the item. The consumers then run no
+        # schedule and no Q addressing (~830 instructions a warp per item by ncu at b658785) and no warpgroup
+        # barrier before a 16-bit Q; the producer keeps 40 registers (24 without), the consumers 232. ptxas
+        # (sm_90a, NVRTC 13): consumer spill instructions 40 -> 0 at d128 with kLazyMax 3, 32 -> 0 at d192,
+        # 80 -> 0 at d256, 56 -> 0 for fp8 e4m3, 42 -> 2 with a window and ALiBi.
         return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1,
                     kStages=2 if head_dim <= 128 else 3, kMinBlocks=1, kTma=True, kPingPong=True,
                     kExp2FmaSoftcap=2 if head_dim == 128 else 0, kWsQLate=head_dim == 256 or fp8,

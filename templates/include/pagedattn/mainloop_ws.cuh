@@ -9,9 +9,10 @@
 //   consumers  each warpgroup owns 64 rows: its Q rows (cp.async), S = Q K^T, the mask policy, online
 //              softmax, O += P V (attn_wgmma.cuh), the S of a step overlapping the P V of the step
 //              before, and (with kPingPong) the two warpgroups taking turns on the tensor cores. Once
-//              the last S of an item is done, a warpgroup loads its Q rows of the next item; the
-//              epilogue writes O straight from the accumulators, so no shared memory the producer or
-//              the next Q may be filling is touched.
+//              the last S of an item is done, a warpgroup finds its next item and loads its Q rows
+//              (with kQFeed, opt-in, the producer does both: ws_feed_q); the epilogue writes O straight
+//              from the accumulators, so no shared memory the producer or the next Q may be filling is
+//              touched.
 // K and V have rings of their own (a K slot goes back once its S is computed, a V slot once its P V
 // is), each slot with two mbarriers: `full` (every producer warp's expected bytes landed) and `empty`
 // (every consumer warp is done reading it). The rings run on across items: step n of the CTA (its
