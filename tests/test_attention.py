@@ -139,15 +139,18 @@ def test_attention_variants_compile(spec, arch):
     ("bf16", "fp8_e5m2", {"kLazyMax": 3}, "#define PAGEDATTN_LAZY_MAX 3"),
     ("bf16", "auto", {"kWsQFeed": True, "kLazyMax": 3}, "#define PAGEDATTN_WS_Q_FEED 1"),
     ("fp16", "fp8_e4m3", {"kWsQFeed": True}, "#define PAGEDATTN_WS_Q_FEED 1"),
+    ("fp16", "auto", {"kWsOBulk": True}, "#define PAGEDATTN_WS_O_BULK 1"),
+    ("bf16", "auto", {"kWsOBulk": True, "kWsQFeed": True, "kLazyMax": 3}, "#define PAGEDATTN_WS_O_BULK 1"),
 ], ids=["fp8_s_e4m3", "fp8_s_e5m2", "lazy_max_exact", "lazy_max_lagging", "lazy_max_lagging_fp8", "q_feed_lagging",
-        "q_feed_fp8"])
+        "q_feed_fp8", "o_bulk", "o_bulk_q_feed_lagging"])
 def test_ws_opt_in_tiles_compile(dtype, kv, tiles, define):
     """prefill_ws's opt-in tile fields render and compile for sm_90a (in the test's process: the NVRTC
     farm compiles specs' default tiles): fp8 S (kWsFp8Qk: K read raw by e4m3 x fp8 MMAs) with e4m3 and
     e5m2 keys, and the lazy row maxima the defaults do not take (kLazyMax 1: the quad reductions skipped
     only when no row of the warp grew; 3: exponentials against the maxima as they stand, checked by the
     rows' sums, with a way back that makes S again from the cache; the default is 2 from d128 on, 0 at d64),
-    and the producer feeding the consumers their work items and Q rows (kWsQFeed)."""
+    the producer feeding the consumers their work items and Q rows (kWsQFeed), and O stored through shared
+    memory by bulk copies (kWsOBulk)."""
     from pagedattn.ops import attention as attention_ops
 
     with attention_ops.forced(tiles={"prefill_ws": tiles}):  # the tiles are read as it renders
@@ -652,8 +655,55 @@ def test_ws_q_feed_matches_reference(c, decode_loader, fp8_ws):
         _check_sm90a_mode(c, decode_loader, "prefill_ws", required=c["batch"] != "mixed")
 
 
+# every opt-in tile field of prefill_ws at once: the candidate defaults
+WS_OPT_INS = {"kWsOBulk": True, "kWsQFeed": True, "kLazyMax": 3}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [{}, {"kWsQFeed": True, "kLazyMax": 3}], ids=["defaults", "q_feed_lagging"])
+@pytest.mark.parametrize("c", _ws_grid(48)[::3], ids=_case_id)
+def test_ws_o_bulk_matches_reference(c, decode_loader):
+    """The opt-in bulk stores of O (kWsOBulk: each consumer warp's rows through shared memory, a 1-D bulk
+    copy per row of the request; 4-byte stores where out's rows are not 16-byte aligned), with the
+    other opt-ins (the producer feed, the lagging maxima) and alone."""
+    from pagedattn.ops import attention as attention_ops
+
+    for tiles in (WS_OPT_INS, {"kWsOBulk": True}):
+        with attention_ops.forced(tiles={"prefill_ws": tiles}):
+            _check_sm90a_mode(c, decode_loader, "prefill_ws", required=c["batch"] != "mixed")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shift", [0, 8], ids=["first", "shifted"])
+def test_ws_o_bulk_with_out_rows_in_a_wider_buffer(shift):
+    """kWsOBulk with a given `out` whose rows lie `shift` elements into the rows of a wider buffer (row
+    stride Hq * D + 16), over requests whose last tiles are partial: equal bit for bit to the 4-byte
+    stores of the same tiles without it, and nothing around out's rows is written."""
+    from pagedattn.ops import attention as attention_ops
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("prefill_ws is sm_90a-only")
+    gen = torch.Generator().manual_seed(31)
+    Hq, Hkv, D, bs = 16, 4, 128, 16
+    lens = [300, 77, 1030]  # 300 x 4 and 77 x 4 rows: the last tiles are partial
+    case = build_case(lens, lens, Hq, Hkv, D, bs, "NHD", torch.bfloat16, "auto", "tensor", gen)
+    T = sum(lens)
+    kw = dict(max_seqlen_q=max(lens), cu_seqlens_q=case["cu_q"], max_seqlen_k=max(lens), seqused_k=case["seqused"],
+              causal=True, block_table=case["table"])
+    without = {k: v for k, v in WS_OPT_INS.items() if k != "kWsOBulk"}
+    with attention_ops.forced(prefill="prefill_ws", tiles={"prefill_ws": without}):
+        want = flash_attn_varlen_func(case["q"], case["kc"], case["vc"], **kw)
+    buf = torch.full((T, Hq * D + 16), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = buf[:, shift:shift + Hq * D].view(T, Hq, D)
+    with attention_ops.forced(prefill="prefill_ws", tiles={"prefill_ws": WS_OPT_INS}):
+        got = flash_attn_varlen_func(case["q"], case["kc"], case["vc"], out=out, **kw)
+    assert got is out
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert buf[:, :shift].isnan().all() and buf[:, shift + Hq * D:].isnan().all(), "written outside out's rows"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [{}, {"kWsQFeed": True, "kLazyMax": 3}, WS_OPT_INS],
+                         ids=["defaults", "q_feed_lagging", "opt_ins"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_ws_prefill_is_deterministic_and_leaves_counters_zero(splits, tiles):
     """The persistent prefill_ws over many more work items than SMs, of very different lengths (causal,

@@ -222,12 +222,13 @@ def test_features_with_lagging_max(c, decode_loader):
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", [c for c in _feature_grid(160, seed=5) if c["batch"] in ("mixed", "prefill")][16:28],
                          ids=_fid)
-def test_features_with_q_feed(c, decode_loader):
-    """Every feature under prefill_ws's opt-in producer feed (tile field kWsQFeed: the producer finds the
-    work items and copies their Q rows) with the lagging exponentials (kLazyMax 3)."""
+def test_features_with_ws_opt_ins(c, decode_loader):
+    """Every feature under prefill_ws's opt-in tile fields together: the producer feed (kWsQFeed: the
+    producer finds the work items and copies their Q rows), O's bulk stores (kWsOBulk) and the lagging
+    exponentials (kLazyMax 3)."""
     from pagedattn.ops import attention as attention_ops
 
-    with attention_ops.forced(tiles={"prefill_ws": {"kWsQFeed": True, "kLazyMax": 3}}):
+    with attention_ops.forced(tiles={"prefill_ws": {"kWsQFeed": True, "kWsOBulk": True, "kLazyMax": 3}}):
         _check_feature_case(c, decode_loader)
 
 

@@ -193,8 +193,8 @@ def smem_plan(cfg: dict, head_dim: int, fp8: bool) -> dict:
     that sizeof(SharedStorage) is Bytes, the dynamic shared memory the launch asks for.
 
       union { Q | K stages | V stages (Element) | raw K | raw V (fp8 bytes);  O | m, l (float) }
-      RingBars mbarriers; prefill_ws: the split-KV flag (8 bytes), WsWork work items, WsRawBars and WsQBars
-      mbarriers"""
+      WsO (prefill_ws with kWsOBulk: O's rows, 16-byte units); RingBars mbarriers; prefill_ws: the split-KV
+      flag (8 bytes), WsWork work items, WsRawBars and WsQBars mbarriers"""
     stage = cfg["kBlockN"] * cfg["kWarpsN"] * head_dim  # one stage (cp.async) or one slot of every warp's ring
     ws = cfg["kTma"] and cfg["kWgmma"]
     # Element stages the MMAs read: one per stage (16-bit caches); fp8: the one stage raw stages are
@@ -218,12 +218,20 @@ def smem_plan(cfg: dict, head_dim: int, fp8: bool) -> dict:
                 RingBars=(4 if ws else cfg["kWarpsN"]) * max(cfg["kStages"], k_slots) if cfg["kTma"] else 0,
                 WsFlag=int(ws), WsWork=4 if ws else 0, WsRawBars=2 * 4 * raw_stages if ws else 0,
                 # prefill_ws with kWsQFeed (opt-in): a full and an empty mbarrier per consumer warpgroup's Q rows
-                WsQBars=4 if ws and cfg.get("kWsQFeed") else 0)
+                WsQBars=4 if ws and cfg.get("kWsQFeed") else 0,
+                # prefill_ws with kWsOBulk (opt-in; 16-bit caches to head dim 128): 16 rows of O per consumer
+                # warp, 2 head_dim + 16 bytes apart, in 16-byte units
+                WsO=cfg["kWarpsM"] * (2 * head_dim + 16) if ws and cfg.get("kWsOBulk") and not fp8 and head_dim <= 128
+                else 0)
     main = max(2 * (plan["Q"] + plan["K"] + plan["V"]) + plan["RawK"] + plan["RawV"],
                4 * (plan["O"] + plan["RowStats"]))
     tail = 8 * (plan["RingBars"] + plan["WsFlag"] + plan["WsRawBars"] + plan["WsQBars"]) + \
         WS_WORK_BYTES * plan["WsWork"]
+    if plan["WsO"]:  # its 16-byte units right after the union (and the struct's size a multiple of 16)
+        main = -(-main // 16) * 16 + 16 * plan["WsO"]
     plan["Bytes"] = (-(-main // 8) * 8 if tail else main) + tail
+    if plan["WsO"]:
+        plan["Bytes"] = -(-plan["Bytes"] // 16) * 16
     return plan
 
 

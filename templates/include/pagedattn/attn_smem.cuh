@@ -8,6 +8,7 @@
 //     epilogue:  O of each warp group | m, l of each row   (reuses the mainloop's bytes once every
 //                K/V read is done; the split-KV "last CTA" flag of the non-ws paths is its first int)
 //   }
+//   ws_o:        kWs with kWsOBulk: each consumer warp's buffer of its 16 rows of O (16-byte units)
 //   ring_bars:   TMA: one mbarrier per (warp, ring slot); kWs: the K and V rings' full and empty ones
 //   kWs:         the split-KV flag (its epilogue needs no shared memory, and the next tile's Q and K/V
 //                may already be landing in the mainloop's bytes), the consumer warpgroups' work items,
@@ -42,7 +43,7 @@ __device__ __forceinline__ T* region(SmemRegion<kTag, T, kCount>& r) {
 }
 
 enum SmemTag { kTagQ, kTagK, kTagV, kTagRawK, kTagRawV, kTagO, kTagRowStats, kTagRingBars, kTagWsFlag, kTagWsWork,
-               kTagWsRawBars, kTagWsQBars };
+               kTagWsRawBars, kTagWsQBars, kTagWsO };
 
 template <class Element, class Plan>
 struct SmemMainloop : SmemRegion<kTagQ, Element, Plan::kQ>, SmemRegion<kTagK, Element, Plan::kK>,
@@ -66,6 +67,7 @@ struct SmemMainHolder {
 
 template <class Traits>
 struct SharedStorage : SmemMainHolder<typename Traits::Element, typename Traits::Smem>,
+                       SmemRegion<kTagWsO, uint4, Traits::Smem::kWsO>,
                        SmemRegion<kTagRingBars, uint64_t, Traits::Smem::kRingBars>,
                        SmemRegion<kTagWsFlag, uint64_t, Traits::Smem::kWsFlag>,
                        SmemRegion<kTagWsWork, AttnWork, Traits::Smem::kWsWork>,
@@ -101,6 +103,8 @@ struct AttnSmem {
   static_assert(Plan::kWsFlag == int(Traits::kWs) && Plan::kWsWork == (Traits::kWs ? 4 : 0) &&
                 Plan::kWsRawBars == (Traits::kWs ? 2 * 4 * Plan::kRawStages : 0),
                 "prefill_ws: the split flag, two work items per consumer warpgroup, raw-stage mbarriers");
+  static_assert(Plan::kWsO == (Traits::kOBulk ? Traits::kThreads / 32 * 16 * Traits::kOPitch / 16 : 0),
+                "prefill_ws with kWsOBulk: 16 rows of O per consumer warp, kOPitch bytes each");
   static_assert(Plan::kWsQBars == (Traits::kQFeed ? 4 : 0),
                 "prefill_ws with kWsQFeed: a full and an empty mbarrier per consumer warpgroup's Q rows");
 
@@ -159,6 +163,10 @@ struct AttnSmem {
   // kWs, fp8: the raw-stage mbarrier of (K: kv 0, V: kv 1, producer warp `warp`, raw stage `stage`)
   __device__ __forceinline__ uint64_t* ws_raw_bar(int kv, int warp, int stage) const {
     return region<kTagWsRawBars>(storage()) + (kv * 4 + warp) * Plan::kRawStages + stage;
+  }
+  // kOBulk: consumer warp `warp`'s buffer of 16 rows of O, kOPitch bytes apart
+  __device__ __forceinline__ char* ws_o(int warp) const {
+    return reinterpret_cast<char*>(region<kTagWsO>(storage())) + warp * 16 * Traits::kOPitch;
   }
   // kQFeed: the mbarrier of consumer warpgroup wg's Q rows, full (landed) or empty (read)
   __device__ __forceinline__ uint64_t* ws_q_full(int wg) const { return region<kTagWsQBars>(storage()) + wg; }

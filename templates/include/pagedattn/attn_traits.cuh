@@ -46,6 +46,10 @@
 #ifndef PAGEDATTN_WS_Q_FEED
 #define PAGEDATTN_WS_Q_FEED 0
 #endif
+// prefill_ws: O through shared memory and bulk copies (AttnTraits::kOBulk)
+#ifndef PAGEDATTN_WS_O_BULK
+#define PAGEDATTN_WS_O_BULK 0
+#endif
 
 namespace pagedattn {
 
@@ -97,6 +101,13 @@ struct AttnTraits {
   // consumer warpgroup) once the warpgroup's last S of the item before no longer reads them; without
   // it each consumer warpgroup finds its next item and copies its own Q rows
   static constexpr bool kQFeed = kWs && PAGEDATTN_WS_Q_FEED;
+  // kWs with 16-bit caches up to head dim 128 (PAGEDATTN_WS_O_BULK, tile field kWsOBulk; opt-in): each
+  // consumer warp puts its 16 rows of O in a shared-memory buffer of its own (stmatrix, rows kOPitch
+  // bytes apart: no bank conflicts), and its lanes store them a row each by 1-D bulk copies, instead of
+  // 4-byte stores from the accumulators (ws_store_tile). Not where the buffers do not fit beside the
+  // rings (fp8's raw stages, head dims above 128)
+  static constexpr bool kOBulk = kWs && PAGEDATTN_WS_O_BULK && !kIsFp8 && kHeadDim <= 128;
+  static constexpr int kOPitch = kHeadDim * 2 + 16;
   static constexpr int kRingSlots = kKSlots > kStages ? kKSlots : kStages;  // mbarriers per ring kind
   // kWs with softcap (a tanh per score on the SFU too): column groups of 8 keys, of kBlockN / 8, whose
   // 2^x the consumers compute on the FMA pipe instead (OnlineSoftmax::exponentiate)

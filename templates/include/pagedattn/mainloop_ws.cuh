@@ -657,6 +657,44 @@ struct WsPingPong {
   }
 };
 
+// Traits::kOBulk: this warp's 16 rows of O (times wgt[h] for the thread's row h) into its shared-memory
+// buffer as Element, with stmatrix (entry 4 n + 2 h + j of the accumulator is column 8 n + 2 (lane % 4)
+// + j of the warp's row lane / 4 + 8 h: matrix (h, n) of 8 x 8, four per stmatrix), then each of lanes
+// 0 .. 15 stores its row of the request (the tile's rows past it are skipped) with one bulk copy of
+// head_size columns. The buffer is written again only once the warp's copies of the item before have
+// read it; ws_consume_* waits for the last item's before the CTA leaves.
+template <class Traits, class AccO>
+__device__ __forceinline__ void ws_store_rows_bulk(TileCtx<Traits> const& c, AccO const& acc_o, float const (&wgt)[2]) {
+  using Element = typename Traits::Element;
+  constexpr int kPitch = Traits::kOPitch;
+  AttnParams const& p = c.p;
+  AttnWork const& w = c.w;
+  int const lane = c.tidx % 32, warp = c.tidx / 32;
+  char* const buf = c.smem.ws_o(warp);
+  if (lane < 16) bulk_wait_read();
+  __syncwarp();
+  auto pair = [&](int i, int h) {  // entries i, i + 1 as two Elements in 32 bits
+    Element const e[2] = {Element(acc_o(i) * wgt[h]), Element(acc_o(i + 1) * wgt[h])};
+    return *reinterpret_cast<uint32_t const*>(e);
+  };
+  // the lane's row address for each stmatrix: matrix k = lane / 8 is (h = k % 2, n + k / 2), row lane % 8
+  char* const row = buf + (lane % 8 + 8 * (lane / 8 % 2)) * kPitch + lane / 16 * 16;
+  CUTE_UNROLL
+  for (int n = 0; n < Traits::kHeadDim / 8; n += 2) {
+    stmatrix_x4(row + n * 16, pair(4 * n, 0), pair(4 * n + 2, 1), pair(4 * n + 4, 0), pair(4 * n + 6, 1));
+  }
+  fence_proxy_async_smem();  // the rows to the bulk-copy engine (the async proxy)
+  __syncwarp();
+  if (lane < 16) {
+    int const R = w.row0 + 64 * (warp / 4) + 16 * (warp % 4) + lane, t = R / p.group, g = R - t * p.group;
+    if (t < w.q_len) {
+      int64_t const at = int64_t(w.q_start + t) * p.o_row_stride + int64_t(w.kv_head * p.group + g) * p.o_head_stride;
+      bulk_store(static_cast<Element*>(p.out) + at, buf + lane * kPitch, p.head_size * int(sizeof(Element)));
+    }
+    bulk_commit();
+  }
+}
+
 // The epilogue, straight from the accumulators: each thread's two rows (r and r + 8 of its warp's
 // 16) normalised by their own (m, l) — one warpgroup holds a row's every key, so there is nothing to
 // merge — and written as pairs of columns: O (times v_scale) and the LSE, or a split's fp32 partials,
@@ -693,6 +731,16 @@ __device__ __forceinline__ void ws_store_tile(TileCtx<Traits> const& c, AccO con
       } else {
         p.lse_accum[(int64_t(w.split) * p.num_q_heads + head) * p.total_q + token] = total.lse();
       }
+    }
+  }
+  if constexpr (Traits::kOBulk) {
+    // 1-D bulk copies need 16-byte aligned rows and lengths (the host's checks of out and of the head
+    // size make them so; a guard, uniform over the launch)
+    uint64_t const misaligned = reinterpret_cast<uint64_t>(p.out) | uint64_t(p.o_row_stride) * 2 |
+                                uint64_t(p.o_head_stride) * 2 | uint64_t(p.head_size) * 2;
+    if (!split_out && misaligned % 16 == 0) {
+      ws_store_rows_bulk<Traits>(c, acc_o, wgt);
+      return;
     }
   }
   CUTE_UNROLL
@@ -1027,6 +1075,7 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
   } else {
     ws_consume_found<Traits, Features>(p, sm, pp, wg, total);
   }
+  if constexpr (Traits::kOBulk) bulk_wait_read();  // O's last copies out of shared memory before it goes
   pp.finish();
   asm volatile("bar.arrive 4, %0;\n" ::"n"(Traits::kCtaThreads) : "memory");
 }

@@ -78,6 +78,40 @@ __device__ __forceinline__ void tma_load_4d(void* smem, void const* tensor_map, 
 #endif
 }
 
+// Four 8x8 matrices of 16-bit values from registers to shared memory (stmatrix): lane l holds values
+// (l / 4, 2 (l % 4)) and the next of matrix k in r[k] (the MMA accumulator layout), and lanes 8 k ..
+// 8 k + 7 give the addresses of matrix k's rows 0 .. 7 (16 bytes each).
+__device__ __forceinline__ void stmatrix_x4(void* row, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               ::"r"(cute::cast_smem_ptr_to_uint(row)), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+#endif
+}
+
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from shared to global memory by the bulk-copy
+// engine, in this thread's current bulk group (bulk_commit closes it).
+__device__ __forceinline__ void bulk_store(void* gmem, void const* smem, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+               ::"l"(reinterpret_cast<uint64_t>(gmem)), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void bulk_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Blocks until every bulk group this thread committed has read its shared memory (the writes to global
+// memory may still be in flight).
+__device__ __forceinline__ void bulk_wait_read() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+#endif
+}
+
 // An L2 eviction policy for data read once (decode's K/V stream): its lines go first when their set needs
 // room. After an L2 flush (or any writer) the cache holds dirty lines; loads of normal priority evict them
 // one by one, and every eviction is a write to DRAM that competes with the stream. With evict_first the
