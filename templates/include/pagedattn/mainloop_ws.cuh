@@ -482,32 +482,103 @@ __device__ __forceinline__ void ws_load_q(AttnParams const& p, AttnWork const& w
   cp_async_commit();
 }
 
+// Traits::kQFeed: a producer thread's copies of a consumer warpgroup's 64 Q rows of item w (the copies
+// load_q_rows makes, rows past the request zero-filled). Where the producer's threads tile the rows'
+// 16-byte pieces evenly (head dims 64, 128, 256), each thread keeps one column piece and walks down
+// kStep rows at a time with additions (its token t and head g carried in the row's packing t * group +
+// g), so that only the constructor divides: it runs before the warpgroup's rows are free, and copy()
+// after, on the way from the consumers' last S to their next. Elsewhere (d192) load_q_rows.
+template <class Traits>
+struct WsQFeedRows {
+  using Element = typename Traits::Element;
+  static constexpr int kChunks = Traits::kHeadDim / 8;  // 16-byte pieces of a row
+  static constexpr bool kWalk = Traits::kProducerThreads % kChunks == 0 && 64 % (Traits::kProducerThreads / kChunks) == 0;
+  static constexpr int kStep = kWalk ? Traits::kProducerThreads / kChunks : 1;  // rows between a thread's pieces
+  static_assert(Traits::kBlockKSmem == 64, "Q in 64-column panels of 128-byte rows");
+  AttnParams const& p;
+  AttnWork const& w;
+  int const tid, wg;
+  int t, g;                 // the token and head of the thread's first row
+  Element const* src;       // its first piece in q
+  int64_t step, carry;      // src's move kStep rows on, and more when the head wraps to the next token
+  int dt, dg;               // kStep rows as tokens and heads
+
+  __device__ __forceinline__ WsQFeedRows(AttnParams const& p_, AttnWork const& w_, int tid_, int wg_)
+      : p(p_), w(w_), tid(tid_), wg(wg_) {
+    if constexpr (kWalk) {
+      int const R = w.row0 + 64 * wg + tid / kChunks;
+      t = R / p.group;
+      g = R - t * p.group;
+      dt = kStep / p.group;
+      dg = kStep - dt * p.group;
+      step = int64_t(dt) * p.q_row_stride + int64_t(dg) * p.q_head_stride;
+      carry = p.q_row_stride - int64_t(p.group) * p.q_head_stride;
+      src = static_cast<Element const*>(p.q) + (int64_t(w.q_start + t) * p.q_row_stride +
+                                                int64_t(w.kv_head * p.group + g) * p.q_head_stride + tid % kChunks * 8);
+    }
+  }
+  __device__ __forceinline__ void copy(Element* q_smem) {
+    if constexpr (kWalk) {
+      using namespace cute;
+      Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename Traits::SmemLayoutQ{});
+      int const col = tid % kChunks * 8, row = 64 * wg + tid / kChunks;
+      bool const col_ok = col < p.head_size;
+      Element* const first = &sQ(row, col);
+      CUTE_UNROLL
+      for (int k = 0; k < 64 / kStep; ++k) {
+        bool const ok = col_ok && t < w.q_len;
+        // a step of whole 8-row swizzle atoms keeps the piece's place in its row: 128-byte rows
+        Element* const dst = kStep % 8 == 0 ? first + kStep * k * 64 : &sQ(row + kStep * k, col);
+        cp_async_16(dst, ok ? src : p.q, ok);
+        t += dt;
+        g += dg;
+        src += step;
+        if (g >= p.group) {
+          g -= p.group;
+          ++t;
+          src += carry;
+        }
+      }
+    } else {
+      load_q_rows<Traits>(p, w, q_smem, 64 * wg, 64, tid, Traits::kProducerThreads);
+    }
+  }
+};
+
 // Traits::kQFeed: the producer hands item number n of this CTA, work item `item` of the grid (or, done,
 // the end: a work item with b = -1), to the consumers, by every producer thread. For each consumer
 // warpgroup, once its last S of item n - 1 is done (its empty mbarrier): the work item into slot n % 2
 // of the warpgroup (ws_work), published by the first thread's arrival on the warpgroup's full mbarrier,
-// and its 64 Q rows by cp.async, each thread's copies arriving there as they land (so the full
-// mbarrier expects kProducerThreads + 1 arrivals). The work item is found again here (its fields
-// held through the producer's step loop would take registers the producer does not have).
+// and its 64 Q rows by cp.async (WsQFeedRows), each thread's copies arriving there as they land (so the
+// full mbarrier expects kProducerThreads + 1 arrivals). The work item is found again here, before the
+// wait (its fields held through the producer's step loop would take registers the producer does not
+// have).
 template <class Traits, class Features>
 __device__ __forceinline__ void ws_feed_q(AttnParams const& p, int item, AttnSmem<Traits> const& sm, uint32_t n,
                                           bool done) {
   int const tid = int(threadIdx.x) - Traits::kThreads;
-  AttnWork w;
-  if (!done) schedule<Traits, Features>(p, ws_slot(p, item), w);
-  for (int wg = 0; wg < Traits::kThreads / 128; ++wg) {
+  // warpgroup wg's slot n % 2 once its rows of item n - 1 are read: `put` writes it (the first thread),
+  // `copy` makes this thread's copies of its Q rows
+  auto hand_over = [&](int wg, auto const& put, auto const& copy) {
     mbarrier_wait(sm.ws_q_empty(wg), (n & 1u) ^ 1u);
     if (tid == 0) {
-      AttnWork* const slot = sm.ws_work(wg, int(n & 1u));
-      if (done) {
-        slot->b = -1;
-      } else {
-        *slot = w;
-      }
+      put(sm.ws_work(wg, int(n & 1u)));
       mbarrier_arrive(sm.ws_q_full(wg));
     }
-    if (!done) load_q_rows<Traits>(p, w, sm.q(), 64 * wg, 64, tid, Traits::kProducerThreads);
+    copy();
     cp_async_arrive_on(sm.ws_q_full(wg));
+  };
+  if (done) {
+    for (int wg = 0; wg < Traits::kThreads / 128; ++wg) {
+      hand_over(wg, [](AttnWork* slot) { slot->b = -1; }, [] {});
+    }
+    return;
+  }
+  AttnWork w;
+  schedule<Traits, Features>(p, ws_slot(p, item), w);
+  for (int wg = 0; wg < Traits::kThreads / 128; ++wg) {
+    WsQFeedRows<Traits> rows(p, w, tid, wg);
+    hand_over(wg, [&](AttnWork* slot) { *slot = w; }, [&] { rows.copy(sm.q()); });
   }
 }
 
