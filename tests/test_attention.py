@@ -60,6 +60,15 @@ def build_case(lens_q, lens_k, Hq, Hkv, D, block_size, layout, dtype, kv, scale_
                 spec=spec)
 
 
+@contextlib.contextmanager
+def attention_forced_tiles(tiles):
+    """prefill_ws's tile fields overridden (the tiles are read as a kernel's source renders)."""
+    from pagedattn.ops import attention as attention_ops
+
+    with attention_ops.forced(tiles={"prefill_ws": tiles}):
+        yield
+
+
 def rel_l2(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
@@ -1340,6 +1349,28 @@ def test_ws_prefill_dispatch_rules():
     # softcap at d128: 2 of the 16 column groups take 2^x on the FMA pipe (the SFU has the tanh too)
     assert tile_config(128, "prefill_ws")["kExp2FmaSoftcap"] == 2 and tile_config(64, "prefill_ws")["kExp2FmaSoftcap"] == 0
     assert "false,2,Smem>" in "".join(Kernel(AttnFwdSpec("bf16", "auto", 128, "prefill_ws", softcap=True)).source.split())
+
+
+def test_ws_opt_in_plans():
+    """The opt-in prefill_ws fields' shared memory: kWsQFeed adds four mbarriers, kWsOBulk a buffer of 16
+    rows of O per consumer warp where it fits (16-bit caches to head dim 128; elsewhere the field is
+    ignored, on the host as in the kernel), and every head dim's plan still fits sm_90a with both."""
+    from pagedattn.ops.attention import smem_plan, tile_config
+
+    for d in (64, 128, 192, 256):
+        for fp8 in (False, True) if d == 128 else (False,):
+            base = tile_config(d, "prefill_ws", fp8=fp8)
+            plain = smem_plan(base, d, fp8)
+            plan = smem_plan({**base, "kWsQFeed": True, "kWsOBulk": True}, d, fp8)
+            assert plan["WsQBars"] == 4 and plain["WsQBars"] == 0 and plain["WsO"] == 0
+            bulk = d <= 128 and not fp8
+            assert plan["WsO"] == (8 * (2 * d + 16) if bulk else 0), (d, fp8)
+            extra = 4 * 8 + (-(-plain["Bytes"] // 16) * 16 - plain["Bytes"] + 16 * plan["WsO"] if bulk else 0)
+            assert plan["Bytes"] - plain["Bytes"] >= 32 and plan["Bytes"] - plain["Bytes"] <= extra + 16, (d, fp8)
+            assert plan["Bytes"] <= SMEM_PER_CTA["sm_90a"], (d, fp8, plan["Bytes"])
+    with attention_forced_tiles({"kWsQFeed": True, "kWsOBulk": True}):
+        source = Kernel(AttnFwdSpec("bf16", "auto", 256, "prefill_ws")).source
+    assert "#define PAGEDATTN_WS_Q_FEED 1" in source and "static constexpr int kWsO = 0;" in source
 
 
 def test_tiles_beyond_shared_memory_are_refused():
