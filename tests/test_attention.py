@@ -60,15 +60,6 @@ def build_case(lens_q, lens_k, Hq, Hkv, D, block_size, layout, dtype, kv, scale_
                 spec=spec)
 
 
-@contextlib.contextmanager
-def attention_forced_tiles(tiles):
-    """prefill_ws's tile fields overridden (the tiles are read as a kernel's source renders)."""
-    from pagedattn.ops import attention as attention_ops
-
-    with attention_ops.forced(tiles={"prefill_ws": tiles}):
-        yield
-
-
 def rel_l2(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
@@ -1355,6 +1346,7 @@ def test_ws_opt_in_plans():
     """The opt-in prefill_ws fields' shared memory: kWsQFeed adds four mbarriers, kWsOBulk a buffer of 16
     rows of O per consumer warp where it fits (16-bit caches to head dim 128; elsewhere the field is
     ignored, on the host as in the kernel), and every head dim's plan still fits sm_90a with both."""
+    from pagedattn.ops import attention as attention_ops
     from pagedattn.ops.attention import smem_plan, tile_config
 
     for d in (64, 128, 192, 256):
@@ -1368,7 +1360,7 @@ def test_ws_opt_in_plans():
             extra = 4 * 8 + (-(-plain["Bytes"] // 16) * 16 - plain["Bytes"] + 16 * plan["WsO"] if bulk else 0)
             assert plan["Bytes"] - plain["Bytes"] >= 32 and plan["Bytes"] - plain["Bytes"] <= extra + 16, (d, fp8)
             assert plan["Bytes"] <= SMEM_PER_CTA["sm_90a"], (d, fp8, plan["Bytes"])
-    with attention_forced_tiles({"kWsQFeed": True, "kWsOBulk": True}):
+    with attention_ops.forced(tiles={"prefill_ws": {"kWsQFeed": True, "kWsOBulk": True}}):
         source = Kernel(AttnFwdSpec("bf16", "auto", 256, "prefill_ws")).source
     assert "#define PAGEDATTN_WS_Q_FEED 1" in source and "static constexpr int kWsO = 0;" in source
 
