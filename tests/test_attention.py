@@ -141,16 +141,18 @@ def test_attention_variants_compile(spec, arch):
     ("fp16", "fp8_e4m3", {"kWsQFeed": True}, "#define PAGEDATTN_WS_Q_FEED 1"),
     ("fp16", "auto", {"kWsOBulk": True}, "#define PAGEDATTN_WS_O_BULK 1"),
     ("bf16", "auto", {"kWsOBulk": True, "kWsQFeed": True, "kLazyMax": 3}, "#define PAGEDATTN_WS_O_BULK 1"),
+    ("bf16", "auto", {"kWsOBulk": True, "kWsQFeed": 2, "kLazyMax": 3}, "#define PAGEDATTN_WS_Q_FEED 2"),
 ], ids=["fp8_s_e4m3", "fp8_s_e5m2", "lazy_max_exact", "lazy_max_lagging", "lazy_max_lagging_fp8", "q_feed_lagging",
-        "q_feed_fp8", "o_bulk", "o_bulk_q_feed_lagging"])
+        "q_feed_fp8", "o_bulk", "o_bulk_q_feed_lagging", "chained_o_bulk_lagging"])
 def test_ws_opt_in_tiles_compile(dtype, kv, tiles, define):
     """prefill_ws's opt-in tile fields render and compile for sm_90a (in the test's process: the NVRTC
     farm compiles specs' default tiles): fp8 S (kWsFp8Qk: K read raw by e4m3 x fp8 MMAs) with e4m3 and
     e5m2 keys, and the lazy row maxima the defaults do not take (kLazyMax 1: the quad reductions skipped
     only when no row of the warp grew; 3: exponentials against the maxima as they stand, checked by the
     rows' sums, with a way back that makes S again from the cache; the default is 2 from d128 on, 0 at d64),
-    the producer feeding the consumers their work items and Q rows (kWsQFeed), and O stored through shared
-    memory by bulk copies (kWsOBulk)."""
+    the producer feeding the consumers their work items and Q rows (kWsQFeed; 2: two Q tiles and each
+    item's first S issued with the last P V of the item before), and O stored through shared memory by
+    bulk copies (kWsOBulk)."""
     from pagedattn.ops import attention as attention_ops
 
     with attention_ops.forced(tiles={"prefill_ws": tiles}):  # the tiles are read as it renders
@@ -655,8 +657,9 @@ def test_ws_q_feed_matches_reference(c, decode_loader, fp8_ws):
         _check_sm90a_mode(c, decode_loader, "prefill_ws", required=c["batch"] != "mixed")
 
 
-# every opt-in tile field of prefill_ws at once: the candidate defaults
-WS_OPT_INS = {"kWsOBulk": True, "kWsQFeed": True, "kLazyMax": 3}
+# every opt-in tile field of prefill_ws at once: the candidate defaults (kWsQFeed 2: two Q tiles and
+# chained items where they fit, 16-bit caches to head dim 128; one tile elsewhere)
+WS_OPT_INS = {"kWsOBulk": True, "kWsQFeed": 2, "kLazyMax": 3}
 
 
 @pytest.mark.gpu
@@ -702,14 +705,15 @@ def test_ws_o_bulk_with_out_rows_in_a_wider_buffer(shift):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [{}, {"kWsQFeed": True, "kLazyMax": 3}, WS_OPT_INS],
-                         ids=["defaults", "q_feed_lagging", "opt_ins"])
+@pytest.mark.parametrize("tiles", [{}, {"kWsQFeed": True, "kLazyMax": 3}, {"kWsQFeed": 2}, WS_OPT_INS],
+                         ids=["defaults", "q_feed_lagging", "chained", "opt_ins"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_ws_prefill_is_deterministic_and_leaves_counters_zero(splits, tiles):
     """The persistent prefill_ws over many more work items than SMs, of very different lengths (causal,
     ragged requests, one with no keys), run back to back and on a second stream: bit-identical, equal
     to the reference, and every split counter is zero again after each launch; with the default tiles
-    and with the opt-in producer feed (its work items and Q rows handed over item after item)."""
+    and with the opt-in producer feed (its work items and Q rows handed over item after item; 2: two Q
+    tiles, items chained, an item with no keys breaking the chain)."""
     from pagedattn.ops import attention as attention_ops
     from pagedattn.ops import workspace
 
@@ -1343,9 +1347,10 @@ def test_ws_prefill_dispatch_rules():
 
 
 def test_ws_opt_in_plans():
-    """The opt-in prefill_ws fields' shared memory: kWsQFeed adds four mbarriers, kWsOBulk a buffer of 16
-    rows of O per consumer warp where it fits (16-bit caches to head dim 128; elsewhere the field is
-    ignored, on the host as in the kernel), and every head dim's plan still fits sm_90a with both."""
+    """The opt-in prefill_ws fields' shared memory: kWsQFeed adds four mbarriers (2: a second Q tile, four
+    work slots per consumer warpgroup and eight mbarriers), kWsOBulk a buffer of 16 rows of O per consumer
+    warp, the last two where they fit (16-bit caches to head dim 128; elsewhere ignored, on the host as
+    in the kernel), and every head dim's plan still fits sm_90a with all of them."""
     from pagedattn.ops import attention as attention_ops
     from pagedattn.ops.attention import smem_plan, tile_config
 
@@ -1353,12 +1358,13 @@ def test_ws_opt_in_plans():
         for fp8 in (False, True) if d == 128 else (False,):
             base = tile_config(d, "prefill_ws", fp8=fp8)
             plain = smem_plan(base, d, fp8)
-            plan = smem_plan({**base, "kWsQFeed": True, "kWsOBulk": True}, d, fp8)
-            assert plan["WsQBars"] == 4 and plain["WsQBars"] == 0 and plain["WsO"] == 0
-            bulk = d <= 128 and not fp8
-            assert plan["WsO"] == (8 * (2 * d + 16) if bulk else 0), (d, fp8)
-            extra = 4 * 8 + (-(-plain["Bytes"] // 16) * 16 - plain["Bytes"] + 16 * plan["WsO"] if bulk else 0)
-            assert plan["Bytes"] - plain["Bytes"] >= 32 and plan["Bytes"] - plain["Bytes"] <= extra + 16, (d, fp8)
+            one = smem_plan({**base, "kWsQFeed": True}, d, fp8)
+            assert one["WsQBars"] == 4 and one["Bytes"] == plain["Bytes"] + 32 and plain["WsQBars"] == 0
+            plan = smem_plan({**base, "kWsQFeed": 2, "kWsOBulk": True}, d, fp8)
+            small = d <= 128 and not fp8  # O's buffers and a second Q tile fit
+            assert plan["WsO"] == (8 * (2 * d + 16) if small else 0) and plain["WsO"] == 0, (d, fp8)
+            assert plan["Q"] == (2 if small else 1) * plain["Q"] and plan["WsWork"] == (8 if small else 4)
+            assert plan["WsQBars"] == (8 if small else 4)
             assert plan["Bytes"] <= SMEM_PER_CTA["sm_90a"], (d, fp8, plan["Bytes"])
     with attention_ops.forced(tiles={"prefill_ws": {"kWsQFeed": True, "kWsOBulk": True}}):
         source = Kernel(AttnFwdSpec("bf16", "auto", 256, "prefill_ws")).source

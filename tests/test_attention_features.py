@@ -223,12 +223,13 @@ def test_features_with_lagging_max(c, decode_loader):
 @pytest.mark.parametrize("c", [c for c in _feature_grid(160, seed=5) if c["batch"] in ("mixed", "prefill")][16:28],
                          ids=_fid)
 def test_features_with_ws_opt_ins(c, decode_loader):
-    """Every feature under prefill_ws's opt-in tile fields together: the producer feed (kWsQFeed: the
-    producer finds the work items and copies their Q rows), O's bulk stores (kWsOBulk) and the lagging
+    """Every feature under prefill_ws's opt-in tile fields together: the producer feed with chained items
+    (kWsQFeed 2: the producer finds the work items and copies their Q rows into two tiles, and an item's
+    first S runs in the last turn of the item before), O's bulk stores (kWsOBulk) and the lagging
     exponentials (kLazyMax 3)."""
     from pagedattn.ops import attention as attention_ops
 
-    with attention_ops.forced(tiles={"prefill_ws": {"kWsQFeed": True, "kWsOBulk": True, "kLazyMax": 3}}):
+    with attention_ops.forced(tiles={"prefill_ws": {"kWsQFeed": 2, "kWsOBulk": True, "kLazyMax": 3}}):
         _check_feature_case(c, decode_loader)
 
 

@@ -157,7 +157,11 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # schedule and no Q addressing (~830 instructions a warp per item by ncu at b658785) and no warpgroup
         # barrier before a 16-bit Q; the producer keeps 40 registers (24 without), the consumers 232. ptxas
         # (sm_90a, NVRTC 13): consumer spill instructions 40 -> 0 at d128 with kLazyMax 3, 32 -> 0 at d192,
-        # 80 -> 0 at d256, 56 -> 0 for fp8 e4m3, 42 -> 2 with a window and ALiBi.
+        # 80 -> 0 at d256, 56 -> 0 for fp8 e4m3, 42 -> 8 with a window and ALiBi. kWsQFeed 2 (16-bit caches to
+        # head dim 128, where a second Q tile fits): two Q tiles, and an item's first S issued in the same turn
+        # on the tensor cores as the last P V of the item before (ws_consume's chain). kWsOBulk (opt-in, likewise
+        # unmeasured; 16-bit caches to head dim 128): O by stmatrix into a buffer per consumer warp and a 1-D
+        # bulk copy per row of the request, instead of 32 4-byte stores per thread.
         return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1,
                     kStages=2 if head_dim <= 128 else 3, kMinBlocks=1, kTma=True, kPingPong=True,
                     kExp2FmaSoftcap=2 if head_dim == 128 else 0, kWsQLate=head_dim == 256 or fp8,
@@ -209,16 +213,21 @@ def smem_plan(cfg: dict, head_dim: int, fp8: bool) -> dict:
     # slots that S's fp8 MMAs read as they are (the RawK region), and only V has Element slots
     k_slots = cfg.get("kWsFp8Qk", 0) if ws and fp8 else 0
     rows = cfg["kWarpsN"] * cfg["kBlockM"]  # the epilogue's rows: every warp group's
-    plan = dict(ElemStages=elem_stages, RawStages=raw_stages, Q=cfg["kBlockM"] * head_dim,
+    # prefill_ws with kWsQFeed 2 (16-bit caches to head dim 128): two Q tiles, four work slots per consumer
+    # warpgroup (AttnTraits::kChain)
+    chain = ws and cfg.get("kWsQFeed") == 2 and not fp8 and head_dim <= 128
+    q_feed = ws and bool(cfg.get("kWsQFeed"))
+    plan = dict(ElemStages=elem_stages, RawStages=raw_stages, Q=(2 if chain else 1) * cfg["kBlockM"] * head_dim,
                 K=0 if k_slots else elem_stages * stage, V=elem_stages * stage,
                 RawK=(k_slots or raw_stages) * stage, RawV=raw_stages * stage,
                 O=rows * head_dim, RowStats=2 * rows,
                 # TMA: an mbarrier per (warp, ring slot); prefill_ws: a full and an empty one per slot of
                 # the K ring and of the V ring, and (fp8) one per (K or V, producer warp, raw stage)
                 RingBars=(4 if ws else cfg["kWarpsN"]) * max(cfg["kStages"], k_slots) if cfg["kTma"] else 0,
-                WsFlag=int(ws), WsWork=4 if ws else 0, WsRawBars=2 * 4 * raw_stages if ws else 0,
+                WsFlag=int(ws), WsWork=(8 if chain else 4) if ws else 0, WsRawBars=2 * 4 * raw_stages if ws else 0,
                 # prefill_ws with kWsQFeed (opt-in): a full and an empty mbarrier per consumer warpgroup's Q rows
-                WsQBars=4 if ws and cfg.get("kWsQFeed") else 0,
+                # (per Q tile)
+                WsQBars=(8 if chain else 4) if q_feed else 0,
                 # prefill_ws with kWsOBulk (opt-in; 16-bit caches to head dim 128): 16 rows of O per consumer
                 # warp, 2 head_dim + 16 bytes apart, in 16-byte units
                 WsO=cfg["kWarpsM"] * (2 * head_dim + 16) if ws and cfg.get("kWsOBulk") and not fp8 and head_dim <= 128

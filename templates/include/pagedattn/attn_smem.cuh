@@ -84,7 +84,8 @@ struct AttnSmem {
 
   // what the tiles need of the plan (the plan is the host's; these are the kernel's side of it)
   static_assert(sizeof(Storage) == Plan::kBytes, "SharedStorage is not the plan's size (tiles.smem_plan)");
-  static_assert(Plan::kQ == cute::cosize(typename Traits::SmemLayoutQ{}), "Q region: one Q tile");
+  static constexpr int kQTile = cute::cosize(typename Traits::SmemLayoutQ{});
+  static_assert(Plan::kQ == Traits::kQTiles * kQTile, "Q region: one Q tile (kChain: two)");
   static_assert(Plan::kV == Plan::kElemStages * Traits::kSmemStageElems &&
                 Plan::kK == (Traits::kFp8Qk ? 0 : Plan::kV),
                 "K/V regions: kElemStages stages of kWarpsN tiles (no K with fp8 S: its ring is RawK)");
@@ -100,15 +101,17 @@ struct AttnSmem {
                 "epilogue: O, m and l of every warp group's rows");
   static_assert(Plan::kRingBars == (Traits::kTma ? (Traits::kWs ? 4 : Traits::kWarpsN) * Traits::kRingSlots : 0),
                 "ring mbarriers: one per (warp, slot); prefill_ws: full and empty of K and V per slot");
-  static_assert(Plan::kWsFlag == int(Traits::kWs) && Plan::kWsWork == (Traits::kWs ? 4 : 0) &&
+  static_assert(Plan::kWsFlag == int(Traits::kWs) && Plan::kWsWork == (Traits::kWs ? 2 * Traits::kWorkSlots : 0) &&
                 Plan::kWsRawBars == (Traits::kWs ? 2 * 4 * Plan::kRawStages : 0),
-                "prefill_ws: the split flag, two work items per consumer warpgroup, raw-stage mbarriers");
+                "prefill_ws: the split flag, two work items per consumer warpgroup (kChain: four), raw-stage "
+                "mbarriers");
   static_assert(Plan::kWsO == (Traits::kOBulk ? Traits::kThreads / 32 * 16 * Traits::kOPitch / 16 : 0),
                 "prefill_ws with kWsOBulk: 16 rows of O per consumer warp, kOPitch bytes each");
-  static_assert(Plan::kWsQBars == (Traits::kQFeed ? 4 : 0),
-                "prefill_ws with kWsQFeed: a full and an empty mbarrier per consumer warpgroup's Q rows");
+  static_assert(Plan::kWsQBars == (Traits::kQFeed ? 4 * Traits::kQTiles : 0),
+                "prefill_ws with kWsQFeed: a full and an empty mbarrier per consumer warpgroup's Q rows (per Q tile)");
 
   char* base;
+  int q_tile = 0;  // kChain: the Q tile q() is (the item's)
 
   // Never null: the assumption lets the compiler drop the null checks of the conversions to the
   // region bases, which would hide that every address is in shared memory (generic LD/ST, not LDS/STS).
@@ -121,7 +124,7 @@ struct AttnSmem {
   __device__ __forceinline__ SmemEpilogue<Plan>& epilogue() const { return storage().main.epilogue; }
 
   // mainloop
-  __device__ __forceinline__ Element* q() const { return region<kTagQ>(mainloop()); }
+  __device__ __forceinline__ Element* q() const { return region<kTagQ>(mainloop()) + q_tile * kQTile; }
   // Element tile the MMAs read: (stage, warp group); fp8 widens into stage 0 only
   __device__ __forceinline__ Element* k_tile(int stage, int group) const {
     return region<kTagK>(mainloop()) + (stage * Traits::kWarpsN + group) * Traits::kTileElems;
@@ -156,9 +159,9 @@ struct AttnSmem {
       return reinterpret_cast<int*>(base);
     }
   }
-  // kWs: consumer warpgroup wg's work item of parity `parity` (items alternate between its two)
-  __device__ __forceinline__ AttnWork* ws_work(int wg, int parity) const {
-    return region<kTagWsWork>(storage()) + 2 * wg + parity;
+  // kWs: consumer warpgroup wg's work slot `slot` of its kWorkSlots (its items take them in turn)
+  __device__ __forceinline__ AttnWork* ws_work(int wg, int slot) const {
+    return region<kTagWsWork>(storage()) + Traits::kWorkSlots * wg + slot;
   }
   // kWs, fp8: the raw-stage mbarrier of (K: kv 0, V: kv 1, producer warp `warp`, raw stage `stage`)
   __device__ __forceinline__ uint64_t* ws_raw_bar(int kv, int warp, int stage) const {
@@ -168,9 +171,13 @@ struct AttnSmem {
   __device__ __forceinline__ char* ws_o(int warp) const {
     return reinterpret_cast<char*>(region<kTagWsO>(storage())) + warp * 16 * Traits::kOPitch;
   }
-  // kQFeed: the mbarrier of consumer warpgroup wg's Q rows, full (landed) or empty (read)
-  __device__ __forceinline__ uint64_t* ws_q_full(int wg) const { return region<kTagWsQBars>(storage()) + wg; }
-  __device__ __forceinline__ uint64_t* ws_q_empty(int wg) const { return region<kTagWsQBars>(storage()) + 2 + wg; }
+  // kQFeed: the mbarrier of consumer warpgroup wg's Q rows in Q tile t, full (landed) or empty (read)
+  __device__ __forceinline__ uint64_t* ws_q_full(int wg, int t) const {
+    return region<kTagWsQBars>(storage()) + wg * Traits::kQTiles + t;
+  }
+  __device__ __forceinline__ uint64_t* ws_q_empty(int wg, int t) const {
+    return region<kTagWsQBars>(storage()) + (2 + wg) * Traits::kQTiles + t;
+  }
 };
 
 }  // namespace pagedattn

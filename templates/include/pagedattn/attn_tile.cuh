@@ -24,8 +24,9 @@ struct TileCtx {
   float scale_log2;  // softmax scale * log2(e), times k_descale for fp8 caches
   float v_scale;     // v_descale for fp8 caches, else 1
 
-  __device__ __forceinline__ TileCtx(AttnParams const& p_, AttnWork const& w_, char* smem_base)
-      : p(p_), w(w_), smem{smem_base}, kv(request_kv(p_, w_)), tidx(int(threadIdx.x)),
+  // q_tile: prefill_ws with two Q tiles (AttnTraits::kChain), the item's
+  __device__ __forceinline__ TileCtx(AttnParams const& p_, AttnWork const& w_, char* smem_base, int q_tile = 0)
+      : p(p_), w(w_), smem{smem_base, q_tile}, kv(request_kv(p_, w_)), tidx(int(threadIdx.x)),
         group_idx(int(threadIdx.x) / Traits::kGroupThreads % Traits::kWarpsN),
         d_idx(int(threadIdx.x) / (Traits::kGroupThreads * Traits::kWarpsN)),
         gtid(int(threadIdx.x) % Traits::kGroupThreads),

@@ -42,7 +42,8 @@
 #include <cutlass/numeric_types.h>
 #include "pagedattn/cute_trim.cuh"  // the CuTe traits headers left out (after CuTe: cache keys only)
 
-// prefill_ws: the producer feeds the consumers their work items and Q rows (AttnTraits::kQFeed)
+// prefill_ws: the producer feeds the consumers their work items and Q rows (AttnTraits::kQFeed; 2: two
+// Q tiles and chained items, AttnTraits::kChain)
 #ifndef PAGEDATTN_WS_Q_FEED
 #define PAGEDATTN_WS_Q_FEED 0
 #endif
@@ -100,7 +101,14 @@ struct AttnTraits {
   // to the consumers in shared memory and copies its Q rows (cp.async, landing on an mbarrier per
   // consumer warpgroup) once the warpgroup's last S of the item before no longer reads them; without
   // it each consumer warpgroup finds its next item and copies its own Q rows
-  static constexpr bool kQFeed = kWs && PAGEDATTN_WS_Q_FEED;
+  static constexpr bool kQFeed = kWs && PAGEDATTN_WS_Q_FEED > 0;
+  // kWsQFeed 2 (16-bit caches up to head dim 128, where a second Q tile fits): two Q tiles, item n's in
+  // tile n % 2, so that item n + 1's first S can run in the same turn on the tensor cores as item n's
+  // last P V (ws_consume's chain); four work slots per consumer warpgroup (an item's is read until its
+  // epilogue, after the producer may have filled the next item's Q tile)
+  static constexpr bool kChain = kQFeed && PAGEDATTN_WS_Q_FEED == 2 && !kIsFp8 && kHeadDim <= 128;
+  static constexpr int kQTiles = kChain ? 2 : 1;
+  static constexpr int kWorkSlots = kChain ? 4 : 2;
   // kWs with 16-bit caches up to head dim 128 (PAGEDATTN_WS_O_BULK, tile field kWsOBulk; opt-in): each
   // consumer warp puts its 16 rows of O in a shared-memory buffer of its own (stmatrix, rows kOPitch
   // bytes apart: no bank conflicts), and its lanes store them a row each by 1-D bulk copies, instead of

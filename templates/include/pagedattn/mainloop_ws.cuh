@@ -547,26 +547,30 @@ struct WsQFeedRows {
 
 // Traits::kQFeed: the producer hands item number n of this CTA, work item `item` of the grid (or, done,
 // the end: a work item with b = -1), to the consumers, by every producer thread. For each consumer
-// warpgroup, once its last S of item n - 1 is done (its empty mbarrier): the work item into slot n % 2
-// of the warpgroup (ws_work), published by the first thread's arrival on the warpgroup's full mbarrier,
-// and its 64 Q rows by cp.async (WsQFeedRows), each thread's copies arriving there as they land (so the
-// full mbarrier expects kProducerThreads + 1 arrivals). The work item is found again here, before the
+// warpgroup, once its last S of the item before in Q tile n % kQTiles is done (the tile's empty
+// mbarrier): the work item into the warpgroup's slot n % kWorkSlots (ws_work), published by the first
+// thread's arrival on the tile's full mbarrier, and its 64 Q rows by cp.async (WsQFeedRows), each
+// thread's copies arriving there as they land (so the full mbarrier expects kProducerThreads + 1
+// arrivals). The work item is found again here, before the
 // wait (its fields held through the producer's step loop would take registers the producer does not
 // have).
 template <class Traits, class Features>
 __device__ __forceinline__ void ws_feed_q(AttnParams const& p, int item, AttnSmem<Traits> const& sm, uint32_t n,
                                           bool done) {
   int const tid = int(threadIdx.x) - Traits::kThreads;
-  // warpgroup wg's slot n % 2 once its rows of item n - 1 are read: `put` writes it (the first thread),
-  // `copy` makes this thread's copies of its Q rows
+  int const t = int(n % uint32_t(Traits::kQTiles));  // item n's Q tile, and its use of the tile
+  uint32_t const use = n / uint32_t(Traits::kQTiles);
+  AttnSmem<Traits> const tile_sm{sm.base, t};
+  // warpgroup wg's rows of Q tile t once read by the item before in the tile: `put` writes the item's
+  // work slot (the first thread), `copy` makes this thread's copies of its Q rows
   auto hand_over = [&](int wg, auto const& put, auto const& copy) {
-    mbarrier_wait(sm.ws_q_empty(wg), (n & 1u) ^ 1u);
+    mbarrier_wait(sm.ws_q_empty(wg, t), (use & 1u) ^ 1u);
     if (tid == 0) {
-      put(sm.ws_work(wg, int(n & 1u)));
-      mbarrier_arrive(sm.ws_q_full(wg));
+      put(sm.ws_work(wg, int(n % uint32_t(Traits::kWorkSlots))));
+      mbarrier_arrive(sm.ws_q_full(wg, t));
     }
     copy();
-    cp_async_arrive_on(sm.ws_q_full(wg));
+    cp_async_arrive_on(sm.ws_q_full(wg, t));
   };
   if (done) {
     for (int wg = 0; wg < Traits::kThreads / 128; ++wg) {
@@ -578,7 +582,7 @@ __device__ __forceinline__ void ws_feed_q(AttnParams const& p, int item, AttnSme
   schedule<Traits, Features>(p, ws_slot(p, item), w);
   for (int wg = 0; wg < Traits::kThreads / 128; ++wg) {
     WsQFeedRows<Traits> rows(p, w, tid, wg);
-    hand_over(wg, [&](AttnWork* slot) { *slot = w; }, [&] { rows.copy(sm.q()); });
+    hand_over(wg, [&](AttnWork* slot) { *slot = w; }, [&] { rows.copy(tile_sm.q()); });
   }
 }
 
@@ -830,14 +834,58 @@ __device__ __forceinline__ void ws_store_tile(TileCtx<Traits> const& c, AccO con
   if (split_out) merge_splits_if_last<Traits, Features>(c);
 }
 
+// ws_consume's items one by one: each item's first S in a turn of its own on the tensor cores.
+struct WsNoChain {
+  static constexpr bool kOn = false;
+};
+
+// Traits::kChain: a consumer warpgroup's items chained. Item n's last turn on the tensor cores issues
+// item n + 1's first S (into acc_s, which lives across items) before its own last P V, so that the two
+// run back to back and item n + 1 starts with its scores made; the ring runs on across items, so that
+// S reads K from the slot of item n's step n_steps. n counts the warpgroup's items (ws_consume_fed).
+template <class Traits>
+struct WsChain {
+  static constexpr bool kOn = true;
+  using Tiles = WgmmaTiles<Traits>;
+  using Element = typename Traits::MmaElement;
+  decltype(Tiles::template acc<typename Tiles::TiledMmaQK, Traits::kBlockN>()) acc_s;
+  bool s0_ready = false;  // acc_s holds the current item's first S
+  AttnSmem<Traits> sm;
+  int wg;
+  uint32_t n = 0;  // the current item
+
+  // Item n + 1 once the producer handed it over (its Q tile landed): its Q tile, for its first S, or
+  // null where it cannot start now (no item: the end; or no steps).
+  __device__ __forceinline__ Element const* next() const {
+    uint32_t const m = n + 1;
+    int const t = int(m % 2u);
+    mbarrier_wait(sm.ws_q_full(wg, t), (m / 2u) & 1u);
+    AttnWork const& w = *sm.ws_work(wg, int(m % uint32_t(Traits::kWorkSlots)));
+    if (w.b < 0 || w.step_end == w.step_begin) return nullptr;
+    fence_proxy_async_smem();  // its rows (cp.async) to wgmma, as ws_q_ready does
+    return reinterpret_cast<Element const*>(AttnSmem<Traits>{sm.base, t}.q());
+  }
+};
+
+// The S accumulator ws_consume uses: the chain's (kept across items), or its own.
+template <class Chain, class AccS>
+__device__ __forceinline__ auto& ws_acc_s(Chain& chain, AccS& own) {
+  if constexpr (Chain::kOn) {
+    return chain.acc_s;
+  } else {
+    return own;
+  }
+}
+
 // One item, by a consumer thread (c.tidx < kThreads), once this warpgroup's Q rows landed
 // (ws_q_ready, whose scale of this warp's Q rows q_unscale undoes in the scores); `next_q()` is called
 // once, when the item's last S no longer reads them (before the last P V and the epilogue, which its
-// copies overlap).
-template <class Traits, class Features, class NextQ>
+// copies overlap). `chain`: WsNoChain, or (Traits::kChain) WsChain, whose next item's first S this
+// item's last turn issues.
+template <class Traits, class Features, class NextQ, class Chain>
 __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing const ring,
                                            WsPingPong<Traits::kPingPong> const& pp, float const q_unscale,
-                                           NextQ const& next_q) {
+                                           NextQ const& next_q, Chain& chain) {
   using namespace cute;
   using Element = typename Traits::MmaElement;  // fp16 with an fp8 cache (its Q converted by ws_q_ready)
   constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -875,7 +923,8 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   int const n_steps = c.w.step_end - c.w.step_begin;
   auto key0_of = [&](int it) { return (c.w.step_begin + it) * kBlockN; };
   constexpr int kKSlots = Traits::kFp8Qk ? Traits::kKSlots : kStages;  // K's ring
-  Tensor acc_s = Tiles::template acc<typename Tiles::TiledMmaQK, kBlockN>();
+  Tensor acc_s_own = Tiles::template acc<typename Tiles::TiledMmaQK, kBlockN>();  // (unused when chained)
+  auto& acc_s = ws_acc_s(chain, acc_s_own);
   auto wait_k = [&](int it) { mbarrier_wait(bars.full_k + ring.slot<kKSlots>(it), ring.phase<kKSlots>(it)); };
   auto wait_v = [&](int it) {  // step it's V landed; rows past the request's end zeroed
     mbarrier_wait(bars.full_v + ring.slot<kStages>(it), ring.phase<kStages>(it));
@@ -943,15 +992,19 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       exact = true;
     }
   };
+  bool s0_ready = false;  // the item before issued this item's first S (chained)
+  if constexpr (Chain::kOn) s0_ready = chain.s0_ready;
   if (n_steps == 0) {
     next_q();
   } else {
-    wait_k(0);
-    pp.my_turn();
-    issue_s(0);
-    pp.your_turn();
-    wgmma_wait<0>(acc_s);
-    release_k(0);
+    if (!s0_ready) {
+      wait_k(0);
+      pp.my_turn();
+      issue_s(0);
+      pp.your_turn();
+      wgmma_wait<0>(acc_s);
+      release_k(0);
+    }
     float alpha[2];  // the rescaling of O that step it's scores ask for
     exponentiate(0, alpha, false);
     to_p(acc_s);
@@ -972,14 +1025,38 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       to_p(acc_s);
     }
     next_q();  // the last S is done (and S's registers are free): Q's shared memory is no longer read
-    wait_v(n_steps - 1);
-    if (!fixed_max) softmax.rescale(o_rows, alpha);
-    pp.my_turn();
-    wgmma_gemm<false, false>(mma_pv, tOrP, tOrVt(n_steps - 1), acc_o);
-    pp.your_turn();
-    wgmma_wait<0>(acc_o);
-    warpgroup_fence_operand(tOrP);
-    release_v(n_steps - 1);
+    if constexpr (Chain::kOn) {
+      // the next item's first S (its K in the ring's next slot) and this item's last P V in one turn
+      Element const* const q_next = chain.next();
+      if (q_next != nullptr) wait_k(n_steps);
+      wait_v(n_steps - 1);
+      pp.my_turn();
+      if (q_next != nullptr) {
+        Tensor q = Tiles::frag_q(q_next, c.tidx);
+        wgmma_gemm<true, false>(mma_qk, q, tSrK(n_steps), acc_s);
+      }
+      if (!fixed_max) softmax.rescale(o_rows, alpha);
+      wgmma_gemm<false, false>(mma_pv, tOrP, tOrVt(n_steps - 1), acc_o);
+      pp.your_turn();
+      wgmma_wait<0>(acc_o);
+      warpgroup_fence_operand(acc_s);
+      warpgroup_fence_operand(tOrP);
+      release_v(n_steps - 1);
+      if (q_next != nullptr) release_k(n_steps);
+      chain.s0_ready = q_next != nullptr;
+    } else {
+      wait_v(n_steps - 1);
+      if (!fixed_max) softmax.rescale(o_rows, alpha);
+      pp.my_turn();
+      wgmma_gemm<false, false>(mma_pv, tOrP, tOrVt(n_steps - 1), acc_o);
+      pp.your_turn();
+      wgmma_wait<0>(acc_o);
+      warpgroup_fence_operand(tOrP);
+      release_v(n_steps - 1);
+    }
+  }
+  if constexpr (Chain::kOn) {
+    if (n_steps == 0) chain.s0_ready = false;
   }
   ws_store_tile<Traits, Features>(c, o_rows, softmax,
                                   Tiles::template coords<kHeadDim>(c.tidx));
@@ -1045,6 +1122,7 @@ __device__ __forceinline__ void ws_consume_found(AttnParams const& p, AttnSmem<T
     more = false;
     {
       TileCtx<Traits> const c(p, w, sm.base);
+      WsNoChain one_by_one;
       ws_consume<Traits, Features>(c, ring, pp, q_unscale, [&] {
         AttnWork next;
         more = ws_next_item<Traits, Features>(p, total, item, next);
@@ -1052,7 +1130,7 @@ __device__ __forceinline__ void ws_consume_found(AttnParams const& p, AttnSmem<T
           ws_load_q<Traits>(p, next, sm.base, wg);
           if (leader) *sm.ws_work(wg, parity ^ 1) = next;
         }
-      });
+      }, one_by_one);
     }
     ring.ring += uint32_t(w.step_end - w.step_begin);
     parity ^= 1;
@@ -1060,23 +1138,33 @@ __device__ __forceinline__ void ws_consume_found(AttnParams const& p, AttnSmem<T
 }
 
 // Traits::kQFeed: a consumer warpgroup's items as the producer hands them over (ws_feed_q), item n in
-// work slot n % 2 once the full mbarrier's phase n completed, until the end item (b = -1). Each warp
-// hands the Q rows back (the empty mbarrier) once the item's last S is done.
+// Q tile n % kQTiles and work slot n % kWorkSlots once the tile's full mbarrier says so, until the end
+// item (b = -1). Each warp hands the Q rows back (the tile's empty mbarrier) once the item's last S is
+// done. kChain: the items chained (WsChain).
 template <class Traits, class Features>
 __device__ __forceinline__ void ws_consume_fed(AttnParams const& p, AttnSmem<Traits> const& sm,
                                                WsPingPong<Traits::kPingPong> const& pp, int wg) {
+  using Chain = cute::conditional_t<Traits::kChain, WsChain<Traits>, WsNoChain>;
+  Chain chain;
+  if constexpr (Traits::kChain) {
+    chain.sm = sm;
+    chain.wg = wg;
+  }
   WsRing ring{0};
   for (uint32_t n = 0;; ++n) {
-    mbarrier_wait(sm.ws_q_full(wg), n & 1u);
-    AttnWork const& w = *sm.ws_work(wg, int(n & 1u));
+    int const t = int(n % uint32_t(Traits::kQTiles));
+    mbarrier_wait(sm.ws_q_full(wg, t), (n / uint32_t(Traits::kQTiles)) & 1u);
+    AttnWork const& w = *sm.ws_work(wg, int(n % uint32_t(Traits::kWorkSlots)));
     if (w.b < 0) return;
-    float const q_unscale = ws_q_ready(sm, wg);
+    AttnSmem<Traits> const item_sm{sm.base, t};
+    float const q_unscale = ws_q_ready(item_sm, wg);
+    if constexpr (Traits::kChain) chain.n = n;
     {
-      TileCtx<Traits> const c(p, w, sm.base);
+      TileCtx<Traits> const c(p, w, sm.base, t);
       ws_consume<Traits, Features>(c, ring, pp, q_unscale, [&] {
         __syncwarp();
-        if (threadIdx.x % 32 == 0) mbarrier_arrive(sm.ws_q_empty(wg));
-      });
+        if (threadIdx.x % 32 == 0) mbarrier_arrive(sm.ws_q_empty(wg, t));
+      }, chain);
     }
     ring.ring += uint32_t(w.step_end - w.step_begin);
   }
@@ -1102,8 +1190,10 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
     }
     if constexpr (Traits::kQFeed) {
       for (int wg = 0; wg < Traits::kThreads / 128; ++wg) {
-        mbarrier_init(sm.ws_q_full(wg), Traits::kProducerThreads + 1);  // ws_feed_q
-        mbarrier_init(sm.ws_q_empty(wg), 4);                            // the warpgroup's warps
+        for (int t = 0; t < Traits::kQTiles; ++t) {
+          mbarrier_init(sm.ws_q_full(wg, t), Traits::kProducerThreads + 1);  // ws_feed_q
+          mbarrier_init(sm.ws_q_empty(wg, t), 4);                            // the warpgroup's warps
+        }
       }
     }
     mbarrier_init_fence();
