@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 (device tool): install from carried wheels, then the stages named in $@
-# (info precompile packbundle bundle tests alltests sanitize racecheck fuzz fuzzsanitize overhead overheadab sweep benchwrite aotcheck ncu ncusrc
+# (info precompile packbundle bundle tests alltests sanitize racecheck wssmoke fuzz fuzzsanitize overhead overheadab sweep benchwrite aotcheck ncu ncusrc
 # benchdw benchp benchs benchq bench-full demo kernelab multigpu hfcb aot16 programsass pack).
 # Logs and results go under $OUT; RESULTS.md is regenerated here with `pagedattn bench report`.
 # Usage there:  PAGEDATTN_GIT_COMMIT=<sha> bash perf/h200.sh info tests overhead bench
@@ -50,6 +50,9 @@ for stage in "$@"; do
                  compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 "$ROOT/tests/tools/sanitize_cases.py" ws > "$OUT/$tool.log" 2>&1 || rc=9
                  tail -n 4 "$OUT/$tool.log"
                done; (exit $rc) ;;
+    # prefill_ws's opt-in tile fields on small cases, a process per (fields, case) under a time limit: a hang
+    # is reported, not waited out (WSSMOKE_ARGS: e.g. "--fields all,chain --cases d128")
+    wssmoke)   python3 "$ROOT/tests/tools/ws_opt_in_smoke.py" --jobs 12 --out "$OUT/results" ${WSSMOKE_ARGS:-} 2>&1 | tail -n 50 ;;
     fuzz)      python3 "$ROOT/tests/fuzz/fuzz_metadata.py" --cases ${FUZZ_CASES:-2000} --seed ${FUZZ_SEED:-0} ${FUZZ_ARGS:-} --out "$OUT/results" 2>&1 | tail -n 40 ;;
     fuzzsanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 "$ROOT/tests/fuzz/fuzz_metadata.py" --sanitize ${FUZZ_ARGS:-} --out "$OUT/results" > "$OUT/fuzzsanitize.log" 2>&1; rc=$?; tail -n 25 "$OUT/fuzzsanitize.log"; (exit $rc) ;;
     overhead)  python3 "$ROOT/perf/launch_overhead.py" "$OUT/results" ;;
