@@ -53,13 +53,9 @@ def run_one(fields: str, case: str) -> dict:
     for cache in (kc, vc):
         values = torch.randn(cache.shape, generator=gen)
         cache.copy_(values.to(torch.float8_e4m3fn).view(torch.uint8) if fp8 else values.bfloat16())
-    perm = torch.randperm(spec.num_blocks, generator=gen)
-    table = torch.zeros(len(lens), max(nb), dtype=torch.int32)
-    at = 0
-    for i, n in enumerate(nb):
-        table[i, :n] = perm[at:at + n]
-        at += n
-    table = table.cuda()
+    # each request's pages shuffled over the cache; the table's unused entries are page 0
+    pages = torch.randperm(spec.num_blocks, generator=gen)[:sum(nb)].split(nb)
+    table = torch.nn.utils.rnn.pad_sequence(list(pages), batch_first=True).to(torch.int32).cuda()
     cu_q = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(int(cu_q[-1]), Hq, D, generator=gen).bfloat16().cuda()
