@@ -492,7 +492,8 @@ template <class Traits>
 struct WsQFeedRows {
   using Element = typename Traits::Element;
   static constexpr int kChunks = Traits::kHeadDim / 8;  // 16-byte pieces of a row
-  static constexpr bool kWalk = Traits::kProducerThreads % kChunks == 0 && 64 % (Traits::kProducerThreads / kChunks) == 0;
+  static constexpr bool kWalk =
+      Traits::kProducerThreads % kChunks == 0 && 64 % (Traits::kProducerThreads / kChunks) == 0;
   static constexpr int kStep = kWalk ? Traits::kProducerThreads / kChunks : 1;  // rows between a thread's pieces
   static_assert(Traits::kBlockKSmem == 64, "Q in 64-column panels of 128-byte rows");
   AttnParams const& p;
