@@ -1371,6 +1371,21 @@ def test_ws_opt_in_plans():
     assert "#define PAGEDATTN_WS_Q_FEED 1" in source and "static constexpr int kWsO = 0;" in source
 
 
+def test_ws_feed_protocol_model():
+    """The hand-over protocol of prefill_ws's producer feed and chained items (tests/tools/ws_protocol_model.py:
+    the K/V ring, the Q tiles' full / empty mbarriers with PTX's parity waits, the work slots, the ping-pong
+    turns and tile_sync) under random interleavings of the producer and the two consumer warpgroups: no
+    deadlock, no buffer overwritten while read, the turns balanced."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent / "tools" / "ws_protocol_model.py"
+    spec = importlib.util.spec_from_file_location("ws_protocol_model", path)
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    model.main(cases=400, seed=1)
+
+
 def test_tiles_beyond_shared_memory_are_refused():
     from pagedattn.ops import attention
 
