@@ -1,4 +1,4 @@
-"""A model of prefill_ws's hand-over protocol with the producer feed (mainloop_ws.cuh: ws_produce's K/V
+"""A model of prefill_ws's hand-over protocol with the producer feed (ws_producer.cuh: ws_produce's K/V
 ring, ws_feed_q, ws_consume_fed and ws_consume's chain), run under random interleavings.
 
 One agent per role: the producer (its four warps act together here) and the two consumer warpgroups.

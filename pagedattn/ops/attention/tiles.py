@@ -151,7 +151,7 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # 1088 / 1086, B=1 S=16384 3943 -> 3750-3757, d64 794 -> 767, d256 2185-2198 -> 2175-2185.
         # Exponentials first with the FMNMX pass kept (the maxima voted on after them) measured no gain:
         # the pass's instructions cost, not its latency.
-        # kWsQFeed (opt-in, not yet run on a GPU; mainloop_ws.cuh ws_feed_q): the producer finds each work
+        # kWsQFeed (opt-in, not yet run on a GPU; ws_producer.cuh ws_feed_q): the producer finds each work
         # item, hands it over in shared memory and copies its Q rows by cp.async onto an mbarrier per consumer
         # warpgroup, which hands the rows back after its last S of the item. The consumers then run no
         # schedule and no Q addressing (~830 instructions a warp per item by ncu at b658785) and no warpgroup

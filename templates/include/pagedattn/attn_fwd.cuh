@@ -6,6 +6,8 @@
 //   mainloop_tma.cuh    TMA decode's per-warp K/V ring, a loader of the SM80 mainloop
 //   mainloop_wgmma.cuh  sm_90a prefill: warpgroup MMAs over the cp.async pipeline
 //   mainloop_ws.cuh     sm_90a prefill of paged caches: a TMA producer warpgroup feeding wgmma consumers
+//                       (its consumers; ws_producer.cuh the producer, ws_epilogue.cuh its epilogue,
+//                       ws_pipeline.cuh what the two roles share)
 //   mask.cuh            every mask and score modifier (causal, window, softcap, ALiBi), for all mainloops
 //   epilogue.cuh        warp groups merged, O and LSE (or a split's partials) written
 //   split_combine.cuh   the last split of a tile to arrive merges the partials
