@@ -15,7 +15,7 @@ namespace pagedattn {
 // + j of the warp's row lane / 4 + 8 h: matrix (h, n) of 8 x 8, four per stmatrix), then each of lanes
 // 0 .. 15 stores its row of the request (the tile's rows past it are skipped) with one bulk copy of
 // head_size columns. The buffer is written again only once the warp's copies of the item before have
-// read it; ws_consume_* waits for the last item's before the CTA leaves.
+// read it; attn_fwd_ws waits for the last ones to have read it before the CTA leaves.
 template <class Traits, class AccO>
 __device__ __forceinline__ void ws_store_rows_bulk(TileCtx<Traits> const& c, AccO const& acc_o, float const (&wgt)[2]) {
   using Element = typename Traits::Element;
