@@ -739,24 +739,23 @@ def test_ws_prefill_is_deterministic_and_leaves_counters_zero(splits, tiles):
     q = torch.randn(int(cu_q[-1]), Hq, D, generator=gen).bfloat16().cuda()
 
     def run():
-        with attention_ops.forced(tiles={"prefill_ws": tiles}):
-            out, lse = flash_attn_varlen_func(q, kc, vc, max(lens), cu_q, max(lens), seqused_k=seq,
-                                              block_table=table, causal=True, num_splits=splits,
-                                              return_softmax_lse=True)
+        out, lse = flash_attn_varlen_func(q, kc, vc, max(lens), cu_q, max(lens), seqused_k=seq, block_table=table,
+                                          causal=True, num_splits=splits, return_softmax_lse=True)
         torch.cuda.synchronize()
         assert all(int(b.abs().sum()) == 0 for b in workspace.counter_buffers().values())
         return out, lse
 
-    first, lse = run()
-    modes = {m for plan in attention_ops._PLANS.values() for m, _ in plan._kernels}
-    assert "prefill_ws" in modes, modes
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        others = [run() for _ in range(2)]
-    torch.cuda.current_stream().wait_stream(side)
-    for o, l in others + [run() for _ in range(3)]:
-        assert torch.equal(o, first) and torch.equal(l, lse)
+    with attention_ops.forced(tiles={"prefill_ws": tiles}):  # (its plans go when the block closes)
+        first, lse = run()
+        modes = {m for plan in attention_ops._PLANS.values() for m, _ in plan._kernels}
+        assert "prefill_ws" in modes, modes
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            others = [run() for _ in range(2)]
+        torch.cuda.current_stream().wait_stream(side)
+        for o, l in others + [run() for _ in range(3)]:
+            assert torch.equal(o, first) and torch.equal(l, lse)
     ref = reference.paged_attention(q, kc, vc, cu_q, seq, table, causal=True, compute_dtype=torch.float64)
     assert rel_l2(first.float(), ref) < 1e-2
 
