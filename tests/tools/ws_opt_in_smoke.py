@@ -79,7 +79,8 @@ def run_one(fields: str, case: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--one", nargs=2, metavar=("FIELDS", "CASE"), help=argparse.SUPPRESS)
-    ap.add_argument("--fields", default=",".join(FIELDS), help="comma-separated names of FIELDS")
+    ap.add_argument("--fields", default="lagging,feed,bulk,chain,all",
+                    help=f"comma-separated names of FIELDS ({', '.join(FIELDS)})")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated names of CASES")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per pair (compiling included)")
     ap.add_argument("--jobs", type=int, default=8, help="pairs at once")
