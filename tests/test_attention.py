@@ -666,8 +666,8 @@ WS_OPT_INS = {"kWsOBulk": True, "kWsQFeed": 2, "kLazyMax": 3}
 @pytest.mark.parametrize("c", _ws_grid(48)[::3], ids=_case_id)
 def test_ws_o_bulk_matches_reference(c, decode_loader):
     """The opt-in bulk stores of O (kWsOBulk: each consumer warp's rows through shared memory, a 1-D bulk
-    copy per row of the request; 4-byte stores where out's rows are not 16-byte aligned), with the
-    other opt-ins (the producer feed, the lagging maxima) and alone."""
+    copy per row of the request; split-KV partials keep the 4-byte stores), with the other opt-ins (the
+    producer feed with chained items, the lagging maxima) and alone."""
     from pagedattn.ops import attention as attention_ops
 
     for tiles in (WS_OPT_INS, {"kWsOBulk": True}):
