@@ -75,9 +75,13 @@ for stage in "$@"; do
     # default '{}', the library's defaults) over SWEEP_SUITES (default sweep: ours alone at the tile / mode
     # studies' shapes; or write, decode, prefill, features), BENCH_ONLY case id substrings, SWEEP_ARGS more options
     sweep)     IFS=';' read -ra points <<< "${SWEEP_OVERRIDES:-{\}}"
+               touch /tmp/sweep_started
                for ov in "${points[@]}"; do
                  bench --suite "${SWEEP_SUITES:-sweep}" ${BENCH_ONLY:+--only "$BENCH_ONLY"} --overrides "$ov" ${SWEEP_ARGS:-}
-               done ;;
+               done
+               # the points side by side (every round of each), last in the call's output
+               mapfile -t made < <(find "${BENCH_OUT:-$OUT/results}" -maxdepth 1 -name '*.json' -newer /tmp/sweep_started | sort)
+               [ ${#made[@]} -gt 0 ] && python3 -m pagedattn.cli bench ab "${made[@]}" | tee "$OUT/sweep_ab.md" ;;
     bundle)    [ -f /tmp/bundle/manifest.json ] || { mkdir -p /tmp/bundle && tar -xJf "$ROOT/.carry/bundle.tar.xz" -C /tmp/bundle --strip-components=1; }
                export PAGEDATTN_AOT_DIR=/tmp/bundle
                python3 -c "import sys, pathlib; from pagedattn.codegen import bundle; sys.exit(0 if bundle.read_manifest(pathlib.Path('/tmp/bundle')) else 1)" \

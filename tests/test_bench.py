@@ -172,6 +172,22 @@ def test_compare_cli():
     assert r.returncode != 0 and "Traceback" not in r.stderr
 
 
+def test_ab_table_of_a_sweep():
+    """`bench ab`: an A/B sweep's runs (two rounds each of the defaults and of kLazyMax 3, session 31's
+    perf/results/ws_lag/call3_280c8ca) side by side, a column per --overrides point, every round's
+    back-to-back / flushed times and the point's median over the defaults'."""
+    files = sorted((REPO / "perf" / "results" / "ws_lag" / "call3_280c8ca").glob("*.json"))
+    header, rows, summary = report.ab_table([report.load(p) for p in files])
+    assert header == ["case", "defaults", "kLazyMax=3"]
+    d128 = next(r for r in rows if r[0] == "prefill/d128/B4/S4096")
+    assert d128[1] == "1112 / 1113, 1135 / 1101" and d128[2].startswith("1094 / 1084, 1088 / 1086 (0.97")
+    assert summary[:2] == ["defaults: 2 run(s)", "kLazyMax=3: 2 run(s)"]
+    assert report.overrides_label({"attention": {"prefill": "prefill_ws", "tiles": {"prefill_ws": {"kStages": 3}}}}) \
+        == 'prefill="prefill_ws", kStages=3'
+    r = _cli("bench", "ab", *map(str, files))
+    assert r.returncode == 0 and r.stdout.startswith("| case | defaults | kLazyMax=3 |"), r.stderr
+
+
 def test_nvidia_smi_reads_the_cuda_device_by_uuid(monkeypatch):
     """Clocks and driver come from nvidia-smi's row of the GPU that CUDA runs on (by UUID: nvidia-smi's
     order may differ from CUDA's); nothing usable -> None."""

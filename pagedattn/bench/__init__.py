@@ -1,5 +1,5 @@
 """`pagedattn bench` [--suite ...] [--quick] [--out DIR] [--only IDS] [--overrides JSON], `bench compare A B`,
-`bench report`: per-architecture performance comparisons (issue 6; perf/README.md explains the lot)."""
+`bench ab FILES`, `bench report`: per-architecture performance comparisons (issue 6; perf/README.md explains the lot)."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +21,19 @@ def _cmd_compare(args) -> int:
         print(f"pagedattn bench compare: {exc}", file=sys.stderr)
         return 2
     header, rows, summary = report.compare(a, b, peers=args.peers)
+    print(report.markdown_table(header, rows) + "\n\n" + "\n".join(f"- {s}" for s in summary))
+    return 0
+
+
+def _cmd_ab(args) -> int:
+    from . import report
+
+    try:
+        runs = [report.load(path) for path in args.files]
+    except (OSError, ValueError) as exc:
+        print(f"pagedattn bench ab: {exc}", file=sys.stderr)
+        return 2
+    header, rows, summary = report.ab_table(runs)
     print(report.markdown_table(header, rows) + "\n\n" + "\n".join(f"- {s}" for s in summary))
     return 0
 
@@ -57,12 +70,16 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": harness self-test only
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # test shapes only
     p.set_defaults(func=_cmd_run)
-    bsub = p.add_subparsers(dest="bench_command", metavar="{compare,report}")
+    bsub = p.add_subparsers(dest="bench_command", metavar="{compare,ab,report}")
     c = bsub.add_parser("compare", help="case-by-case ratios of two results files (e.g. two GPUs)")
     c.add_argument("a", help="results file A (the baseline)")
     c.add_argument("b", help="results file B")
     c.add_argument("--peers", action="store_true", help="also compare each peer")
     c.set_defaults(func=_cmd_compare)
+    ab = bsub.add_parser("ab", help="an A/B sweep's runs side by side: each --overrides point's times per case",
+                         epilog="example: pagedattn bench ab perf/results/ws_lag/call3_280c8ca/*.json")
+    ab.add_argument("files", nargs="+", help="results files of one sweep (rounds in any order)")
+    ab.set_defaults(func=_cmd_ab)
     r = bsub.add_parser("report", help="regenerate RESULTS.md from a results folder (no GPU needed)")
     r.add_argument("--results", default=out, help="results folder, RESULTS.md is written beside it "
                    "(default: where `pagedattn bench` writes, %(default)s; the repository's: perf/results)")

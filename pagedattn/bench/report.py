@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from pathlib import Path
 
 from . import schema
@@ -288,6 +289,59 @@ def compare(a: dict, b: dict, peers: bool = False) -> tuple[list[str], list[list
             summary.append(f"only in {side} ({len(only)}): {', '.join(only[:8])}{' ...' if len(only) > 8 else ''}")
     header = ["suite", "case", "impl", "A", "B", "B speed vs A", "A of ceiling", "B of ceiling"]
     return header, rows, summary
+
+
+# -- A/B sweeps -------------------------------------------------------------------------------------------
+def overrides_label(overrides: dict | None) -> str:
+    """A run's --overrides in short: the innermost fields of each block ("defaults" for none)."""
+    def leaves(d):
+        for key, value in d.items():
+            if isinstance(value, dict):
+                yield from leaves(value)
+            else:
+                yield f"{key}={json.dumps(value)}"
+
+    return ", ".join(leaves(overrides or {})) or "defaults"
+
+
+def ab_table(runs: list[dict]) -> tuple[list[str], list[list[str]], list[str]]:
+    """Runs of one sweep under several --overrides (A/B points, rounds interleaved): per case, each point's
+    median times in every round (back to back / flushed), and the median of its rounds' back-to-back
+    times over the first point's (below 1: the point is faster). Points in order of first appearance."""
+    points: dict[str, list[dict]] = {}
+    for run in runs:
+        points.setdefault(overrides_label(run["metadata"].get("overrides")), []).append(run)
+    labels = list(points)
+    ids: dict[str, dict] = {}
+    for run in runs:
+        for case in schema.all_cases(run):
+            ids.setdefault(case["id"], case)
+
+    def times(label, cid):  # [(rot, flush)] of the point's rounds that timed the case
+        out = []
+        for run in points[label]:
+            case = next((c for c in schema.all_cases(run) if c["id"] == cid), None)
+            ours = (case or {}).get("ours") or {}
+            if ours.get("us") and not ours.get("error"):
+                m = ours.get("methods") or {}
+                out.append(((m.get("rot") or {}).get("us", ours["us"]), (m.get("flush") or {}).get("us")))
+        return out
+
+    rows = []
+    for cid in ids:
+        base = times(labels[0], cid)
+        row = [cid]
+        for label in labels:
+            t = times(label, cid)
+            cell = ", ".join(f"{r:.0f}" + (f" / {f:.0f}" if f else "") for r, f in t) or "-"
+            if label != labels[0] and t and base:
+                cell += f" ({statistics.median(r for r, _ in t) / statistics.median(r for r, _ in base):.3f})"
+            row.append(cell)
+        rows.append(row)
+    summary = [f"{label}: {len(points[label])} run(s)" for label in labels]
+    summary.append(f"µs back to back / flushed, a pair per round; (x): the median back-to-back time over that "
+                   f"of {labels[0]} (below 1: faster)")
+    return ["case"] + labels, rows, summary
 
 
 def describe(case: dict) -> str:
