@@ -32,6 +32,7 @@ EXAMPLES = {
               "pagedattn bench --suite sweep --overrides '{\"attention\": {\"prefill\": \"prefill_ws\"}}'",
               "pagedattn bench compare a.json b.json"],
     "bench compare": ["pagedattn bench compare perf/results/a.json perf/results/b.json --peers"],
+    "bench ab": ["pagedattn bench ab perf/results/ws_lag/call3_280c8ca/*.json   # one sweep's points side by side"],
     "bench report": ["pagedattn bench report --results perf/results   # the repository's RESULTS.md"],
 }
 

@@ -90,7 +90,7 @@ def test_every_subcommand_help_has_an_example(capsys):
     parser = cli.build_parser()
     paths = dict(_commands(parser))
     assert {"info", "list", "cache ls", "cache clear", "cache verify", "precompile", "bundle verify",
-            "bench", "bench compare", "bench report"} <= set(paths)
+            "bench", "bench compare", "bench ab", "bench report"} <= set(paths)
     for path, child in paths.items():
         text = child.format_help()
         assert "examples:\n  pagedattn " in text, f"`pagedattn {path} --help` has no example"

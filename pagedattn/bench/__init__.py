@@ -76,8 +76,7 @@ def add_parser(sub) -> None:
     c.add_argument("b", help="results file B")
     c.add_argument("--peers", action="store_true", help="also compare each peer")
     c.set_defaults(func=_cmd_compare)
-    ab = bsub.add_parser("ab", help="an A/B sweep's runs side by side: each --overrides point's times per case",
-                         epilog="example: pagedattn bench ab perf/results/ws_lag/call3_280c8ca/*.json")
+    ab = bsub.add_parser("ab", help="an A/B sweep's runs side by side: each --overrides point's times per case")
     ab.add_argument("files", nargs="+", help="results files of one sweep (rounds in any order)")
     ab.set_defaults(func=_cmd_ab)
     r = bsub.add_parser("report", help="regenerate RESULTS.md from a results folder (no GPU needed)")
