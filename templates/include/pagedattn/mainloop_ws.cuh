@@ -304,17 +304,6 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   using Tiles = WgmmaTiles<Traits>;
   typename Tiles::TiledMmaQK mma_qk;
   typename Tiles::TiledMmaPV mma_pv;
-  // Q's descriptors (one per 16-column k-step: = thr_qk.partition_fragment_A(Q tile)). Loop-invariant, so
-  // the compiler would hold them all across the step loop (16 x 64 bits at d256, spilled with the O
-  // accumulator); with PAGEDATTN_WS_Q_LATE (tile field kWsQLate: d256) each S makes them afresh from an
-  // address the compiler cannot see through (an add and a move to a uniform register per k-step).
-  auto tSrQ = [&] {
-    Element const* q = reinterpret_cast<Element const*>(c.smem.q());
-#if PAGEDATTN_WS_Q_LATE
-    asm volatile("" : "+l"(q));
-#endif
-    return Tiles::frag_q(q, c.tidx);
-  };
   Tensor acc_o = Tiles::template acc<typename Tiles::TiledMmaPV, kHeadDim>();  // = partition_fragment_C(mma_pv, ..)
   clear(acc_o);
   Tensor o_rows = make_tensor(acc_o.data(), Layout<Shape<_4, _1, Int<kHeadDim / 8>>>{});
@@ -355,6 +344,19 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   };
   auto release_k = [&](int it) { release_slot(bars.empty_k + ring.slot<kKSlots>(it)); };
   auto release_v = [&](int it) { release_slot(bars.empty_v + ring.slot<kStages>(it)); };
+  // S of step it against the Q tile at q (the item's, or the next item's in the chain), issued (not
+  // waited for). Q's descriptors (one per 16-column k-step: = thr_qk.partition_fragment_A(Q tile)) are
+  // loop-invariant, so the compiler would hold them all across the step loop (16 x 64 bits at d256,
+  // spilled with the O accumulator); with PAGEDATTN_WS_Q_LATE (tile field kWsQLate: d256) each S makes
+  // them afresh from an address the compiler cannot see through (an add and a move to a uniform register
+  // per k-step).
+  auto issue_s_with = [&](Element const* q, int it) {
+#if PAGEDATTN_WS_Q_LATE
+    asm volatile("" : "+l"(q));
+#endif
+    Tensor tSrQ = Tiles::frag_q(q, c.tidx);
+    wgmma_gemm<true, false>(mma_qk, tSrQ, tSrK(it), acc_s);
+  };
   // S of step it, issued (not waited for)
   auto issue_s = [&](int it) {
     if constexpr (Traits::kFp8Qk) {
@@ -366,8 +368,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       Tensor k8 = Tiles::frag_k8(c.smem.raw_k(ring.slot<kKSlots>(it)));
       wgmma_gemm_split(mma_qk8, Tiles::frag_q8(q, 0, c.tidx), Tiles::frag_q8(q, 1, c.tidx), k8, acc_s);
     } else {
-      Tensor q = tSrQ();
-      wgmma_gemm<true, false>(mma_qk, q, tSrK(it), acc_s);
+      issue_s_with(reinterpret_cast<Element const*>(c.smem.q()), it);
     }
   };
   auto to_p = [&](auto const& s) {
@@ -441,10 +442,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       if (q_next != nullptr) wait_k(n_steps);
       wait_v(n_steps - 1);
       pp.my_turn();
-      if (q_next != nullptr) {
-        Tensor q = Tiles::frag_q(q_next, c.tidx);
-        wgmma_gemm<true, false>(mma_qk, q, tSrK(n_steps), acc_s);
-      }
+      if (q_next != nullptr) issue_s_with(q_next, n_steps);
       if (!fixed_max) softmax.rescale(o_rows, alpha);
       wgmma_gemm<false, false>(mma_pv, tOrP, tOrVt(n_steps - 1), acc_o);
       pp.your_turn();
