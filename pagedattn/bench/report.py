@@ -312,16 +312,13 @@ def ab_table(runs: list[dict]) -> tuple[list[str], list[list[str]], list[str]]:
     for run in runs:
         points.setdefault(overrides_label(run["metadata"].get("overrides")), []).append(run)
     labels = list(points)
-    ids: dict[str, dict] = {}
-    for run in runs:
-        for case in schema.all_cases(run):
-            ids.setdefault(case["id"], case)
+    cases = {id(run): {c["id"]: c for c in schema.all_cases(run)} for run in runs}
+    ids = list(dict.fromkeys(cid for run in runs for cid in cases[id(run)]))
 
     def times(label, cid):  # [(rot, flush)] of the point's rounds that timed the case
         out = []
         for run in points[label]:
-            case = next((c for c in schema.all_cases(run) if c["id"] == cid), None)
-            ours = (case or {}).get("ours") or {}
+            ours = (cases[id(run)].get(cid) or {}).get("ours") or {}
             if ours.get("us") and not ours.get("error"):
                 m = ours.get("methods") or {}
                 out.append(((m.get("rot") or {}).get("us", ours["us"]), (m.get("flush") or {}).get("us")))
