@@ -245,6 +245,22 @@ class Launcher:
             return int(check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self._handle, threads, self._smem),
                              "cuOccupancyMaxActiveBlocksPerMultiprocessor"))
 
+    def max_active_clusters(self, threads: int, cluster: int) -> int | None:
+        """Clusters of `cluster` CTAs (the kernel's compile-time cluster shape) of `threads` threads that
+        fit on the device at once (cuOccupancyMaxActiveClusters; a GPU may hold fewer than SMs / cluster
+        where its SMs do not pair up); None for a stand-in launcher."""
+        if self._driver is None:
+            return None
+        from cuda.bindings import driver
+
+        from .load import in_context
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = cluster, 1, 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+        config.sharedMemBytes = self._smem
+        with in_context(self._device):
+            return int(check(driver.cuOccupancyMaxActiveClusters(self._handle, config), "cuOccupancyMaxActiveClusters"))
+
     def _launch_in_own_context(self, args) -> int:
         drv = self._driver
         err = drv.push(self._ctx)

@@ -142,8 +142,10 @@ def test_attention_variants_compile(spec, arch):
     ("fp16", "auto", {"kWsOBulk": True}, "#define PAGEDATTN_WS_O_BULK 1"),
     ("bf16", "auto", {"kWsOBulk": True, "kWsQFeed": True, "kLazyMax": 3}, "#define PAGEDATTN_WS_O_BULK 1"),
     ("bf16", "auto", {"kWsOBulk": True, "kWsQFeed": 2, "kLazyMax": 3}, "#define PAGEDATTN_WS_Q_FEED 2"),
+    ("fp16", "auto", {"kWsPair": True}, "__cluster_dims__(2, 1, 1)"),
+    ("bf16", "auto", {"kWsPair": True, "kWsQFeed": True, "kWsOBulk": True, "kLazyMax": 3}, "#define PAGEDATTN_WS_PAIR 1"),
 ], ids=["fp8_s_e4m3", "fp8_s_e5m2", "lazy_max_exact", "lazy_max_lagging", "lazy_max_lagging_fp8", "q_feed_lagging",
-        "q_feed_fp8", "o_bulk", "o_bulk_q_feed_lagging", "chained_o_bulk_lagging"])
+        "q_feed_fp8", "o_bulk", "o_bulk_q_feed_lagging", "chained_o_bulk_lagging", "pair", "pair_q_feed_o_bulk_lagging"])
 def test_ws_opt_in_tiles_compile(dtype, kv, tiles, define):
     """prefill_ws's opt-in tile fields render and compile for sm_90a (in the test's process: the NVRTC
     farm compiles specs' default tiles): fp8 S (kWsFp8Qk: K read raw by e4m3 x fp8 MMAs) with e4m3 and
@@ -151,8 +153,8 @@ def test_ws_opt_in_tiles_compile(dtype, kv, tiles, define):
     only when no row of the warp grew; 3: exponentials against the maxima as they stand, checked by the
     rows' sums, with a way back that makes S again from the cache; the default is 2 from d128 on, 0 at d64),
     the producer feeding the consumers their work items and Q rows (kWsQFeed; 2: two Q tiles and each
-    item's first S issued with the last P V of the item before), and O stored through shared memory by
-    bulk copies (kWsOBulk)."""
+    item's first S issued with the last P V of the item before), O stored through shared memory by
+    bulk copies (kWsOBulk), and clusters of two CTAs sharing each K/V step by TMA multicast (kWsPair)."""
     from pagedattn.ops import attention as attention_ops
 
     with attention_ops.forced(tiles={"prefill_ws": tiles}):  # the tiles are read as it renders
@@ -1368,6 +1370,45 @@ def test_ws_opt_in_plans():
     with attention_ops.forced(tiles={"prefill_ws": {"kWsQFeed": True, "kWsOBulk": True}}):
         source = Kernel(AttnFwdSpec("bf16", "auto", 256, "prefill_ws")).source
     assert "#define PAGEDATTN_WS_Q_FEED 1" in source and "static constexpr int kWsO = 0;" in source
+
+
+@pytest.mark.parametrize("dtype,kv,tiles,pair", [
+    ("bf16", "auto", {"kWsPair": True}, True),
+    ("bf16", "auto", {"kWsPair": True, "kWsQFeed": True}, True),
+    ("bf16", "auto", {"kWsPair": True, "kWsQFeed": 2}, False),   # chained items: one by one only
+    ("bf16", "fp8_e4m3", {"kWsPair": True}, False),              # fp8's producer widens its own copies
+    ("bf16", "auto", {}, False),
+])
+def test_ws_pair_renders_where_it_runs(dtype, kv, tiles, pair):
+    """kWsPair (clusters of two CTAs, K/V multicast) is rendered, cluster shape and all, only where the
+    kernel runs it (tiles.ws_pair: 16-bit caches, items one by one), and the launch pads for it exactly
+    then (AttnFwdSpec.pair)."""
+    from pagedattn.ops import attention as attention_ops
+
+    with attention_ops.forced(tiles={"prefill_ws": tiles}):
+        spec = AttnFwdSpec(dtype, kv, 128, "prefill_ws")
+        source = Kernel(spec).source
+        assert spec.pair is pair
+    assert ("#define PAGEDATTN_WS_PAIR 1" in source) is pair
+    assert ("__cluster_dims__(2, 1, 1)" in source) is pair
+
+
+def test_ws_pair_protocol_model():
+    """The K/V ring of prefill_ws in clusters of two CTAs (tests/tools/ws_pair_model.py: each producer's
+    half of a step multicast into both CTAs' slots, full barriers counting both halves' bytes, slots handed
+    back to both producers, CTAs with no tile of their own passing the steps, the cluster barrier at the
+    end) under random interleavings: no deadlock, no copy into a slot being read, no bytes counted in the
+    wrong phase, nothing reaching a CTA that left; and each of three broken rules is caught."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent / "tools" / "ws_pair_model.py"
+    spec = importlib.util.spec_from_file_location("ws_pair_model", path)
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    model.main(cases=400, seed=1)
+    for fault in ("own_empty", "pass_early", "no_exit_sync"):
+        assert model.caught(fault), fault
 
 
 def test_ws_feed_protocol_model():

@@ -524,3 +524,46 @@ def test_forced_dispatch_holds_inside_its_block_only():
     assert variants() == []
     pagedattn.flash_attn_varlen_func(**kw)
     assert [s.mode for s in variants()] == ["multi_tma"]
+
+
+@pytest.mark.parametrize("clusters", [None, 30])
+def test_ws_pair_launch_pairs_row_tiles_and_whole_clusters(clusters, monkeypatch):
+    """prefill_ws with kWsPair runs in clusters of two CTAs that take work items 2 P and 2 P + 1
+    together (ws_pair_item): the launch makes the row tiles of a column even (an odd count gets an
+    empty tile more) and the persistent grid whole clusters, at most as many as fit at once
+    (Launcher.max_active_clusters; a stand-in launcher has no driver to ask: SMs / 2)."""
+    monkeypatch.setattr(_RecordingKernel, "launcher", _with_clusters(_RecordingKernel.launcher, clusters))
+    gen = torch.Generator().manual_seed(7)
+    kc, vc = CacheSpec(64, 16, 2, 128, torch.bfloat16).allocate("cpu", fill=0.0)
+
+    def launch(tiles, q_len, batch):
+        q = torch.randn(q_len * batch, 4, 128, generator=gen).to(torch.bfloat16)
+        k_len = min(q_len, 256)  # the table's capacity
+        kw = dict(q=q, k=kc, v=vc, max_seqlen_q=q_len, max_seqlen_k=k_len, causal=True, num_splits=1,
+                  cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32) * q_len,
+                  seqused_k=torch.full((batch,), k_len, dtype=torch.int32),
+                  block_table=torch.randperm(64, generator=gen)[:batch * 16].view(batch, 16).int())
+        LAUNCHES.clear()
+        with attention.forced(prefill="prefill_ws", multi=False, tiles={"prefill_ws": tiles}):
+            pagedattn.flash_attn_varlen_func(**kw)
+        (dims, raw), = LAUNCHES
+        return dims[0], AttnParams.from_buffer_copy(raw).grid_tiles
+
+    # 96 queries x group 2 = 192 rows: two 128-row tiles; 160 queries: three, padded to four
+    assert launch({}, 160, 1) == (2 * 3, 3)
+    assert launch({"kWsPair": True}, 96, 1) == (2 * 2, 2)
+    assert launch({"kWsPair": True}, 160, 1) == (2 * 4, 4)
+    # 3 requests x 2 KV heads x 4 row tiles = 24 items
+    assert launch({"kWsPair": True}, 160, 3) == (24, 4)
+    # 4 requests x 2 KV heads x 16 row tiles = 128 items: as many CTAs as fit in whole clusters
+    assert launch({"kWsPair": True}, 1024, 4) == (2 * clusters if clusters else 128, 16)
+    # an fp8 cache or the chained items (kWsQFeed 2) render no pairs (tiles.ws_pair): no padding
+    assert launch({"kWsPair": True, "kWsQFeed": 2}, 160, 1) == (2 * 3, 3)
+
+
+def _with_clusters(launcher_fn, clusters):
+    def launcher(self, device):
+        lau = launcher_fn(self, device)
+        lau.max_active_clusters = lambda threads, cluster: clusters
+        return lau
+    return launcher

@@ -34,7 +34,7 @@ from .heuristics import wave_capacity, wgmma_ok  # noqa: F401
 from . import overrides
 from .overrides import FORCED_MULTI_ROWS, forced  # noqa: F401
 from .tiles import HEAD_DIMS, MODES, SM90_MODES, TMA_MODES, WGMMA_MODES, SMALL_SMEM_ARCH, SMEM_LIMIT, SMEM_PER_CTA, _tiles  # noqa: F401
-from .tiles import fp8_regs, smem_bytes, smem_limit, smem_plan, tile_config  # noqa: F401
+from .tiles import fp8_regs, smem_bytes, smem_limit, smem_plan, tile_config, ws_pair  # noqa: F401
 from .tma import TMA_L2_PROMOTION, tma_maps  # noqa: F401
 from .validate import _INT32_MAX, _NO_FEATURES, _UNSUPPORTED_OK, _batch, _Call, _check_aligned  # noqa: F401
 from .validate import _check_strides, _count_arg, _descale_strides, _given, _head_vector  # noqa: F401
@@ -148,9 +148,15 @@ class AttnFwdSpec(KernelSpec):
         tiles = dict(self.tiles)
         # never promise more resident CTAs than shared memory allows: the register cap would be wasted
         tiles["kMinBlocks"] = max(1, min(tiles["kMinBlocks"], self.smem_limit // self.dynamic_smem()))
+        tiles["kWsPair"] = self.pair  # rendered only where the kernel can run it
         return {"Element": CUTLASS_TYPE[self.dtype], "kFp8": FP8_FORMAT[self.kv_cache_dtype],
                 "kHeadDim": self.head_dim, "smem_plan": self.smem_plan(), "max_splits": MAX_SPLITS, **tiles,
                 **{f: getattr(self, f) for f in FEATURES}}
+
+    @property
+    def pair(self) -> bool:
+        """prefill_ws in clusters of two CTAs with K/V multicast (tiles.ws_pair)."""
+        return ws_pair(self.tiles, self.head_dim, self.kv_cache_dtype != "auto")
 
     def check(self) -> None:
         if self.mode in TMA_MODES and self.kv_cache_dtype == "auto" and self.head_dim % 64:
@@ -238,14 +244,18 @@ def _sig(t):
 
 class _Variant:
     """A variant of a plan with what every launch reads from its spec, looked up once."""
-    __slots__ = ("spec", "launcher", "mode", "block_m", "threads", "stage_keys", "capacity", "head_dim")
+    __slots__ = ("spec", "launcher", "mode", "block_m", "threads", "stage_keys", "capacity", "head_dim", "pair")
 
     def __init__(self, spec: AttnFwdSpec, launcher, device: int):
         self.spec, self.launcher, self.mode, self.head_dim = spec, launcher, spec.mode, spec.head_dim
+        self.pair = spec.mode == "prefill_ws" and spec.pair
         self.block_m = spec.tiles["kBlockM"]
         self.threads = (spec.threads, 1, 1)
         self.stage_keys = stage_keys(spec)
         self.capacity = split_capacity(spec, device)
+        if self.pair:  # whole clusters of two, as many as fit at once (the persistent grid waits for none)
+            clusters = launcher.max_active_clusters(spec.threads, 2)
+            self.capacity = min(self.capacity // 2, clusters or self.capacity) * 2
 
 
 class _Plan:
@@ -368,6 +378,8 @@ class _Launch(Prepared):
         variant = plan.kernel(plan.mode_for(rows), flags)
         m_blocks = -(-min(rows, total_q * group) // variant.block_m)
         m_blocks = min(max(1, m_blocks), MAX_GRID_Y)
+        if variant.pair:  # pairs of row tiles in one column (ws_pair_item); MAX_GRID_Y is odd
+            m_blocks = m_blocks + 1 if m_blocks % 2 and m_blocks < MAX_GRID_Y else m_blocks - m_blocks % 2
         # splits divide the keys a tile can see: with a left window edge, at most the window and the rows.
         # The split plan depends on shapes and max_seqlen_k only (never on seqused_k's values): a CUDA
         # graph captured with it stays right for any lengths up to max_seqlen_k.
@@ -393,6 +405,8 @@ class _Launch(Prepared):
                 raise ContractError(f"flash_attn_varlen_func: {self.ctas * splits} work items (row tiles x KV heads "
                                     f"x requests x splits) are more than one launch takes; split the batch")
             grid = (min(self.ctas * splits, variant.capacity), 1, 1)
+            if variant.pair:  # whole clusters of two (capacity is even)
+                grid = (min(self.ctas * splits + self.ctas * splits % 2, variant.capacity), 1, 1)
         else:
             grid = (plan.tiles_per_row, m_blocks, splits)
         super().__init__(variant.launcher, grid, variant.threads, _ADDRESSES, tail)

@@ -187,6 +187,15 @@ def fp8_regs(head_dim: int, tma: bool) -> bool:
     return tma and head_dim % 128 == 0
 
 
+def ws_pair(cfg: dict, head_dim: int, fp8: bool) -> bool:
+    """Whether a tile runs prefill_ws in clusters of two CTAs with K/V multicast (tile field kWsPair,
+    opt-in; AttnTraits::kPair): 16-bit caches, items one by one (not kWsQFeed 2's chain). The launch
+    then pads the row tiles to an even count and the persistent grid to an even size, so that work
+    items 2 P and 2 P + 1 are two row tiles of one column (ws_pair_item)."""
+    chain = cfg.get("kWsQFeed") == 2 and not fp8 and head_dim <= 128
+    return bool(cfg.get("kTma") and cfg.get("kWgmma") and cfg.get("kWsPair")) and not fp8 and not chain
+
+
 WS_WORK_BYTES = 56  # sizeof(AttnWork): prefill_ws keeps four of them (two per consumer warpgroup)
 
 

@@ -52,6 +52,11 @@
 #define PAGEDATTN_WS_O_BULK 0
 #endif
 
+// prefill_ws: K/V multicast to the two CTAs of a cluster (AttnTraits::kPair)
+#ifndef PAGEDATTN_WS_PAIR
+#define PAGEDATTN_WS_PAIR 0
+#endif
+
 namespace pagedattn {
 
 template <class Element_, Fp8Format kFp8_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsM_,
@@ -116,6 +121,13 @@ struct AttnTraits {
   // rings (fp8's raw stages, head dims above 128)
   static constexpr bool kOBulk = kWs && PAGEDATTN_WS_O_BULK && !kIsFp8 && kHeadDim <= 128;
   static constexpr int kOPitch = kHeadDim * 2 + 16;
+  // kWs with 16-bit caches, items one by one (PAGEDATTN_WS_PAIR, tile field kWsPair; opt-in, the host
+  // renders it only there: tiles.ws_pair): the kernel runs in clusters of two CTAs, which take work
+  // items 2 P and 2 P + 1 (two row tiles of one column) together and walk the same K/V steps, each
+  // producer loading half of every step's boxes into both CTAs' rings (TMA multicast): half the L2
+  // reads and the boxes per CTA (ws_produce, ws_pair_item)
+  static constexpr bool kPair = kWs && PAGEDATTN_WS_PAIR;
+  static_assert(!kPair || (!kIsFp8 && !kChain), "kWsPair: 16-bit caches, items one by one");
   static constexpr int kRingSlots = kKSlots > kStages ? kKSlots : kStages;  // mbarriers per ring kind
   // kWs with softcap (a tanh per score on the SFU too): column groups of 8 keys, of kBlockN / 8, whose
   // 2^x the consumers compute on the FMA pipe instead (OnlineSoftmax::exponentiate)

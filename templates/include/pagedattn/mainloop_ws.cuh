@@ -340,7 +340,7 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
   };
   auto release_slot = [&](uint64_t* empty) {  // this warp is done with a slot
     __syncwarp();
-    if (c.tidx % 32 == 0) mbarrier_arrive(empty);
+    if (c.tidx % 32 == 0) ws_hand_back<Traits>(empty);
   };
   auto release_k = [&](int it) { release_slot(bars.empty_k + ring.slot<kKSlots>(it)); };
   auto release_v = [&](int it) { release_slot(bars.empty_v + ring.slot<kStages>(it)); };
@@ -492,6 +492,25 @@ __device__ __forceinline__ void ws_rows_past_grid(AttnParams const& p, int total
   }
 }
 
+// Traits::kPair, an item of the other CTA's alone (ws_idle): its n_steps steps' slots, from ring step
+// ring.ring on, each handed back to both CTAs' producers once it landed (before then the producers
+// may not refill it: the next copies' bytes would count in this phase). By every consumer thread.
+template <class Traits>
+__device__ __forceinline__ void ws_pass_steps(AttnSmem<Traits> const& sm, WsRing const ring, int n_steps) {
+  WsBarriers const bars(sm);
+  for (int it = 0; it < n_steps; ++it) {
+    int const slot = ring.slot<Traits::kStages>(it);
+    uint32_t const phase = ring.phase<Traits::kStages>(it);
+    mbarrier_wait(bars.full_k + slot, phase);
+    mbarrier_wait(bars.full_v + slot, phase);
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) {
+      ws_hand_back<Traits>(bars.empty_k + slot);
+      ws_hand_back<Traits>(bars.empty_v + slot);
+    }
+  }
+}
+
 // A consumer warpgroup's items, found by itself: the items blockIdx.x, blockIdx.x + gridDim.x, ... that
 // have a tile, each found (and its Q rows copied) by the warpgroup once the last S of the one before is
 // done. Its items alternate between its two work slots in shared memory (written by its first thread,
@@ -502,18 +521,36 @@ __device__ __forceinline__ void ws_consume_found(AttnParams const& p, AttnSmem<T
                                                  WsPingPong<Traits::kPingPong> const& pp, int wg, int total) {
   bool const leader = threadIdx.x % 128 == 0;
   WsRing ring{0};
-  int item = blockIdx.x;  // the next item to look at
+  int item = ws_first<Traits>();  // the next item (kPair: pair) to look at
   int parity = 0;
+  int pass = -1;  // kPair: the next item's steps where it is the other CTA's alone (ws_idle), else -1
   bool more;
+  // the next item (found by every thread), into work slot `slot`: its Q rows on their way
+  auto take = [&](AttnWork const& next, int slot) {
+    if constexpr (Traits::kPair) {
+      pass = ws_idle(next) ? next.step_end - next.step_begin : -1;
+      if (pass >= 0) return;
+    }
+    ws_load_q<Traits>(p, next, sm.base, wg);
+    if (leader) *sm.ws_work(wg, slot) = next;
+  };
   {
     AttnWork first;
     more = ws_next_item<Traits, Features>(p, total, item, first);
-    if (more) {
-      ws_load_q<Traits>(p, first, sm.base, wg);
-      if (leader) *sm.ws_work(wg, 0) = first;
-    }
+    if (more) take(first, 0);
   }
   while (more) {
+    if constexpr (Traits::kPair) {
+      if (pass >= 0) {
+        ws_pass_steps<Traits>(sm, ring, pass);
+        ring.ring += uint32_t(pass);
+        AttnWork next;
+        more = ws_next_item<Traits, Features>(p, total, item, next);
+        if (more) take(next, parity ^ 1);
+        parity ^= 1;
+        continue;
+      }
+    }
     float const q_unscale = ws_q_ready(sm, wg);
     AttnWork const& w = *sm.ws_work(wg, parity);
     more = false;
@@ -523,10 +560,7 @@ __device__ __forceinline__ void ws_consume_found(AttnParams const& p, AttnSmem<T
       ws_consume<Traits, Features>(c, ring, pp, q_unscale, [&] {
         AttnWork next;
         more = ws_next_item<Traits, Features>(p, total, item, next);
-        if (more) {
-          ws_load_q<Traits>(p, next, sm.base, wg);
-          if (leader) *sm.ws_work(wg, parity ^ 1) = next;
-        }
+        if (more) take(next, parity ^ 1);
       }, one_by_one);
     }
     ring.ring += uint32_t(w.step_end - w.step_begin);
@@ -553,15 +587,25 @@ __device__ __forceinline__ void ws_consume_fed(AttnParams const& p, AttnSmem<Tra
     mbarrier_wait(sm.ws_q_full(wg, t), (n / uint32_t(Traits::kQTiles)) & 1u);
     AttnWork const& w = *sm.ws_work(wg, int(n % uint32_t(Traits::kWorkSlots)));
     if (w.b < 0) return;
+    auto const hand_q_back = [&] {  // the tile's rows (and the work slot) to the producer again
+      __syncwarp();
+      if (threadIdx.x % 32 == 0) mbarrier_arrive(sm.ws_q_empty(wg, t));
+    };
+    if constexpr (Traits::kPair) {
+      if (ws_idle(w)) {  // the other CTA's item alone: its steps pass through
+        int const n_steps = w.step_end - w.step_begin;
+        hand_q_back();
+        ws_pass_steps<Traits>(sm, ring, n_steps);
+        ring.ring += uint32_t(n_steps);
+        continue;
+      }
+    }
     AttnSmem<Traits> const item_sm{sm.base, t};
     float const q_unscale = ws_q_ready(item_sm, wg);
     if constexpr (Traits::kChain) chain.n = n;
     {
       TileCtx<Traits> const c(p, w, sm.base, t);
-      ws_consume<Traits, Features>(c, ring, pp, q_unscale, [&] {
-        __syncwarp();
-        if (threadIdx.x % 32 == 0) mbarrier_arrive(sm.ws_q_empty(wg, t));
-      }, chain);
+      ws_consume<Traits, Features>(c, ring, pp, q_unscale, hand_q_back, chain);
     }
     ring.ring += uint32_t(w.step_end - w.step_begin);
   }
@@ -577,8 +621,9 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
     for (int s = 0; s < Traits::kRingSlots; ++s) {
       mbarrier_init(bars.full_k + s, kWsProducerWarps);
       mbarrier_init(bars.full_v + s, kWsProducerWarps);
-      mbarrier_init(bars.empty_k + s, Traits::kThreads / 32);
-      mbarrier_init(bars.empty_v + s, Traits::kThreads / 32);
+      // every consumer warp's hand-back; kPair: both CTAs' (ws_hand_back)
+      mbarrier_init(bars.empty_k + s, (Traits::kPair ? 2 : 1) * Traits::kThreads / 32);
+      mbarrier_init(bars.empty_v + s, (Traits::kPair ? 2 : 1) * Traits::kThreads / 32);
     }
     if constexpr (Traits::kIsFp8) {
       for (int i = 0; i < 2 * kWsProducerWarps * Traits::Smem::kRawStages; ++i) {
@@ -595,18 +640,20 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
     }
     mbarrier_init_fence();
   }
-  int const total = p.num_seqs * p.num_kv_heads * p.grid_tiles * p.num_splits;
+  int const total = ws_items(p);
   ws_rows_past_grid<Traits, Features>(p, total);  // its __syncthreads_or also publishes the barriers' init
+  // kPair: ... and this to the other CTA, before its first multicast or hand-back reaches them
+  if constexpr (Traits::kPair) cluster_sync();
   if (int(threadIdx.x) >= Traits::kThreads) {  // the producer warpgroup
     regs_decrease<Regs::kProducerRegs>();
     static_assert(Traits::kProducerThreads == 32 * kWsProducerWarps, "the producer warpgroup's warps");
     WsRing ring{0};
-    int item = blockIdx.x;
+    int item = ws_first<Traits>();
     AttnWork w;
     uint32_t n = 0;  // the CTA's items so far
     while (ws_next_item<Traits, Features>(p, total, item, w)) {
       TileCtx<Traits> const c(p, w, smem);
-      int const found = item - int(gridDim.x);  // ws_next_item steps past it
+      int const found = item - ws_stride<Traits>();  // ws_next_item steps past it
       auto const feed = [&] {  // kQFeed: the item and its Q rows to the consumers
         if constexpr (Traits::kQFeed) ws_feed_q<Traits, Features>(p, found, sm, n, false);
       };
@@ -622,6 +669,7 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
     // stay until the consumers are done (named barrier 4): the CTA's warps leave together, so that
     // compute-sanitizer sees the consumers' named barriers (tile_sync, ping-pong) with every warp resident
     asm volatile("bar.sync 4, %0;\n" ::"n"(Traits::kCtaThreads) : "memory");
+    if constexpr (Traits::kPair) cluster_sync();  // see the consumers' end
     return;
   }
   regs_increase<Regs::kConsumerRegs>();
@@ -636,6 +684,9 @@ __device__ __forceinline__ void attn_fwd_ws(AttnParams const& p, char* smem) {
   if constexpr (Traits::kOBulk) bulk_wait_read();  // O's last copies out of shared memory before it goes
   pp.finish();
   asm volatile("bar.arrive 4, %0;\n" ::"n"(Traits::kCtaThreads) : "memory");
+  // kPair: neither CTA leaves while the other may still hand slots back to it or copy into it (every
+  // step's copies landed in both before either's consumers passed it)
+  if constexpr (Traits::kPair) cluster_sync();
 }
 
 }  // namespace pagedattn

@@ -93,8 +93,40 @@ __device__ __forceinline__ GridSlot ws_slot(AttnParams const& p, int item) {
   return {column, p.grid_tiles - 1 - t, split, t, rem};
 }
 
+// Split w.split's share of the stages [step_lo, step_hi) into w.step_begin, w.step_end.
+__device__ __forceinline__ void split_steps(AttnParams const& p, AttnWork& w, int step_lo, int step_hi) {
+  int const steps = step_hi - step_lo;
+  int const per_split = (steps + p.num_splits - 1) / p.num_splits;
+  w.step_begin = step_lo + cute::min(steps, w.split * per_split);
+  w.step_end = step_lo + cute::min(steps, w.split * per_split + per_split);
+}
+
+// Row tile `tile` of w's request (w.q_len, w.k_len): its first row (w.row0, set either way), the keys
+// its rows may see (mask_from, mask_below) and every split's stages in [step_begin, step_end); false
+// where the request has no such tile.
 template <class Traits, class Features>
-__device__ __forceinline__ bool schedule(AttnParams const& p, GridSlot const& slot, AttnWork& w) {
+__device__ __forceinline__ bool tile_keys(AttnParams const& p, int tile, AttnWork& w) {
+  int const rows = w.q_len * p.group;
+  w.row0 = tile * Traits::kBlockM;
+  if (w.row0 >= rows) return false;
+  int const i_min = w.row0 / p.group;
+  int const i_max = (cute::min(rows, w.row0 + Traits::kBlockM) - 1) / p.group;
+  // Windows and causal limits move right with the query: the tile's first row sees the least on the
+  // right, its last row the least on the left.
+  KeyRange const first = visible_keys<Features>(p, w.q_len, w.k_len, i_min);
+  KeyRange const last = visible_keys<Features>(p, w.q_len, w.k_len, i_max);
+  w.mask_from = first.end;
+  w.mask_below = last.begin;
+  int const keys_begin = first.begin, keys_end = last.end;
+  w.step_begin = keys_begin / Traits::kStageKeys;
+  w.step_end = keys_end > keys_begin ? (keys_end + Traits::kStageKeys - 1) / Traits::kStageKeys : w.step_begin;
+  return true;
+}
+
+// The work item of a grid slot, with every split's stages (the tile's whole key range) in
+// [step_begin, step_end); false where the slot has no tile (its request's fields are set anyway).
+template <class Traits, class Features>
+__device__ __forceinline__ bool schedule_tile(AttnParams const& p, GridSlot const& slot, AttnWork& w) {
   int const tile = slot.row_tile;
   w.b = slot.column / p.num_kv_heads;
   w.kv_head = slot.column - w.b * p.num_kv_heads;
@@ -114,24 +146,15 @@ __device__ __forceinline__ bool schedule(AttnParams const& p, GridSlot const& sl
   }
   w.k_len = k_len > 0 ? k_len : 0;
   // the request's fields above are set even for a CTA with no tile (attn_fwd's rows past the grid)
-  int const rows = w.q_len * p.group;
-  w.row0 = tile * Traits::kBlockM;
-  if (w.row0 >= rows) return false;
-  int const i_min = w.row0 / p.group;
-  int const i_max = (cute::min(rows, w.row0 + Traits::kBlockM) - 1) / p.group;
-  // Windows and causal limits move right with the query: the tile's first row sees the least on the
-  // right, its last row the least on the left.
-  KeyRange const first = visible_keys<Features>(p, w.q_len, w.k_len, i_min);
-  KeyRange const last = visible_keys<Features>(p, w.q_len, w.k_len, i_max);
-  w.mask_from = first.end;
-  w.mask_below = last.begin;
-  int const keys_begin = first.begin, keys_end = last.end;
-  int const step_lo = keys_begin / Traits::kStageKeys;
-  int const step_hi = keys_end > keys_begin ? (keys_end + Traits::kStageKeys - 1) / Traits::kStageKeys : step_lo;
-  int const steps = step_hi - step_lo;
-  int const per_split = (steps + p.num_splits - 1) / p.num_splits;
-  w.step_begin = step_lo + cute::min(steps, w.split * per_split);
-  w.step_end = step_lo + cute::min(steps, w.split * per_split + per_split);
+  return tile_keys<Traits, Features>(p, tile, w);
+}
+
+// The work item of a grid slot, its split's stages in [step_begin, step_end); false where the slot
+// has no tile (its request's fields are set anyway).
+template <class Traits, class Features>
+__device__ __forceinline__ bool schedule(AttnParams const& p, GridSlot const& slot, AttnWork& w) {
+  if (!schedule_tile<Traits, Features>(p, slot, w)) return false;
+  split_steps(p, w, w.step_begin, w.step_end);
   return true;
 }
 

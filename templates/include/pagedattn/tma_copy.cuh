@@ -49,6 +49,49 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase) {
 #endif
 }
 
+// Clusters of two CTAs (prefill_ws with kWsPair): this CTA's rank in its cluster.
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t rank = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+#endif
+  return rank;
+}
+
+// Every thread of every CTA of the cluster: what each did before (mbarrier inits, remote arrivals)
+// is visible to all after.
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+// One arrival on the mbarrier at bar's offset in the shared memory of the cluster's CTA `rank` (this
+// one included), released to the cluster: a consumer handing a slot back to both CTAs' producers.
+__device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(cute::cast_smem_ptr_to_uint(bar)), "r"(rank) : "memory");
+#endif
+}
+
+// mbarrier_wait for a phase that the cluster's other CTA takes part in (acquire at cluster scope).
+__device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, uint32_t phase) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n"
+      "}\n" ::"r"(cute::cast_smem_ptr_to_uint(bar)), "r"(phase) : "memory");
+#endif
+}
+
 // Orders this thread's earlier generic-proxy writes to shared memory before later async-proxy
 // (TMA) accesses of the same bytes.
 __device__ __forceinline__ void fence_proxy_async_smem() {
@@ -75,6 +118,19 @@ __device__ __forceinline__ void tma_load_4d(void* smem, void const* tensor_map, 
       " [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
       ::"r"(cute::cast_smem_ptr_to_uint(smem)), "l"(reinterpret_cast<uint64_t>(tensor_map)),
         "r"(cute::cast_smem_ptr_to_uint(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+#endif
+}
+
+// tma_load_4d into the same offset of the shared memory of every CTA of the cluster in cta_mask (bit r:
+// rank r), each copy's bytes counted on the mbarrier at bar's offset in that CTA.
+__device__ __forceinline__ void tma_load_4d_multicast(void* smem, void const* tensor_map, int c0, int c1, int c2,
+                                                      int c3, uint64_t* bar, uint16_t cta_mask) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2], %7;\n"
+      ::"r"(cute::cast_smem_ptr_to_uint(smem)), "l"(reinterpret_cast<uint64_t>(tensor_map)),
+        "r"(cute::cast_smem_ptr_to_uint(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "h"(cta_mask) : "memory");
 #endif
 }
 

@@ -6,6 +6,7 @@
 #include "pagedattn/nvrtc_compat.cuh"
 #include "pagedattn/attn_smem.cuh"
 #include "pagedattn/tile_scheduler.cuh"
+#include "pagedattn/tma_copy.cuh"
 
 namespace pagedattn {
 
@@ -103,13 +104,86 @@ struct WsPingPong {
   }
 };
 
-// The next work item from `item` on (stepping gridDim.x) that has a tile: into w, item past it.
+// Traits::kPair: the CTA's turn to hand a ring slot back, on its own and (kPair) the cluster's other
+// CTA's empty barrier: a slot is refilled in both CTAs at once, so both producers wait for both CTAs'
+// consumers. By one lane of the warp.
+template <class Traits>
+__device__ __forceinline__ void ws_hand_back(uint64_t* empty) {
+  if constexpr (Traits::kPair) {
+    mbarrier_arrive_cluster(empty, 0);
+    mbarrier_arrive_cluster(empty, 1);
+  } else {
+    mbarrier_arrive(empty);
+  }
+}
+
+// Work items of the persistent grid: kWs walks items blockIdx.x, blockIdx.x + gridDim.x, ...; with
+// Traits::kPair it walks pairs instead (ws_pair_item), its cluster's: blockIdx.x / 2, + gridDim.x / 2, ...
+__device__ __forceinline__ int ws_items(AttnParams const& p) {
+  return p.num_seqs * p.num_kv_heads * p.grid_tiles * p.num_splits;
+}
+template <class Traits>
+__device__ __forceinline__ int ws_first() {
+  return int(Traits::kPair ? blockIdx.x / 2 : blockIdx.x);
+}
+template <class Traits>
+__device__ __forceinline__ int ws_stride() {
+  return int(Traits::kPair ? gridDim.x / 2 : gridDim.x);
+}
+
+// Traits::kPair: a CTA with no tile of its own in a pair walks its steps all the same (ws_pair_item);
+// its work item is the other CTA's with row0 = -1.
+__device__ __forceinline__ bool ws_idle(AttnWork const& w) { return w.row0 < 0; }
+
+// Traits::kPair: this CTA's work in pair `pair`, items 2 pair and 2 pair + 1 of the logical grid: row
+// tiles 2 m + 1 and 2 m of one column and split (the host makes p.grid_tiles even), the CTA of
+// cluster rank r taking item 2 pair + r. Both CTAs walk the same steps, their split's share of every
+// key either tile sees; a step outside its own tile's keys is wholly masked for a CTA (AttnMask: past
+// mask_from, or before mask_below), so it adds nothing to its rows. A CTA whose item has no tile while
+// the other's has walks the other's steps idle (ws_idle), loading its half of every step. False where
+// neither has a tile.
 template <class Traits, class Features>
-__device__ __forceinline__ bool ws_next_item(AttnParams const& p, int total, int& item, AttnWork& w) {
-  while (item < total) {
-    bool const has_tile = schedule<Traits, Features>(p, ws_slot(p, item), w);
-    item += gridDim.x;
-    if (has_tile) return true;
+__device__ __forceinline__ bool ws_pair_item(AttnParams const& p, int total, int pair, AttnWork& w) {
+  int const mine = 2 * pair + int(blockIdx.x % 2);
+  bool const exists = mine < total;  // else the pair is the grid's last item alone, the other CTA's
+  GridSlot const slot = ws_slot(p, exists ? mine : mine ^ 1);
+  bool const has_tile = schedule_tile<Traits, Features>(p, slot, w);  // the request's fields either way
+  bool const has_mine = exists && has_tile;
+  int lo = w.step_begin, hi = w.step_end;
+  if (exists && (mine ^ 1) < total) {  // the other tile of the column: its keys, with w's request
+    AttnWork other = w;
+    if (tile_keys<Traits, Features>(p, slot.row_tile ^ 1, other)) {
+      lo = has_mine ? cute::min(lo, other.step_begin) : other.step_begin;
+      hi = has_mine ? cute::max(hi, other.step_end) : other.step_end;
+    } else if (!has_mine) {
+      return false;
+    }
+  } else if (!has_tile) {
+    return false;
+  }
+  if (!has_mine) w.row0 = -1;
+  split_steps(p, w, lo, hi);
+  return true;
+}
+
+// The work of item (kPair: pair) `at` for this CTA; false where it has none.
+template <class Traits, class Features>
+__device__ __forceinline__ bool ws_work_at(AttnParams const& p, int total, int at, AttnWork& w) {
+  if constexpr (Traits::kPair) {
+    return ws_pair_item<Traits, Features>(p, total, at, w);
+  } else {
+    return schedule<Traits, Features>(p, ws_slot(p, at), w);
+  }
+}
+
+// The next work of this CTA from item (kPair: pair) `at` on, stepping ws_stride(): into w, `at` past it.
+template <class Traits, class Features>
+__device__ __forceinline__ bool ws_next_item(AttnParams const& p, int total, int& at, AttnWork& w) {
+  int const per = Traits::kPair ? 2 : 1;  // items per step of the walk
+  while (at < (total + per - 1) / per) {
+    bool const has_work = ws_work_at<Traits, Features>(p, total, at, w);
+    at += ws_stride<Traits>();
+    if (has_work) return true;
   }
   return false;
 }

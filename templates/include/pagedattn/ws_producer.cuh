@@ -77,9 +77,12 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
   constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
   constexpr int kBoxCols = 64, kPerWarp = WsProducerLane<Traits>::kPerWarp;
   constexpr int kChunkBytes = 16 * kHeadDim * 2;  // K (or V) bytes of one chunk
+  constexpr int kCols = kHeadDim / kBoxCols;  // boxes per chunk
   WsBarriers const bars(c.smem);  // from the shared window's base: constants, not registers held per item
   WsProducerLane<Traits> const my(c);
   int const lane = my.lane, first_chunk = my.first_chunk, q = my.q;
+  // kPair: this CTA's boxes of a step, the half with (chunk * kCols + column) % 2 == its cluster rank
+  int const rank = Traits::kPair ? int(cluster_rank()) : 0;
   int phys_next = my.chunk_page(0);
   if (my.n_steps == 0) feed();
   for (int it = 0; it < my.n_steps; ++it) {
@@ -93,7 +96,11 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
     int const c1 = k.c1, c2 = k.c2;
     // one tile (K or V) of the step into its slot
     auto load = [&](char* dst, void const* map, uint64_t* full, uint64_t* empty) {
-      mbarrier_wait(empty + slot, free_phase);
+      if constexpr (Traits::kPair) {
+        mbarrier_wait_cluster(empty + slot, free_phase);  // both CTAs' consumers handed it back
+      } else {
+        mbarrier_wait(empty + slot, free_phase);
+      }
       if (bad) {  // rare: zero the warp's chunks of corrupt pages, all lanes together, before it arrives
         for (int l = 0; l < kPerWarp; ++l) {
           if (!(bad >> l & 1u)) continue;
@@ -111,9 +118,15 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
       __syncwarp();
       if (valid) {
         CUTE_UNROLL
-        for (int col = 0; col < kHeadDim / kBoxCols; ++col) {
-          tma_load_4d(dst + (col * kBlockN + 16 * q) * kBoxCols * 2, map, col * kBoxCols, c1, c2, phys,
-                      full + slot);
+        for (int col = 0; col < kCols; ++col) {
+          char* const at = dst + (col * kBlockN + 16 * q) * kBoxCols * 2;
+          if constexpr (Traits::kPair) {  // into both CTAs' slots, counted on both full barriers
+            if ((q * kCols + col) % 2 == rank) {
+              tma_load_4d_multicast(at, map, col * kBoxCols, c1, c2, phys, full + slot, uint16_t(0b11));
+            }
+          } else {
+            tma_load_4d(at, map, col * kBoxCols, c1, c2, phys, full + slot);
+          }
         }
       }
     };
@@ -374,8 +387,8 @@ struct WsQFeedRows {
   }
 };
 
-// Traits::kQFeed: the producer hands item number n of this CTA, work item `item` of the grid (or, done,
-// the end: a work item with b = -1), to the consumers, by every producer thread. For each consumer
+// Traits::kQFeed: the producer hands item number n of this CTA, work item (kPair: pair) `item` of the
+// grid (or, done, the end: a work item with b = -1), to the consumers, by every producer thread. For each consumer
 // warpgroup, once its last S of the item before in Q tile n % kQTiles is done (the tile's empty
 // mbarrier): the work item into the warpgroup's slot n % kWorkSlots (ws_work), published by the first
 // thread's arrival on the tile's full mbarrier, and its 64 Q rows by cp.async (WsQFeedRows), each
@@ -408,7 +421,11 @@ __device__ __forceinline__ void ws_feed_q(AttnParams const& p, int item, AttnSme
     return;
   }
   AttnWork w;
-  schedule<Traits, Features>(p, ws_slot(p, item), w);
+  ws_work_at<Traits, Features>(p, ws_items(p), item, w);
+  if (Traits::kPair && ws_idle(w)) {  // no tile of this CTA's: the item alone, for its steps
+    for (int wg = 0; wg < Traits::kThreads / 128; ++wg) hand_over(wg, [&](AttnWork* slot) { *slot = w; }, [] {});
+    return;
+  }
   for (int wg = 0; wg < Traits::kThreads / 128; ++wg) {
     WsQFeedRows<Traits> rows(p, w, tid, wg);
     hand_over(wg, [&](AttnWork* slot) { *slot = w; }, [&] { rows.copy(tile_sm.q()); });
