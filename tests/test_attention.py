@@ -677,6 +677,65 @@ def test_ws_o_bulk_matches_reference(c, decode_loader):
             _check_sm90a_mode(c, decode_loader, "prefill_ws", required=c["batch"] != "mixed")
 
 
+# prefill_ws in clusters of two CTAs with K/V multicast (kWsPair), alone and with the producer feed, O's
+# bulk stores and the lagging maxima (the chain is not taken with pairs)
+WS_PAIRS = ({"kWsPair": True}, {"kWsPair": True, "kWsQFeed": True, "kWsOBulk": True, "kLazyMax": 3})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", _ws_grid(48)[1::3], ids=_case_id)
+def test_ws_pair_matches_reference(c, decode_loader):
+    """The opt-in clusters of two CTAs (kWsPair: row tiles 2m + 1 and 2m of a column together, each
+    producer copying half of every K/V step into both CTAs' rings by TMA multicast) over a third of the
+    ws grid: every head dim, GQA 2 / 4 / 7 / 16, splits, mixed batches (CTAs with no tile of their own
+    passing their partner's steps)."""
+    from pagedattn.ops import attention as attention_ops
+
+    for tiles in WS_PAIRS:
+        with attention_ops.forced(tiles={"prefill_ws": tiles}):
+            _check_sm90a_mode(c, decode_loader, "prefill_ws", required=c["batch"] != "mixed")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", WS_PAIRS, ids=["pair", "pair_opt_ins"])
+@pytest.mark.parametrize("shape", ["mha", "chunked", "window", "split"])
+def test_ws_pair_steps_outside_a_tile_add_nothing(shape, tiles):
+    """A pair's CTAs walk the steps either tile sees, so a tile takes steps wholly outside its own keys
+    (masked: they must add nothing) and a CTA whose tile does not exist passes its partner's steps:
+    group 1 (tiles 2m and 2m + 1 end in different steps; 300 queries make an odd tile count), chunked
+    prefill (queries fewer than keys), a sliding window (the tiles start in different steps) and three
+    splits. Equal to the same launch without pairs: bit for bit where only steps past a tile's end are
+    added, within rounding where a window's rows start later; NaN-poisoned pages never reach the output."""
+    from pagedattn.ops import attention as attention_ops
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("prefill_ws is sm_90a-only")
+    gen = torch.Generator().manual_seed(41)
+    Hq, Hkv = (8, 8) if shape in ("mha", "split") else (16, 4)
+    lens_q = {"mha": [1000, 300, 129], "chunked": [200, 77, 512], "window": [900, 333], "split": [700, 300]}[shape]
+    lens_k = [1500, 1201, 2000] if shape == "chunked" else lens_q
+    case = build_case(lens_q, lens_k, Hq, Hkv, 128, 16, "NHD", torch.bfloat16, "auto", "tensor", gen)
+    kw = dict(max_seqlen_q=max(lens_q), cu_seqlens_q=case["cu_q"], max_seqlen_k=max(lens_k),
+              seqused_k=case["seqused"], causal=True, block_table=case["table"], return_softmax_lse=True,
+              num_splits=3 if shape == "split" else 1)
+    if shape == "window":
+        kw["window_size"] = (300, 0)
+    without = {k: v for k, v in tiles.items() if k != "kWsPair"}
+    with attention_ops.forced(prefill="prefill_ws", tiles={"prefill_ws": without}):
+        want, want_lse = flash_attn_varlen_func(case["q"], case["kc"], case["vc"], **kw)
+    with attention_ops.forced(prefill="prefill_ws", tiles={"prefill_ws": tiles}):
+        got, lse = flash_attn_varlen_func(case["q"], case["kc"], case["vc"], **kw)
+        kernels = {(m, plan._kernels[(m, f)].spec.pair) for plan in attention_ops._PLANS.values()
+                   for m, f in plan._kernels}
+    assert ("prefill_ws", True) in kernels, kernels
+    assert not got.isnan().any() and not lse.isnan().any()
+    if shape == "window":
+        assert rel_l2(got.float(), want.float()) < 2e-3
+        assert (lse - want_lse).abs().max().item() < 1e-3
+    else:
+        assert torch.equal(got, want) and torch.equal(lse, want_lse)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shift", [0, 8], ids=["first", "shifted"])
 def test_ws_o_bulk_with_out_rows_in_a_wider_buffer(shift):
@@ -707,15 +766,16 @@ def test_ws_o_bulk_with_out_rows_in_a_wider_buffer(shift):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [{}, {"kWsQFeed": True, "kLazyMax": 3}, {"kWsQFeed": 2}, WS_OPT_INS],
-                         ids=["defaults", "q_feed_lagging", "chained", "opt_ins"])
+@pytest.mark.parametrize("tiles", [{}, {"kWsQFeed": True, "kLazyMax": 3}, {"kWsQFeed": 2}, WS_OPT_INS, *WS_PAIRS],
+                         ids=["defaults", "q_feed_lagging", "chained", "opt_ins", "pair", "pair_opt_ins"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_ws_prefill_is_deterministic_and_leaves_counters_zero(splits, tiles):
     """The persistent prefill_ws over many more work items than SMs, of very different lengths (causal,
     ragged requests, one with no keys), run back to back and on a second stream: bit-identical, equal
-    to the reference, and every split counter is zero again after each launch; with the default tiles
-    and with the opt-in producer feed (its work items and Q rows handed over item after item; 2: two Q
-    tiles, items chained, an item with no keys breaking the chain)."""
+    to the reference, and every split counter is zero again after each launch; with the default tiles,
+    with the opt-in producer feed (its work items and Q rows handed over item after item; 2: two Q
+    tiles, items chained, an item with no keys breaking the chain) and in clusters of two CTAs (kWsPair:
+    pairs of row tiles walked together, CTAs with no tile passing their partner's steps)."""
     from pagedattn.ops import attention as attention_ops
     from pagedattn.ops import workspace
 

@@ -234,6 +234,20 @@ def test_features_with_ws_opt_ins(c, decode_loader):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("c", [c for c in _feature_grid(160, seed=5) if c["batch"] in ("mixed", "prefill")][28:40],
+                         ids=_fid)
+def test_features_with_ws_pairs(c, decode_loader):
+    """Every feature in prefill_ws's opt-in clusters of two CTAs (kWsPair: the pair walks the steps
+    either tile sees, so windows start a tile's walk early and the mask must hide those steps), with the
+    producer feed, O's bulk stores and the lagging exponentials."""
+    from pagedattn.ops import attention as attention_ops
+
+    with attention_ops.forced(tiles={"prefill_ws": {"kWsPair": True, "kWsQFeed": True, "kWsOBulk": True,
+                                                    "kLazyMax": 3}}):
+        _check_feature_case(c, decode_loader)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("c", [dict(c, D=512, loader=("auto", "cp_async")[i % 2])
                                for i, c in enumerate(_feature_grid(160, seed=3)[::8])], ids=_fid)
 def test_features_at_head_dim_512(c, decode_loader):

@@ -38,8 +38,10 @@ if sys.argv[1:] == ["ws"]:
         q = torch.randn(300 + 70, 8, D, dtype=torch.bfloat16, device="cuda")
         cu_q = torch.tensor([0, 300, 370], dtype=torch.int32, device="cuda")
         # at D = 128 the opt-in tiles too: the producer feeding items and Q rows (two Q tiles, chained
-        # items), O's bulk stores, the lagging maxima
-        opt_in = ({}, {"kWsQFeed": 2, "kWsOBulk": True, "kLazyMax": 3}) if D == 128 else ({},)
+        # items), O's bulk stores, the lagging maxima; clusters of two CTAs with K/V multicast (the corrupt
+        # page zero-filled in both CTAs' slots, each by its own producer)
+        opt_in = ({}, {"kWsQFeed": 2, "kWsOBulk": True, "kLazyMax": 3},
+                  {"kWsPair": True, "kWsQFeed": True, "kLazyMax": 3}) if D == 128 else ({},)
         for splits in (1, 3):
             for tiles in opt_in:
                 with forced(prefill="prefill_ws" if fp8 else None, tiles={"prefill_ws": tiles}):

@@ -162,6 +162,11 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # on the tensor cores as the last P V of the item before (ws_consume's chain). kWsOBulk (opt-in, likewise
         # unmeasured; 16-bit caches to head dim 128): O by stmatrix into a buffer per consumer warp and a 1-D
         # bulk copy per row of the request, instead of 32 4-byte stores per thread.
+        # kWsPair (opt-in, not yet run on a GPU; 16-bit caches, not with kWsQFeed 2: ws_pair): clusters of two
+        # CTAs take row tiles 2m + 1 and 2m of one column together and walk the steps either sees, each
+        # producer multicasting half of every step's boxes into both CTAs' rings: half the TMA boxes and L2
+        # reads per CTA, the lever session 30's probe priced at 3.5-5 % (perf/results/ws_pair/README.md).
+        # With the feed, no spills at d128 (ptxas); without it the consumers' two schedules spill (74).
         return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1,
                     kStages=2 if head_dim <= 128 else 3, kMinBlocks=1, kTma=True, kPingPong=True,
                     kExp2FmaSoftcap=2 if head_dim == 128 else 0, kWsQLate=head_dim == 256 or fp8,

@@ -14,6 +14,10 @@
 //              WsChain); the epilogue writes O straight from the accumulators, so no shared memory the
 //              producer or the next Q may be filling is touched (kOBulk, opt-in: through a buffer of its
 //              own per warp and bulk copies).
+// With kPair (tile field kWsPair, opt-in) the kernel runs in clusters of two CTAs that take two row
+// tiles of one column together (ws_pair_item) and walk the same steps: each producer copies half of
+// every step's boxes into both CTAs' slots (TMA multicast), and each consumer warp hands a slot back to
+// both producers (ws_hand_back).
 // K and V have rings of their own (a K slot goes back once its S is computed, a V slot once its P V
 // is), each slot with two mbarriers: `full` (every producer warp's expected bytes landed) and `empty`
 // (every consumer warp is done reading it). The rings run on across items: step n of the CTA (its

@@ -1,6 +1,7 @@
 // The warp-specialised prefill's producer warpgroup (mainloop_ws.cuh): the TMA copies of each work
-// item's K and V into the rings (16-bit caches: ws_produce; fp8 caches, widened to fp16: ws_produce_fp8),
-// and with Traits::kQFeed the hand-over of each item and its Q rows to the consumers (ws_feed_q).
+// item's K and V into the rings (16-bit caches: ws_produce, with Traits::kPair half of them multicast
+// into both CTAs of a cluster; fp8 caches, widened to fp16: ws_produce_fp8), and with Traits::kQFeed
+// the hand-over of each item and its Q rows to the consumers (ws_feed_q).
 #pragma once
 
 #include "pagedattn/nvrtc_compat.cuh"
@@ -388,14 +389,14 @@ struct WsQFeedRows {
 };
 
 // Traits::kQFeed: the producer hands item number n of this CTA, work item (kPair: pair) `item` of the
-// grid (or, done, the end: a work item with b = -1), to the consumers, by every producer thread. For each consumer
-// warpgroup, once its last S of the item before in Q tile n % kQTiles is done (the tile's empty
-// mbarrier): the work item into the warpgroup's slot n % kWorkSlots (ws_work), published by the first
-// thread's arrival on the tile's full mbarrier, and its 64 Q rows by cp.async (WsQFeedRows), each
+// grid (or, done, the end: a work item with b = -1), to the consumers, by every producer thread. For
+// each consumer warpgroup, once its last S of the item before in Q tile n % kQTiles is done (the tile's
+// empty mbarrier): the work item into the warpgroup's slot n % kWorkSlots (ws_work), published by the
+// first thread's arrival on the tile's full mbarrier, and its 64 Q rows by cp.async (WsQFeedRows), each
 // thread's copies arriving there as they land (so the full mbarrier expects kProducerThreads + 1
-// arrivals). The work item is found again here, before the
-// wait (its fields held through the producer's step loop would take registers the producer does not
-// have).
+// arrivals; an item of the other CTA's alone, kPair, has no rows). The work item is found again here,
+// before the wait (its fields held through the producer's step loop would take registers the producer
+// does not have).
 template <class Traits, class Features>
 __device__ __forceinline__ void ws_feed_q(AttnParams const& p, int item, AttnSmem<Traits> const& sm, uint32_t n,
                                           bool done) {
