@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import struct
 import threading
 
@@ -248,7 +249,8 @@ class Launcher:
     def max_active_clusters(self, threads: int, cluster: int) -> int | None:
         """Clusters of `cluster` CTAs (the kernel's compile-time cluster shape) of `threads` threads that
         fit on the device at once (cuOccupancyMaxActiveClusters; a GPU may hold fewer than SMs / cluster
-        where its SMs do not pair up); None for a stand-in launcher."""
+        where its SMs do not pair up); None for a stand-in launcher, or where the driver cannot say
+        (logged: the caller then assumes every SM pairs up)."""
         if self._driver is None:
             return None
         from cuda.bindings import driver
@@ -258,8 +260,14 @@ class Launcher:
         config.gridDimX, config.gridDimY, config.gridDimZ = cluster, 1, 1
         config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
         config.sharedMemBytes = self._smem
-        with in_context(self._device):
-            return int(check(driver.cuOccupancyMaxActiveClusters(self._handle, config), "cuOccupancyMaxActiveClusters"))
+        try:
+            with in_context(self._device):
+                return int(check(driver.cuOccupancyMaxActiveClusters(self._handle, config),
+                                 "cuOccupancyMaxActiveClusters"))
+        except Exception as exc:  # noqa: BLE001 - an older driver; the launch itself still says what is wrong
+            logging.getLogger("pagedattn").warning("cuOccupancyMaxActiveClusters failed (%s); assuming clusters "
+                                                   "of %d fill every SM", exc, cluster)
+            return None
 
     def _launch_in_own_context(self, args) -> int:
         drv = self._driver
