@@ -1471,6 +1471,22 @@ def test_ws_pair_protocol_model():
         assert model.caught(fault), fault
 
 
+def test_ws_pair_schedule_emulation():
+    """kWsPair's schedule transcribed into Python (perf/results/ws_pair/pair_schedule_emulation.py: ws_slot,
+    tile_keys, split_steps, ws_pair_item, the mask's interior test) over random batches (groups 1-16,
+    ragged and empty requests, fewer queries than keys, windows, splits, 64- and 128-key steps): a pair's
+    CTAs walk the same steps, every tile's own steps are covered once across its splits, and each step
+    added for the partner is invisible to every row of the tile and masked."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "perf" / "results" / "ws_pair" / "pair_schedule_emulation.py"
+    spec = importlib.util.spec_from_file_location("pair_schedule_emulation", path)
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    model.main(cases=500, seed=2)
+
+
 def test_ws_feed_protocol_model():
     """The hand-over protocol of prefill_ws's producer feed and chained items (tests/tools/ws_protocol_model.py:
     the K/V ring, the Q tiles' full / empty mbarriers with PTX's parity waits, the work slots, the ping-pong
