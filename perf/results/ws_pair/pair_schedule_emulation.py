@@ -1,5 +1,6 @@
 """prefill_ws's pair schedule (kWsPair) transcribed into Python and checked over random batches: ws_slot,
-schedule_tile / tile_keys / split_steps (tile_scheduler.cuh), ws_pair_item (ws_pipeline.cuh), and the mask's test for a sub-tile every row sees whole (mask.cuh, AttnMask::mask_keys).
+schedule_tile / tile_keys / split_steps (tile_scheduler.cuh), ws_pair_item (ws_pipeline.cuh), and the
+mask's test for a sub-tile every row sees whole (mask.cuh, AttnMask::mask_keys).
 
 For every pair of CTAs (items 2 P and 2 P + 1 of a grid whose row tiles the host made even) and every
 split, it checks that:
