@@ -677,9 +677,9 @@ def test_ws_o_bulk_matches_reference(c, decode_loader):
             _check_sm90a_mode(c, decode_loader, "prefill_ws", required=c["batch"] != "mixed")
 
 
-# prefill_ws in clusters of two CTAs with K/V multicast (kWsPair), alone and with the producer feed, O's
-# bulk stores and the lagging maxima (the chain is not taken with pairs)
-WS_PAIRS = ({"kWsPair": True}, {"kWsPair": True, "kWsQFeed": True, "kWsOBulk": True, "kLazyMax": 3})
+# prefill_ws in clusters of two CTAs with K/V multicast (kWsPair): alone, with the producer feed and the
+# lagging maxima, and with every other opt-in (chained items, O's bulk stores)
+WS_PAIRS = ({"kWsPair": True}, {"kWsPair": True, "kWsQFeed": True, "kLazyMax": 3}, {"kWsPair": True, **WS_OPT_INS})
 
 
 @pytest.mark.gpu
@@ -688,7 +688,7 @@ def test_ws_pair_matches_reference(c, decode_loader):
     """The opt-in clusters of two CTAs (kWsPair: row tiles 2m + 1 and 2m of a column together, each
     producer copying half of every K/V step into both CTAs' rings by TMA multicast) over a third of the
     ws grid: every head dim, GQA 2 / 4 / 7 / 16, splits, mixed batches (CTAs with no tile of their own
-    passing their partner's steps)."""
+    passing their partner's steps); alone, with the feed and with every opt-in (WS_PAIRS)."""
     from pagedattn.ops import attention as attention_ops
 
     for tiles in WS_PAIRS:
@@ -697,7 +697,7 @@ def test_ws_pair_matches_reference(c, decode_loader):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", WS_PAIRS, ids=["pair", "pair_opt_ins"])
+@pytest.mark.parametrize("tiles", WS_PAIRS, ids=["pair", "pair_q_feed_lagging", "pair_opt_ins"])
 @pytest.mark.parametrize("shape", ["mha", "chunked", "window", "split"])
 def test_ws_pair_steps_outside_a_tile_add_nothing(shape, tiles):
     """A pair's CTAs walk the steps either tile sees, so a tile takes steps wholly outside its own keys
@@ -767,7 +767,8 @@ def test_ws_o_bulk_with_out_rows_in_a_wider_buffer(shift):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiles", [{}, {"kWsQFeed": True, "kLazyMax": 3}, {"kWsQFeed": 2}, WS_OPT_INS, *WS_PAIRS],
-                         ids=["defaults", "q_feed_lagging", "chained", "opt_ins", "pair", "pair_opt_ins"])
+                         ids=["defaults", "q_feed_lagging", "chained", "opt_ins", "pair", "pair_q_feed_lagging",
+                              "pair_opt_ins"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_ws_prefill_is_deterministic_and_leaves_counters_zero(splits, tiles):
     """The persistent prefill_ws over many more work items than SMs, of very different lengths (causal,
@@ -1435,14 +1436,14 @@ def test_ws_opt_in_plans():
 @pytest.mark.parametrize("dtype,kv,tiles,pair", [
     ("bf16", "auto", {"kWsPair": True}, True),
     ("bf16", "auto", {"kWsPair": True, "kWsQFeed": True}, True),
-    ("bf16", "auto", {"kWsPair": True, "kWsQFeed": 2}, False),   # chained items: one by one only
+    ("bf16", "auto", {"kWsPair": True, "kWsQFeed": 2}, True),    # chained items too
     ("bf16", "fp8_e4m3", {"kWsPair": True}, False),              # fp8's producer widens its own copies
     ("bf16", "auto", {}, False),
 ])
 def test_ws_pair_renders_where_it_runs(dtype, kv, tiles, pair):
     """kWsPair (clusters of two CTAs, K/V multicast) is rendered, cluster shape and all, only where the
-    kernel runs it (tiles.ws_pair: 16-bit caches, items one by one), and the launch pads for it exactly
-    then (AttnFwdSpec.pair)."""
+    kernel runs it (tiles.ws_pair: 16-bit caches), and the launch pads for it exactly then
+    (AttnFwdSpec.pair)."""
     from pagedattn.ops import attention as attention_ops
 
     with attention_ops.forced(tiles={"prefill_ws": tiles}):

@@ -239,10 +239,10 @@ def test_features_with_ws_opt_ins(c, decode_loader):
 def test_features_with_ws_pairs(c, decode_loader):
     """Every feature in prefill_ws's opt-in clusters of two CTAs (kWsPair: the pair walks the steps
     either tile sees, so windows start a tile's walk early and the mask must hide those steps), with the
-    producer feed, O's bulk stores and the lagging exponentials."""
+    producer feed and chained items, O's bulk stores and the lagging exponentials."""
     from pagedattn.ops import attention as attention_ops
 
-    with attention_ops.forced(tiles={"prefill_ws": {"kWsPair": True, "kWsQFeed": True, "kWsOBulk": True,
+    with attention_ops.forced(tiles={"prefill_ws": {"kWsPair": True, "kWsQFeed": 2, "kWsOBulk": True,
                                                     "kLazyMax": 3}}):
         _check_feature_case(c, decode_loader)
 

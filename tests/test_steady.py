@@ -557,8 +557,7 @@ def test_ws_pair_launch_pairs_row_tiles_and_whole_clusters(clusters, monkeypatch
     assert launch({"kWsPair": True}, 160, 3) == (24, 4)
     # 4 requests x 2 KV heads x 16 row tiles = 128 items: as many CTAs as fit in whole clusters
     assert launch({"kWsPair": True}, 1024, 4) == (2 * clusters if clusters else 128, 16)
-    # an fp8 cache or the chained items (kWsQFeed 2) render no pairs (tiles.ws_pair): no padding
-    assert launch({"kWsPair": True, "kWsQFeed": 2}, 160, 1) == (2 * 3, 3)
+    assert launch({"kWsPair": True, "kWsQFeed": 2}, 160, 1) == (2 * 4, 4)  # with chained items too
 
 
 def _with_clusters(launcher_fn, clusters):

@@ -41,7 +41,7 @@ if sys.argv[1:] == ["ws"]:
         # items), O's bulk stores, the lagging maxima; clusters of two CTAs with K/V multicast (the corrupt
         # page zero-filled in both CTAs' slots, each by its own producer)
         opt_in = ({}, {"kWsQFeed": 2, "kWsOBulk": True, "kLazyMax": 3},
-                  {"kWsPair": True, "kWsQFeed": True, "kLazyMax": 3}) if D == 128 else ({},)
+                  {"kWsPair": True, "kWsQFeed": 2, "kWsOBulk": True, "kLazyMax": 3}) if D == 128 else ({},)
         for splits in (1, 3):
             for tiles in opt_in:
                 with forced(prefill="prefill_ws" if fp8 else None, tiles={"prefill_ws": tiles}):

@@ -24,6 +24,7 @@ FIELDS = {
     "all": {"kWsQFeed": 2, "kWsOBulk": True, "kLazyMax": 3},
     "pair": {"kWsPair": True},
     "pair_feed": {"kWsPair": True, "kWsQFeed": True, "kWsOBulk": True, "kLazyMax": 3},
+    "pair_all": {"kWsPair": True, "kWsQFeed": 2, "kWsOBulk": True, "kLazyMax": 3},
 }
 # (head dim, cache dtype, causal, splits); lengths are ragged, with a request of no keys and more row
 # tiles than SMs in the last case
@@ -81,7 +82,7 @@ def run_one(fields: str, case: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--one", nargs=2, metavar=("FIELDS", "CASE"), help=argparse.SUPPRESS)
-    ap.add_argument("--fields", default="lagging,feed,bulk,chain,all,pair,pair_feed",
+    ap.add_argument("--fields", default="lagging,feed,bulk,chain,all,pair,pair_feed,pair_all",
                     help=f"comma-separated names of FIELDS ({', '.join(FIELDS)})")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated names of CASES")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per pair (compiling included)")

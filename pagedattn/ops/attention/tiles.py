@@ -162,7 +162,7 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # on the tensor cores as the last P V of the item before (ws_consume's chain). kWsOBulk (opt-in, likewise
         # unmeasured; 16-bit caches to head dim 128): O by stmatrix into a buffer per consumer warp and a 1-D
         # bulk copy per row of the request, instead of 32 4-byte stores per thread.
-        # kWsPair (opt-in, not yet run on a GPU; 16-bit caches, not with kWsQFeed 2: ws_pair): clusters of two
+        # kWsPair (opt-in, not yet run on a GPU; 16-bit caches: ws_pair): clusters of two
         # CTAs take row tiles 2m + 1 and 2m of one column together and walk the steps either sees, each
         # producer multicasting half of every step's boxes into both CTAs' rings: half the TMA boxes and L2
         # reads per CTA, the lever session 30's probe priced at 3.5-5 % (perf/results/ws_pair/README.md).
@@ -194,11 +194,10 @@ def fp8_regs(head_dim: int, tma: bool) -> bool:
 
 def ws_pair(cfg: dict, head_dim: int, fp8: bool) -> bool:
     """Whether a tile runs prefill_ws in clusters of two CTAs with K/V multicast (tile field kWsPair,
-    opt-in; AttnTraits::kPair): 16-bit caches, items one by one (not kWsQFeed 2's chain). The launch
-    then pads the row tiles to an even count and the persistent grid to an even size, so that work
-    items 2 P and 2 P + 1 are two row tiles of one column (ws_pair_item)."""
-    chain = cfg.get("kWsQFeed") == 2 and not fp8 and head_dim <= 128
-    return bool(cfg.get("kTma") and cfg.get("kWgmma") and cfg.get("kWsPair")) and not fp8 and not chain
+    opt-in; AttnTraits::kPair): 16-bit caches (an fp8 producer widens raw stages of its own). The
+    launch then pads the row tiles to an even count and the persistent grid to an even size, so that
+    work items 2 P and 2 P + 1 are two row tiles of one column (ws_pair_item)."""
+    return bool(cfg.get("kTma") and cfg.get("kWgmma") and cfg.get("kWsPair")) and not fp8
 
 
 WS_WORK_BYTES = 56  # sizeof(AttnWork): prefill_ws keeps four of them (two per consumer warpgroup)

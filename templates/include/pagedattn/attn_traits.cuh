@@ -121,13 +121,13 @@ struct AttnTraits {
   // rings (fp8's raw stages, head dims above 128)
   static constexpr bool kOBulk = kWs && PAGEDATTN_WS_O_BULK && !kIsFp8 && kHeadDim <= 128;
   static constexpr int kOPitch = kHeadDim * 2 + 16;
-  // kWs with 16-bit caches, items one by one (PAGEDATTN_WS_PAIR, tile field kWsPair; opt-in, the host
-  // renders it only there: tiles.ws_pair): the kernel runs in clusters of two CTAs, which take work
+  // kWs with 16-bit caches (PAGEDATTN_WS_PAIR, tile field kWsPair; opt-in, the host renders it only
+  // there: tiles.ws_pair): the kernel runs in clusters of two CTAs, which take work
   // items 2 P and 2 P + 1 (two row tiles of one column) together and walk the same K/V steps, each
   // producer loading half of every step's boxes into both CTAs' rings (TMA multicast): half the L2
   // reads and the boxes per CTA (ws_produce, ws_pair_item)
   static constexpr bool kPair = kWs && PAGEDATTN_WS_PAIR;
-  static_assert(!kPair || (!kIsFp8 && !kChain), "kWsPair: 16-bit caches, items one by one");
+  static_assert(!kPair || !kIsFp8, "kWsPair: 16-bit caches");
   static constexpr int kRingSlots = kKSlots > kStages ? kKSlots : kStages;  // mbarriers per ring kind
   // kWs with softcap (a tanh per score on the SFU too): column groups of 8 keys, of kBlockN / 8, whose
   // 2^x the consumers compute on the FMA pipe instead (OnlineSoftmax::exponentiate)

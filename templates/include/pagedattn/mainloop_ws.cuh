@@ -269,13 +269,13 @@ struct WsChain {
   uint32_t n = 0;  // the current item
 
   // Item n + 1 once the producer handed it over (its Q tile landed): its Q tile, for its first S, or
-  // null where it cannot start now (no item: the end; or no steps).
+  // null where it cannot start now (no item: the end; no steps; or, kPair, no tile of this CTA's).
   __device__ __forceinline__ Element const* next() const {
     uint32_t const m = n + 1;
     int const t = int(m % 2u);
     mbarrier_wait(sm.ws_q_full(wg, t), (m / 2u) & 1u);
     AttnWork const& w = *sm.ws_work(wg, int(m % uint32_t(Traits::kWorkSlots)));
-    if (w.b < 0 || w.step_end == w.step_begin) return nullptr;
+    if (w.b < 0 || w.step_end == w.step_begin || (Traits::kPair && ws_idle(w))) return nullptr;
     fence_proxy_async_smem();  // its rows (cp.async) to wgmma, as ws_q_ready does
     return reinterpret_cast<Element const*>(AttnSmem<Traits>{sm.base, t}.q());
   }
