@@ -15,7 +15,9 @@ What the kernel does, as modelled:
 - mbarriers follow PTX: a phase completes when its arrivals are in and its transaction count is back
   at zero, whichever comes last; bytes may arrive before they are announced. A wait on parity P
   returns once the phase of parity P has completed (a fresh barrier's phase 1 counts as completed).
-- A consumer warpgroup hands a slot back on both CTAs' empty barriers.
+- A consumer warpgroup with a tile takes step g's K before step g - 1's V (ws_consume's overlap of
+  S(g) with P V(g - 1)), across items too when they are chained (kWsQFeed 2); one passing steps takes
+  K(g) then V(g). It hands each slot back on both CTAs' empty barriers.
 - A CTA leaves after the cluster barrier at its end (both CTAs' agents done); an arrival or a copy
   reaching a CTA that left is an error, and so is one that lands in a slot a consumer still reads, or
   bytes of a slot's next use counted in the phase of its current one.
@@ -62,9 +64,9 @@ class TxBarrier:
         return (self.phase & 1) != parity
 
 
-def simulate(pairs, stages, seed, faults=()):
+def simulate(pairs, stages, seed, faults=(), chain=False):
     """pairs: per pair (steps, tiles) with tiles a pair of bools, the CTAs (rank 0, 1) that have a tile
-    of their own. Raises Violation or Deadlock."""
+    of their own; chain: items chained (kWsQFeed 2). Raises Violation or Deadlock."""
     rng = random.Random(seed)
     half = 1  # the bytes of one CTA's half of a step (a unit)
     ctas = []
@@ -107,23 +109,44 @@ def simulate(pairs, stages, seed, faults=()):
 
     def consumer(r, wg):
         me, who = ctas[r], f"cta{r}.wg{wg}"
-        g = 0
-        for steps, tiles in pairs:
+
+        def take(kind, g, read):  # wait for step g's K or V slot, read it (or pass it), hand it back
+            s, use = g % stages, g // stages
+            if read or "pass_early" not in faults:
+                yield from wait(lambda: me[f"full_{kind}"][s].done(use & 1))
+            if read:  # both halves must be this step's
+                if me[kind][s] != {0: g, 1: g}:
+                    raise Violation(f"{who} reads {kind} slot {s} for step {g}: it holds {me[kind][s]}")
+                me[f"{kind}_readers"][s].add(who)
+                yield None  # others may run while it reads
+                me[f"{kind}_readers"][s].discard(who)
+            for dst in ctas if "own_empty" not in faults else (me,):
+                reach(dst, f"{who}'s hand-back")
+                dst[f"empty_{kind}"][s].arrive()
+
+        # The order of a CTA's waits: ws_consume takes K(g) before V(g - 1) inside an item, and with the
+        # chain (kWsQFeed 2) across items too, where the next item has a tile of its own; ws_pass_steps
+        # takes K(g), V(g).
+        g, v_due = 0, None  # v_due: the step whose V is still to take (read or not)
+        for n, (steps, tiles) in enumerate(pairs):
+            read = tiles[r]
             for _ in range(steps):
-                s, use = g % stages, g // stages
-                for kind in ("k", "v"):
-                    if tiles[r] or "pass_early" not in faults:
-                        yield from wait(lambda: me[f"full_{kind}"][s].done(use & 1))
-                    if tiles[r]:  # read it: both halves must be this step's
-                        if me[kind][s] != {0: g, 1: g}:
-                            raise Violation(f"{who} reads {kind} slot {s} for step {g}: it holds {me[kind][s]}")
-                        me[f"{kind}_readers"][s].add(who)
-                        yield None  # others may run while it reads
-                        me[f"{kind}_readers"][s].discard(who)
-                    for dst in ctas if "own_empty" not in faults else (me,):
-                        reach(dst, f"{who}'s hand-back")
-                        dst[f"empty_{kind}"][s].arrive()
+                yield from take("k", g, read)
+                if v_due is not None:
+                    yield from take("v", *v_due)
+                    v_due = None
+                if read:
+                    v_due = (g, True)
+                else:
+                    yield from take("v", g, False)
                 g += 1
+            nxt = pairs[n + 1] if n + 1 < len(pairs) else None
+            chained = chain and read and nxt is not None and nxt[0] > 0 and nxt[1][r]
+            if v_due is not None and not chained:
+                yield from take("v", *v_due)
+                v_due = None
+        if v_due is not None:
+            yield from take("v", *v_due)
 
     def leave(r):  # the cluster barrier at the end of every agent of the CTA
         ctas[r]["done"].add("all")
@@ -174,8 +197,9 @@ def main(cases=2000, seed=0):
     for _ in range(cases):
         pairs = random_pairs(rng)
         for stages in (2, 3):
-            simulate(pairs, stages, seed=rng.randrange(2**31))
-    print(f"{cases} pair lists x 2-3 ring slots: no deadlock, no copy into a slot being read, "
+            for chain in (False, True):
+                simulate(pairs, stages, seed=rng.randrange(2**31), chain=chain)
+    print(f"{cases} pair lists x 2-3 ring slots x items chained or not: no deadlock, no copy into a slot being read, "
           f"no bytes counted in the wrong phase, nothing reaching a CTA that left")
 
 
