@@ -546,6 +546,9 @@ __device__ __forceinline__ void ws_consume_found(AttnParams const& p, AttnSmem<T
   while (more) {
     if constexpr (Traits::kPair) {
       if (pass >= 0) {
+        // every warp done with the item before (its epilogue reads its work slot, which the next
+        // item's may take): the barrier ws_q_ready would otherwise make
+        ws_group_sync(wg);
         ws_pass_steps<Traits>(sm, ring, pass);
         ring.ring += uint32_t(pass);
         AttnWork next;
