@@ -36,16 +36,28 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
 #endif
 }
 
-// Blocks until the phase with parity `phase` has completed.
+// mbarrier_wait's ordering qualifier ("C" asm operands: the address of a constant string).
+template <bool kCluster>
+struct MbarrierWaitSem {
+  static constexpr char kSem[] = "";
+};
+template <>
+struct MbarrierWaitSem<true> {
+  static constexpr char kSem[] = ".acquire.cluster";
+};
+
+// Blocks until the phase with parity `phase` has completed. kCluster: a phase the cluster's other CTA
+// takes part in (prefill_ws with kWsPair), acquired at cluster scope.
+template <bool kCluster = false>
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile(
       "{\n"
       ".reg .pred done;\n"
       "wait_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "mbarrier.try_wait.parity%2.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra wait_%=;\n"
-      "}\n" ::"r"(cute::cast_smem_ptr_to_uint(bar)), "r"(phase) : "memory");
+      "}\n" ::"r"(cute::cast_smem_ptr_to_uint(bar)), "r"(phase), "C"(MbarrierWaitSem<kCluster>::kSem) : "memory");
 #endif
 }
 
@@ -76,19 +88,6 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t 
       "mapa.shared::cluster.u32 remote, %0, %1;\n"
       "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
       "}\n" ::"r"(cute::cast_smem_ptr_to_uint(bar)), "r"(rank) : "memory");
-#endif
-}
-
-// mbarrier_wait for a phase that the cluster's other CTA takes part in (acquire at cluster scope).
-__device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, uint32_t phase) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "wait_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait_%=;\n"
-      "}\n" ::"r"(cute::cast_smem_ptr_to_uint(bar)), "r"(phase) : "memory");
 #endif
 }
 

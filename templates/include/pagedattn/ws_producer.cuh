@@ -98,7 +98,7 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
     // one tile (K or V) of the step into its slot
     auto load = [&](char* dst, void const* map, uint64_t* full, uint64_t* empty) {
       if constexpr (Traits::kPair) {
-        mbarrier_wait_cluster(empty + slot, free_phase);  // both CTAs' consumers handed it back
+        mbarrier_wait<true>(empty + slot, free_phase);  // both CTAs' consumers handed it back
       } else {
         mbarrier_wait(empty + slot, free_phase);
       }
