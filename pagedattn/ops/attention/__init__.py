@@ -156,7 +156,7 @@ class AttnFwdSpec(KernelSpec):
     @property
     def pair(self) -> bool:
         """prefill_ws in clusters of two CTAs with K/V multicast (tiles.ws_pair)."""
-        return ws_pair(self.tiles, self.head_dim, self.kv_cache_dtype != "auto")
+        return ws_pair(self.tiles, self.kv_cache_dtype != "auto")
 
     def check(self) -> None:
         if self.mode in TMA_MODES and self.kv_cache_dtype == "auto" and self.head_dim % 64:
@@ -378,8 +378,9 @@ class _Launch(Prepared):
         variant = plan.kernel(plan.mode_for(rows), flags)
         m_blocks = -(-min(rows, total_q * group) // variant.block_m)
         m_blocks = min(max(1, m_blocks), MAX_GRID_Y)
-        if variant.pair:  # pairs of row tiles in one column (ws_pair_item); MAX_GRID_Y is odd
-            m_blocks = m_blocks + 1 if m_blocks % 2 and m_blocks < MAX_GRID_Y else m_blocks - m_blocks % 2
+        if variant.pair and m_blocks % 2:  # pairs of row tiles in one column (ws_pair_item): an empty one more
+            # (MAX_GRID_Y is odd: there one less, its rows then taking the rows-past-grid path)
+            m_blocks = m_blocks + 1 if m_blocks < MAX_GRID_Y else m_blocks - 1
         # splits divide the keys a tile can see: with a left window edge, at most the window and the rows.
         # The split plan depends on shapes and max_seqlen_k only (never on seqused_k's values): a CUDA
         # graph captured with it stays right for any lengths up to max_seqlen_k.
@@ -404,9 +405,8 @@ class _Launch(Prepared):
             if self.ctas * splits + variant.capacity >= 2**31:  # the kernel counts work items in 32 bits
                 raise ContractError(f"flash_attn_varlen_func: {self.ctas * splits} work items (row tiles x KV heads "
                                     f"x requests x splits) are more than one launch takes; split the batch")
+            # (kWsPair: whole clusters of two, the items and the capacity being even)
             grid = (min(self.ctas * splits, variant.capacity), 1, 1)
-            if variant.pair:  # whole clusters of two (capacity is even)
-                grid = (min(self.ctas * splits + self.ctas * splits % 2, variant.capacity), 1, 1)
         else:
             grid = (plan.tiles_per_row, m_blocks, splits)
         super().__init__(variant.launcher, grid, variant.threads, _ADDRESSES, tail)

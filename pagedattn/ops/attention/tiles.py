@@ -192,7 +192,7 @@ def fp8_regs(head_dim: int, tma: bool) -> bool:
     return tma and head_dim % 128 == 0
 
 
-def ws_pair(cfg: dict, head_dim: int, fp8: bool) -> bool:
+def ws_pair(cfg: dict, fp8: bool) -> bool:
     """Whether a tile runs prefill_ws in clusters of two CTAs with K/V multicast (tile field kWsPair,
     opt-in; AttnTraits::kPair): 16-bit caches (an fp8 producer widens raw stages of its own). The
     launch then pads the row tiles to an even count and the persistent grid to an even size, so that
