@@ -79,14 +79,16 @@ __device__ __forceinline__ void cluster_sync() {
 }
 
 // One arrival on the mbarrier at bar's offset in the shared memory of the cluster's CTA `rank` (this
-// one included), released to the cluster: a consumer handing a slot back to both CTAs' producers.
+// one included): a consumer handing a slot back to both CTAs' producers. Its reads of the slot are done
+// (wgmma waited for them) and nothing it wrote there is read again, so the arrival keeps the default
+// release at CTA scope: at cluster scope ptxas puts a MEMBAR.ALL.GPU before each one.
 __device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t rank) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile(
       "{\n"
       ".reg .b32 remote;\n"
       "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
       "}\n" ::"r"(cute::cast_smem_ptr_to_uint(bar)), "r"(rank) : "memory");
 #endif
 }
