@@ -440,13 +440,20 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       to_p(acc_s);
     }
     next_q();  // the last S is done (and S's registers are free): Q's shared memory is no longer read
+    // Chained: the next item's first S (its K in the ring's next slot) and this item's last P V in one
+    // turn. Two paths, not one with the S under a condition: ptxas serialises every wgmma of a kernel
+    // (C7515) where an accumulator may be defined by other instructions inside a batch's stage, as
+    // acc_s would be on the path without the S.
+    Element const* q_next = nullptr;
     if constexpr (Chain::kOn) {
-      // the next item's first S (its K in the ring's next slot) and this item's last P V in one turn
-      Element const* const q_next = chain.next();
-      if (q_next != nullptr) wait_k(n_steps);
+      q_next = chain.next();
+      chain.s0_ready = q_next != nullptr;
+    }
+    if (Chain::kOn && q_next != nullptr) {
+      wait_k(n_steps);
       wait_v(n_steps - 1);
       pp.my_turn();
-      if (q_next != nullptr) issue_s_with(q_next, n_steps);
+      issue_s_with(q_next, n_steps);
       if (!fixed_max) softmax.rescale(o_rows, alpha);
       wgmma_gemm<false, false>(mma_pv, tOrP, tOrVt(n_steps - 1), acc_o);
       pp.your_turn();
@@ -454,9 +461,8 @@ __device__ __forceinline__ void ws_consume(TileCtx<Traits> const& c, WsRing cons
       warpgroup_fence_operand(acc_s);
       warpgroup_fence_operand(tOrP);
       release_v(n_steps - 1);
-      if (q_next != nullptr) release_k(n_steps);
-      chain.s0_ready = q_next != nullptr;
-    } else {
+      release_k(n_steps);
+    } else {  // the last P V in a turn of its own
       wait_v(n_steps - 1);
       if (!fixed_max) softmax.rescale(o_rows, alpha);
       pp.my_turn();
