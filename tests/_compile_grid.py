@@ -13,8 +13,13 @@ from pagedattn.registry import variant_name
 ARCHS = ("sm_80", "sm_90a")
 
 
-def grid(specs, fast):
-    """pytest params (spec, arch) over `specs` x ARCHS; a pair `fast(spec, arch)` refuses is `slow`."""
-    return [pytest.param(spec, arch, id=f"{variant_name(spec)}-{arch}",
-                         marks=() if fast(spec, arch) else pytest.mark.slow)
+def grid(specs, fast, options=None):
+    """pytest params (spec, arch) over `specs` x ARCHS; a pair `fast(spec, arch)` refuses is `slow`.
+    options(spec, arch): the NVRTC options the test adds to the JIT's for that pair, declared to the
+    farm on the param (the test function then carries no `compiles` marker of its own)."""
+    def marks(spec, arch):
+        declared = [pytest.mark.compiles((spec, arch, options(spec, arch)))] if options else []
+        return declared + ([] if fast(spec, arch) else [pytest.mark.slow])
+
+    return [pytest.param(spec, arch, id=f"{variant_name(spec)}-{arch}", marks=marks(spec, arch))
             for spec in specs for arch in ARCHS]
