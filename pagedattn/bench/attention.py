@@ -68,13 +68,15 @@ TINY_FEATURES = (
     ("decode/B2/ctx80/sinks", dict(B=2, ctx=80, q_len=1), dict(s_aux="head"), dict(ratio=1 / 1.05)),
 )
 # sweep (not in "all"): ours alone at the tile and mode studies' shapes, to run under --overrides:
-# (id, B, q_len, ctx, head dim, num_splits)
+# (id, B, q_len, ctx, head dim, num_splits[, other params]); prefill/mha: one query head per KV head, where
+# prefill_ws's pairs of row tiles (kWsPair) end in different steps
 SWEEP = ([(f"decode/B1/ctx32768/splits{n}", 1, 1, 32768, D, n) for n in (8, 16, 32, 64)]
          + [(f"decode/B16/ctx4096/splits{n}", 16, 1, 4096, D, n) for n in (1, 2, 4, 8)]
          + [(f"prefill/d{d}/B4/S4096", 4, 4096, 4096, d, 0) for d in (64, 80, 96, 128, 192, 256)]
          + [(f"short/B32/q{q}/ctx4096", 32, q, 4096, D, 0) for q in (5, 8, 16, 32, 64)]
          + [("prefill/B1/S16384", 1, 16384, 16384, D, 0), ("prefill/B16/S1024", 16, 1024, 1024, D, 0),
-            ("prefill/B8/q512/ctx8192", 8, 512, 8192, D, 0)])
+            ("prefill/B8/q512/ctx8192", 8, 512, 8192, D, 0),
+            ("prefill/mha/B4/S4096", 4, 4096, 4096, D, 0, dict(hq=32, hkv=32))])
 TINY_SWEEP = (("decode/B2/ctx80/splits2", 2, 1, 80, 64, 2), ("short/B2/q5/ctx48", 2, 5, 48, 64, 0))
 
 
@@ -134,8 +136,8 @@ def feature_cases(ctx: Ctx) -> list[Case]:
 
 
 def sweep_cases(ctx: Ctx) -> list[Case]:
-    return [_case(cid, "sweep", _params(ctx, B, q_len, L, peers="ours", num_splits=splits, d=d))
-            for cid, B, q_len, L, d, splits in (TINY_SWEEP if ctx.tiny else SWEEP)]
+    return [_case(cid, "sweep", _params(ctx, B, q_len, L, peers="ours", num_splits=splits, d=d, **dict(*more)))
+            for cid, B, q_len, L, d, splits, *more in (TINY_SWEEP if ctx.tiny else SWEEP)]
 
 
 # -- data ------------------------------------------------------------------------------------------
