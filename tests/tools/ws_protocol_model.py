@@ -14,7 +14,7 @@ warpgroup, a work slot. Reads check that the slot holds the right item and step.
 reader still holds the slot.
 
 Covered: one or two Q tiles (kWsQFeed 1 / 2); chained items (2); items with no steps, which break the
-chain; last steps that clear V's tail (a tile_sync over both warpgroups); two or three ring slots; any
+chain; idle items (kWsPair: the other CTA's alone, no Q rows, steps passed), which break it too; last steps that clear V's tail (a tile_sync over both warpgroups); two or three ring slots; any
 number of items, none included."""
 import random
 from dataclasses import dataclass, field
@@ -59,7 +59,10 @@ class Resource:
 
 
 def simulate(items, tiles, stages, seed):
-    """items: per CTA item, (steps, partial last step). tiles: 1 or 2 (2: chained). Raises on a violation."""
+    """items: per CTA item, (steps, partial last step[, idle]); idle (kWsPair): the item is the other CTA's
+    alone, so it has no Q rows and its steps pass through (ws_pass_steps). tiles: 1 or 2 (2: chained).
+    Raises on a violation."""
+    items = [(*item, False)[:3] for item in items]
     rng = random.Random(seed)
     chain = tiles == 2
     slots = 4 if chain else 2
@@ -82,7 +85,7 @@ def simulate(items, tiles, stages, seed):
 
     def producer():
         ring = 0
-        for n, (steps, _) in enumerate(items):
+        for n, (steps, _, _) in enumerate(items):
             for it in range(steps):
                 g = ring + it
                 s, ph = g % stages, (g // stages) & 1
@@ -103,8 +106,8 @@ def simulate(items, tiles, stages, seed):
         t, use = n % tiles, n // tiles
         for wg in range(2):
             yield from wait(lambda: q_empty[wg][t].done((use & 1) ^ 1))
-            work[wg][n % slots].write(("end",) if item is None else (n, item[0]))
-            if item is not None:
+            work[wg][n % slots].write(("end",) if item is None else (n, item[0], item[2]))
+            if item is not None and not item[2]:  # an idle item has no Q rows
                 q_tile[wg][t].write(n)
             q_full[wg][t].arrive()
 
@@ -137,9 +140,23 @@ def simulate(items, tiles, stages, seed):
             w = work[wg][n % slots]
             if w.content == ("end",):
                 break
-            w.hold(me, (n, items[n][0]))
+            w.hold(me, (n, items[n][0], items[n][2]))
+            steps, partial, idle = items[n]
+            if idle:  # ws_consume_fed: the steps read, the tile and slot handed back, the steps passed
+                w.drop(me)
+                q_empty[wg][t].arrive()
+                for it in range(steps):
+                    g = ring + it
+                    s, ph = g % stages, (g // stages) & 1
+                    yield from wait(lambda: full_k[s].done(ph))
+                    yield from wait(lambda: full_v[s].done(ph))
+                    empty_k[s].arrive()
+                    empty_v[s].arrive()
+                ring += steps
+                n += 1
+                s0_ready = False
+                continue
             q_tile[wg][t].hold(me, n)
-            steps, partial = items[n]
 
             def take(kind, it, hold_s=True):
                 g = ring + it
@@ -177,7 +194,7 @@ def simulate(items, tiles, stages, seed):
                     m = n + 1
                     yield from wait(lambda: q_full[wg][m % 2].done((m // 2) & 1))
                     nxt = work[wg][m % slots].content
-                    chained = nxt != ("end",) and nxt[1] > 0
+                    chained = nxt != ("end",) and nxt[1] > 0 and not nxt[2]  # WsChain::next
                     if chained:
                         q_tile[wg][m % 2].hold(me + "-next", m)
                         yield from take("k", steps)
@@ -191,7 +208,7 @@ def simulate(items, tiles, stages, seed):
                     release("k", steps)
                     q_tile[wg][(n + 1) % 2].drop(me + "-next")
                 s0_ready = chained
-            w.hold(me, (n, items[n][0]))  # the epilogue reads the item's fields
+            w.hold(me, (n, items[n][0], False))  # the epilogue reads the item's fields
             w.drop(me)
             ring += steps
             n += 1
@@ -213,7 +230,7 @@ def simulate(items, tiles, stages, seed):
 
 
 def random_items(rng):
-    return [(rng.choice([0, 1, 1, 2, 3, 5]), rng.random() < 0.3) for _ in range(rng.randint(0, 9))]
+    return [(rng.choice([0, 1, 1, 2, 3, 5]), rng.random() < 0.3, rng.random() < 0.15) for _ in range(rng.randint(0, 9))]
 
 
 def main(cases=3000, seed=0):
