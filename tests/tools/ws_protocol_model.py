@@ -14,8 +14,9 @@ warpgroup, a work slot. Reads check that the slot holds the right item and step.
 reader still holds the slot.
 
 Covered: one or two Q tiles (kWsQFeed 1 / 2); chained items (2); items with no steps, which break the
-chain; idle items (kWsPair: the other CTA's alone, no Q rows, steps passed), which break it too; last steps that clear V's tail (a tile_sync over both warpgroups); two or three ring slots; any
-number of items, none included."""
+chain; idle items (kWsPair: the other CTA's alone, no Q rows, steps passed), which break it too; last
+steps that clear V's tail (a tile_sync over both warpgroups); two or three ring slots; any number of
+items, none included."""
 import random
 from dataclasses import dataclass, field
 
