@@ -191,3 +191,31 @@ def test_a_prepared_launch_packs_what_a_full_one_does(fake_driver):
     before = fake_driver.fake_launches()
     prepared(*_values(0xABC)[:len(_values(0))])
     assert fake_driver.fake_launches() == before + 1 and (fake_driver.fake_current() or 0) == 0x9999
+
+
+def test_max_active_clusters_asks_the_driver_and_falls_back(monkeypatch, capfd):
+    """Launcher.max_active_clusters (prefill_ws's kWsPair sizes its persistent grid with it): the
+    driver's count for the kernel's cluster shape, block and dynamic shared memory; None for a stand-in
+    launcher, and None with a warning where the driver cannot say (the caller then assumes SMs / 2)."""
+    import contextlib
+
+    from cuda.bindings import driver
+
+    from pagedattn.codegen import load
+
+    lau = launch.Launcher.stand_in(lambda *a: 0, KvWriteParams)
+    assert lau.max_active_clusters(384, 2) is None
+    lau._driver, lau._smem = object(), 232448  # as if bound to a real kernel
+    monkeypatch.setattr(load, "in_context", lambda device: contextlib.nullcontext())
+    seen = []
+
+    def occupancy(func, config):
+        seen.append((config.gridDimX, config.blockDimX, config.sharedMemBytes))
+        return driver.CUresult.CUDA_SUCCESS, 66
+
+    monkeypatch.setattr(driver, "cuOccupancyMaxActiveClusters", occupancy)
+    assert lau.max_active_clusters(384, 2) == 66 and seen == [(2, 384, 232448)]
+    monkeypatch.setattr(driver, "cuOccupancyMaxActiveClusters",
+                        lambda func, config: (driver.CUresult.CUDA_ERROR_NOT_SUPPORTED, 0))
+    assert lau.max_active_clusters(384, 2) is None
+    assert "cuOccupancyMaxActiveClusters failed" in capfd.readouterr().err  # the "pagedattn" logger's warning
