@@ -248,7 +248,7 @@ class _Variant:
 
     def __init__(self, spec: AttnFwdSpec, launcher, device: int):
         self.spec, self.launcher, self.mode, self.head_dim = spec, launcher, spec.mode, spec.head_dim
-        self.pair = spec.mode == "prefill_ws" and spec.pair
+        self.pair = spec.pair
         self.block_m = spec.tiles["kBlockM"]
         self.threads = (spec.threads, 1, 1)
         self.stage_keys = stage_keys(spec)

@@ -51,7 +51,6 @@
 #ifndef PAGEDATTN_WS_O_BULK
 #define PAGEDATTN_WS_O_BULK 0
 #endif
-
 // prefill_ws: K/V multicast to the two CTAs of a cluster (AttnTraits::kPair)
 #ifndef PAGEDATTN_WS_PAIR
 #define PAGEDATTN_WS_PAIR 0
@@ -122,10 +121,10 @@ struct AttnTraits {
   static constexpr bool kOBulk = kWs && PAGEDATTN_WS_O_BULK && !kIsFp8 && kHeadDim <= 128;
   static constexpr int kOPitch = kHeadDim * 2 + 16;
   // kWs with 16-bit caches (PAGEDATTN_WS_PAIR, tile field kWsPair; opt-in, the host renders it only
-  // there: tiles.ws_pair): the kernel runs in clusters of two CTAs, which take work
-  // items 2 P and 2 P + 1 (two row tiles of one column) together and walk the same K/V steps, each
-  // producer loading half of every step's boxes into both CTAs' rings (TMA multicast): half the L2
-  // reads and the boxes per CTA (ws_produce, ws_pair_item)
+  // there: tiles.ws_pair): the kernel runs in clusters of two CTAs, which take work items 2 P and 2 P + 1
+  // (two row tiles of one column) together and walk the same K/V steps, each producer loading half of
+  // every step's boxes into both CTAs' rings (TMA multicast): half the L2 reads and the boxes per CTA
+  // (ws_produce, ws_pair_item)
   static constexpr bool kPair = kWs && PAGEDATTN_WS_PAIR;
   static_assert(!kPair || !kIsFp8, "kWsPair: 16-bit caches");
   static constexpr int kRingSlots = kKSlots > kStages ? kKSlots : kStages;  // mbarriers per ring kind

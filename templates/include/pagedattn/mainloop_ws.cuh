@@ -544,6 +544,11 @@ __device__ __forceinline__ void ws_consume_found(AttnParams const& p, AttnSmem<T
     ws_load_q<Traits>(p, next, sm.base, wg);
     if (leader) *sm.ws_work(wg, slot) = next;
   };
+  auto take_next = [&] {  // the item after this one (in work slot parity ^ 1), if any
+    AttnWork next;
+    more = ws_next_item<Traits, Features>(p, total, item, next);
+    if (more) take(next, parity ^ 1);
+  };
   {
     AttnWork first;
     more = ws_next_item<Traits, Features>(p, total, item, first);
@@ -557,9 +562,7 @@ __device__ __forceinline__ void ws_consume_found(AttnParams const& p, AttnSmem<T
         ws_group_sync(wg);
         ws_pass_steps<Traits>(sm, ring, pass);
         ring.ring += uint32_t(pass);
-        AttnWork next;
-        more = ws_next_item<Traits, Features>(p, total, item, next);
-        if (more) take(next, parity ^ 1);
+        take_next();
         parity ^= 1;
         continue;
       }
@@ -570,11 +573,7 @@ __device__ __forceinline__ void ws_consume_found(AttnParams const& p, AttnSmem<T
     {
       TileCtx<Traits> const c(p, w, sm.base);
       WsNoChain one_by_one;
-      ws_consume<Traits, Features>(c, ring, pp, q_unscale, [&] {
-        AttnWork next;
-        more = ws_next_item<Traits, Features>(p, total, item, next);
-        if (more) take(next, parity ^ 1);
-      }, one_by_one);
+      ws_consume<Traits, Features>(c, ring, pp, q_unscale, take_next, one_by_one);
     }
     ring.ring += uint32_t(w.step_end - w.step_begin);
     parity ^= 1;

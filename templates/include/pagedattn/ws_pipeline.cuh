@@ -144,7 +144,7 @@ __device__ __forceinline__ bool ws_idle(AttnWork const& w) { return w.row0 < 0; 
 // neither has a tile.
 template <class Traits, class Features>
 __device__ __forceinline__ bool ws_pair_item(AttnParams const& p, int total, int pair, AttnWork& w) {
-  int const mine = 2 * pair + int(blockIdx.x % 2);
+  int const mine = 2 * pair + int(cluster_rank());
   bool const exists = mine < total;  // else the pair is the grid's last item alone, the other CTA's
   GridSlot const slot = ws_slot(p, exists ? mine : mine ^ 1);
   bool const has_tile = schedule_tile<Traits, Features>(p, slot, w);  // the request's fields either way
