@@ -29,8 +29,8 @@ from .. import steady, workspace
 from ..params import AttnParams
 # re-exported: `from pagedattn.ops.attention import X` finds every name of the former single module
 from .heuristics import MAX_SPLITS, _best_splits, mode_for, split_cost, splits_for  # noqa: F401
-from .heuristics import MULTI_ROWS, WS_FP8_HEAD_DIM, multi_mode, prefill_mode, tma_ok  # noqa: F401
-from .heuristics import wave_capacity, wgmma_ok  # noqa: F401
+from .heuristics import MULTI_ROWS, WS_FP8_HEAD_DIM, WS_NARROW_HEAD_DIMS, multi_mode, prefill_mode, tma_ok  # noqa: F401
+from .heuristics import wave_capacity, wgmma_head_dim, wgmma_ok  # noqa: F401
 from . import overrides
 from .overrides import FORCED_MULTI_ROWS, forced  # noqa: F401
 from .tiles import HEAD_DIMS, MODES, SM90_MODES, TMA_MODES, WGMMA_MODES, SMALL_SMEM_ARCH, SMEM_LIMIT, SMEM_PER_CTA, _tiles  # noqa: F401
@@ -122,8 +122,10 @@ class AttnFwdSpec(KernelSpec):
     @property
     def dispatched(self) -> bool:
         """Whether some plan picks this variant: all but prefill_ws with an fp8 cache at a head dim other
-        than WS_FP8_HEAD_DIM (heuristics.prefill_mode; check() refuses those anyway)."""
-        return not (self.mode == "prefill_ws" and self.kv_cache_dtype != "auto" and self.head_dim != WS_FP8_HEAD_DIM)
+        than WS_FP8_HEAD_DIM (heuristics.prefill_mode; check() refuses those anyway) and the narrow ones
+        (opt-in: plans run those head dims on the 128 tile)."""
+        return not (self.mode == "prefill_ws" and self.kv_cache_dtype != "auto" and self.head_dim != WS_FP8_HEAD_DIM
+                    or self.narrow)
 
     @property
     def tile_arch(self) -> str:
@@ -158,8 +160,17 @@ class AttnFwdSpec(KernelSpec):
         """prefill_ws in clusters of two CTAs with K/V multicast (tiles.ws_pair)."""
         return ws_pair(self.tiles, self.kv_cache_dtype != "auto")
 
+    @property
+    def narrow(self) -> bool:
+        """prefill_ws at a head dim that is not a multiple of 64 (WS_NARROW_HEAD_DIMS: 32-column panels;
+        16-bit caches): opt-in (heuristics.wgmma_head_dim runs those head dims on the 128 tile)."""
+        return self.mode == "prefill_ws" and self.head_dim % 64 != 0
+
     def check(self) -> None:
-        if self.mode in TMA_MODES and self.kv_cache_dtype == "auto" and self.head_dim % 64:
+        if self.narrow and self.head_dim not in WS_NARROW_HEAD_DIMS:
+            raise UnsupportedError(f"attn_fwd: mode=prefill_ws compiles head dims {', '.join(map(str, WS_NARROW_HEAD_DIMS))} "
+                                   f"and multiples of 64, got {self.head_dim} (plans run it on the 128 tile)")
+        if self.mode in TMA_MODES and self.kv_cache_dtype == "auto" and self.head_dim % 64 and not self.narrow:
             raise UnsupportedError(f"attn_fwd: mode={self.mode} needs head_dim a multiple of 64 for 16-bit "
                                    f"caches (128-byte swizzled TMA boxes), got {self.head_dim}")
         if self.mode == "multi_tma" and self.kv_cache_dtype != "auto":
@@ -169,7 +180,7 @@ class AttnFwdSpec(KernelSpec):
         if self.mode == "prefill_ws" and self.kv_cache_dtype != "auto" and self.head_dim != WS_FP8_HEAD_DIM:
             raise UnsupportedError(f"attn_fwd: mode=prefill_ws takes fp8 caches at head_dim {WS_FP8_HEAD_DIM} "
                                    f"only, got {self.head_dim}; mode=prefill_wgmma runs the others")
-        if self.mode in WGMMA_MODES and self.head_dim % 64:
+        if self.mode in WGMMA_MODES and self.head_dim % 64 and not self.narrow:
             raise UnsupportedError(f"attn_fwd: mode={self.mode} needs head_dim a multiple of 64 (128-byte "
                                    f"swizzled tiles), got {self.head_dim}")
         if self.small_smem:
@@ -261,7 +272,7 @@ class _Variant:
 class _Plan:
     """What a call's tensor metadata decides, validated once and reused while it repeats."""
     __slots__ = ("call", "device", "dtype", "head_dim", "dbs", "dhs", "block_shift", "bt_stride",
-                 "bt_width", "arch", "decode_mode", "multi_mode", "multi_rows", "prefill_mode", "wgmma_rows",
+                 "bt_width", "arch", "decode_mode", "multi_mode", "multi_rows", "prefill_mode", "wgmma_rows", "wgmma_dim",
                  "_kernels", "_tma", "group", "tiles_per_row", "default_scale", "geometry", "launches", "empty",
                  "here", "current", "_maps_ptr")
 
@@ -285,8 +296,12 @@ class _Plan:
         self.decode_mode = "decode_tma" if tma else "decode"
         self.multi_mode = None if f.multi is False else multi_mode(call, self.head_dim, tma)
         self.multi_rows = FORCED_MULTI_ROWS if f.multi else MULTI_ROWS
-        self.prefill_mode = f.prefill or prefill_mode(wgmma_ok(call, arch, self.head_dim), tma, call.kv_name != "auto",
-                                                     self.head_dim)
+        # the warpgroup-MMA prefills' head dim: 80 and 96 run on the 128 tile (heuristics.wgmma_head_dim), whose
+        # TMA maps (prefill_ws) are then the plan's only ones (decode reads those 16-bit caches by cp.async)
+        fp8 = call.kv_name != "auto"
+        self.wgmma_dim = wd = wgmma_head_dim(self.head_dim, fp8, bool(f.ws_narrow))
+        wide_tma = tma if wd == self.head_dim else f.tma is not False and tma_ok(call, arch, wd)
+        self.prefill_mode = f.prefill or prefill_mode(wgmma_ok(call, arch, wd), wide_tma, fp8, wd)
         # prefill_wgmma's tiles are larger: it takes over once the rows overflow one SM80 prefill tile.
         # Measured on H200 (perf/results/prefill_modes_nvidia_h200_20261130_short_3eaa587.json, d128,
         # B=32 over 4096 keys): q_len 5-32 (20-128 rows) ran 17 % slower on wgmma, q_len 64 1.7x faster.
@@ -315,7 +330,8 @@ class _Plan:
         """The decode or prefill variant with these feature flags (FEATURES order)."""
         hit = self._kernels.get((mode, flags))
         if hit is None:
-            spec = AttnFwdSpec.for_arch(self.arch, self.dtype, self.call.kv_name, self.head_dim, mode, flags)
+            head_dim = self.wgmma_dim if mode in WGMMA_MODES else self.head_dim
+            spec = AttnFwdSpec.for_arch(self.arch, self.dtype, self.call.kv_name, head_dim, mode, flags)
             hit = self._kernels[(mode, flags)] = _Variant(spec, get_kernel(spec).launcher(self.device), self.device)
         return hit
 
@@ -334,10 +350,16 @@ class _Plan:
             if len(self._tma) >= 512:
                 self._tma.clear()
                 self._maps_ptr.clear()
-            hit = self._tma[key] = tma_maps(k, v, self.call, self.head_dim)
+            hit = self._tma[key] = tma_maps(k, v, self.call, self.tma_head_dim)
         elif capturing:
             workspace.keep_for_graphs(hit[0])
         return hit
+
+    @property
+    def tma_head_dim(self) -> int:
+        """The head dim of the plan's TMA modes: the prefill's where it differs (16-bit caches at 80 and 96,
+        whose decode reads by cp.async; wgmma_head_dim keeps an fp8 cache's), else the plan's."""
+        return self.wgmma_dim if self.prefill_mode == "prefill_ws" else self.head_dim
 
     def maps_ptr(self, k, v, kp: int, vp: int, capturing: bool) -> int:
         """The device address of tma_maps(k, v) (k, v at addresses kp, vp)."""

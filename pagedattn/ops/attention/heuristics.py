@@ -28,6 +28,10 @@ MULTI_ROWS = 64
 WS_ROWS = 32
 # prefill_ws takes fp8 caches at this head dim only (AttnTraits: the raw stages need the shared memory)
 WS_FP8_HEAD_DIM = 128
+# prefill_ws compiles these head dims that are not multiples of 64 as they are (32-column panels, the
+# 64-byte swizzle; 16-bit caches), opt-in (wgmma_head_dim). Not 80: its P V needs a 64 x 80 wgmma,
+# one of CuTe's extended shapes (CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED: 76 k lines more to parse).
+WS_NARROW_HEAD_DIMS = (96,)
 
 # THE cap on KV splits: a forced num_splits is clamped to it, the heuristic stops at half of it, and
 # the in-kernel combine (split_combine.cuh) holds MAX_SPLITS split LSEs per row (rendered in)
@@ -51,6 +55,23 @@ def wgmma_ok(call: _Call, arch: str, head_dim: int) -> bool:
     """prefill_wgmma: sm_90a, a compiled head dim that is a multiple of 64, at most 256 (any cache:
     fp8 stages are widened in shared memory for the MMAs)."""
     return arch == "sm_90a" and head_dim % 64 == 0 and head_dim <= MAX_HEAD_DIM_PER_GROUP
+
+
+def wgmma_head_dim(head_dim: int, fp8: bool, narrow: bool = False) -> int:
+    """The compiled head dim of a plan's warpgroup-MMA prefills (prefill_ws, prefill_wgmma), given its
+    own. With a 16-bit cache, 80 and 96 (not multiples of 64, which the 128-byte swizzled tiles need)
+    run on the 128 tile: the TMA boxes (or cp.async copies) zero-fill the columns past the head size
+    and the epilogue skips them, as for head sizes 112 and 120 (GPU-tested: test_ws_prefill_matches_reference,
+    test_fp8_ws_prefill_matches_reference). The alternative on sm_90a is the SM80 prefill: measured on
+    H200 (perf/results/ldsm_ab_h200_20261204_405b778_cute_r1.json, B=4 S=4096 causal) 2903 us at d80 and
+    3149 us at d96 (118 and 131 TFLOP/s), where d128 prefill_ws takes 1067-1094 us for more work.
+    narrow (opt-in: overrides.forced(prefill="prefill_ws", ws_narrow=True)): the head dims of
+    WS_NARROW_HEAD_DIMS as they are, in prefill_ws's 32-column panels (attn_wgmma.cuh), not yet run on
+    a GPU. fp8 caches keep theirs: their decode reads the cache with TMA maps of that head dim (one set
+    of maps per plan)."""
+    if fp8 or head_dim % 64 == 0 or head_dim > 128 or (narrow and head_dim in WS_NARROW_HEAD_DIMS):
+        return head_dim
+    return 128
 
 
 def prefill_mode(wgmma: bool, tma: bool, fp8: bool, head_dim: int) -> str:

@@ -22,6 +22,8 @@ class Forced:
     multi: bool | None = None   # False: no multi-token decode; True: up to FORCED_MULTI_ROWS rows
     tma: bool | None = None     # False: decode (and what follows from it) without TMA, the cp.async loader
     tiles: tuple = ()           # (mode, ((field, value), ...)) pairs laid over tile_config's answer
+    ws_narrow: bool | None = None  # True: head dims 80 and 96 compiled as such in the wgmma prefills
+    #                              (heuristics.wgmma_head_dim), not on the 128 tile
 
     def tiles_for(self, mode: str) -> dict:
         return {k: v for m, fields in self.tiles if m == mode for k, v in fields}
@@ -44,7 +46,7 @@ def _fold() -> Forced:
 
 @contextlib.contextmanager
 def forced(prefill: str | None = None, multi: bool | None = None, tma: bool | None = None,
-           tiles: dict[str, dict] | None = None):
+           tiles: dict[str, dict] | None = None, ws_narrow: bool | None = None):
     """Force the dispatch inside the block; `tiles` maps a mode to the tile fields it takes (e.g.
     {"prefill_ws": {"kStages": 3}}). Options left at None keep the outer block's (or the dispatch's).
     What is in force is the open blocks folded oldest first, so blocks may also close out of order
@@ -52,7 +54,8 @@ def forced(prefill: str | None = None, multi: bool | None = None, tma: bool | No
     global _current
     from . import _PLANS
 
-    given = {k: v for k, v in dict(prefill=prefill, multi=multi, tma=tma).items() if v is not None}
+    given = {k: v for k, v in dict(prefill=prefill, multi=multi, tma=tma, ws_narrow=ws_narrow).items()
+             if v is not None}
     block = (given, tuple((mode, tuple(sorted(fields.items()))) for mode, fields in (tiles or {}).items()))
     _blocks.append(block)
     _current = _fold()

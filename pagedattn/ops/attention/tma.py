@@ -25,8 +25,10 @@ def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tu
 
     Dimensions, innermost first, in increasing stride (the layouts differ only in the middle two):
     NHD (d, head, slot, block), HND (d, slot, head, block). A box is one page's kBlockN=16 slots of
-    one head: 64 columns with 128-byte swizzle (16-bit caches), 128 columns with 128-byte swizzle (fp8
-    with a head dim that is a multiple of 128: fp8_regs), or the whole row (other fp8, unswizzled)."""
+    one head: 64 columns with 128-byte swizzle (16-bit caches; prefill_ws at head dim 96: 32 columns with
+    64-byte swizzle, box_cols), 128 columns with
+    128-byte swizzle (fp8 with a head dim that is a multiple of 128: fp8_regs), or the whole row (other
+    fp8, unswizzled)."""
     from cuda.bindings import driver as drv
 
     from ...codegen.load import check
@@ -35,16 +37,15 @@ def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tu
     width = 1 if fp8 else 2
     dtype = getattr(drv.CUtensorMapDataType, "CU_TENSOR_MAP_DATA_TYPE_" + ("UINT8" if fp8 else _TMA_DTYPE[k.dtype]))
     plain = fp8 and not fp8_regs(head_dim, True)
-    swizzle = drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE if plain else \
-        drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
-    box_cols = head_dim if plain else (128 if fp8 else 64)
+    cols = head_dim if plain else box_cols(head_dim, fp8)
+    swizzle = getattr(drv.CUtensorMapSwizzle, "CU_TENSOR_MAP_SWIZZLE_" + ("NONE" if plain else f"{cols * width}B"))
     blocks, bs, heads = call.num_blocks, call.block_size, call.Hkv
     maps = bytearray()
     for t, (s_block, s_row, s_head) in ((k, call.k_strides), (v, call.v_strides)):
         if s_head < s_row:    # NHD
-            dims, strides, box, row_dim = (call.D, heads, bs, blocks), (s_head, s_row, s_block), (box_cols, 1, 16, 1), 2
+            dims, strides, box, row_dim = (call.D, heads, bs, blocks), (s_head, s_row, s_block), (cols, 1, 16, 1), 2
         else:                 # HND
-            dims, strides, box, row_dim = (call.D, bs, heads, blocks), (s_row, s_head, s_block), (box_cols, 16, 1, 1), 1
+            dims, strides, box, row_dim = (call.D, bs, heads, blocks), (s_row, s_head, s_block), (cols, 16, 1, 1), 1
         tmap = check(drv.cuTensorMapEncodeTiled(
             dtype, 4, t.data_ptr(), [drv.cuuint64_t(x) for x in dims],
             [drv.cuuint64_t(x * width) for x in strides], [drv.cuuint32_t(x) for x in box],
@@ -55,3 +56,14 @@ def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tu
         maps += ctypes.string_at(int(tmap.getPtr()), 128)
     return torch.frombuffer(maps, dtype=torch.uint8).to(k.device), row_dim
 
+
+
+def box_cols(head_dim: int, fp8: bool) -> int:
+    """Columns of a swizzled box: one 128-byte row (128 fp8 or 64 16-bit columns), or 32 (64-byte rows)
+    for a 16-bit head dim that is a multiple of 32 but not of 64 (prefill_ws at 96): AttnTraits::
+    kBlockKSmem, the panels the kernels' shared-memory tiles are made of."""
+    if fp8:
+        return 128
+    if head_dim % 32:
+        raise ValueError(f"tma_maps: no swizzled TMA box for a 16-bit head dim of {head_dim}")
+    return 64 if head_dim % 64 == 0 else 32

@@ -153,8 +153,9 @@ struct AttnTraits {
   static constexpr bool kFp8Regs = kTma && !kWgmma && kIsFp8 && kHeadDim % 128 == 0;
   static_assert(!kFp8Regs || kBlockM == 16, "fp8 register operands: one 16-row MMA tile per warp");
   static_assert(!kWgmma || (kWarpsN == 1 && kWarpsM % 4 == 0 && kBlockM == 16 * kWarpsM &&
-                            kHeadDim % 64 == 0 && kBlockN % 64 == 0),
-                "wgmma: whole warpgroups of 64 rows, Element tiles in 64-column swizzle atoms");
+                            (kHeadDim % 64 == 0 || (kWs && !kIsFp8)) && kBlockN % 64 == 0),
+                "wgmma: whole warpgroups of 64 rows, Element tiles in 64-column swizzle atoms (prefill_ws with "
+                "a 16-bit cache: 32-column ones too, attn_wgmma.cuh)");
 
   // Swizzled shared-memory tiles: 8-row atoms as wide as the head dim allows (64, 32 or 16 columns).
   static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : (kHeadDim % 32 == 0 ? 32 : 16);
@@ -166,7 +167,8 @@ struct AttnTraits {
   using SmemLayoutQ = decltype(cute::tile_to_shape(
       SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
   // (kBlockN, kHeadDim) tiles are column blocks of kBlockKSmem columns, each kBlockN rows of swizzled
-  // 8-row atoms: exactly what a TMA box {64 columns, kBlockN rows} with 128-byte swizzle writes.
+  // 8-row atoms: exactly what TMA boxes {kBlockKSmem columns, 16 rows} with the 128-byte (64-byte at
+  // 32 columns) swizzle write (tma.py).
   using SmemLayoutKV = decltype(cute::tile_to_shape(
       SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
   // V seen as (d, key): the B operand of P.V, read with transposing ldmatrix.

@@ -1,11 +1,13 @@
 // Warpgroup MMA (sm_90a wgmma) pieces of the prefill mainloop (attn_fwd.cuh, Traits::kWgmma).
 //
 // Each warpgroup (four warps, 128 threads) owns 64 of the tile's kBlockM rows:
-//   S (64 x kBlockN)  = Q K^T   both operands from shared memory (K-major, 128-byte swizzle)
+//   S (64 x kBlockN)  = Q K^T   both operands from shared memory (K-major, swizzled)
 //   O (64 x kHeadDim) += P V    P from registers (the S accumulator converted), V from shared memory
 //                               read MN-major (the same swizzled K/V tile, seen transposed)
-// The tiles are the ones the cp.async loader already builds: rows of 64 columns in 8-row atoms with
-// the 128-byte swizzle are exactly GMMA's K-major SW128 layout, so only the views below are new.
+// The tiles are the ones the cp.async loader already builds (Traits::SmemLayoutKV): panels of
+// kPanel = Traits::kBlockKSmem columns in 8-row swizzled atoms. 64 columns with the 128-byte swizzle
+// are GMMA's K-major SW128 layout; prefill_ws also takes head dim 96 (32-column panels, 64-byte
+// swizzle: SW64), as its TMA boxes land them. Only the views below are new.
 //
 // Accumulator registers: a thread holds rows g and g + 8 of its warp's 16 (g = lane / 4) and, for
 // each 8-column block n, columns 8n + 2 (lane % 4) + {0, 1}, in the order (row g: c, c + 1; row
@@ -29,7 +31,14 @@ struct WgmmaTiles {
   static constexpr int kM = Traits::kBlockM, kN = Traits::kBlockN, kD = Traits::kHeadDim;
   using WarpGroups = cute::Layout<cute::Shape<cute::Int<Traits::kWarpsM / 4>, cute::_1, cute::_1>>;
 
-  using Atom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  // columns of a panel: 128- or 64-byte rows, the swizzle's span (Traits::SmemLayoutAtom)
+  static constexpr int kPanel = Traits::kBlockKSmem;
+  static_assert(kPanel == 64 || (kPanel == 32 && Traits::kWs && !Traits::kIsFp8),
+                "128-byte swizzled panels, or (prefill_ws with a 16-bit cache) 64-byte ones");
+  using Atom = cute::conditional_t<kPanel == 64, cute::GMMA::Layout_K_SW128_Atom<Element>,
+                                   cute::GMMA::Layout_K_SW64_Atom<Element>>;
+  static constexpr cute::GMMA::LayoutType kLayoutType =
+      kPanel == 64 ? cute::GMMA::LayoutType::B128 : cute::GMMA::LayoutType::B64;
   using SmemLayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kM>, cute::Int<kD>>{}));
   using SmemLayoutK = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kN>, cute::Int<kD>>{}));
   // V as (d, key): the B operand of P V, D-contiguous (MN-major)
@@ -81,49 +90,53 @@ struct WgmmaTiles {
   // them from the tiles above, without that function's layout algebra (most of the front end's time in
   // these mainloops). A fragment is one descriptor (the operand's first k-step) and a layout of k-steps
   // whose offsets, in 16-byte units, the MMA adds to the descriptor's start address: (1, 1, k-steps).
-  // The tiles are 64-column panels (kRows x 64, 128 bytes a row, 8-row atoms stacked down the rows);
-  // a k-step of Q or K is the next 16 columns (32 bytes, 2 units) of a panel, then the next panel
-  // (kRows x 8 units on); a k-step of V^T is the next 16 keys (16 rows: 128 units).
-  // K-major operands (Q, K): the stride byte offset steps 8 rows (1024 B: 64 units); the leading byte
-  // offset is 1 (unused by 128-byte swizzles). V read MN-major (d-contiguous): the leading byte offset
-  // steps a 64-column panel (kN rows, kN x 8 units; 0 where there is one), the stride byte offset 8
-  // keys (64 units).
+  // The tiles are panels of kPanel columns (kRows x kPanel, kPanel / 8 units a row, 8-row atoms stacked
+  // down the rows); a k-step of Q or K is the next 16 columns (32 bytes, 2 units) of a panel, then the
+  // next panel (kRows x kPanel / 8 units on); a k-step of V^T is the next 16 keys (16 rows: 2 kPanel
+  // units).
+  // K-major operands (Q, K): the stride byte offset steps 8 rows (kPanel units: 1024 bytes at SW128);
+  // the leading byte offset is 1 (unused by swizzled K-major layouts, whose atom spans the MMA's 16
+  // columns). V read MN-major (d-contiguous): the leading byte offset steps a panel along d (kN rows,
+  // kN x kPanel / 8 units; 0 where there is one), the stride byte offset 8 keys (kPanel units).
   // PAGEDATTN_CHECK_TYPES: the fragments' engines and k-step offsets are CuTe's (check_wgmma_types); the
-  // descriptors' values are checked by the SASS, byte-identical to that of partition_fragment_A/B
-  // (perf/results/nvrtc_wgmma_frags_cpu2_20261204_issue19.json).
+  // descriptors' values are CuTe's make_gmma_desc's (check_wgmma_descs, PAGEDATTN_CHECK_DESCS) and, at
+  // SW128, checked by the SASS, byte-identical to that of
+  // partition_fragment_A/B (perf/results/nvrtc_wgmma_frags_cpu2_20261204_issue19.json).
+  static constexpr int kUnitsPerRow = kPanel / 8;  // 16-byte units of a panel's row
   template <int kRows>
-  using KMajorSteps = cute::Layout<cute::Shape<cute::_1, cute::_1, cute::Shape<cute::_4, cute::Int<kD / 64>>>,
-                                   cute::Stride<cute::_0, cute::_0, cute::Stride<cute::_2, cute::Int<kRows * 8>>>>;
+  using KMajorSteps = cute::Layout<
+      cute::Shape<cute::_1, cute::_1, cute::Shape<cute::Int<kPanel / 16>, cute::Int<kD / kPanel>>>,
+      cute::Stride<cute::_0, cute::_0, cute::Stride<cute::_2, cute::Int<kRows * kUnitsPerRow>>>>;
   using VtSteps = cute::Layout<cute::Shape<cute::_1, cute::_1, cute::Int<kN / 16>>,
-                               cute::Stride<cute::_0, cute::_0, cute::_128>>;
+                               cute::Stride<cute::_0, cute::_0, cute::Int<16 * kUnitsPerRow>>>;
 
   // fp8 operands (kFp8Qk): a k-step is 32 columns (32 bytes, 2 units) of the one 128-byte panel
   using Fp8Steps = cute::Layout<cute::Shape<cute::_1, cute::_1, cute::Int<kD / 32>>,
                                 cute::Stride<cute::_0, cute::_0, cute::_2>>;
 
-  __device__ __forceinline__ static cute::GmmaDescriptor sw128_desc(void const* tile, uint32_t leading,
-                                                                     uint32_t stride) {
+  template <cute::GMMA::LayoutType kType = kLayoutType>
+  __device__ __forceinline__ static cute::GmmaDescriptor desc(void const* tile, uint32_t leading, uint32_t stride) {
     cute::GmmaDescriptor d;
-    d.bitfield.layout_type_ = uint8_t(cute::GMMA::LayoutType::B128);
+    d.bitfield.layout_type_ = uint8_t(kType);
     d.bitfield.start_address_ = uint16_t(cute::cast_smem_ptr_to_uint(tile) >> 4);
     d.bitfield.base_offset_ = 0;
     d.bitfield.stride_byte_offset_ = stride;
     d.bitfield.leading_byte_offset_ = leading;
     return d;
   }
-  // Q's rows of thread tidx's warpgroup (64 rows: 64 x 128 bytes into each panel; the warpgroup taken
-  // modulo the tile's, as the TiledMma's thread layout does)
+  // Q's rows of thread tidx's warpgroup (64 rows: 64 x kPanel elements into each panel; the warpgroup
+  // taken modulo the tile's, as the TiledMma's thread layout does)
   __device__ __forceinline__ static auto frag_q(Element const* q_tile, int tidx) {
     int const wg = tidx / 128 % (Traits::kWarpsM / 4);
-    return cute::make_tensor(cute::GMMA::DescriptorIterator{sw128_desc(q_tile + wg * 64 * 64, 1, 64)},
+    return cute::make_tensor(cute::GMMA::DescriptorIterator{desc(q_tile + wg * 64 * kPanel, 1, kPanel)},
                              KMajorSteps<kM>{});
   }
   __device__ __forceinline__ static auto frag_k(Element const* k_tile) {
-    return cute::make_tensor(cute::GMMA::DescriptorIterator{sw128_desc(k_tile, 1, 64)}, KMajorSteps<kN>{});
+    return cute::make_tensor(cute::GMMA::DescriptorIterator{desc(k_tile, 1, kPanel)}, KMajorSteps<kN>{});
   }
   __device__ __forceinline__ static auto frag_vt(Element const* v_tile) {
-    return cute::make_tensor(cute::GMMA::DescriptorIterator{sw128_desc(v_tile, kD > 64 ? kN * 8 : 0, 64)},
-                             VtSteps{});
+    return cute::make_tensor(
+        cute::GMMA::DescriptorIterator{desc(v_tile, kD > kPanel ? kN * kUnitsPerRow : 0, kPanel)}, VtSteps{});
   }
 
   // kFp8Qk: the e4m3 Q tile `half` (0: hi, 1: lo; kM rows of kD bytes each, hi first) of thread
@@ -132,10 +145,12 @@ struct WgmmaTiles {
     static_assert(kD == 128, "one 128-byte panel");
     int const wg = tidx / 128 % (Traits::kWarpsM / 4);
     char const* const at = static_cast<char const*>(q_tiles) + (half * kM + wg * 64) * kD;
-    return cute::make_tensor(cute::GMMA::DescriptorIterator{sw128_desc(at, 1, 64)}, Fp8Steps{});
+    return cute::make_tensor(cute::GMMA::DescriptorIterator{desc<cute::GMMA::LayoutType::B128>(at, 1, 64)},
+                             Fp8Steps{});
   }
   __device__ __forceinline__ static auto frag_k8(void const* k_raw) {
-    return cute::make_tensor(cute::GMMA::DescriptorIterator{sw128_desc(k_raw, 1, 64)}, Fp8Steps{});
+    return cute::make_tensor(cute::GMMA::DescriptorIterator{desc<cute::GMMA::LayoutType::B128>(k_raw, 1, 64)},
+                             Fp8Steps{});
   }
 
   // P in registers, in the A-operand order of TiledMmaPV: (8 values, 1 row block, kBlockN / 16 steps)

@@ -55,6 +55,57 @@ __device__ void check_wgmma_types() {
 }
 #endif
 
+#if PAGEDATTN_CHECK_DESCS
+// Defined nowhere: a call to it that survives optimisation fails the build (an unresolved extern function).
+extern "C" __device__ void pagedattn_wgmma_descriptor_differs_from_cutes();
+
+// The values of the written descriptor fragments (WgmmaTiles: layout type, offsets, start address, every
+// k-step) against those of CuTe's partition_fragment_A/B over the same tiles (make_gmma_desc), for
+// thread 0; and the tiles the loaders write (Traits' layouts: the TMA boxes, the cp.async copies, the
+// zero fills) against the GMMA layouts those descriptors describe, at every 16-byte piece. Tests: a full
+// compile; every comparison folds to a constant, and one that is not equal leaves the call above.
+template <class Traits>
+__device__ void check_wgmma_descs(char* smem) {
+  using namespace cute;
+  using Tiles = WgmmaTiles<Traits>;
+  using Element = typename Traits::MmaElement;
+  Element* const tile = reinterpret_cast<Element*>(smem);
+  // the two layouts from address 0, over their first two 8-row atoms of every panel (rows repeat by atom;
+  // a panel's place depends on the rows, as every panel is reached from row 0)
+  auto same_tile = [](auto written, auto gmma) {
+    Element* const none = nullptr;
+    Tensor a = make_tensor(make_smem_ptr(none), written);
+    Tensor b = make_tensor(make_smem_ptr(none), gmma);
+    bool eq = true;
+    CUTE_UNROLL
+    for (int r = 0; r < 16; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < Traits::kHeadDim; c += 8) eq = eq && raw_pointer_cast(&a(r, c)) == raw_pointer_cast(&b(r, c));
+    }
+    return eq;
+  };
+  if (!same_tile(typename Traits::SmemLayoutKV{}, typename Tiles::SmemLayoutK{}) ||
+      !same_tile(typename Traits::SmemLayoutQ{}, typename Tiles::SmemLayoutQ{})) {
+    pagedattn_wgmma_descriptor_differs_from_cutes();
+  }
+  auto thr_qk = typename Tiles::TiledMmaQK{}.get_thread_slice(0);
+  auto thr_pv = typename Tiles::TiledMmaPV{}.get_thread_slice(0);
+  auto same = [](auto const& mine, auto const& cutes) {
+    bool eq = size<2>(mine) == size<2>(cutes);
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(mine); ++k) {
+      eq = eq && uint64_t(mine(0, 0, k)) == uint64_t(cutes(0, 0, k));
+    }
+    return eq;
+  };
+  bool const ok =
+      same(Tiles::frag_q(tile, 0), thr_qk.partition_fragment_A(make_tensor(make_smem_ptr(tile), typename Tiles::SmemLayoutQ{}))) &&
+      same(Tiles::frag_k(tile), thr_qk.partition_fragment_B(make_tensor(make_smem_ptr(tile), typename Tiles::SmemLayoutK{}))) &&
+      same(Tiles::frag_vt(tile), thr_pv.partition_fragment_B(make_tensor(make_smem_ptr(tile), typename Tiles::SmemLayoutVt{})));
+  if (!ok) pagedattn_wgmma_descriptor_differs_from_cutes();
+}
+#endif
+
 template <class Traits, class Features>
 __device__ __forceinline__ void mainloop_wgmma(TileCtx<Traits> const& c) {
   using namespace cute;

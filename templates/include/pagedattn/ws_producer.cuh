@@ -76,7 +76,9 @@ struct WsProducerLane {
 template <class Traits, class Feed>
 __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing const ring, Feed const& feed) {
   constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
-  constexpr int kBoxCols = 64, kPerWarp = WsProducerLane<Traits>::kPerWarp;
+  // a box: 16 rows of one swizzle panel (64 columns, 128-byte swizzle; at head dim 96, 32 columns and
+  // the 64-byte swizzle: the tensor maps of tma.py)
+  constexpr int kBoxCols = Traits::kBlockKSmem, kPerWarp = WsProducerLane<Traits>::kPerWarp;
   constexpr int kChunkBytes = 16 * kHeadDim * 2;  // K (or V) bytes of one chunk
   constexpr int kCols = kHeadDim / kBoxCols;  // boxes per chunk
   WsBarriers const bars(c.smem);  // from the shared window's base: constants, not registers held per item
@@ -105,7 +107,7 @@ __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing cons
       if (bad) {  // rare: zero the warp's chunks of corrupt pages, all lanes together, before it arrives
         for (int l = 0; l < kPerWarp; ++l) {
           if (!(bad >> l & 1u)) continue;
-          for (int col = 0; col < kHeadDim / kBoxCols; ++col) {
+          for (int col = 0; col < kCols; ++col) {
             int const base = (col * kBlockN + 16 * (first_chunk + l)) * kBoxCols * 2;
             for (int b = 16 * lane; b < 16 * kBoxCols * 2; b += 16 * 32) {
               *reinterpret_cast<uint4*>(dst + base + b) = make_uint4(0, 0, 0, 0);
@@ -337,7 +339,6 @@ struct WsQFeedRows {
   static constexpr bool kWalk =
       Traits::kProducerThreads % kChunks == 0 && 64 % (Traits::kProducerThreads / kChunks) == 0;
   static constexpr int kStep = kWalk ? Traits::kProducerThreads / kChunks : 1;  // rows between a thread's pieces
-  static_assert(Traits::kBlockKSmem == 64, "Q in 64-column panels of 128-byte rows");
   AttnParams const& p;
   AttnWork const& w;
   int const tid, wg;
@@ -370,8 +371,9 @@ struct WsQFeedRows {
       CUTE_UNROLL
       for (int k = 0; k < 64 / kStep; ++k) {
         bool const ok = col_ok && t < w.q_len;
-        // a step of whole 8-row swizzle atoms keeps the piece's place in its row: 128-byte rows
-        Element* const dst = kStep % 8 == 0 ? first + kStep * k * 64 : &sQ(row + kStep * k, col);
+        // a step of whole 8-row swizzle atoms keeps the piece's place in its row (rows of a panel:
+        // kBlockKSmem elements)
+        Element* const dst = kStep % 8 == 0 ? first + kStep * k * Traits::kBlockKSmem : &sQ(row + kStep * k, col);
         cp_async_16(dst, ok ? src : p.q, ok);
         t += dt;
         g += dg;
