@@ -248,6 +248,20 @@ def test_features_with_ws_pairs(c, decode_loader):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("c", [dict(c, D=96, kv="auto", contiguous=False, bs=max(16, c["bs"]))
+                               for c in _feature_grid(160, seed=9) if c["batch"] in ("mixed", "prefill", "long")][:12],
+                         ids=_fid)
+def test_features_at_narrow_head_dim(c, decode_loader):
+    """Every feature in the opt-in head-dim-96 prefill_ws (forced ws_narrow: 32-column panels) and at head
+    dim 96 as the dispatch runs it (the 128 tile, its last 32 columns zero)."""
+    from pagedattn.ops import attention as attention_ops
+
+    _check_feature_case(c, decode_loader)
+    with attention_ops.forced(prefill="prefill_ws", ws_narrow=True):
+        _check_feature_case(c, decode_loader)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("c", [dict(c, D=512, loader=("auto", "cp_async")[i % 2])
                                for i, c in enumerate(_feature_grid(160, seed=3)[::8])], ids=_fid)
 def test_features_at_head_dim_512(c, decode_loader):

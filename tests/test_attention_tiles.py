@@ -266,7 +266,8 @@ def test_small_smem_decode_matches_reference(D, kv, splits, monkeypatch):
 # 32-column atoms; multi: two MMA tiles per warp), TMA decode d512 (eight atoms, two column groups) and
 # multi_tma d128 (two MMA tiles per warp, Q kept in registers). The wgmma mainloops' written
 # accumulators, coordinates and descriptor fragments (WgmmaTiles, attn_wgmma.cuh): prefill_wgmma (four
-# warpgroups) and prefill_ws (two; d64: one 64-column panel; fp8: fp16 tiles beside a bf16 Q). Each
+# warpgroups) and prefill_ws (two; d64: one 64-column panel; d96: three 32-column ones; fp8: fp16 tiles
+# beside a bf16 Q). Each
 # check is 3-16 s of one core: `make test` runs one of each kind (atom width, warps per group, multi,
 # column groups, wgmma), `make test-all` the other head dims and dtypes too (marked slow).
 _CHECK_OPTIONS = ("-fdevice-syntax-only", "-DPAGEDATTN_CHECK_TYPES=1", "-DPAGEDATTN_CHECK_TYPES_ONLY=1")
@@ -296,9 +297,37 @@ def _check(arch, dtype, d, mode, slow=False, kv="auto"):
                                        _check("sm_90a", "bf16", 128, "prefill_wgmma"),
                                        _check("sm_90a", "fp16", 256, "prefill_ws"),
                                        _check("sm_90a", "bf16", 128, "prefill_ws", kv="fp8_e4m3"),  # fp16 tiles
-                                       _check("sm_90a", "bf16", 64, "prefill_ws", slow=True)])
+                                       _check("sm_90a", "bf16", 64, "prefill_ws", slow=True),
+                                       _check("sm_90a", "bf16", 96, "prefill_ws")])  # 32-column panels (opt-in)
 def test_written_sm80_layouts_are_cutes(arch, spec):
     from pagedattn.codegen.compile import compile_source, nvrtc_options
     from pagedattn.codegen.toolchain import toolchain
     k = Kernel(spec)
     compile_source(k.source, variant=k.name, arch=arch, options=nvrtc_options(arch, toolchain()) + list(_CHECK_OPTIONS))
+
+
+_DESC_OPTIONS = ("-DPAGEDATTN_CHECK_DESCS=1",)
+
+
+def _descs(dtype, d, mode, kv="auto", slow=False):
+    spec = AttnFwdSpec(dtype, kv, d, mode)
+    return pytest.param(spec, marks=[pytest.mark.compiles((spec, "sm_90a", _DESC_OPTIONS))]
+                        + ([pytest.mark.slow] if slow else []), id=f"{dtype}-{d}-{mode}-{kv}")
+
+
+@pytest.mark.parametrize("spec", [_descs("bf16", 96, "prefill_ws"), _descs("bf16", 128, "prefill_ws"),
+                                  _descs("fp16", 64, "prefill_ws", slow=True), _descs("bf16", 256, "prefill_ws", slow=True),
+                                  _descs("bf16", 128, "prefill_ws", "fp8_e4m3", slow=True),
+                                  _descs("bf16", 192, "prefill_wgmma", slow=True)])
+def test_written_wgmma_descriptors_are_cutes(spec):
+    """The values of WgmmaTiles' written descriptors (layout type, leading and stride byte offsets, start
+    address, every k-step) equal make_gmma_desc's for CuTe's partitions of the same tiles, and the tiles the
+    loaders write (Traits' layouts) are the GMMA layouts they describe: check_wgmma_descs, a full compile in
+    which each comparison folds to a constant and an unequal one leaves a call to a function defined
+    nowhere (ptxas fails). Head dim 96 checks the 64-byte swizzle's 32-column panels."""
+    from pagedattn.codegen.compile import compile_source, nvrtc_options
+    from pagedattn.codegen.toolchain import toolchain
+    k = Kernel(spec)
+    res = compile_source(k.source, variant=k.name, arch="sm_90a",
+                         options=nvrtc_options("sm_90a", toolchain()) + list(_DESC_OPTIONS))
+    assert res.cubin[:4] == b"\x7fELF"

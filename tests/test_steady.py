@@ -566,3 +566,38 @@ def _with_clusters(launcher_fn, clusters):
         lau.max_active_clusters = lambda threads, cluster: clusters
         return lau
     return launcher
+
+
+@pytest.mark.parametrize("D,kv,bs,forced,want", [
+    (96, "auto", 16, {}, [("prefill_ws", 128), ("decode", 96)]),    # the 128 tile, its columns past 96 zero
+    (80, "auto", 16, {}, [("prefill_ws", 128), ("decode", 80)]),
+    (72, "auto", 16, {}, [("prefill_ws", 128), ("decode", 80)]),    # compiled 80, so the 128 tile too
+    (96, "auto", 8, {}, [("prefill_wgmma", 128), ("decode", 96)]),  # pages TMA cannot box: cp.async + wgmma
+    (96, "fp8_e4m3", 16, {}, [("prefill", 96), ("decode_tma", 96)]),  # fp8: one set of TMA maps per plan
+    (128, "auto", 16, {}, [("prefill_ws", 128), ("decode_tma", 128)]),
+    (96, "auto", 16, {"prefill": "prefill_ws", "ws_narrow": True}, [("prefill_ws", 96), ("decode", 96)]),
+    (80, "auto", 16, {"prefill": "prefill_ws", "ws_narrow": True}, [("prefill_ws", 128), ("decode", 80)]),
+])
+def test_prefill_head_dim_of_a_plan(D, kv, bs, forced, want, monkeypatch):
+    """heuristics.wgmma_head_dim on the plan: 16-bit caches at head dims 80 and 96 take the warpgroup-MMA
+    prefills compiled at 128 (their TMA maps encoded for 128), their decode its own head dim; fp8 caches
+    keep theirs; forced ws_narrow keeps 96 (WS_NARROW_HEAD_DIMS) on prefill_ws."""
+    specs, maps_dims = [], []
+    monkeypatch.setattr(attention, "get_kernel", lambda spec: specs.append(spec) or _RecordingKernel(spec))
+    maps = torch.zeros(256, dtype=torch.uint8)
+    monkeypatch.setattr(attention, "tma_maps", lambda k, v, call, head_dim: maps_dims.append(head_dim) or (maps, 2))
+    gen = torch.Generator().manual_seed(D)
+    spec = CacheSpec(32, bs, 2, D, torch.uint8 if kv != "auto" else torch.bfloat16, kv)
+    kc, vc = spec.allocate("cpu", fill=0.0)
+    extra = dict(kv_cache_dtype=kv, k_descale=torch.full((2,), 0.5), v_descale=torch.full((2,), 0.5)) \
+        if kv != "auto" else {}
+    table = torch.randperm(32, generator=gen)[: 512 // bs].view(1, -1).int()
+    with attention.forced(**forced):
+        for q_len in (200, 1):  # 400 packed rows (group 2), then one
+            q = torch.randn(q_len, 4, D, generator=gen).to(torch.bfloat16)
+            pagedattn.flash_attn_varlen_func(q, kc, vc, q_len, torch.tensor([0, q_len], dtype=torch.int32), 300,
+                                             seqused_k=torch.tensor([300], dtype=torch.int32), block_table=table,
+                                             causal=True, **extra)
+    assert [(s.mode, s.head_dim) for s in specs] == want
+    tma = {m: d for m, d in want if m in ("prefill_ws", "decode_tma")}
+    assert set(maps_dims) == set(tma.values())  # the plan's one head dim for TMA
