@@ -304,12 +304,22 @@ def select(*, ops=None, preset: str | None = None, filters: dict[str, list] | No
             if name:
                 narrow.append((name, option, values))
         for spec in cls.all_variants():
-            if all(_norm(option, getattr(spec, name)) in values for name, option, values in narrow):
+            if all(_matches(spec, name, option, values) for name, option, values in narrow):
                 sel.specs.append(spec)
     if not sel.specs:
         raise SelectionError("no registered variant matches this selection "
                              "(see `pagedattn list` for each family's values)")
     return sel
+
+
+def _matches(spec, name: str, option: str, values: set[str]) -> bool:
+    """Whether a spec's field is one of a filter's values. Head sizes ask the family when it says which
+    head sizes a variant serves (`serves_head_size`: attention runs some head sizes' prefills on a wider
+    compiled tile), else the field."""
+    serves = getattr(spec, "serves_head_size", None) if option == "head_sizes" else None
+    if serves is not None:
+        return any(serves(int(v)) for v in values if v.isdigit())
+    return _norm(option, getattr(spec, name)) in values
 
 
 def command_for(spec, arch: str, out) -> str:

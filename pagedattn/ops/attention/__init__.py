@@ -160,6 +160,17 @@ class AttnFwdSpec(KernelSpec):
         """prefill_ws in clusters of two CTAs with K/V multicast (tiles.ws_pair)."""
         return ws_pair(self.tiles, self.kv_cache_dtype != "auto")
 
+    def serves_head_size(self, head_size: int) -> bool:
+        """Whether a plan for head size `head_size` may launch this variant: one compiled at its kernel
+        head dim, or a warpgroup-MMA prefill at the head dim those run it on (wgmma_head_dim: 80 and 96 on
+        the 128 tile). What `pagedattn precompile --head-sizes` / `--model-config` select by."""
+        try:
+            d = kernel_head_dim(head_size)
+        except UnsupportedError:
+            return False
+        return self.head_dim == d or (self.mode in WGMMA_MODES and
+                                      self.head_dim == wgmma_head_dim(d, self.kv_cache_dtype != "auto"))
+
     @property
     def narrow(self) -> bool:
         """prefill_ws at a head dim that is not a multiple of 64 (WS_NARROW_HEAD_DIMS: 32-column panels;
