@@ -440,10 +440,11 @@ def test_prefill_case_list_has_the_issue16_goal_cases():
     assert list(cases) == [
         "prefill/B4/S4096/causal", "prefill/B4/S4096/causal/fp8_e4m3", "prefill/B1/S16384/causal",
         "prefill/B4/S4096/noncausal", "chunk/B8/q512/ctx8192/causal", "prefill/B4/S4096/causal/d64",
-        "prefill/B4/S4096/causal/d256", "multi/B32/q8/ctx4096/causal", "multi/B32/q32/ctx4096/causal"]
+        "prefill/B4/S4096/causal/d256", "prefill/B4/S4096/causal/d96", "multi/B32/q8/ctx4096/causal",
+        "multi/B32/q32/ctx4096/causal"]
     assert [c.params["causal"] for c in cases.values()].count(False) == 1
     assert cases["prefill/B4/S4096/noncausal"].params["causal"] is False
-    assert [cases[f"prefill/B4/S4096/causal/d{d}"].params["d"] for d in (64, 256)] == [64, 256]
+    assert [cases[f"prefill/B4/S4096/causal/d{d}"].params["d"] for d in (64, 256, 96)] == [64, 256, 96]
     fp8 = cases["prefill/B4/S4096/causal/fp8_e4m3"].params    # held to ours on a bf16 cache, same shape
     assert (fp8["peers"], fp8["base"]["kv_cache_dtype"], fp8["base_name"]) == ("base", "auto", attention.BF16)
     goals = {cid: s["goal"] for s, cid in zip(attention.PREFILL, cases)}

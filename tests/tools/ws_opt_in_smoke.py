@@ -27,7 +27,8 @@ FIELDS = {
     "pair_all": {"kWsPair": True, "kWsQFeed": 2, "kWsOBulk": True, "kLazyMax": 3},
 }
 # (head dim, cache dtype, causal, splits); lengths are ragged, with a request of no keys and more row
-# tiles than SMs in the last case
+# tiles than SMs in "many_items"; "d96_narrow": head dim 96 compiled as such (forced ws_narrow: 32-column
+# panels, the 64-byte swizzle), where the dispatch runs it on the 128 tile
 CASES = {
     "d128": (128, "auto", True, 1),
     "d128_split3": (128, "auto", True, 3),
@@ -35,6 +36,7 @@ CASES = {
     "d256": (256, "auto", True, 1),
     "fp8": (128, "fp8_e4m3", True, 1),
     "many_items": (128, "auto", True, 1),
+    "d96_narrow": (96, "auto", True, 1),
 }
 
 
@@ -65,7 +67,8 @@ def run_one(fields: str, case: str) -> dict:
     scale = dict(k_descale=torch.ones(1, device="cuda"), v_descale=torch.ones(1, device="cuda")) if fp8 else {}
     kw = dict(seqused_k=seq, block_table=table, causal=causal, num_splits=splits, return_softmax_lse=True,
               kv_cache_dtype=kv, **scale)
-    with attention_ops.forced(prefill="prefill_ws", tiles={"prefill_ws": FIELDS[fields]}):
+    with attention_ops.forced(prefill="prefill_ws", tiles={"prefill_ws": FIELDS[fields]},
+                              ws_narrow=case.endswith("_narrow")):
         out, lse = flash_attn_varlen_func(q, kc, vc, max(lens), cu_q, max(lens), **kw)
         again, lse_again = flash_attn_varlen_func(q, kc, vc, max(lens), cu_q, max(lens), **kw)
     torch.cuda.synchronize()
