@@ -573,15 +573,16 @@ def _with_clusters(launcher_fn, clusters):
     (80, "auto", 16, {}, [("prefill_ws", 128), ("decode", 80)]),
     (72, "auto", 16, {}, [("prefill_ws", 128), ("decode", 80)]),    # compiled 80, so the 128 tile too
     (96, "auto", 8, {}, [("prefill_wgmma", 128), ("decode", 96)]),  # pages TMA cannot box: cp.async + wgmma
-    (96, "fp8_e4m3", 16, {}, [("prefill", 96), ("decode_tma", 96)]),  # fp8: one set of TMA maps per plan
+    (96, "fp8_e4m3", 16, {}, [("prefill_wgmma", 128), ("decode_tma", 96)]),  # fp8: its decode keeps the TMA maps
     (128, "auto", 16, {}, [("prefill_ws", 128), ("decode_tma", 128)]),
     (96, "auto", 16, {"prefill": "prefill_ws", "ws_narrow": True}, [("prefill_ws", 96), ("decode", 96)]),
     (80, "auto", 16, {"prefill": "prefill_ws", "ws_narrow": True}, [("prefill_ws", 128), ("decode", 80)]),
 ])
 def test_prefill_head_dim_of_a_plan(D, kv, bs, forced, want, monkeypatch):
-    """heuristics.wgmma_head_dim on the plan: 16-bit caches at head dims 80 and 96 take the warpgroup-MMA
-    prefills compiled at 128 (their TMA maps encoded for 128), their decode its own head dim; fp8 caches
-    keep theirs; forced ws_narrow keeps 96 (WS_NARROW_HEAD_DIMS) on prefill_ws."""
+    """heuristics.wgmma_head_dim on the plan: head dims 80 and 96 take the warpgroup-MMA prefills compiled
+    at 128, their decode its own head dim; with a 16-bit cache prefill_ws (its TMA maps encoded for 128),
+    with an fp8 one prefill_wgmma (decode_tma's maps stay at 96); forced ws_narrow keeps 96
+    (WS_NARROW_HEAD_DIMS) on prefill_ws."""
     specs, maps_dims = [], []
     monkeypatch.setattr(attention, "get_kernel", lambda spec: specs.append(spec) or _RecordingKernel(spec))
     maps = torch.zeros(256, dtype=torch.uint8)

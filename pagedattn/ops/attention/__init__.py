@@ -30,7 +30,7 @@ from ..params import AttnParams
 # re-exported: `from pagedattn.ops.attention import X` finds every name of the former single module
 from .heuristics import MAX_SPLITS, _best_splits, mode_for, split_cost, splits_for  # noqa: F401
 from .heuristics import MULTI_ROWS, WS_FP8_HEAD_DIM, WS_NARROW_HEAD_DIMS, multi_mode, prefill_mode, tma_ok  # noqa: F401
-from .heuristics import wave_capacity, wgmma_head_dim, wgmma_ok  # noqa: F401
+from .heuristics import wave_capacity, wgmma_head_dim, wgmma_ok, wide_prefill_tma  # noqa: F401
 from . import overrides
 from .overrides import FORCED_MULTI_ROWS, forced  # noqa: F401
 from .tiles import HEAD_DIMS, MODES, SM90_MODES, TMA_MODES, WGMMA_MODES, SMALL_SMEM_ARCH, SMEM_LIMIT, SMEM_PER_CTA, _tiles  # noqa: F401
@@ -168,8 +168,10 @@ class AttnFwdSpec(KernelSpec):
             d = kernel_head_dim(head_size)
         except UnsupportedError:
             return False
-        return self.head_dim == d or (self.mode in WGMMA_MODES and
-                                      self.head_dim == wgmma_head_dim(d, self.kv_cache_dtype != "auto"))
+        fp8 = self.kv_cache_dtype != "auto"
+        wd = wgmma_head_dim(d, fp8)
+        return self.head_dim == d or (self.head_dim == wd and self.mode in WGMMA_MODES and
+                                      (self.mode != "prefill_ws" or wide_prefill_tma(fp8, d, wd)))
 
     @property
     def narrow(self) -> bool:
@@ -307,11 +309,13 @@ class _Plan:
         self.decode_mode = "decode_tma" if tma else "decode"
         self.multi_mode = None if f.multi is False else multi_mode(call, self.head_dim, tma)
         self.multi_rows = FORCED_MULTI_ROWS if f.multi else MULTI_ROWS
-        # the warpgroup-MMA prefills' head dim: 80 and 96 run on the 128 tile (heuristics.wgmma_head_dim), whose
-        # TMA maps (prefill_ws) are then the plan's only ones (decode reads those 16-bit caches by cp.async)
+        # the warpgroup-MMA prefills' head dim: 80 and 96 run on the 128 tile (heuristics.wgmma_head_dim); the
+        # plan's TMA maps are then prefill_ws's (16-bit caches, whose decode reads by cp.async there), and an
+        # fp8 cache's prefill takes prefill_wgmma (its decode_tma keeps the maps: wide_prefill_tma)
         fp8 = call.kv_name != "auto"
         self.wgmma_dim = wd = wgmma_head_dim(self.head_dim, fp8, bool(f.ws_narrow))
-        wide_tma = tma if wd == self.head_dim else f.tma is not False and tma_ok(call, arch, wd)
+        wide_tma = tma if wd == self.head_dim else \
+            f.tma is not False and wide_prefill_tma(fp8, self.head_dim, wd) and tma_ok(call, arch, wd)
         self.prefill_mode = f.prefill or prefill_mode(wgmma_ok(call, arch, wd), wide_tma, fp8, wd)
         # prefill_wgmma's tiles are larger: it takes over once the rows overflow one SM80 prefill tile.
         # Measured on H200 (perf/results/prefill_modes_nvidia_h200_20261130_short_3eaa587.json, d128,
@@ -368,8 +372,9 @@ class _Plan:
 
     @property
     def tma_head_dim(self) -> int:
-        """The head dim of the plan's TMA modes: the prefill's where it differs (16-bit caches at 80 and 96,
-        whose decode reads by cp.async; wgmma_head_dim keeps an fp8 cache's), else the plan's."""
+        """The head dim of the plan's TMA modes: prefill_ws's where it differs (16-bit caches at 80 and 96,
+        whose decode reads by cp.async; an fp8 cache's prefill on the 128 tile is prefill_wgmma), else the
+        plan's."""
         return self.wgmma_dim if self.prefill_mode == "prefill_ws" else self.head_dim
 
     def maps_ptr(self, k, v, kp: int, vp: int, capturing: bool) -> int:

@@ -59,20 +59,29 @@ def wgmma_ok(call: _Call, arch: str, head_dim: int) -> bool:
 
 def wgmma_head_dim(head_dim: int, fp8: bool, narrow: bool = False) -> int:
     """The compiled head dim of a plan's warpgroup-MMA prefills (prefill_ws, prefill_wgmma), given its
-    own. With a 16-bit cache, 80 and 96 (not multiples of 64, which the 128-byte swizzled tiles need)
-    run on the 128 tile: the TMA boxes (or cp.async copies) zero-fill the columns past the head size
-    and the epilogue skips them, as for head sizes 112 and 120 (GPU-tested: test_ws_prefill_matches_reference,
-    test_fp8_ws_prefill_matches_reference). The alternative on sm_90a is the SM80 prefill: measured on
+    own. 80 and 96 (not multiples of 64, which the 128-byte swizzled tiles need) run on the 128 tile:
+    the TMA boxes (or cp.async copies) zero-fill the columns past the head size and the epilogue skips
+    them, as for head sizes 112 and 120 (GPU-tested: test_ws_prefill_matches_reference,
+    test_fp8_ws_prefill_matches_reference, test_fp8_wgmma_prefill_matches_reference). The alternative on
+    sm_90a is the SM80 prefill: measured on
     H200 (perf/results/ldsm_ab_h200_20261204_405b778_cute_r1.json, B=4 S=4096 causal) 2903 us at d80 and
     3149 us at d96 (118 and 131 TFLOP/s), where d128 prefill_ws takes 1071-1094 us for more work
     (perf/results/h200_sm90_20261204_prefill_lazymax_a86d5b9.json, ws_softmax_lazy/call4_93f0a37/).
+    An fp8 cache's prefill there is prefill_wgmma (wide_prefill_tma): its decode reads the cache by TMA
+    with maps of its own head dim, and a plan has one set of maps.
     narrow (opt-in: overrides.forced(prefill="prefill_ws", ws_narrow=True)): the head dims of
     WS_NARROW_HEAD_DIMS as they are, in prefill_ws's 32-column panels (attn_wgmma.cuh), not yet run on
-    a GPU. fp8 caches keep theirs: their decode reads the cache with TMA maps of that head dim (one set
-    of maps per plan)."""
-    if fp8 or head_dim % 64 == 0 or head_dim > 128 or (narrow and head_dim in WS_NARROW_HEAD_DIMS):
+    a GPU."""
+    if head_dim % 64 == 0 or head_dim > 128 or (narrow and not fp8 and head_dim in WS_NARROW_HEAD_DIMS):
         return head_dim
     return 128
+
+
+def wide_prefill_tma(fp8: bool, head_dim: int, wgmma_dim: int) -> bool:
+    """Whether a plan whose warpgroup-MMA prefills run at wgmma_dim may give them TMA (prefill_ws), given
+    that its cache allows it at that head dim: not an fp8 cache's prefill on a wider tile than the plan's
+    head dim (its decode_tma's maps are encoded for the plan's; prefill_wgmma takes it, with cp.async)."""
+    return not (fp8 and wgmma_dim != head_dim)
 
 
 def prefill_mode(wgmma: bool, tma: bool, fp8: bool, head_dim: int) -> str:

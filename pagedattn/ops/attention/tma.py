@@ -25,10 +25,9 @@ def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tu
 
     Dimensions, innermost first, in increasing stride (the layouts differ only in the middle two):
     NHD (d, head, slot, block), HND (d, slot, head, block). A box is one page's kBlockN=16 slots of
-    one head: 64 columns with 128-byte swizzle (16-bit caches; prefill_ws at head dim 96: 32 columns with
-    64-byte swizzle, box_cols), 128 columns with
-    128-byte swizzle (fp8 with a head dim that is a multiple of 128: fp8_regs), or the whole row (other
-    fp8, unswizzled)."""
+    one head: 64 columns with 128-byte swizzle (16-bit caches; prefill_ws at head dim 96: 32 columns
+    with 64-byte swizzle, box_cols), 128 columns with 128-byte swizzle (fp8 with a head dim that is a
+    multiple of 128: fp8_regs), or the whole row (other fp8, unswizzled)."""
     from cuda.bindings import driver as drv
 
     from ...codegen.load import check
@@ -55,7 +54,6 @@ def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tu
             drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
         maps += ctypes.string_at(int(tmap.getPtr()), 128)
     return torch.frombuffer(maps, dtype=torch.uint8).to(k.device), row_dim
-
 
 
 def box_cols(head_dim: int, fp8: bool) -> int:

@@ -100,8 +100,8 @@ struct WgmmaTiles {
   // kN x kPanel / 8 units; 0 where there is one), the stride byte offset 8 keys (kPanel units).
   // PAGEDATTN_CHECK_TYPES: the fragments' engines and k-step offsets are CuTe's (check_wgmma_types); the
   // descriptors' values are CuTe's make_gmma_desc's (check_wgmma_descs, PAGEDATTN_CHECK_DESCS) and, at
-  // SW128, checked by the SASS, byte-identical to that of
-  // partition_fragment_A/B (perf/results/nvrtc_wgmma_frags_cpu2_20261204_issue19.json).
+  // SW128, checked by the SASS, byte-identical to that of partition_fragment_A/B
+  // (perf/results/nvrtc_wgmma_frags_cpu2_20261204_issue19.json).
   static constexpr int kUnitsPerRow = kPanel / 8;  // 16-byte units of a panel's row
   template <int kRows>
   using KMajorSteps = cute::Layout<
