@@ -105,7 +105,8 @@ CI_SPECS = [AttnFwdSpec("bf16", "auto", 128, "decode"), AttnFwdSpec("bf16", "aut
             AttnFwdSpec("bf16", "fp8_e4m3", 128, "prefill_wgmma"), AttnFwdSpec("bf16", "auto", 512, "decode_tma"),
             AttnFwdSpec("bf16", "auto", 128, "multi_tma"), AttnFwdSpec("bf16", "auto", 128, "prefill_ws"),
             AttnFwdSpec("bf16", "fp8_e4m3", 128, "prefill_ws"), AttnFwdSpec("fp16", "fp8_e5m2", 128, "prefill_ws"),
-            AttnFwdSpec("bf16", "auto", 96, "prefill_ws")]  # opt-in (ws_narrow): not among all_variants
+            AttnFwdSpec("bf16", "auto", 96, "prefill_ws"),  # opt-in (ws_narrow): not among all_variants
+            AttnFwdSpec("fp16", "auto", 80, "prefill_ws")]
 
 
 # make test compiles the cp.async/mma.sync variants for one arch (sm_80 and sm_90a compile one source):
@@ -189,16 +190,17 @@ def test_ws_opt_in_tiles_compile(dtype, kv, tiles, define):
     ("bf16", {}, {"kWsOBulk": True, "kWsQFeed": 2, "kLazyMax": 3, "kWsPair": True}),
     ("fp16", {}, {"kWsQFeed": True}),
 ], ids=["fp16", "window_softcap", "alibi_sinks", "all_opt_ins", "q_feed"])
-def test_ws_narrow_compiles(dtype, features, tiles):
-    """prefill_ws at head dim 96 (opt-in: 32-column panels, the 64-byte swizzle) compiles for sm_90a with
-    the features and the opt-in tile fields, without spills in its consumers' step loop worth a ptxas
-    performance note (C7515)."""
+@pytest.mark.parametrize("d", [96, 80])
+def test_ws_narrow_compiles(dtype, features, tiles, d):
+    """prefill_ws at head dims 96 and 80 (opt-in: 32- and 16-column panels, the 64- and 32-byte swizzles)
+    compiles for sm_90a with the features and the opt-in tile fields, without a ptxas performance note
+    (C7515: serialised MMAs)."""
     from pagedattn.ops import attention as attention_ops
 
     with attention_ops.forced(tiles={"prefill_ws": tiles}):
-        k = Kernel(AttnFwdSpec(dtype, "auto", 96, "prefill_ws", **features))
+        k = Kernel(AttnFwdSpec(dtype, "auto", d, "prefill_ws", **features))
         source = k.source
-    assert "pagedattn::AttnTraits<" in source and ",96," in "".join(source.split())
+    assert "pagedattn::AttnTraits<" in source and f",{d}," in "".join(source.split())
     res = compile_source(source, variant=k.name, arch="sm_90a",
                          options=nvrtc_options("sm_90a", toolchain()) + ["-Xptxas=-v"])
     assert res.cubin[:4] == b"\x7fELF"
@@ -699,12 +701,12 @@ def test_ws_q_feed_matches_reference(c, decode_loader, fp8_ws):
 
 
 def _ws_narrow_grid(n, seed=23):
-    """prefill_ws compiled at head dim 96 (forced ws_narrow: 32-column panels with the 64-byte swizzle,
-    three TMA boxes per 16-key chunk; the dispatch runs 96 on the 128 tile): head size 96 and 88 (its
-    last 8 columns zero-filled by the tensor map), both layouts, block sizes, GQA, splits, mixed and long
-    batches."""
+    """prefill_ws compiled at head dims 96 and 80 (forced ws_narrow: 32- or 16-column panels with the 64-
+    or 32-byte swizzle, three or five TMA boxes per 16-key chunk; the dispatch runs them on the 128 tile):
+    head sizes 96, 88 and 80, 72 (the last 8 columns zero-filled by the tensor map), both layouts, block
+    sizes, GQA, splits, mixed and long batches."""
     rng = random.Random(seed)
-    axes = dict(dtype=[torch.float16, torch.bfloat16], D=[96, 88], layout=["NHD", "HND"],
+    axes = dict(dtype=[torch.float16, torch.bfloat16], D=[96, 88, 80, 72], layout=["NHD", "HND"],
                 bs=[16, 32, 64, 256], heads=[(16, 8), (32, 8), (28, 4), (16, 1)], causal=[False, True],
                 batch=["prefill", "mixed", "long"], splits=[0, 1, 3], kv=KV[:1], lse=[False, True], out=[False, True],
                 loader=["auto"])
@@ -712,11 +714,11 @@ def _ws_narrow_grid(n, seed=23):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("c", _ws_narrow_grid(24), ids=_case_id)
+@pytest.mark.parametrize("c", _ws_narrow_grid(32), ids=_case_id)
 def test_ws_narrow_matches_reference(c, decode_loader):
-    """The opt-in head-dim-96 prefill_ws (WgmmaTiles' SW64 descriptors, box_cols' 32-column boxes) against
-    the reference, alone and with every opt-in tile field (the producer feed with chained items, O's
-    bulk stores, the lagging exponentials, clusters of two)."""
+    """The opt-in head-dim-96 and -80 prefill_ws (WgmmaTiles' SW64 / SW32 descriptors, box_cols' 32- / 16-column
+    boxes) against the reference, alone and with every opt-in tile field (the producer feed with chained
+    items, O's bulk stores, the lagging exponentials, clusters of two)."""
     from pagedattn.ops import attention as attention_ops
 
     for tiles in ({}, {**WS_OPT_INS, "kWsPair": True}):
@@ -724,7 +726,7 @@ def test_ws_narrow_matches_reference(c, decode_loader):
             _check_sm90a_mode(c, decode_loader, "prefill_ws", required=c["batch"] != "mixed")  # mixed: may pack few rows
             dims = {v.head_dim for plan in attention_ops._PLANS.values() for (m, _), v in plan._kernels.items()
                     if m == "prefill_ws"}
-            assert dims <= {96}, dims
+            assert dims <= {kernel_head_dim(c["D"])}, dims
 
 
 # every opt-in tile field of prefill_ws at once: the candidate defaults (kWsQFeed 2: two Q tiles and
@@ -1451,21 +1453,23 @@ def test_ws_prefill_dispatch_rules():
     assert fp8.tiles == {**tile_config(128, "prefill_ws"), "kKAhead": True, "kWsProducerRegs": 72, "kWsQLate": True}
     assert fp8.dynamic_smem() <= 227 * 1024
     assert fp8.dynamic_smem() == smem_bytes(fp8.tiles, 128, False) + 2 * 2 * 128 * 128 + 8 * 2 * 4 * 2
-    # head dims 80 and 96 run on the 128 tile (wgmma_head_dim); 96 compiles as such too (opt-in: ws_narrow),
-    # not among the variants bundles and `list` hold; 80 does not (its P V needs an extended wgmma shape)
-    narrow = AttnFwdSpec("bf16", "auto", 96, "prefill_ws")
-    assert narrow.narrow and not narrow.dispatched and narrow not in set(AttnFwdSpec.all_variants())
-    from pagedattn.ops.attention.tma import box_cols  # its TMA boxes: 32 columns, 64-byte swizzle
-    assert [box_cols(96, False), box_cols(128, False), box_cols(64, False), box_cols(128, True)] == [32, 64, 64, 128]
+    # head dims 80 and 96 run on the 128 tile (wgmma_head_dim); they compile as such too (opt-in: ws_narrow),
+    # not among the variants bundles and `list` hold; 80's P V takes one of CuTe's extended wgmma shapes
+    for d in (80, 96):
+        narrow = AttnFwdSpec("bf16", "auto", d, "prefill_ws")
+        assert narrow.narrow and not narrow.dispatched and narrow not in set(AttnFwdSpec.all_variants())
+        assert ("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED" in Kernel(narrow).source) is (d == 80)
+    assert "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED" not in Kernel(AttnFwdSpec("bf16", "auto", 80, "prefill")).source
+    from pagedattn.ops.attention.tma import box_cols  # their TMA boxes: 32 / 16 columns, 64- / 32-byte swizzle
+    assert [box_cols(d, False) for d in (96, 80, 128, 64)] + [box_cols(128, True)] == [32, 16, 64, 64, 128]
     with pytest.raises(ValueError, match="no swizzled TMA box"):
-        box_cols(80, False)
-    with pytest.raises(UnsupportedError, match="compiles head dims 96"):
-        AttnFwdSpec("bf16", "auto", 80, "prefill_ws")
+        box_cols(72, False)
     with pytest.raises(UnsupportedError, match="multiple of 64"):
         AttnFwdSpec("bf16", "auto", 96, "prefill_wgmma")
     assert [heuristics.wgmma_head_dim(d, False) for d in (64, 80, 96, 128, 192, 256, 512)] == \
         [64, 128, 128, 128, 192, 256, 512]
-    assert [heuristics.wgmma_head_dim(d, False, narrow=True) for d in (80, 96)] == [128, 96]
+    assert [heuristics.wgmma_head_dim(d, False, narrow=True) for d in (80, 96)] == [80, 96]
+    assert [heuristics.wgmma_head_dim(d, True, narrow=True) for d in (80, 96)] == [128, 128]  # 16-bit only
     assert [heuristics.wgmma_head_dim(d, True) for d in (80, 96, 128)] == [128, 128, 128]  # fp8 too,
     assert not heuristics.wide_prefill_tma(True, 96, 128) and heuristics.wide_prefill_tma(True, 128, 128)  # on wgmma
     assert heuristics.wide_prefill_tma(False, 96, 128)

@@ -248,12 +248,13 @@ def test_features_with_ws_pairs(c, decode_loader):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("c", [dict(c, D=96, kv="auto", contiguous=False, bs=max(16, c["bs"]))
-                               for c in _feature_grid(160, seed=9) if c["batch"] in ("mixed", "prefill", "long")][:12],
+@pytest.mark.parametrize("c", [dict(c, D=(96, 80)[i % 2], kv="auto", contiguous=False, bs=max(16, c["bs"]))
+                               for i, c in enumerate([c for c in _feature_grid(160, seed=9)
+                                                      if c["batch"] in ("mixed", "prefill", "long")][:16])],
                          ids=_fid)
 def test_features_at_narrow_head_dim(c, decode_loader):
-    """Every feature in the opt-in head-dim-96 prefill_ws (forced ws_narrow: 32-column panels) and at head
-    dim 96 as the dispatch runs it (the 128 tile, its last 32 columns zero)."""
+    """Every feature in the opt-in head-dim-96 and -80 prefill_ws (forced ws_narrow: 32- and 16-column
+    panels) and at those head dims as the dispatch runs them (the 128 tile, its last columns zero)."""
     from pagedattn.ops import attention as attention_ops
 
     _check_feature_case(c, decode_loader)

@@ -266,8 +266,8 @@ def test_small_smem_decode_matches_reference(D, kv, splits, monkeypatch):
 # 32-column atoms; multi: two MMA tiles per warp), TMA decode d512 (eight atoms, two column groups) and
 # multi_tma d128 (two MMA tiles per warp, Q kept in registers). The wgmma mainloops' written
 # accumulators, coordinates and descriptor fragments (WgmmaTiles, attn_wgmma.cuh): prefill_wgmma (four
-# warpgroups) and prefill_ws (two; d64: one 64-column panel; d96: three 32-column ones; fp8: fp16 tiles
-# beside a bf16 Q). Each
+# warpgroups) and prefill_ws (two; d64: one 64-column panel; d96: three 32-column ones; d80: five
+# 16-column ones; fp8: fp16 tiles beside a bf16 Q). Each
 # check is 3-16 s of one core: `make test` runs one of each kind (atom width, warps per group, multi,
 # column groups, wgmma), `make test-all` the other head dims and dtypes too (marked slow).
 _CHECK_OPTIONS = ("-fdevice-syntax-only", "-DPAGEDATTN_CHECK_TYPES=1", "-DPAGEDATTN_CHECK_TYPES_ONLY=1")
@@ -298,7 +298,8 @@ def _check(arch, dtype, d, mode, slow=False, kv="auto"):
                                        _check("sm_90a", "fp16", 256, "prefill_ws"),
                                        _check("sm_90a", "bf16", 128, "prefill_ws", kv="fp8_e4m3"),  # fp16 tiles
                                        _check("sm_90a", "bf16", 64, "prefill_ws", slow=True),
-                                       _check("sm_90a", "bf16", 96, "prefill_ws")])  # 32-column panels (opt-in)
+                                       _check("sm_90a", "bf16", 96, "prefill_ws"),  # 32-column panels (opt-in)
+                                       _check("sm_90a", "fp16", 80, "prefill_ws")])  # 16-column panels (opt-in)
 def test_written_sm80_layouts_are_cutes(arch, spec):
     from pagedattn.codegen.compile import compile_source, nvrtc_options
     from pagedattn.codegen.toolchain import toolchain
@@ -315,7 +316,8 @@ def _descs(dtype, d, mode, kv="auto", slow=False):
                         + ([pytest.mark.slow] if slow else []), id=f"{dtype}-{d}-{mode}-{kv}")
 
 
-@pytest.mark.parametrize("spec", [_descs("bf16", 96, "prefill_ws"), _descs("bf16", 128, "prefill_ws"),
+@pytest.mark.parametrize("spec", [_descs("bf16", 96, "prefill_ws"), _descs("fp16", 80, "prefill_ws"),
+                                  _descs("bf16", 128, "prefill_ws"),
                                   _descs("fp16", 64, "prefill_ws", slow=True), _descs("bf16", 256, "prefill_ws", slow=True),
                                   _descs("bf16", 128, "prefill_ws", "fp8_e4m3", slow=True),
                                   _descs("bf16", 192, "prefill_wgmma", slow=True)])
@@ -324,7 +326,7 @@ def test_written_wgmma_descriptors_are_cutes(spec):
     address, every k-step) equal make_gmma_desc's for CuTe's partitions of the same tiles, and the tiles the
     loaders write (Traits' layouts) are the GMMA layouts they describe: check_wgmma_descs, a full compile in
     which each comparison folds to a constant and an unequal one leaves a call to a function defined
-    nowhere (ptxas fails). Head dim 96 checks the 64-byte swizzle's 32-column panels."""
+    nowhere (ptxas fails). Head dims 96 and 80 check the 64- and 32-byte swizzles' 32- and 16-column panels."""
     from pagedattn.codegen.compile import compile_source, nvrtc_options
     from pagedattn.codegen.toolchain import toolchain
     k = Kernel(spec)

@@ -576,12 +576,14 @@ def _with_clusters(launcher_fn, clusters):
     (96, "fp8_e4m3", 16, {}, [("prefill_wgmma", 128), ("decode_tma", 96)]),  # fp8: its decode keeps the TMA maps
     (128, "auto", 16, {}, [("prefill_ws", 128), ("decode_tma", 128)]),
     (96, "auto", 16, {"prefill": "prefill_ws", "ws_narrow": True}, [("prefill_ws", 96), ("decode", 96)]),
-    (80, "auto", 16, {"prefill": "prefill_ws", "ws_narrow": True}, [("prefill_ws", 128), ("decode", 80)]),
+    (80, "auto", 16, {"prefill": "prefill_ws", "ws_narrow": True}, [("prefill_ws", 80), ("decode", 80)]),
+    (72, "auto", 16, {"prefill": "prefill_ws", "ws_narrow": True}, [("prefill_ws", 80), ("decode", 80)]),
+    (96, "fp8_e4m3", 16, {"ws_narrow": True}, [("prefill_wgmma", 128), ("decode_tma", 96)]),  # 16-bit only
 ])
 def test_prefill_head_dim_of_a_plan(D, kv, bs, forced, want, monkeypatch):
     """heuristics.wgmma_head_dim on the plan: head dims 80 and 96 take the warpgroup-MMA prefills compiled
     at 128, their decode its own head dim; with a 16-bit cache prefill_ws (its TMA maps encoded for 128),
-    with an fp8 one prefill_wgmma (decode_tma's maps stay at 96); forced ws_narrow keeps 96
+    with an fp8 one prefill_wgmma (decode_tma's maps stay at 96); forced ws_narrow keeps 80 and 96
     (WS_NARROW_HEAD_DIMS) on prefill_ws."""
     specs, maps_dims = [], []
     monkeypatch.setattr(attention, "get_kernel", lambda spec: specs.append(spec) or _RecordingKernel(spec))

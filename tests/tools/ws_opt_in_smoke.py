@@ -27,8 +27,9 @@ FIELDS = {
     "pair_all": {"kWsPair": True, "kWsQFeed": 2, "kWsOBulk": True, "kLazyMax": 3},
 }
 # (head dim, cache dtype, causal, splits); lengths are ragged, with a request of no keys and more row
-# tiles than SMs in "many_items"; "d96_narrow": head dim 96 compiled as such (forced ws_narrow: 32-column
-# panels, the 64-byte swizzle), where the dispatch runs it on the 128 tile
+# tiles than SMs in "many_items"; "d96_narrow" and "d80_narrow": head dims compiled as such (forced
+# ws_narrow: 32- and 16-column panels, the 64- and 32-byte swizzles), where the dispatch runs them on the
+# 128 tile
 CASES = {
     "d128": (128, "auto", True, 1),
     "d128_split3": (128, "auto", True, 3),
@@ -37,6 +38,7 @@ CASES = {
     "fp8": (128, "fp8_e4m3", True, 1),
     "many_items": (128, "auto", True, 1),
     "d96_narrow": (96, "auto", True, 1),
+    "d80_narrow": (80, "auto", True, 1),
 }
 
 

@@ -175,8 +175,8 @@ class AttnFwdSpec(KernelSpec):
 
     @property
     def narrow(self) -> bool:
-        """prefill_ws at a head dim that is not a multiple of 64 (WS_NARROW_HEAD_DIMS: 32-column panels;
-        16-bit caches): opt-in (heuristics.wgmma_head_dim runs those head dims on the 128 tile)."""
+        """prefill_ws at a head dim that is not a multiple of 64 (WS_NARROW_HEAD_DIMS: 32- or 16-column
+        panels; 16-bit caches): opt-in (heuristics.wgmma_head_dim runs those head dims on the 128 tile)."""
         return self.mode == "prefill_ws" and self.head_dim % 64 != 0
 
     def check(self) -> None:

@@ -28,10 +28,10 @@ MULTI_ROWS = 64
 WS_ROWS = 32
 # prefill_ws takes fp8 caches at this head dim only (AttnTraits: the raw stages need the shared memory)
 WS_FP8_HEAD_DIM = 128
-# prefill_ws compiles these head dims that are not multiples of 64 as they are (32-column panels, the
-# 64-byte swizzle; 16-bit caches), opt-in (wgmma_head_dim). Not 80: its P V needs a 64 x 80 wgmma,
-# one of CuTe's extended shapes (CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED: 76 k lines more to parse).
-WS_NARROW_HEAD_DIMS = (96,)
+# prefill_ws compiles these head dims that are not multiples of 64 as they are (16-bit caches; 32- and
+# 16-column panels, the 64- and 32-byte swizzles), opt-in (wgmma_head_dim). 80's P V is a 64 x 80 wgmma,
+# one of CuTe's extended shapes (attn_fwd.cu.j2 defines CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED for it).
+WS_NARROW_HEAD_DIMS = (80, 96)
 
 # THE cap on KV splits: a forced num_splits is clamped to it, the heuristic stops at half of it, and
 # the in-kernel combine (split_combine.cuh) holds MAX_SPLITS split LSEs per row (rendered in)
@@ -70,8 +70,8 @@ def wgmma_head_dim(head_dim: int, fp8: bool, narrow: bool = False) -> int:
     An fp8 cache's prefill there is prefill_wgmma (wide_prefill_tma): its decode reads the cache by TMA
     with maps of its own head dim, and a plan has one set of maps.
     narrow (opt-in: overrides.forced(prefill="prefill_ws", ws_narrow=True)): the head dims of
-    WS_NARROW_HEAD_DIMS as they are, in prefill_ws's 32-column panels (attn_wgmma.cuh), not yet run on
-    a GPU."""
+    WS_NARROW_HEAD_DIMS as they are, in prefill_ws's 32- or 16-column panels (attn_wgmma.cuh), not yet
+    run on a GPU."""
     if head_dim % 64 == 0 or head_dim > 128 or (narrow and not fp8 and head_dim in WS_NARROW_HEAD_DIMS):
         return head_dim
     return 128

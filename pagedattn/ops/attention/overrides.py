@@ -22,8 +22,8 @@ class Forced:
     multi: bool | None = None   # False: no multi-token decode; True: up to FORCED_MULTI_ROWS rows
     tma: bool | None = None     # False: decode (and what follows from it) without TMA, the cp.async loader
     tiles: tuple = ()           # (mode, ((field, value), ...)) pairs laid over tile_config's answer
-    ws_narrow: bool | None = None  # True: prefill_ws compiles head dim 96 as such (WS_NARROW_HEAD_DIMS),
-    #                              not on the 128 tile (heuristics.wgmma_head_dim)
+    ws_narrow: bool | None = None  # True: prefill_ws compiles head dims 80 and 96 as such
+    #                              (WS_NARROW_HEAD_DIMS), not on the 128 tile (heuristics.wgmma_head_dim)
 
     def tiles_for(self, mode: str) -> dict:
         return {k: v for m, fields in self.tiles if m == mode for k, v in fields}

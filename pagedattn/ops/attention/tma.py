@@ -25,9 +25,9 @@ def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tu
 
     Dimensions, innermost first, in increasing stride (the layouts differ only in the middle two):
     NHD (d, head, slot, block), HND (d, slot, head, block). A box is one page's kBlockN=16 slots of
-    one head: 64 columns with 128-byte swizzle (16-bit caches; prefill_ws at head dim 96: 32 columns
-    with 64-byte swizzle, box_cols), 128 columns with 128-byte swizzle (fp8 with a head dim that is a
-    multiple of 128: fp8_regs), or the whole row (other fp8, unswizzled)."""
+    one head: 64 columns with 128-byte swizzle (16-bit caches; prefill_ws at head dims 96 and 80: 32 or
+    16 columns with 64- or 32-byte swizzle, box_cols), 128 columns with 128-byte swizzle (fp8 with a head
+    dim that is a multiple of 128: fp8_regs), or the whole row (other fp8, unswizzled)."""
     from cuda.bindings import driver as drv
 
     from ...codegen.load import check
@@ -57,11 +57,12 @@ def tma_maps(k: torch.Tensor, v: torch.Tensor, call: _Call, head_dim: int) -> tu
 
 
 def box_cols(head_dim: int, fp8: bool) -> int:
-    """Columns of a swizzled box: one 128-byte row (128 fp8 or 64 16-bit columns), or 32 (64-byte rows)
-    for a 16-bit head dim that is a multiple of 32 but not of 64 (prefill_ws at 96): AttnTraits::
-    kBlockKSmem, the panels the kernels' shared-memory tiles are made of."""
+    """Columns of a swizzled box: one 128-byte row (128 fp8 or 64 16-bit columns), or for a 16-bit head
+    dim that is not a multiple of 64 the widest panel that divides it, 32 (64-byte rows: prefill_ws at
+    96) or 16 (32-byte rows: at 80): AttnTraits::kBlockKSmem, the panels the kernels' shared-memory
+    tiles are made of."""
     if fp8:
         return 128
-    if head_dim % 32:
+    if head_dim % 16:
         raise ValueError(f"tma_maps: no swizzled TMA box for a 16-bit head dim of {head_dim}")
-    return 64 if head_dim % 64 == 0 else 32
+    return next(w for w in (64, 32, 16) if head_dim % w == 0)

@@ -155,7 +155,7 @@ struct AttnTraits {
   static_assert(!kWgmma || (kWarpsN == 1 && kWarpsM % 4 == 0 && kBlockM == 16 * kWarpsM &&
                             (kHeadDim % 64 == 0 || (kWs && !kIsFp8)) && kBlockN % 64 == 0),
                 "wgmma: whole warpgroups of 64 rows, Element tiles in 64-column swizzle atoms (prefill_ws with "
-                "a 16-bit cache: 32-column ones too, attn_wgmma.cuh)");
+                "a 16-bit cache: 32- and 16-column ones too, attn_wgmma.cuh)");
 
   // Swizzled shared-memory tiles: 8-row atoms as wide as the head dim allows (64, 32 or 16 columns).
   static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : (kHeadDim % 32 == 0 ? 32 : 16);
@@ -167,8 +167,8 @@ struct AttnTraits {
   using SmemLayoutQ = decltype(cute::tile_to_shape(
       SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
   // (kBlockN, kHeadDim) tiles are column blocks of kBlockKSmem columns, each kBlockN rows of swizzled
-  // 8-row atoms: exactly what TMA boxes {kBlockKSmem columns, 16 rows} with the 128-byte (64-byte at
-  // 32 columns) swizzle write (tma.py).
+  // 8-row atoms: exactly what TMA boxes {kBlockKSmem columns, 16 rows} with the 128-byte swizzle (64-
+  // and 32-byte at 32 and 16 columns) write (tma.py).
   using SmemLayoutKV = decltype(cute::tile_to_shape(
       SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
   // V seen as (d, key): the B operand of P.V, read with transposing ldmatrix.

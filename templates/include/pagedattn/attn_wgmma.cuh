@@ -6,8 +6,9 @@
 //                               read MN-major (the same swizzled K/V tile, seen transposed)
 // The tiles are the ones the cp.async loader already builds (Traits::SmemLayoutKV): panels of
 // kPanel = Traits::kBlockKSmem columns in 8-row swizzled atoms. 64 columns with the 128-byte swizzle
-// are GMMA's K-major SW128 layout; prefill_ws also takes head dim 96 (32-column panels, 64-byte
-// swizzle: SW64), as its TMA boxes land them. Only the views below are new.
+// are GMMA's K-major SW128 layout; prefill_ws also takes head dims 96 (32-column panels, 64-byte
+// swizzle: SW64) and 80 (16-column panels, 32-byte swizzle: SW32), as its TMA boxes land them. Only the
+// views below are new.
 //
 // Accumulator registers: a thread holds rows g and g + 8 of its warp's 16 (g = lane / 4) and, for
 // each 8-column block n, columns 8n + 2 (lane % 4) + {0, 1}, in the order (row g: c, c + 1; row
@@ -31,14 +32,16 @@ struct WgmmaTiles {
   static constexpr int kM = Traits::kBlockM, kN = Traits::kBlockN, kD = Traits::kHeadDim;
   using WarpGroups = cute::Layout<cute::Shape<cute::Int<Traits::kWarpsM / 4>, cute::_1, cute::_1>>;
 
-  // columns of a panel: 128- or 64-byte rows, the swizzle's span (Traits::SmemLayoutAtom)
+  // columns of a panel: 128-, 64- or 32-byte rows, the swizzle's span (Traits::SmemLayoutAtom)
   static constexpr int kPanel = Traits::kBlockKSmem;
-  static_assert(kPanel == 64 || (kPanel == 32 && Traits::kWs && !Traits::kIsFp8),
-                "128-byte swizzled panels, or (prefill_ws with a 16-bit cache) 64-byte ones");
+  static_assert(kPanel == 64 || ((kPanel == 32 || kPanel == 16) && Traits::kWs && !Traits::kIsFp8),
+                "128-byte swizzled panels, or (prefill_ws with a 16-bit cache) 64- or 32-byte ones");
   using Atom = cute::conditional_t<kPanel == 64, cute::GMMA::Layout_K_SW128_Atom<Element>,
-                                   cute::GMMA::Layout_K_SW64_Atom<Element>>;
+                                   cute::conditional_t<kPanel == 32, cute::GMMA::Layout_K_SW64_Atom<Element>,
+                                                       cute::GMMA::Layout_K_SW32_Atom<Element>>>;
   static constexpr cute::GMMA::LayoutType kLayoutType =
-      kPanel == 64 ? cute::GMMA::LayoutType::B128 : cute::GMMA::LayoutType::B64;
+      kPanel == 64 ? cute::GMMA::LayoutType::B128
+                   : kPanel == 32 ? cute::GMMA::LayoutType::B64 : cute::GMMA::LayoutType::B32;
   using SmemLayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kM>, cute::Int<kD>>{}));
   using SmemLayoutK = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kN>, cute::Int<kD>>{}));
   // V as (d, key): the B operand of P V, D-contiguous (MN-major)

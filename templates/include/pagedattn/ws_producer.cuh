@@ -76,8 +76,8 @@ struct WsProducerLane {
 template <class Traits, class Feed>
 __device__ __forceinline__ void ws_produce(TileCtx<Traits> const& c, WsRing const ring, Feed const& feed) {
   constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
-  // a box: 16 rows of one swizzle panel (64 columns, 128-byte swizzle; at head dim 96, 32 columns and
-  // the 64-byte swizzle: the tensor maps of tma.py)
+  // a box: 16 rows of one swizzle panel (64 columns, 128-byte swizzle; at head dims 96 and 80, 32 or 16
+  // columns and the 64- or 32-byte swizzle: the tensor maps of tma.py)
   constexpr int kBoxCols = Traits::kBlockKSmem, kPerWarp = WsProducerLane<Traits>::kPerWarp;
   constexpr int kChunkBytes = 16 * kHeadDim * 2;  // K (or V) bytes of one chunk
   constexpr int kCols = kHeadDim / kBoxCols;  // boxes per chunk
