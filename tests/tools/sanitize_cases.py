@@ -18,9 +18,13 @@ if sys.argv[1:] == ["ws"]:
 
     from pagedattn.ops.attention.overrides import forced
 
-    # the fp8 case: its producer widens the chunks to fp16 (forced, though the dispatch takes prefill_ws there)
-    cases = (("NHD", 128, "auto"), ("HND", 64, "auto"), ("NHD", 256, "auto"), ("NHD", 128, "fp8_e4m3"))
-    for layout, D, kv in cases:
+    # the fp8 case: its producer widens the chunks to fp16 (forced, though the dispatch takes prefill_ws there);
+    # head size 96 on the 128 tile (the dispatch's), and 96 and 80 compiled as such (forced ws_narrow: 32- and
+    # 16-column panels, three and five boxes per chunk)
+    cases = (("NHD", 128, "auto", False), ("HND", 64, "auto", False), ("NHD", 256, "auto", False),
+             ("NHD", 128, "fp8_e4m3", False), ("NHD", 96, "auto", False), ("HND", 96, "auto", True),
+             ("NHD", 80, "auto", True))
+    for layout, D, kv, narrow in cases:
         fp8 = kv != "auto"
         spec = CacheSpec(40, 16, 2, D, torch.uint8 if fp8 else torch.bfloat16, kv, layout)
         kc, vc = spec.allocate("cuda", fill=float("nan"))
@@ -44,7 +48,8 @@ if sys.argv[1:] == ["ws"]:
                   {"kWsPair": True, "kWsQFeed": 2, "kWsOBulk": True, "kLazyMax": 3}) if D == 128 else ({},)
         for splits in (1, 3):
             for tiles in opt_in:
-                with forced(prefill="prefill_ws" if fp8 else None, tiles={"prefill_ws": tiles}):
+                with forced(prefill="prefill_ws" if fp8 or narrow else None, tiles={"prefill_ws": tiles},
+                            ws_narrow=narrow or None):
                     out = flash_attn_varlen_func(q, kc, vc, 300, cu_q, 300, seqused_k=seq, block_table=table,
                                                  causal=True, num_splits=splits, kv_cache_dtype=kv, **scale)
                 assert torch.isfinite(out).all()
