@@ -87,7 +87,7 @@ def run_one(fields: str, case: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--one", nargs=2, metavar=("FIELDS", "CASE"), help=argparse.SUPPRESS)
-    ap.add_argument("--fields", default="lagging,feed,bulk,chain,all,pair,pair_feed,pair_all",
+    ap.add_argument("--fields", default="defaults,lagging,feed,bulk,chain,all,pair,pair_feed,pair_all",
                     help=f"comma-separated names of FIELDS ({', '.join(FIELDS)})")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated names of CASES")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per pair (compiling included)")
