@@ -596,3 +596,16 @@ def test_head_size_96_selects_the_tiles_its_prefill_runs_on():
     assert all(s.head_dim == 96 or s.mode in WGMMA_MODES for s in sel.specs)
     assert ("prefill_ws", 128, "fp8_e4m3") not in got
     assert ("prefill_ws", 96, "auto") not in got  # the opt-in narrow kernel is no variant of the bundles
+
+
+def test_a_head_size_between_compiled_ones_selects_what_runs_it():
+    """Head size 72 (a model config or --head-sizes) selects the variants its plans launch: the 80 ones,
+    and the warpgroup-MMA prefills at 128 that 80 runs on; 112 the 128 ones. 132 runs on nothing."""
+    sel = aot.select(ops=["attn_fwd"], filters={"head_sizes": ["72"], "dtypes": ["bf16"], "features": ["none"],
+                                                "kv_cache_dtypes": ["auto"]})
+    assert {(s.mode, s.head_dim) for s in sel.specs} >= {("decode", 80), ("prefill", 80), ("prefill_ws", 128)}
+    assert {s.head_dim for s in sel.specs} == {80, 128}
+    sel = aot.select(ops=["attn_fwd"], filters={"head_sizes": ["112"], "dtypes": ["bf16"], "features": ["none"]})
+    assert {s.head_dim for s in sel.specs} == {128}
+    with pytest.raises(aot.SelectionError, match="132 not supported"):
+        aot.select(ops=["attn_fwd"], filters={"head_sizes": ["132"]})

@@ -290,7 +290,10 @@ def select(*, ops=None, preset: str | None = None, filters: dict[str, list] | No
                                  "nothing is narrowed by it")
             continue
         known = {_norm(option, v) for cls, name in having for v in cls.SUPPORTED.get(name, ())}
-        bad = sorted(values - known)
+        # a head size a family runs on a larger compiled one (attention: 72 on 80, 112 on 128) is no error
+        bad = sorted(v for v in values - known
+                     if not (option == "head_sizes" and v.isdigit() and
+                             any(getattr(cls, "runs_head_size", lambda h: False)(int(v)) for cls, _ in having)))
         if strict and bad:
             fams = "; ".join(f"{cls.FAMILY}: {', '.join(map(str, cls.SUPPORTED.get(name, ())))}"
                              for cls, name in having)

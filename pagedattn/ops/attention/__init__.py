@@ -160,6 +160,12 @@ class AttnFwdSpec(KernelSpec):
         """prefill_ws in clusters of two CTAs with K/V multicast (tiles.ws_pair)."""
         return ws_pair(self.tiles, self.kv_cache_dtype != "auto")
 
+    @classmethod
+    def runs_head_size(cls, head_size: int) -> bool:
+        """Whether some compiled head dim runs queries of this head size (a multiple of 8 up to the largest:
+        kernel_head_dim)."""
+        return head_size % 8 == 0 and 0 < head_size <= HEAD_DIMS[-1]
+
     def serves_head_size(self, head_size: int) -> bool:
         """Whether a plan for head size `head_size` may launch this variant: one compiled at its kernel
         head dim, or a warpgroup-MMA prefill at the head dim those run it on (wgmma_head_dim: 80 and 96 on
