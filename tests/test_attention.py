@@ -656,7 +656,7 @@ def test_fp8_ws_fp8_scores_match_reference(c, decode_loader, fp8_ws):
         _check_sm90a_mode(c, decode_loader, "prefill_ws", required=c["batch"] != "mixed")
 
 
-def _ws_grid(n, seed=17):
+def _ws_grid(n, seed=17, head_sizes=(64, 128, 192, 256, 120, 96, 80)):
     """The warp-specialised sm_90a prefill (prefill_ws: TMA producer, wgmma consumers): paged 16-bit
     caches with pages of whole 16-key chunks, every head dim it compiles (120, 96 and 80 run on 128, their
     last columns zero-filled by the tensor map: heuristics.wgmma_head_dim), both layouts, splits, mixed
@@ -664,7 +664,7 @@ def _ws_grid(n, seed=17):
     than SMs (each persistent CTA then takes several, its rings and the next item's Q running on across
     them)."""
     rng = random.Random(seed)
-    axes = dict(dtype=[torch.float16, torch.bfloat16], D=[64, 128, 192, 256, 120, 96, 80], layout=["NHD", "HND"],
+    axes = dict(dtype=[torch.float16, torch.bfloat16], D=list(head_sizes), layout=["NHD", "HND"],
                 bs=[16, 32, 64, 256], heads=[(16, 8), (32, 8), (28, 4), (16, 1)], causal=[False, True],
                 batch=["prefill", "mixed", "long"], splits=[0, 1, 3], kv=KV[:1], lse=[False, True], out=[False, True],
                 loader=["auto"])
@@ -703,14 +703,8 @@ def test_ws_q_feed_matches_reference(c, decode_loader, fp8_ws):
 def _ws_narrow_grid(n, seed=23):
     """prefill_ws compiled at head dims 96 and 80 (forced ws_narrow: 32- or 16-column panels with the 64-
     or 32-byte swizzle, three or five TMA boxes per 16-key chunk; the dispatch runs them on the 128 tile):
-    head sizes 96, 88 and 80, 72 (the last 8 columns zero-filled by the tensor map), both layouts, block
-    sizes, GQA, splits, mixed and long batches."""
-    rng = random.Random(seed)
-    axes = dict(dtype=[torch.float16, torch.bfloat16], D=[96, 88, 80, 72], layout=["NHD", "HND"],
-                bs=[16, 32, 64, 256], heads=[(16, 8), (32, 8), (28, 4), (16, 1)], causal=[False, True],
-                batch=["prefill", "mixed", "long"], splits=[0, 1, 3], kv=KV[:1], lse=[False, True], out=[False, True],
-                loader=["auto"])
-    return cover_axes(axes, n, rng, 2)
+    the ws grid's axes at head sizes 96, 88 and 80, 72 (the last 8 columns zero-filled by the tensor map)."""
+    return _ws_grid(n, seed, head_sizes=(96, 88, 80, 72))
 
 
 @pytest.mark.gpu
