@@ -72,10 +72,12 @@ TINY_FEATURES = (
 )
 # sweep (not in "all"): ours alone at the tile and mode studies' shapes, to run under --overrides:
 # (id, B, q_len, ctx, head dim, num_splits[, other params]); prefill/mha: one query head per KV head, where
-# prefill_ws's pairs of row tiles (kWsPair) end in different steps
+# prefill_ws's pairs of row tiles (kWsPair) end in different steps; decode at head dims 80 and 96, whose
+# 16-bit caches decode by cp.async (decode_tma takes multiples of 64)
 SWEEP = ([(f"decode/B1/ctx32768/splits{n}", 1, 1, 32768, D, n) for n in (8, 16, 32, 64)]
          + [(f"decode/B16/ctx4096/splits{n}", 16, 1, 4096, D, n) for n in (1, 2, 4, 8)]
          + [(f"prefill/d{d}/B4/S4096", 4, 4096, 4096, d, 0) for d in (64, 80, 96, 128, 192, 256)]
+         + [(f"decode/d{d}/B64/ctx4096", 64, 1, 4096, d, 0) for d in (80, 96, 128)]
          + [(f"short/B32/q{q}/ctx4096", 32, q, 4096, D, 0) for q in (5, 8, 16, 32, 64)]
          + [("prefill/B1/S16384", 1, 16384, 16384, D, 0), ("prefill/B16/S1024", 16, 1024, 1024, D, 0),
             ("prefill/B8/q512/ctx8192", 8, 512, 8192, D, 0),
