@@ -584,17 +584,15 @@ def test_gpu_write_and_decode_run_from_bundle_with_jit_off(fresh_cache, monkeypa
 
 def test_head_size_96_selects_the_tiles_its_prefill_runs_on():
     """A model of head size 96 (Phi-3) precompiles the 96 variants and the warpgroup-MMA prefills at 128
-    its prefill runs on (heuristics.wgmma_head_dim): prefill_ws and prefill_wgmma for 16-bit caches,
-    prefill_wgmma alone for fp8 ones (wide_prefill_tma)."""
+    its prefill runs on (heuristics.wgmma_head_dim), for 16-bit and fp8 caches."""
     from pagedattn.ops.attention import WGMMA_MODES
 
     sel = aot.select(ops=["attn_fwd"], filters={"head_sizes": ["96"], "dtypes": ["bf16"], "features": ["none"],
                                                 "kv_cache_dtypes": ["auto", "fp8_e4m3"]})
     got = {(s.mode, s.head_dim, s.kv_cache_dtype) for s in sel.specs}
     assert {("prefill_ws", 128, "auto"), ("prefill_wgmma", 128, "auto"), ("decode", 96, "auto"),
-            ("prefill_wgmma", 128, "fp8_e4m3"), ("decode_tma", 96, "fp8_e4m3")} <= got
+            ("prefill_ws", 128, "fp8_e4m3"), ("prefill_wgmma", 128, "fp8_e4m3"), ("decode_tma", 96, "fp8_e4m3")} <= got
     assert all(s.head_dim == 96 or s.mode in WGMMA_MODES for s in sel.specs)
-    assert ("prefill_ws", 128, "fp8_e4m3") not in got
     assert ("prefill_ws", 96, "auto") not in got  # the opt-in narrow kernel is no variant of the bundles
 
 

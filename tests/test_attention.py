@@ -1390,13 +1390,15 @@ def test_tma_maps_are_encoded_once_per_cache(monkeypatch):
     from pagedattn.ops import attention
 
     encoded = []
-    monkeypatch.setattr(attention, "tma_maps", lambda k, v, call, head_dim: encoded.append(k) or ("maps", 2))
+    monkeypatch.setattr(attention, "tma_maps", lambda k, v, call, head_dim: encoded.append((k, head_dim)) or ("maps", 2))
     plan = attention._Plan.__new__(attention._Plan)
-    plan.call, plan.head_dim, plan._tma, plan.prefill_mode, plan.wgmma_dim = _call_info(), 128, {}, "prefill_ws", 128
+    plan.call, plan.head_dim, plan._tma = _call_info(), 128, {}
     a, b = torch.zeros(4), torch.zeros(4)
-    assert plan.tma_maps(a, a) == ("maps", 2) and plan.tma_maps(a, a) == ("maps", 2)
-    plan.tma_maps(b, b)
+    assert plan.tma_maps(a, a, 128) == ("maps", 2) and plan.tma_maps(a, a, 128) == ("maps", 2)
+    plan.tma_maps(b, b, 128)
     assert len(encoded) == 2  # one per cache (an engine alternates one cache per layer)
+    plan.tma_maps(a, a, 96)   # and per kernel head dim (fp8 at 96: decode_tma at 96, prefill_ws at 128)
+    assert [d for _, d in encoded] == [128, 128, 96]
 
 
 def test_tma_variants_are_hopper_only():
@@ -1464,9 +1466,7 @@ def test_ws_prefill_dispatch_rules():
         [64, 128, 128, 128, 192, 256, 512]
     assert [heuristics.wgmma_head_dim(d, False, narrow=True) for d in (80, 96)] == [80, 96]
     assert [heuristics.wgmma_head_dim(d, True, narrow=True) for d in (80, 96)] == [128, 128]  # 16-bit only
-    assert [heuristics.wgmma_head_dim(d, True) for d in (80, 96, 128)] == [128, 128, 128]  # fp8 too,
-    assert not heuristics.wide_prefill_tma(True, 96, 128) and heuristics.wide_prefill_tma(True, 128, 128)  # on wgmma
-    assert heuristics.wide_prefill_tma(False, 96, 128)
+    assert [heuristics.wgmma_head_dim(d, True) for d in (80, 96, 128)] == [128, 128, 128]  # fp8 too
     for d in (64, 128, 192, 256):  # two consumer warpgroups of 64 rows and a producer warpgroup
         spec = AttnFwdSpec("bf16", "auto", d, "prefill_ws")
         t = tile_config(d, "prefill_ws")

@@ -30,7 +30,7 @@ from ..params import AttnParams
 # re-exported: `from pagedattn.ops.attention import X` finds every name of the former single module
 from .heuristics import MAX_SPLITS, _best_splits, mode_for, split_cost, splits_for  # noqa: F401
 from .heuristics import MULTI_ROWS, WS_FP8_HEAD_DIM, WS_NARROW_HEAD_DIMS, multi_mode, prefill_mode, tma_ok  # noqa: F401
-from .heuristics import wave_capacity, wgmma_head_dim, wgmma_ok, wide_prefill_tma  # noqa: F401
+from .heuristics import wave_capacity, wgmma_head_dim, wgmma_ok  # noqa: F401
 from . import overrides
 from .overrides import FORCED_MULTI_ROWS, forced  # noqa: F401
 from .tiles import HEAD_DIMS, MODES, SM90_MODES, TMA_MODES, WGMMA_MODES, SMALL_SMEM_ARCH, SMEM_LIMIT, SMEM_PER_CTA, _tiles  # noqa: F401
@@ -174,10 +174,8 @@ class AttnFwdSpec(KernelSpec):
             d = kernel_head_dim(head_size)
         except UnsupportedError:
             return False
-        fp8 = self.kv_cache_dtype != "auto"
-        wd = wgmma_head_dim(d, fp8)
-        return self.head_dim == d or (self.head_dim == wd and self.mode in WGMMA_MODES and
-                                      (self.mode != "prefill_ws" or wide_prefill_tma(fp8, d, wd)))
+        return self.head_dim == d or (self.mode in WGMMA_MODES and
+                                      self.head_dim == wgmma_head_dim(d, self.kv_cache_dtype != "auto"))
 
     @property
     def narrow(self) -> bool:
@@ -315,13 +313,11 @@ class _Plan:
         self.decode_mode = "decode_tma" if tma else "decode"
         self.multi_mode = None if f.multi is False else multi_mode(call, self.head_dim, tma)
         self.multi_rows = FORCED_MULTI_ROWS if f.multi else MULTI_ROWS
-        # the warpgroup-MMA prefills' head dim: 80 and 96 run on the 128 tile (heuristics.wgmma_head_dim); the
-        # plan's TMA maps are then prefill_ws's (16-bit caches, whose decode reads by cp.async there), and an
-        # fp8 cache's prefill takes prefill_wgmma (its decode_tma keeps the maps: wide_prefill_tma)
+        # the warpgroup-MMA prefills' head dim: 80 and 96 run on the 128 tile (heuristics.wgmma_head_dim), whose
+        # TMA maps are encoded for 128 (an fp8 cache's decode_tma keeps its own: tma_maps per head dim)
         fp8 = call.kv_name != "auto"
         self.wgmma_dim = wd = wgmma_head_dim(self.head_dim, fp8, bool(f.ws_narrow))
-        wide_tma = tma if wd == self.head_dim else \
-            f.tma is not False and wide_prefill_tma(fp8, self.head_dim, wd) and tma_ok(call, arch, wd)
+        wide_tma = tma if wd == self.head_dim else f.tma is not False and tma_ok(call, arch, wd)
         self.prefill_mode = f.prefill or prefill_mode(wgmma_ok(call, arch, wd), wide_tma, fp8, wd)
         # prefill_wgmma's tiles are larger: it takes over once the rows overflow one SM80 prefill tile.
         # Measured on H200 (perf/results/prefill_modes_nvidia_h200_20261130_short_3eaa587.json, d128,
@@ -356,12 +352,14 @@ class _Plan:
             hit = self._kernels[(mode, flags)] = _Variant(spec, get_kernel(spec).launcher(self.device), self.device)
         return hit
 
-    def tma_maps(self, k, v, capturing: bool = False):
-        """tma_maps for this plan's geometry, per cache (an engine alternates one cache per layer).
-        Encoding copies host memory to the GPU, which a capturing stream cannot do: a capture needs
-        one call with the same caches before it (a warm-up). Maps a capture used live as long as
-        the process (workspace.keep_for_graphs): evicting them here would free what a graph reads."""
-        key = (k.data_ptr(), v.data_ptr())
+    def tma_maps(self, k, v, head_dim: int, capturing: bool = False):
+        """tma_maps for this plan's geometry, per cache (an engine alternates one cache per layer) and per
+        kernel head dim (an fp8 cache at head dim 80 or 96 is read by decode_tma at its own and by
+        prefill_ws on the 128 tile, with boxes of other widths). Encoding copies host memory to the GPU,
+        which a capturing stream cannot do: a capture needs one call with the same caches before it (a
+        warm-up). Maps a capture used live as long as the process (workspace.keep_for_graphs): evicting
+        them here would free what a graph reads."""
+        key = (k.data_ptr(), v.data_ptr(), head_dim)
         hit = self._tma.get(key)
         if hit is None:
             if capturing:
@@ -371,25 +369,18 @@ class _Plan:
             if len(self._tma) >= 512:
                 self._tma.clear()
                 self._maps_ptr.clear()
-            hit = self._tma[key] = tma_maps(k, v, self.call, self.tma_head_dim)
+            hit = self._tma[key] = tma_maps(k, v, self.call, head_dim)
         elif capturing:
             workspace.keep_for_graphs(hit[0])
         return hit
 
-    @property
-    def tma_head_dim(self) -> int:
-        """The head dim of the plan's TMA modes: prefill_ws's where it differs (16-bit caches at 80 and 96,
-        whose decode reads by cp.async; an fp8 cache's prefill on the 128 tile is prefill_wgmma), else the
-        plan's."""
-        return self.wgmma_dim if self.prefill_mode == "prefill_ws" else self.head_dim
-
-    def maps_ptr(self, k, v, kp: int, vp: int, capturing: bool) -> int:
-        """The device address of tma_maps(k, v) (k, v at addresses kp, vp)."""
+    def maps_ptr(self, k, v, kp: int, vp: int, head_dim: int, capturing: bool) -> int:
+        """The device address of tma_maps(k, v, head_dim) (k, v at addresses kp, vp)."""
         if not capturing:
-            hit = self._maps_ptr.get((kp, vp))
+            hit = self._maps_ptr.get((kp, vp, head_dim))
             if hit is not None:
                 return hit
-        ptr = self._maps_ptr[(kp, vp)] = self.tma_maps(k, v, capturing)[0].data_ptr()
+        ptr = self._maps_ptr[(kp, vp, head_dim)] = self.tma_maps(k, v, head_dim, capturing)[0].data_ptr()
         return ptr
 
 
@@ -437,7 +428,7 @@ class _Launch(Prepared):
         self.head_dim = variant.head_dim
         self.tma = variant.mode in TMA_MODES
         self.capture = splits > 1 or self.tma   # what reads the capture state
-        row_dim = plan.tma_maps(k, v, _is_capturing())[1] if self.tma else 0
+        row_dim = plan.tma_maps(k, v, self.head_dim, _is_capturing())[1] if self.tma else 0
         scale = scale if scale is not None else plan.default_scale
         q_stride = q.stride()
         tail = (q_stride[0], q_stride[1], self.out_stride[0], self.out_stride[1], *plan.geometry, total_q,
@@ -487,9 +478,9 @@ class _Launch(Prepared):
                 else:
                     o_ptr, lse_ptr, counters = scratch[2:]
             if self.tma:
-                maps = plan._maps_ptr.get((kp, vp), 0) if not capturing else 0
+                maps = plan._maps_ptr.get((kp, vp, self.head_dim), 0) if not capturing else 0
                 if not maps:
-                    maps = plan.maps_ptr(k, v, kp, vp, capturing)
+                    maps = plan.maps_ptr(k, v, kp, vp, self.head_dim, capturing)
         # Prepared.__call__, inline (this runs on every steady-state call)
         try:
             buf, config, argv = self._local.state

@@ -67,21 +67,14 @@ def wgmma_head_dim(head_dim: int, fp8: bool, narrow: bool = False) -> int:
     H200 (perf/results/ldsm_ab_h200_20261204_405b778_cute_r1.json, B=4 S=4096 causal) 2903 us at d80 and
     3149 us at d96 (118 and 131 TFLOP/s), where d128 prefill_ws takes 1071-1094 us for more work
     (perf/results/h200_sm90_20261204_prefill_lazymax_a86d5b9.json, ws_softmax_lazy/call4_93f0a37/).
-    An fp8 cache's prefill there is prefill_wgmma (wide_prefill_tma): its decode reads the cache by TMA
-    with maps of its own head dim, and a plan has one set of maps.
+    fp8 caches too: prefill_ws at 128 reads the cache with TMA maps of its own, beside decode_tma's at 80
+    or 96 (_Plan.tma_maps keeps maps per head dim).
     narrow (opt-in: overrides.forced(prefill="prefill_ws", ws_narrow=True)): the head dims of
     WS_NARROW_HEAD_DIMS as they are, in prefill_ws's 32- or 16-column panels (attn_wgmma.cuh), not yet
     run on a GPU."""
     if head_dim % 64 == 0 or head_dim > 128 or (narrow and not fp8 and head_dim in WS_NARROW_HEAD_DIMS):
         return head_dim
     return 128
-
-
-def wide_prefill_tma(fp8: bool, head_dim: int, wgmma_dim: int) -> bool:
-    """Whether a plan whose warpgroup-MMA prefills run at wgmma_dim may give them TMA (prefill_ws), given
-    that its cache allows it at that head dim: not an fp8 cache's prefill on a wider tile than the plan's
-    head dim (its decode_tma's maps are encoded for the plan's; prefill_wgmma takes it, with cp.async)."""
-    return not (fp8 and wgmma_dim != head_dim)
 
 
 def prefill_mode(wgmma: bool, tma: bool, fp8: bool, head_dim: int) -> str:
