@@ -105,8 +105,9 @@ CI_SPECS = [AttnFwdSpec("bf16", "auto", 128, "decode"), AttnFwdSpec("bf16", "aut
             AttnFwdSpec("bf16", "fp8_e4m3", 128, "prefill_wgmma"), AttnFwdSpec("bf16", "auto", 512, "decode_tma"),
             AttnFwdSpec("bf16", "auto", 128, "multi_tma"), AttnFwdSpec("bf16", "auto", 128, "prefill_ws"),
             AttnFwdSpec("bf16", "fp8_e4m3", 128, "prefill_ws"), AttnFwdSpec("fp16", "fp8_e5m2", 128, "prefill_ws"),
-            AttnFwdSpec("bf16", "auto", 96, "prefill_ws"),  # opt-in (ws_narrow): not among all_variants
-            AttnFwdSpec("fp16", "auto", 80, "prefill_ws")]
+            AttnFwdSpec("bf16", "auto", 96, "prefill_ws"),  # opt-in (narrow): not among all_variants
+            AttnFwdSpec("fp16", "auto", 80, "prefill_ws"), AttnFwdSpec("bf16", "auto", 96, "decode_tma"),
+            AttnFwdSpec("fp16", "auto", 80, "multi_tma")]
 
 
 # make test compiles the cp.async/mma.sync variants for one arch (sm_80 and sm_90a compile one source):
@@ -405,6 +406,34 @@ def test_multi_token_decode_matches_reference(c, decode_loader):
     assert modes & {"multi", "multi_tma"}, modes
 
 
+def _narrow_decode_grid(n, seed=29):
+    """decode_tma and multi_tma at head dims 96 and 80 (forced narrow: TMA boxes of 32 / 16 columns with the
+    64- / 32-byte swizzle into the warps' rings): head sizes 96, 88, 80 and 72, pages of 16-256 keys,
+    decode, multi-token and mixed batches, splits, 16-bit caches."""
+    rng = random.Random(seed)
+    axes = dict(dtype=[torch.float16, torch.bfloat16], D=[96, 88, 80, 72], layout=["NHD", "HND"],
+                bs=[16, 32, 128, 256], heads=[(8, 8), (32, 8), (32, 4), (28, 4), (16, 2)], causal=[False, True],
+                batch=["decode", "multi", "mixed"], splits=[0, 1, 3, 7], kv=KV[:1], lse=[False, True],
+                out=[False, True], loader=["auto"])
+    return cover_axes(axes, n, rng, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", _narrow_decode_grid(32), ids=_case_id)
+def test_narrow_tma_decode_matches_reference(c, decode_loader):
+    """The opt-in narrow TMA decode (decode_tma, multi_tma at 96 and 80) against the reference; its plans
+    launch TMA kernels at those head dims only."""
+    from pagedattn.ops import attention as attention_ops
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("TMA decode is sm_90-only")
+    with attention_ops.forced(narrow=True):
+        test_attention_matches_reference(c, decode_loader)
+        kernels = {(m, v.head_dim) for plan in attention_ops._PLANS.values() for (m, _), v in plan._kernels.items()}
+    assert {m for m, _ in kernels} & {"decode_tma", "multi_tma", "prefill_ws"}, kernels
+    assert all(d == kernel_head_dim(c["D"]) for m, d in kernels if m in ("decode_tma", "multi_tma", "prefill_ws"))
+
+
 def _fp8_wgmma_grid(n, seed=13):
     """fp8 caches through the sm_90a warpgroup-MMA prefill (stages widened in shared memory): every
     head dim it compiles, both fp8 formats, block sizes down to 1 (the cp.async loader's per-row path);
@@ -701,7 +730,7 @@ def test_ws_q_feed_matches_reference(c, decode_loader, fp8_ws):
 
 
 def _ws_narrow_grid(n, seed=23):
-    """prefill_ws compiled at head dims 96 and 80 (forced ws_narrow: 32- or 16-column panels with the 64-
+    """prefill_ws compiled at head dims 96 and 80 (forced narrow: 32- or 16-column panels with the 64-
     or 32-byte swizzle, three or five TMA boxes per 16-key chunk; the dispatch runs them on the 128 tile):
     the ws grid's axes at head sizes 96, 88 and 80, 72 (the last 8 columns zero-filled by the tensor map)."""
     return _ws_grid(n, seed, head_sizes=(96, 88, 80, 72))
@@ -716,7 +745,7 @@ def test_ws_narrow_matches_reference(c, decode_loader):
     from pagedattn.ops import attention as attention_ops
 
     for tiles in ({}, {**WS_OPT_INS, "kWsPair": True}):
-        with attention_ops.forced(prefill="prefill_ws", ws_narrow=True, tiles={"prefill_ws": tiles}):
+        with attention_ops.forced(prefill="prefill_ws", narrow=True, tiles={"prefill_ws": tiles}):
             _check_sm90a_mode(c, decode_loader, "prefill_ws", required=c["batch"] != "mixed")  # mixed: may pack few rows
             dims = {v.head_dim for plan in attention_ops._PLANS.values() for (m, _), v in plan._kernels.items()
                     if m == "prefill_ws"}
@@ -1378,12 +1407,16 @@ def test_tma_decode_dispatch_rules():
     assert tma_ok(_call_info("NHD"), "sm_90a", 128) and tma_ok(_call_info("HND"), "sm_90a", 128)
     assert not tma_ok(_call_info("NHD"), "sm_80", 128)           # TMA is Hopper-only
     assert not tma_ok(_call_info("NHD", bs=8), "sm_90a", 128)    # 16-key chunks must fit in a page
-    assert not tma_ok(_call_info("NHD", D=80), "sm_90a", 80)     # 16-bit tiles: 64-column swizzle atoms
+    assert not tma_ok(_call_info("NHD", D=80), "sm_90a", 80)     # 16-bit tiles: 64-column swizzle atoms,
+    assert tma_ok(_call_info("NHD", D=80), "sm_90a", 80, narrow=True)  # or (opt-in) 16- / 32-column ones
+    assert tma_ok(_call_info("HND", D=96), "sm_90a", 96, narrow=True)
     assert tma_ok(_call_info("NHD", kv="fp8_e4m3", D=80), "sm_90a", 80)  # fp8 rows are unswizzled
     assert not tma_ok(_call_info("NHD", kv="fp8_e4m3", D=72), "sm_90a", 80)  # 72-byte rows
-    with pytest.raises(UnsupportedError, match="decode_tma"):
-        AttnFwdSpec("bf16", "auto", 80, "decode_tma")
+    for mode in ("decode_tma", "multi_tma"):  # the narrow ones: opt-in, no variant of the bundles
+        spec = AttnFwdSpec("bf16", "auto", 80, mode)
+        assert spec.narrow and not spec.dispatched and spec.supports_arch("sm_90a")
     assert AttnFwdSpec("bf16", "fp8_e4m3", 80, "decode_tma").supports_arch("sm_90a")
+    assert not AttnFwdSpec("bf16", "fp8_e4m3", 80, "decode_tma").narrow
 
 
 def test_tma_maps_are_encoded_once_per_cache(monkeypatch):
@@ -1449,7 +1482,7 @@ def test_ws_prefill_dispatch_rules():
     assert fp8.tiles == {**tile_config(128, "prefill_ws"), "kKAhead": True, "kWsProducerRegs": 72, "kWsQLate": True}
     assert fp8.dynamic_smem() <= 227 * 1024
     assert fp8.dynamic_smem() == smem_bytes(fp8.tiles, 128, False) + 2 * 2 * 128 * 128 + 8 * 2 * 4 * 2
-    # head dims 80 and 96 run on the 128 tile (wgmma_head_dim); they compile as such too (opt-in: ws_narrow),
+    # head dims 80 and 96 run on the 128 tile (wgmma_head_dim); they compile as such too (opt-in: narrow),
     # not among the variants bundles and `list` hold; 80's P V takes one of CuTe's extended wgmma shapes
     for d in (80, 96):
         narrow = AttnFwdSpec("bf16", "auto", d, "prefill_ws")

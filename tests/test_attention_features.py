@@ -253,12 +253,12 @@ def test_features_with_ws_pairs(c, decode_loader):
                                                       if c["batch"] in ("mixed", "prefill", "long")][:16])],
                          ids=_fid)
 def test_features_at_narrow_head_dim(c, decode_loader):
-    """Every feature in the opt-in head-dim-96 and -80 prefill_ws (forced ws_narrow: 32- and 16-column
+    """Every feature in the opt-in head-dim-96 and -80 prefill_ws (forced narrow: 32- and 16-column
     panels) and at those head dims as the dispatch runs them (the 128 tile, its last columns zero)."""
     from pagedattn.ops import attention as attention_ops
 
     _check_feature_case(c, decode_loader)
-    with attention_ops.forced(prefill="prefill_ws", ws_narrow=True):
+    with attention_ops.forced(prefill="prefill_ws", narrow=True):
         _check_feature_case(c, decode_loader)
 
 

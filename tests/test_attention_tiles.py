@@ -299,7 +299,9 @@ def _check(arch, dtype, d, mode, slow=False, kv="auto"):
                                        _check("sm_90a", "bf16", 128, "prefill_ws", kv="fp8_e4m3"),  # fp16 tiles
                                        _check("sm_90a", "bf16", 64, "prefill_ws", slow=True),
                                        _check("sm_90a", "bf16", 96, "prefill_ws"),  # 32-column panels (opt-in)
-                                       _check("sm_90a", "fp16", 80, "prefill_ws")])  # 16-column panels (opt-in)
+                                       _check("sm_90a", "fp16", 80, "prefill_ws"),  # 16-column panels (opt-in)
+                                       _check("sm_90a", "bf16", 96, "decode_tma"),  # narrow TMA decode (opt-in)
+                                       _check("sm_90a", "fp16", 80, "multi_tma", slow=True)])
 def test_written_sm80_layouts_are_cutes(arch, spec):
     from pagedattn.codegen.compile import compile_source, nvrtc_options
     from pagedattn.codegen.toolchain import toolchain

@@ -575,15 +575,17 @@ def _with_clusters(launcher_fn, clusters):
     (96, "auto", 8, {}, [("prefill_wgmma", 128), ("decode", 96)]),  # pages TMA cannot box: cp.async + wgmma
     (96, "fp8_e4m3", 16, {}, [("prefill_ws", 128), ("decode_tma", 96)]),  # fp8: maps for each head dim
     (128, "auto", 16, {}, [("prefill_ws", 128), ("decode_tma", 128)]),
-    (96, "auto", 16, {"prefill": "prefill_ws", "ws_narrow": True}, [("prefill_ws", 96), ("decode", 96)]),
-    (80, "auto", 16, {"prefill": "prefill_ws", "ws_narrow": True}, [("prefill_ws", 80), ("decode", 80)]),
-    (72, "auto", 16, {"prefill": "prefill_ws", "ws_narrow": True}, [("prefill_ws", 80), ("decode", 80)]),
-    (96, "fp8_e4m3", 16, {"ws_narrow": True}, [("prefill_ws", 128), ("decode_tma", 96)]),  # 16-bit only
+    (96, "auto", 16, {"narrow": True}, [("prefill_ws", 96), ("decode_tma", 96)]),  # one set of maps, at 96
+    (80, "auto", 16, {"narrow": True}, [("prefill_ws", 80), ("decode_tma", 80)]),
+    (72, "auto", 16, {"narrow": True}, [("prefill_ws", 80), ("decode_tma", 80)]),
+    (96, "auto", 8, {"narrow": True}, [("prefill_wgmma", 128), ("decode", 96)]),  # no TMA: as without narrow
+    (96, "fp8_e4m3", 16, {"narrow": True}, [("prefill_ws", 128), ("decode_tma", 96)]),  # 16-bit only
 ])
 def test_prefill_head_dim_of_a_plan(D, kv, bs, forced, want, monkeypatch):
     """heuristics.wgmma_head_dim on the plan: head dims 80 and 96 take the warpgroup-MMA prefills compiled
     at 128 (TMA maps encoded for 128), their decode its own head dim (an fp8 cache's decode_tma with maps
-    of its own); forced ws_narrow keeps 80 and 96 (WS_NARROW_HEAD_DIMS) on prefill_ws, 16-bit caches only."""
+    of its own); forced narrow keeps 80 and 96 (NARROW_HEAD_DIMS) for prefill_ws and decode_tma, 16-bit
+    caches of 16-key pages only."""
     specs, maps_dims = [], []
     monkeypatch.setattr(attention, "get_kernel", lambda spec: specs.append(spec) or _RecordingKernel(spec))
     maps = torch.zeros(256, dtype=torch.uint8)

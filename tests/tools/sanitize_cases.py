@@ -19,8 +19,8 @@ if sys.argv[1:] == ["ws"]:
     from pagedattn.ops.attention.overrides import forced
 
     # the fp8 case: its producer widens the chunks to fp16 (forced, though the dispatch takes prefill_ws there);
-    # head size 96 on the 128 tile (the dispatch's), and 96 and 80 compiled as such (forced ws_narrow: 32- and
-    # 16-column panels, three and five boxes per chunk)
+    # head size 96 on the 128 tile (the dispatch's), and 96 and 80 compiled as such (forced narrow: 32- and
+    # 16-column panels, three and five boxes per chunk; their decode_tma too)
     cases = (("NHD", 128, "auto", False), ("HND", 64, "auto", False), ("NHD", 256, "auto", False),
              ("NHD", 128, "fp8_e4m3", False), ("NHD", 96, "auto", False), ("HND", 96, "auto", True),
              ("NHD", 80, "auto", True))
@@ -49,10 +49,16 @@ if sys.argv[1:] == ["ws"]:
         for splits in (1, 3):
             for tiles in opt_in:
                 with forced(prefill="prefill_ws" if fp8 or narrow else None, tiles={"prefill_ws": tiles},
-                            ws_narrow=narrow or None):
+                            narrow=narrow or None):
                     out = flash_attn_varlen_func(q, kc, vc, 300, cu_q, 300, seqused_k=seq, block_table=table,
                                                  causal=True, num_splits=splits, kv_cache_dtype=kv, **scale)
                 assert torch.isfinite(out).all()
+        if narrow:  # its decode too: decode_tma's rings filled by boxes of 32 / 16 columns
+            cu_1 = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+            with forced(narrow=True):
+                out = flash_attn_varlen_func(q[:2], kc, vc, 1, cu_1, 300, seqused_k=seq, block_table=table,
+                                             causal=True, num_splits=3)
+            assert torch.isfinite(out).all()
     torch.cuda.synchronize()
     print("sanitize ws cases done")
     sys.exit(0)

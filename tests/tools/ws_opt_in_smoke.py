@@ -28,7 +28,7 @@ FIELDS = {
 }
 # (head dim, cache dtype, causal, splits); lengths are ragged, with a request of no keys and more row
 # tiles than SMs in "many_items"; "d96_narrow" and "d80_narrow": head dims compiled as such (forced
-# ws_narrow: 32- and 16-column panels, the 64- and 32-byte swizzles), where the dispatch runs them on the
+# narrow: 32- and 16-column panels, the 64- and 32-byte swizzles), where the dispatch runs them on the
 # 128 tile
 CASES = {
     "d128": (128, "auto", True, 1),
@@ -70,7 +70,7 @@ def run_one(fields: str, case: str) -> dict:
     kw = dict(seqused_k=seq, block_table=table, causal=causal, num_splits=splits, return_softmax_lse=True,
               kv_cache_dtype=kv, **scale)
     with attention_ops.forced(prefill="prefill_ws", tiles={"prefill_ws": FIELDS[fields]},
-                              ws_narrow=case.endswith("_narrow")):
+                              narrow=case.endswith("_narrow")):
         out, lse = flash_attn_varlen_func(q, kc, vc, max(lens), cu_q, max(lens), **kw)
         again, lse_again = flash_attn_varlen_func(q, kc, vc, max(lens), cu_q, max(lens), **kw)
     torch.cuda.synchronize()

@@ -29,7 +29,7 @@ from .. import steady, workspace
 from ..params import AttnParams
 # re-exported: `from pagedattn.ops.attention import X` finds every name of the former single module
 from .heuristics import MAX_SPLITS, _best_splits, mode_for, split_cost, splits_for  # noqa: F401
-from .heuristics import MULTI_ROWS, WS_FP8_HEAD_DIM, WS_NARROW_HEAD_DIMS, multi_mode, prefill_mode, tma_ok  # noqa: F401
+from .heuristics import MULTI_ROWS, WS_FP8_HEAD_DIM, NARROW_HEAD_DIMS, multi_mode, prefill_mode, tma_ok  # noqa: F401
 from .heuristics import wave_capacity, wgmma_head_dim, wgmma_ok  # noqa: F401
 from . import overrides
 from .overrides import FORCED_MULTI_ROWS, forced  # noqa: F401
@@ -179,17 +179,16 @@ class AttnFwdSpec(KernelSpec):
 
     @property
     def narrow(self) -> bool:
-        """prefill_ws at a head dim that is not a multiple of 64 (WS_NARROW_HEAD_DIMS: 32- or 16-column
-        panels; 16-bit caches): opt-in (heuristics.wgmma_head_dim runs those head dims on the 128 tile)."""
-        return self.mode == "prefill_ws" and self.head_dim % 64 != 0
+        """A TMA mode of a 16-bit cache at a head dim that is not a multiple of 64 (NARROW_HEAD_DIMS: 32- or
+        16-column panels): opt-in (overrides.forced(narrow=True); the plans run those head dims' decode
+        by cp.async and their prefill on the 128 tile)."""
+        return self.mode in TMA_MODES and self.kv_cache_dtype == "auto" and self.head_dim % 64 != 0
 
     def check(self) -> None:
-        if self.narrow and self.head_dim not in WS_NARROW_HEAD_DIMS:
-            raise UnsupportedError(f"attn_fwd: mode=prefill_ws compiles head dims {', '.join(map(str, WS_NARROW_HEAD_DIMS))} "
-                                   f"and multiples of 64, got {self.head_dim} (plans run it on the 128 tile)")
-        if self.mode in TMA_MODES and self.kv_cache_dtype == "auto" and self.head_dim % 64 and not self.narrow:
-            raise UnsupportedError(f"attn_fwd: mode={self.mode} needs head_dim a multiple of 64 for 16-bit "
-                                   f"caches (128-byte swizzled TMA boxes), got {self.head_dim}")
+        if self.narrow and self.head_dim not in NARROW_HEAD_DIMS:
+            raise UnsupportedError(f"attn_fwd: mode={self.mode} needs head_dim a multiple of 64 for 16-bit caches "
+                                   f"(128-byte swizzled TMA boxes), or one of {', '.join(map(str, NARROW_HEAD_DIMS))}, "
+                                   f"got {self.head_dim}")
         if self.mode == "multi_tma" and self.kv_cache_dtype != "auto":
             raise UnsupportedError(f"attn_fwd: mode=multi_tma needs a 16-bit cache (fp8 operands in registers "
                                    f"take one 16-row MMA tile per warp), got {self.kv_cache_dtype}; "
@@ -309,16 +308,18 @@ class _Plan:
         self.bt_width = block_table.shape[1] if block_table is not None else 0
         self.arch = arch = arch_for_device(self.device)
         f = overrides.current()  # what a benchmark or test forces (overrides.py), else the dispatch below
-        tma = f.tma is not False and tma_ok(call, arch, self.head_dim)
+        tma = f.tma is not False and tma_ok(call, arch, self.head_dim, bool(f.narrow))
         self.decode_mode = "decode_tma" if tma else "decode"
         self.multi_mode = None if f.multi is False else multi_mode(call, self.head_dim, tma)
         self.multi_rows = FORCED_MULTI_ROWS if f.multi else MULTI_ROWS
         # the warpgroup-MMA prefills' head dim: 80 and 96 run on the 128 tile (heuristics.wgmma_head_dim), whose
         # TMA maps are encoded for 128 (an fp8 cache's decode_tma keeps its own: tma_maps per head dim)
+        # (forced narrow: 80 and 96 as they are where TMA reads the cache, prefill_ws's narrow panels)
         fp8 = call.kv_name != "auto"
-        self.wgmma_dim = wd = wgmma_head_dim(self.head_dim, fp8, bool(f.ws_narrow))
+        narrow = bool(f.narrow) and tma
+        self.wgmma_dim = wd = wgmma_head_dim(self.head_dim, fp8, narrow)
         wide_tma = tma if wd == self.head_dim else f.tma is not False and tma_ok(call, arch, wd)
-        self.prefill_mode = f.prefill or prefill_mode(wgmma_ok(call, arch, wd), wide_tma, fp8, wd)
+        self.prefill_mode = f.prefill or prefill_mode(wgmma_ok(call, arch, wd, narrow), wide_tma, fp8, wd)
         # prefill_wgmma's tiles are larger: it takes over once the rows overflow one SM80 prefill tile.
         # Measured on H200 (perf/results/prefill_modes_nvidia_h200_20261130_short_3eaa587.json, d128,
         # B=32 over 4096 keys): q_len 5-32 (20-128 rows) ran 17 % slower on wgmma, q_len 64 1.7x faster.

@@ -28,10 +28,11 @@ MULTI_ROWS = 64
 WS_ROWS = 32
 # prefill_ws takes fp8 caches at this head dim only (AttnTraits: the raw stages need the shared memory)
 WS_FP8_HEAD_DIM = 128
-# prefill_ws compiles these head dims that are not multiples of 64 as they are (16-bit caches; 32- and
-# 16-column panels, the 64- and 32-byte swizzles), opt-in (wgmma_head_dim). 80's P V is a 64 x 80 wgmma,
-# one of CuTe's extended shapes (attn_fwd.cu.j2 defines CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED for it).
-WS_NARROW_HEAD_DIMS = (80, 96)
+# The TMA modes (decode_tma, multi_tma, prefill_ws) compile these head dims that are not multiples of 64 as
+# they are for 16-bit caches (32- and 16-column panels, the 64- and 32-byte swizzles), opt-in: forced
+# narrow (tma_ok, wgmma_head_dim). prefill_ws at 80: P V is a 64 x 80 wgmma, one of CuTe's extended shapes
+# (attn_fwd.cu.j2 defines CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED for it).
+NARROW_HEAD_DIMS = (80, 96)
 
 # THE cap on KV splits: a forced num_splits is clamped to it, the heuristic stops at half of it, and
 # the in-kernel combine (split_combine.cuh) holds MAX_SPLITS split LSEs per row (rendered in)
@@ -39,22 +40,26 @@ WS_NARROW_HEAD_DIMS = (80, 96)
 MAX_SPLITS = 256
 
 
-def tma_ok(call: _Call, arch: str, head_dim: int) -> bool:
+def tma_ok(call: _Call, arch: str, head_dim: int, narrow: bool = False) -> bool:
     """decode_tma needs sm_90, a paged cache whose pages hold whole 16-key sub-tiles, strides the
     tensor map can describe (multiples of 16 bytes; bases are 16-byte aligned already) and, for 16-bit
     caches, a compiled head dim that is a multiple of 64 (above 256, where warps split O's columns,
-    16-bit caches only: fp8 operands in registers take whole rows per warp)."""
+    16-bit caches only: fp8 operands in registers take whole rows per warp), or (`narrow`, opt-in) one
+    of NARROW_HEAD_DIMS."""
     fp8 = call.kv_name != "auto"
     width = 1 if fp8 else 2
     return (arch == "sm_90a" and call.paged and call.block_size % 16 == 0
-            and (head_dim <= MAX_HEAD_DIM_PER_GROUP or not fp8) and (fp8 or head_dim % 64 == 0)
+            and (head_dim <= MAX_HEAD_DIM_PER_GROUP or not fp8)
+            and (fp8 or head_dim % 64 == 0 or (narrow and head_dim in NARROW_HEAD_DIMS))
             and all(x * width % 16 == 0 for x in (*call.k_strides, *call.v_strides, call.D)))
 
 
-def wgmma_ok(call: _Call, arch: str, head_dim: int) -> bool:
+def wgmma_ok(call: _Call, arch: str, head_dim: int, narrow: bool = False) -> bool:
     """prefill_wgmma: sm_90a, a compiled head dim that is a multiple of 64, at most 256 (any cache:
-    fp8 stages are widened in shared memory for the MMAs)."""
-    return arch == "sm_90a" and head_dim % 64 == 0 and head_dim <= MAX_HEAD_DIM_PER_GROUP
+    fp8 stages are widened in shared memory for the MMAs); `narrow` (opt-in, where TMA reads the cache:
+    prefill_ws alone takes them) one of NARROW_HEAD_DIMS too."""
+    return arch == "sm_90a" and head_dim <= MAX_HEAD_DIM_PER_GROUP and \
+        (head_dim % 64 == 0 or (narrow and head_dim in NARROW_HEAD_DIMS))
 
 
 def wgmma_head_dim(head_dim: int, fp8: bool, narrow: bool = False) -> int:
@@ -69,10 +74,10 @@ def wgmma_head_dim(head_dim: int, fp8: bool, narrow: bool = False) -> int:
     (perf/results/h200_sm90_20261204_prefill_lazymax_a86d5b9.json, ws_softmax_lazy/call4_93f0a37/).
     fp8 caches too: prefill_ws at 128 reads the cache with TMA maps of its own, beside decode_tma's at 80
     or 96 (_Plan.tma_maps keeps maps per head dim).
-    narrow (opt-in: overrides.forced(prefill="prefill_ws", ws_narrow=True)): the head dims of
-    WS_NARROW_HEAD_DIMS as they are, in prefill_ws's 32- or 16-column panels (attn_wgmma.cuh), not yet
+    narrow (opt-in: overrides.forced(narrow=True), where TMA reads the cache): the head dims of
+    NARROW_HEAD_DIMS as they are, in prefill_ws's 32- or 16-column panels (attn_wgmma.cuh), not yet
     run on a GPU."""
-    if head_dim % 64 == 0 or head_dim > 128 or (narrow and not fp8 and head_dim in WS_NARROW_HEAD_DIMS):
+    if head_dim % 64 == 0 or head_dim > 128 or (narrow and not fp8 and head_dim in NARROW_HEAD_DIMS):
         return head_dim
     return 128
 

@@ -22,8 +22,9 @@ class Forced:
     multi: bool | None = None   # False: no multi-token decode; True: up to FORCED_MULTI_ROWS rows
     tma: bool | None = None     # False: decode (and what follows from it) without TMA, the cp.async loader
     tiles: tuple = ()           # (mode, ((field, value), ...)) pairs laid over tile_config's answer
-    ws_narrow: bool | None = None  # True: prefill_ws compiles head dims 80 and 96 as such
-    #                              (WS_NARROW_HEAD_DIMS), not on the 128 tile (heuristics.wgmma_head_dim)
+    narrow: bool | None = None  # True: 16-bit caches at head dims 80 and 96 (NARROW_HEAD_DIMS) through the
+    #                             TMA modes at those head dims, in 32- / 16-column panels: decode_tma and
+    #                             multi_tma (heuristics.tma_ok), prefill_ws not on the 128 tile (wgmma_head_dim)
 
     def tiles_for(self, mode: str) -> dict:
         return {k: v for m, fields in self.tiles if m == mode for k, v in fields}
@@ -46,7 +47,7 @@ def _fold() -> Forced:
 
 @contextlib.contextmanager
 def forced(prefill: str | None = None, multi: bool | None = None, tma: bool | None = None,
-           tiles: dict[str, dict] | None = None, ws_narrow: bool | None = None):
+           tiles: dict[str, dict] | None = None, narrow: bool | None = None):
     """Force the dispatch inside the block; `tiles` maps a mode to the tile fields it takes (e.g.
     {"prefill_ws": {"kStages": 3}}). Options left at None keep the outer block's (or the dispatch's).
     What is in force is the open blocks folded oldest first, so blocks may also close out of order
@@ -54,7 +55,7 @@ def forced(prefill: str | None = None, multi: bool | None = None, tma: bool | No
     global _current
     from . import _PLANS
 
-    given = {k: v for k, v in dict(prefill=prefill, multi=multi, tma=tma, ws_narrow=ws_narrow).items()
+    given = {k: v for k, v in dict(prefill=prefill, multi=multi, tma=tma, narrow=narrow).items()
              if v is not None}
     block = (given, tuple((mode, tuple(sorted(fields.items()))) for mode, fields in (tiles or {}).items()))
     _blocks.append(block)

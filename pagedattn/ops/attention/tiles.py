@@ -167,7 +167,7 @@ def _tiles(head_dim: int, mode: str, fp8: bool) -> dict:
         # producer multicasting half of every step's boxes into both CTAs' rings: half the TMA boxes and L2
         # reads per CTA, the lever session 30's probe priced at 3.5-5 % (perf/results/ws_pair/README.md).
         # With the feed, no spills at d128 (ptxas); without it the consumers' two schedules spill (74).
-        # Head dims 80 and 96 (opt-in ws_narrow; the plans run them on the 128 tile: heuristics.wgmma_head_dim)
+        # Head dims 80 and 96 (opt-in narrow; the plans run them on the 128 tile: heuristics.wgmma_head_dim)
         # take the d128 tiles: 32- / 16-column panels, 120 / 100 KiB of shared memory with two slots.
         return dict(kBlockM=128, kBlockN=128 if head_dim <= 128 else 64, kWarpsM=8, kWarpsN=1,
                     kStages=2 if head_dim <= 128 else 3, kMinBlocks=1, kTma=True, kPingPong=True,

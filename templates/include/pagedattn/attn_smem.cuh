@@ -109,6 +109,13 @@ struct AttnSmem {
                 "prefill_ws with kWsOBulk: 16 rows of O per consumer warp, kOPitch bytes each");
   static_assert(Plan::kWsQBars == (Traits::kQFeed ? 4 * Traits::kQTiles : 0),
                 "prefill_ws with kWsQFeed: a full and an empty mbarrier per consumer warpgroup's Q rows (per Q tile)");
+  // Every Element tile (Q, K and V tiles) starts at a whole period of its swizzle (8 rows of a panel:
+  // 1024, 512 or 256 bytes at 64, 32 or 16 columns) from the 1024-aligned base, so that the pattern the
+  // TMA boxes write and the wgmma descriptors assume (base offset 0) is the layouts' own
+  static constexpr int kSwizzlePeriod = 8 * Traits::kBlockKSmem * int(sizeof(Element));
+  static_assert(kQTile * int(sizeof(Element)) % kSwizzlePeriod == 0 &&
+                Traits::kTileElems * int(sizeof(Element)) % kSwizzlePeriod == 0,
+                "Q and K/V tiles: whole swizzle periods");
 
   char* base;
   int q_tile = 0;  // kChain: the Q tile q() is (the item's)

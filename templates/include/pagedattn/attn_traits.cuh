@@ -143,8 +143,8 @@ struct AttnTraits {
   static_assert(kBlockM % (16 * kWarpsM) == 0, "kBlockM must be a multiple of 16 * kWarpsM");
   static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16 (one MMA K step of P.V)");
   static_assert(kStages >= 2, "the K/V pipeline needs at least two stages");
-  static_assert(!kTma || kWgmma || (kWarpsM == 1 && (kIsFp8 || kHeadDim % 64 == 0)),
-                "TMA loading: one warp per group; 16-bit tiles in 64-column (128-byte) swizzle atoms");
+  static_assert(!kTma || kWgmma || (kWarpsM == 1 && (kIsFp8 || kHeadDim % 16 == 0)),
+                "TMA loading: one warp per group; 16-bit tiles in swizzle atoms of 64, 32 or 16 columns");
   static_assert(!kWs || ((!kIsFp8 || kHeadDim == 128) && kBlockN % 16 == 0 && kBlockN <= 512),
                 "warp-specialised prefill: 16-bit caches or fp8 at head dim 128, 16-key TMA chunks, one per "
                 "producer lane");

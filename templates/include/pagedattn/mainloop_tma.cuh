@@ -30,8 +30,9 @@ struct TmaKVLoader {
   static constexpr int kCacheBytes = Traits::kCacheBytes;
   static constexpr int kChunks = kBlockN / 16;
   static_assert(kBlockN % 16 == 0 && kChunks <= 32, "TMA sub-tiles are 16-key chunks");
-  // TMA box: kBoxCols x 16 keys; 128-byte swizzled except fp8 rows not a multiple of 128 bytes
-  static constexpr int kBoxCols = Traits::kFp8Regs ? 128 : (Traits::kIsFp8 ? kHeadDim : 64);
+  // TMA box: kBoxCols x 16 keys; 128-byte swizzled except fp8 rows not a multiple of 128 bytes (16-bit
+  // head dims 96 and 80: the 32- and 16-column panels of Traits::kBlockKSmem, 64- and 32-byte swizzled)
+  static constexpr int kBoxCols = Traits::kFp8Regs ? 128 : (Traits::kIsFp8 ? kHeadDim : Traits::kBlockKSmem);
   static constexpr int kChunkBytes = 16 * kHeadDim * kCacheBytes;  // K (or V) bytes of one chunk
   static constexpr int kWindow = 32 / kChunks;                     // issues per page window
   static_assert(32 % kChunks == 0, "a page window is one entry per lane");
