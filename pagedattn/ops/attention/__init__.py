@@ -313,8 +313,8 @@ class _Plan:
         self.multi_mode = None if f.multi is False else multi_mode(call, self.head_dim, tma)
         self.multi_rows = FORCED_MULTI_ROWS if f.multi else MULTI_ROWS
         # the warpgroup-MMA prefills' head dim: 80 and 96 run on the 128 tile (heuristics.wgmma_head_dim), whose
-        # TMA maps are encoded for 128 (an fp8 cache's decode_tma keeps its own: tma_maps per head dim)
-        # (forced narrow: 80 and 96 as they are where TMA reads the cache, prefill_ws's narrow panels)
+        # TMA maps are encoded for 128 (an fp8 cache's decode_tma keeps its own: tma_maps per head dim); forced
+        # narrow, as they are where TMA reads the cache (prefill_ws's narrow panels)
         fp8 = call.kv_name != "auto"
         narrow = bool(f.narrow) and tma
         self.wgmma_dim = wd = wgmma_head_dim(self.head_dim, fp8, narrow)

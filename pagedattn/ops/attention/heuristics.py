@@ -68,8 +68,8 @@ def wgmma_head_dim(head_dim: int, fp8: bool, narrow: bool = False) -> int:
     the TMA boxes (or cp.async copies) zero-fill the columns past the head size and the epilogue skips
     them, as for head sizes 112 and 120 (GPU-tested: test_ws_prefill_matches_reference,
     test_fp8_ws_prefill_matches_reference, test_fp8_wgmma_prefill_matches_reference). The alternative on
-    sm_90a is the SM80 prefill: measured on
-    H200 (perf/results/ldsm_ab_h200_20261204_405b778_cute_r1.json, B=4 S=4096 causal) 2903 us at d80 and
+    sm_90a is the SM80 prefill: measured on H200
+    (perf/results/ldsm_ab_h200_20261204_405b778_cute_r1.json, B=4 S=4096 causal) 2903 us at d80 and
     3149 us at d96 (118 and 131 TFLOP/s), where d128 prefill_ws takes 1071-1094 us for more work
     (perf/results/h200_sm90_20261204_prefill_lazymax_a86d5b9.json, ws_softmax_lazy/call4_93f0a37/).
     fp8 caches too: prefill_ws at 128 reads the cache with TMA maps of its own, beside decode_tma's at 80
