@@ -530,4 +530,9 @@ def test_kernel_variants_and_the_precompile_command_agree():
     assert set(specs) <= set(sel.specs)
     narrow = fuzz.kernel_specs(fuzz.Space(dtypes=("bf16",), head_dims=(64, 128), kv_cache_dtypes=("auto",)))
     assert narrow and all(getattr(s, "dtype") == "bf16" for s in narrow)
+    # 72 alone: the d80 kernels, and the warpgroup-MMA prefills at 128 its sm_90a plans run
+    d72 = {(s.mode, s.head_dim) for s in fuzz.kernel_specs(fuzz.Space(head_dims=(72,))) if s.FAMILY == "attn_fwd"}
+    assert ("decode", 80) in d72 and ("prefill_ws", 128) in d72 and ("decode", 128) not in d72
+    sel72 = aot.select(ops=["attn_fwd"], filters={"head_sizes": ["72"]})
+    assert {s for s in fuzz.kernel_specs(fuzz.Space(head_dims=(72,))) if s.FAMILY == "attn_fwd"} <= set(sel72.specs)
     assert all(str(fuzz.KERNEL_HEAD_DIM[d]) in fuzz.__doc__ for d in fuzz.HEAD_DIMS)

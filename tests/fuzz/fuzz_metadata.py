@@ -23,7 +23,8 @@ contract (expected_attention: corrupt block ids point at an extra zero page).
 
 Kernel variants (precompile them; JIT compiles a missing one at first use, 10-40 s each): the default
 space uses q dtype fp16/bf16, kv_cache_dtype auto/fp8_e4m3 and head dims 64, 128, 72 (72 runs on the
-d80 kernel); KERNEL_VARIANTS lists the families, `--list-variants` every variant name. All of them:
+d80 kernels, its sm_90a prefill on the 128 tile); KERNEL_VARIANTS lists the families, `--list-variants`
+every variant name. All of them:
 
   pagedattn precompile --arch sm_90a --ops attn_fwd,kv_write,legacy_attn,legacy_reduce,legacy_cache_write \
       --dtypes fp16,bf16 --kv-cache-dtypes auto,fp8_e4m3 --head-sizes 64,80,128 --jobs 16 --out DIR
@@ -1420,17 +1421,17 @@ def kernel_specs(space: Space = Space()) -> list:
     ldims = set(_legacy_dims(space))
     specs = []
 
-    def add(cls, *fields):
+    def add(cls, *fields, serves=lambda spec: True):
         try:
             spec = cls(*fields)
         except UnsupportedError:
             return  # a mode that does not exist for these fields
-        if getattr(spec, "dispatched", True):  # not the forced-only ones (AttnFwdSpec.dispatched)
+        if getattr(spec, "dispatched", True) and serves(spec):  # not the forced-only ones (AttnFwdSpec.dispatched)
             specs.append(spec)
     for t, kv, d in KERNEL_VARIANTS["attn_fwd"]:
-        if t in space.dtypes and kv in space.kv_cache_dtypes and d in dims:
-            for mode in MODES:
-                add(AttnFwdSpec, t, kv, d, mode)
+        if t in space.dtypes and kv in space.kv_cache_dtypes:
+            for mode in MODES:  # what plans of the space's head sizes launch (72: d80, its prefills at 128)
+                add(AttnFwdSpec, t, kv, d, mode, serves=lambda spec: any(map(spec.serves_head_size, space.head_dims)))
     for t, kv in KERNEL_VARIANTS["kv_write"]:
         if t in space.dtypes and kv in space.kv_cache_dtypes:
             for path in KvWriteSpec.SUPPORTED["path"]:
