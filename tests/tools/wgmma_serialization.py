@@ -8,16 +8,24 @@ still runs correctly, so only this check (or a benchmark) notices. Session 33 fo
 items of kWsQFeed 2 (perf/results/ws_feed/README.md).
 
 Prints one line per kernel and exits 1 if any is serialised or fails to compile. CPU only (NVRTC).
-  python tests/tools/wgmma_serialization.py [--jobs N] [--tiles JSON]   # --tiles: prefill_ws overrides"""
+  python tests/tools/wgmma_serialization.py [--jobs N] [--tiles JSON] [--narrow]
+  (--tiles: prefill_ws overrides; --narrow: the opt-in prefill_ws kernels of head dims 80 and 96 instead,
+  every dtype and feature set)"""
 import argparse
 import json
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
 
-def _specs():
-    from pagedattn.ops.attention import WGMMA_MODES, AttnFwdSpec
+def _specs(narrow: bool = False):
+    import dataclasses
 
+    from pagedattn.ops.attention import FEATURE_SETS, NARROW_HEAD_DIMS, WGMMA_MODES, AttnFwdSpec
+
+    if narrow:  # not among all_variants (not dispatched): built here, each feature set
+        return [dataclasses.replace(AttnFwdSpec(dtype, "auto", d, "prefill_ws"),
+                                    **{f: True for f in fs.split("+") if fs != "none"})
+                for d in NARROW_HEAD_DIMS for dtype in AttnFwdSpec.SUPPORTED["dtype"] for fs in FEATURE_SETS]
     return [s for s in AttnFwdSpec.all_variants() if s.mode in WGMMA_MODES and s.supports_arch("sm_90a")]
 
 
@@ -45,8 +53,9 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="compiles at once")
     ap.add_argument("--tiles", type=json.loads, default=None,
                     help='prefill_ws tile overrides (JSON), e.g. \'{"kWsQFeed": 2}\': prefill_ws kernels only')
+    ap.add_argument("--narrow", action="store_true", help="the opt-in prefill_ws kernels of head dims 80 and 96")
     args = ap.parse_args(argv)
-    specs = [s for s in _specs() if not args.tiles or s.mode == "prefill_ws"]
+    specs = [s for s in _specs(args.narrow) if not args.tiles or s.mode == "prefill_ws"]
     bad = 0
     with ProcessPoolExecutor(args.jobs) as pool:
         for name, features, verdict in pool.map(_check, [(s, args.tiles) for s in specs]):
