@@ -186,9 +186,9 @@ class AttnFwdSpec(KernelSpec):
 
     def check(self) -> None:
         if self.narrow and self.head_dim not in NARROW_HEAD_DIMS:
+            narrow = ", ".join(map(str, NARROW_HEAD_DIMS))
             raise UnsupportedError(f"attn_fwd: mode={self.mode} needs head_dim a multiple of 64 for 16-bit caches "
-                                   f"(128-byte swizzled TMA boxes), or one of {', '.join(map(str, NARROW_HEAD_DIMS))}, "
-                                   f"got {self.head_dim}")
+                                   f"(128-byte swizzled TMA boxes), or one of {narrow}, got {self.head_dim}")
         if self.mode == "multi_tma" and self.kv_cache_dtype != "auto":
             raise UnsupportedError(f"attn_fwd: mode=multi_tma needs a 16-bit cache (fp8 operands in registers "
                                    f"take one 16-row MMA tile per warp), got {self.kv_cache_dtype}; "
@@ -288,9 +288,9 @@ class _Variant:
 class _Plan:
     """What a call's tensor metadata decides, validated once and reused while it repeats."""
     __slots__ = ("call", "device", "dtype", "head_dim", "dbs", "dhs", "block_shift", "bt_stride",
-                 "bt_width", "arch", "decode_mode", "multi_mode", "multi_rows", "prefill_mode", "wgmma_rows", "wgmma_dim",
-                 "_kernels", "_tma", "group", "tiles_per_row", "default_scale", "geometry", "launches", "empty",
-                 "here", "current", "_maps_ptr")
+                 "bt_width", "arch", "decode_mode", "multi_mode", "multi_rows", "prefill_mode", "wgmma_rows",
+                 "wgmma_dim", "_kernels", "_tma", "group", "tiles_per_row", "default_scale", "geometry", "launches",
+                 "empty", "here", "current", "_maps_ptr")
 
     def __init__(self, call: _Call, q, block_table, k_descale, v_descale):
         self.call = call

@@ -62,8 +62,9 @@ extern "C" __device__ void pagedattn_wgmma_descriptor_differs_from_cutes();
 // The values of the written descriptor fragments (WgmmaTiles: layout type, offsets, start address, every
 // k-step) against those of CuTe's partition_fragment_A/B over the same tiles (make_gmma_desc), for
 // thread 0; and the tiles the loaders write (Traits' layouts: the TMA boxes, the cp.async copies, the
-// zero fills) against the GMMA layouts those descriptors describe, at every 16-byte piece. Tests: a full
-// compile; every comparison folds to a constant, and one that is not equal leaves the call above.
+// zero fills) against the GMMA layouts those descriptors describe, at every 16-byte piece of two 8-row
+// atoms. Tests: a full compile; every comparison folds to a constant, and one that is not equal leaves
+// the call above.
 template <class Traits>
 __device__ void check_wgmma_descs(char* smem) {
   using namespace cute;
@@ -80,7 +81,9 @@ __device__ void check_wgmma_descs(char* smem) {
     CUTE_UNROLL
     for (int r = 0; r < 16; ++r) {
       CUTE_UNROLL
-      for (int c = 0; c < Traits::kHeadDim; c += 8) eq = eq && raw_pointer_cast(&a(r, c)) == raw_pointer_cast(&b(r, c));
+      for (int c = 0; c < Traits::kHeadDim; c += 8) {
+        eq = eq && raw_pointer_cast(&a(r, c)) == raw_pointer_cast(&b(r, c));
+      }
     }
     return eq;
   };
@@ -98,10 +101,10 @@ __device__ void check_wgmma_descs(char* smem) {
     }
     return eq;
   };
-  bool const ok =
-      same(Tiles::frag_q(tile, 0), thr_qk.partition_fragment_A(make_tensor(make_smem_ptr(tile), typename Tiles::SmemLayoutQ{}))) &&
-      same(Tiles::frag_k(tile), thr_qk.partition_fragment_B(make_tensor(make_smem_ptr(tile), typename Tiles::SmemLayoutK{}))) &&
-      same(Tiles::frag_vt(tile), thr_pv.partition_fragment_B(make_tensor(make_smem_ptr(tile), typename Tiles::SmemLayoutVt{})));
+  auto tensor = [&](auto layout) { return make_tensor(make_smem_ptr(tile), layout); };
+  bool const ok = same(Tiles::frag_q(tile, 0), thr_qk.partition_fragment_A(tensor(typename Tiles::SmemLayoutQ{}))) &&
+                  same(Tiles::frag_k(tile), thr_qk.partition_fragment_B(tensor(typename Tiles::SmemLayoutK{}))) &&
+                  same(Tiles::frag_vt(tile), thr_pv.partition_fragment_B(tensor(typename Tiles::SmemLayoutVt{})));
   if (!ok) pagedattn_wgmma_descriptor_differs_from_cutes();
 }
 #endif
