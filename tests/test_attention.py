@@ -1570,6 +1570,40 @@ def test_ws_pair_renders_where_it_runs(dtype, kv, tiles, pair):
     assert ("__cluster_dims__(2, 1, 1)" in source) is pair
 
 
+def _ptx(source: str, name: str) -> str:
+    """The PTX NVRTC makes of a kernel source for compute_90a."""
+    from cuda.bindings import nvrtc
+
+    options = [o.replace("--gpu-architecture=sm_90a", "--gpu-architecture=compute_90a").encode()
+               for o in nvrtc_options("sm_90a", toolchain())]
+    _, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], [])
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
+        _, size = nvrtc.nvrtcGetPTXSize(prog)
+        buf = b" " * size
+        nvrtc.nvrtcGetPTX(prog, buf)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return buf.rstrip(b"\0 ").decode()
+
+
+def test_ws_pair_waits_acquire_at_cluster_scope():
+    """kWsPair: the producer's waits for slots both CTAs' consumers hand back acquire at cluster scope,
+    and no wait of a kernel without pairs does (mbarrier_wait<kCluster>, the qualifier spliced into the
+    asm text by PAGEDATTN_MBARRIER_WAIT)."""
+    from pagedattn.ops import attention as attention_ops
+
+    with attention_ops.forced(tiles={"prefill_ws": {"kWsPair": True}}):
+        paired = Kernel(AttnFwdSpec("bf16", "auto", 128, "prefill_ws"))
+        paired_ptx = _ptx(paired.source, paired.name)
+    plain = Kernel(AttnFwdSpec("bf16", "auto", 128, "prefill_ws"))
+    plain_ptx = _ptx(plain.source, plain.name)
+    assert "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64" in paired_ptx
+    assert "mbarrier.try_wait.parity.shared::cta.b64" in paired_ptx  # the full barriers: the CTA's own
+    assert "mbarrier.try_wait.parity.shared::cta.b64" in plain_ptx and ".acquire.cluster" not in plain_ptx
+
+
 def test_ws_pair_protocol_model():
     """The K/V ring of prefill_ws in clusters of two CTAs (tests/tools/ws_pair_model.py: each producer's
     half of a step multicast into both CTAs' slots, full barriers counting both halves' bytes, slots handed

@@ -221,9 +221,9 @@ struct OnlineSoftmax {
     return true;
   }
 
-  // p = 2^(s * scale_log2 - m) in place, m as it stands, and each row's part of their sum. kFma: as in
-  // exponentiate().
-  template <int kFma = 0, class TensorS>
+  // p = 2^(s * scale_log2 - m) in place, m as it stands, and each row's part of their sum, into sum[r]
+  // (kAdd: added to it, row by row as each is done). kFma: as in exponentiate().
+  template <int kFma = 0, bool kAdd = false, class TensorS>
   __device__ __forceinline__ void exponentiate_at_max(TensorS& acc_s, float scale_log2, float (&sum)[kRows]) const {
     using namespace cute;
     constexpr int kMmaN = decltype(size<2>(acc_s))::value;
@@ -244,7 +244,11 @@ struct OnlineSoftmax {
             s += p;
           }
         }
-        sum[r] = s;
+        if constexpr (kAdd) {
+          sum[r] += s;
+        } else {
+          sum[r] = s;
+        }
       }
     }
   }
@@ -252,10 +256,7 @@ struct OnlineSoftmax {
   // exponentiate() once fix_max() has set the maximum: p = 2^(s * scale_log2 - m0), alpha = 1.
   template <int kFma = 0, class TensorS>
   __device__ __forceinline__ void exponentiate_fixed(TensorS& acc_s, float scale_log2) {
-    float sum[kRows];
-    exponentiate_at_max<kFma>(acc_s, scale_log2, sum);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) l[r] += sum[r];
+    exponentiate_at_max<kFma, true>(acc_s, scale_log2, l);
   }
 
   // The second half: O's rows times alpha (a row whose max did not move is skipped, exactly).

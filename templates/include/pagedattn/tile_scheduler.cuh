@@ -102,10 +102,11 @@ __device__ __forceinline__ void split_steps(AttnParams const& p, AttnWork& w, in
 }
 
 // Row tile `tile` of w's request (w.q_len, w.k_len): its first row (w.row0, set either way), the keys
-// its rows may see (mask_from, mask_below) and every split's stages in [step_begin, step_end); false
-// where the request has no such tile.
+// its rows may see (mask_from, mask_below) and every split's stages, [step_lo, step_hi); false where
+// the request has no such tile. (The stages stay out of w until split_steps: a store to w here, read
+// back there, left an extra stack store in every kernel whose w lives in local memory.)
 template <class Traits, class Features>
-__device__ __forceinline__ bool tile_keys(AttnParams const& p, int tile, AttnWork& w) {
+__device__ __forceinline__ bool tile_keys(AttnParams const& p, int tile, AttnWork& w, int& step_lo, int& step_hi) {
   int const rows = w.q_len * p.group;
   w.row0 = tile * Traits::kBlockM;
   if (w.row0 >= rows) return false;
@@ -118,15 +119,16 @@ __device__ __forceinline__ bool tile_keys(AttnParams const& p, int tile, AttnWor
   w.mask_from = first.end;
   w.mask_below = last.begin;
   int const keys_begin = first.begin, keys_end = last.end;
-  w.step_begin = keys_begin / Traits::kStageKeys;
-  w.step_end = keys_end > keys_begin ? (keys_end + Traits::kStageKeys - 1) / Traits::kStageKeys : w.step_begin;
+  step_lo = keys_begin / Traits::kStageKeys;
+  step_hi = keys_end > keys_begin ? (keys_end + Traits::kStageKeys - 1) / Traits::kStageKeys : step_lo;
   return true;
 }
 
-// The work item of a grid slot, with every split's stages (the tile's whole key range) in
-// [step_begin, step_end); false where the slot has no tile (its request's fields are set anyway).
+// The work item of a grid slot but its stages, with every split's (the tile's whole key range) in
+// [step_lo, step_hi); false where the slot has no tile (its request's fields are set anyway).
 template <class Traits, class Features>
-__device__ __forceinline__ bool schedule_tile(AttnParams const& p, GridSlot const& slot, AttnWork& w) {
+__device__ __forceinline__ bool schedule_tile(AttnParams const& p, GridSlot const& slot, AttnWork& w, int& step_lo,
+                                              int& step_hi) {
   int const tile = slot.row_tile;
   w.b = slot.column / p.num_kv_heads;
   w.kv_head = slot.column - w.b * p.num_kv_heads;
@@ -146,15 +148,16 @@ __device__ __forceinline__ bool schedule_tile(AttnParams const& p, GridSlot cons
   }
   w.k_len = k_len > 0 ? k_len : 0;
   // the request's fields above are set even for a CTA with no tile (attn_fwd's rows past the grid)
-  return tile_keys<Traits, Features>(p, tile, w);
+  return tile_keys<Traits, Features>(p, tile, w, step_lo, step_hi);
 }
 
 // The work item of a grid slot, its split's stages in [step_begin, step_end); false where the slot
 // has no tile (its request's fields are set anyway).
 template <class Traits, class Features>
 __device__ __forceinline__ bool schedule(AttnParams const& p, GridSlot const& slot, AttnWork& w) {
-  if (!schedule_tile<Traits, Features>(p, slot, w)) return false;
-  split_steps(p, w, w.step_begin, w.step_end);
+  int step_lo, step_hi;
+  if (!schedule_tile<Traits, Features>(p, slot, w, step_lo, step_hi)) return false;
+  split_steps(p, w, step_lo, step_hi);
   return true;
 }
 

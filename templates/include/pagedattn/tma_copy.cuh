@@ -36,28 +36,28 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
 #endif
 }
 
-// mbarrier_wait's ordering qualifier ("C" asm operands: the address of a constant string).
-template <bool kCluster>
-struct MbarrierWaitSem {
-  static constexpr char kSem[] = "";
-};
-template <>
-struct MbarrierWaitSem<true> {
-  static constexpr char kSem[] = ".acquire.cluster";
-};
+// Blocks until the phase with parity `phase` has completed, in the ordering `sem` (a string literal:
+// "" or ".acquire.cluster"). A macro, so that each wait's asm text is a literal of its own: an operand
+// for the qualifier ("C") changed the code NVVM made around every wait (TMA decode's ring loop).
+#define PAGEDATTN_MBARRIER_WAIT(bar, phase, sem)                                                     \
+  asm volatile(                                                                                      \
+      "{\n"                                                                                          \
+      ".reg .pred done;\n"                                                                           \
+      "wait_%=:\n"                                                                                   \
+      "mbarrier.try_wait.parity" sem ".shared::cta.b64 done, [%0], %1;\n"                            \
+      "@!done bra wait_%=;\n"                                                                        \
+      "}\n" ::"r"(cute::cast_smem_ptr_to_uint(bar)), "r"(phase) : "memory")
 
-// Blocks until the phase with parity `phase` has completed. kCluster: a phase the cluster's other CTA
-// takes part in (prefill_ws with kWsPair), acquired at cluster scope.
+// kCluster: a phase the cluster's other CTA takes part in (prefill_ws with kWsPair), acquired at
+// cluster scope.
 template <bool kCluster = false>
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "wait_%=:\n"
-      "mbarrier.try_wait.parity%2.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait_%=;\n"
-      "}\n" ::"r"(cute::cast_smem_ptr_to_uint(bar)), "r"(phase), "C"(MbarrierWaitSem<kCluster>::kSem) : "memory");
+  if constexpr (kCluster) {
+    PAGEDATTN_MBARRIER_WAIT(bar, phase, ".acquire.cluster");
+  } else {
+    PAGEDATTN_MBARRIER_WAIT(bar, phase, "");
+  }
 #endif
 }
 

@@ -147,14 +147,15 @@ __device__ __forceinline__ bool ws_pair_item(AttnParams const& p, int total, int
   int const mine = 2 * pair + int(cluster_rank());
   bool const exists = mine < total;  // else the pair is the grid's last item alone, the other CTA's
   GridSlot const slot = ws_slot(p, exists ? mine : mine ^ 1);
-  bool const has_tile = schedule_tile<Traits, Features>(p, slot, w);  // the request's fields either way
+  int lo = 0, hi = 0;
+  bool const has_tile = schedule_tile<Traits, Features>(p, slot, w, lo, hi);  // the request's fields either way
   bool const has_mine = exists && has_tile;
-  int lo = w.step_begin, hi = w.step_end;
   if (exists && (mine ^ 1) < total) {  // the other tile of the column: its keys, with w's request
     AttnWork other = w;
-    if (tile_keys<Traits, Features>(p, slot.row_tile ^ 1, other)) {
-      lo = has_mine ? cute::min(lo, other.step_begin) : other.step_begin;
-      hi = has_mine ? cute::max(hi, other.step_end) : other.step_end;
+    int other_lo, other_hi;
+    if (tile_keys<Traits, Features>(p, slot.row_tile ^ 1, other, other_lo, other_hi)) {
+      lo = has_mine ? cute::min(lo, other_lo) : other_lo;
+      hi = has_mine ? cute::max(hi, other_hi) : other_hi;
     } else if (!has_mine) {
       return false;
     }
