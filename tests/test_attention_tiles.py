@@ -335,3 +335,27 @@ def test_written_wgmma_descriptors_are_cutes(spec):
     res = compile_source(k.source, variant=k.name, arch="sm_90a",
                          options=nvrtc_options("sm_90a", toolchain()) + list(_DESC_OPTIONS))
     assert res.cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("base,verdict", [("HEAD", "same"), ("9baa7eb", "differs")])
+def test_sass_since_tells_unchanged_kernels_from_changed_ones(base, verdict, tmp_path):
+    """tests/tools/sass_since.py: against HEAD every kernel of the selection has its own SASS; against
+    9baa7eb (before 049ffed took a stack store out of every kernel's set-up) each one differs. Needs
+    nvdisasm (NVDISASM=..., or on PATH)."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not (os.environ.get("NVDISASM") or shutil.which("nvdisasm") or Path("/usr/local/cuda/bin/nvdisasm").exists()):
+        pytest.skip("needs nvdisasm")
+    tool = Path(__file__).parent / "tools" / "sass_since.py"
+    out = tmp_path / "record.json"
+    subprocess.run([sys.executable, str(tool), "--base", base, "--modes", "decode", "--head-dims", "64",
+                    "--jobs", "2", "--out", str(out)], check=True)
+    record = json.loads(out.read_text())
+    assert record["kernels"] == 8, record
+    assert {v.split(":")[0] for v in record["verdicts"].values()} == {verdict}, record["verdicts"]

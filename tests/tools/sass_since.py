@@ -1,7 +1,7 @@
 """Which attention kernels compile to other SASS than at an earlier commit (the last one measured on a GPU)?
 
-    python tests/tools/sass_since.py --base COMMIT [--arch sm_90a] [--all] [--modes M,..] [--head-dims D,..]
-                                     [--jobs N] [--out FILE]
+    python tests/tools/sass_since.py --base COMMIT [--arch sm_90a] [--all | --dtype .. --kv-cache-dtype ..
+                                     --features ..] [--modes M,..] [--head-dims D,..] [--jobs N] [--out FILE]
 
 Exports COMMIT's tree (`git archive`) and compiles the same AttnFwdSpecs from it and from this checkout,
 each in worker processes that import pagedattn from that tree, in NVRTC programs of a few kernels of one
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import datetime
 import json
 import multiprocessing
 import os
@@ -38,12 +39,12 @@ SAMPLE = {"dtype": ("bf16",), "kv_cache_dtype": ("auto", "fp8_e4m3"),
 PER_PROGRAM = 6
 
 
-def _specs(arch: str, everything: bool) -> list[dict]:
+def _specs(arch: str, everything: bool, sample: dict = SAMPLE) -> list[dict]:
     from pagedattn.ops.attention import AttnFwdSpec
 
     specs = [s for s in AttnFwdSpec.all_variants() if s.supports_arch(arch)]
     if not everything:
-        specs = [s for s in specs if all(getattr(s, k) in v for k, v in SAMPLE.items())]
+        specs = [s for s in specs if all(getattr(s, k) in v for k, v in sample.items())]
     return [dataclasses.asdict(s) for s in specs]
 
 
@@ -125,6 +126,9 @@ def main(argv=None) -> int:
     ap.add_argument("--base", required=True, help="the commit to compare with")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--all", action="store_true", help="every variant, not the sample")
+    for axis in SAMPLE:
+        ap.add_argument(f"--{axis.replace('_', '-')}", default=None,
+                        help=f"the sample's {axis} values, comma-separated (default: {','.join(SAMPLE[axis])})")
     ap.add_argument("--modes", default=None, help="only these modes, comma-separated")
     ap.add_argument("--head-dims", default=None, help="only these head dims, comma-separated")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
@@ -135,11 +139,14 @@ def main(argv=None) -> int:
                           check=True).stdout.strip()
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
+    nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm") or "/usr/local/cuda/bin/nvdisasm"
     dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "templates", "pagedattn", "codegen"],
                            capture_output=True, text=True, check=True).stdout.strip()
     if dirty:
         head += " with uncommitted changes"
-    specs = [s for s in _specs(args.arch, args.all)
+    sample = {axis: tuple(getattr(args, axis).split(",")) if getattr(args, axis) else values
+              for axis, values in SAMPLE.items()}
+    specs = [s for s in _specs(args.arch, args.all, sample)
              if (not args.modes or s["mode"] in args.modes.split(","))
              and (not args.head_dims or str(s["head_dim"]) in args.head_dims.split(","))]
     parts = _parts(specs)
@@ -198,9 +205,11 @@ def main(argv=None) -> int:
         record = {"what": "SASS of each attention kernel at HEAD against the base commit's "
                           "(tests/tools/sass_since.py), normalised as tests/tools/program_sass.py",
                   "base": base, "head": head, "arch": args.arch,
-                  "sample": None if args.all else {k: list(v) for k, v in SAMPLE.items()},
+                  "sample": None if args.all else {k: list(v) for k, v in sample.items()},
                   "kernels": len(specs), "per_mode": {m: dict(c) for m, c in per_mode.items()},
-                  "verdicts": verdicts, "host_cpus": os.cpu_count()}
+                  "verdicts": verdicts, "host_cpus": os.cpu_count(), "date": datetime.date.today().isoformat(),
+                  "nvdisasm": " ".join(re.findall(r"release \S+ V\S+", subprocess.run(
+                      [nvdisasm, "--version"], capture_output=True, text=True).stdout))}
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
         print("wrote", args.out)
     return 0
