@@ -124,8 +124,8 @@ __device__ __forceinline__ bool tile_keys(AttnParams const& p, int tile, AttnWor
   return true;
 }
 
-// The work item of a grid slot but its stages, with every split's (the tile's whole key range) in
-// [step_lo, step_hi); false where the slot has no tile (its request's fields are set anyway).
+// The work item of a grid slot, all but its stages: those of the tile's whole key range (every split's)
+// go to [step_lo, step_hi). False where the slot has no tile (its request's fields are set anyway).
 template <class Traits, class Features>
 __device__ __forceinline__ bool schedule_tile(AttnParams const& p, GridSlot const& slot, AttnWork& w, int& step_lo,
                                               int& step_hi) {
