@@ -6,14 +6,16 @@
 Exports COMMIT's tree (`git archive`) and compiles the same AttnFwdSpecs from it and from this checkout,
 each in worker processes that import pagedattn from that tree, in NVRTC programs of a few kernels of one
 mode and kind of cache, as the AOT bundles group them (tests/tools/program_sass.py: there a kernel's SASS
-is its SASS alone). Disassembles both with
-nvdisasm (NVDISASM=..., or on PATH) and compares each kernel's normalised instructions. A kernel whose SASS is
-unchanged keeps what the GPU runs at COMMIT proved of it. Where it changed, both PTX are compared too, with
-the numbers of virtual registers and labels removed: "renumbered" (the same PTX instructions in the same
-order, which ptxas allocated or ordered otherwise for their numbering; likely the same code, not proved) is the next best, then "reordered" (each opcode as often, NOPs aside);
-the others are the ones the next device session must test first. Without --all, a sample: bf16, caches auto and fp8_e4m3, feature sets none, window+softcap,
-sinks and alibi, every mode and head dim. Prints one line per kernel that differs and a count per mode;
---out writes the JSON record. CPU only.
+is its SASS alone). Disassembles both with nvdisasm (NVDISASM=..., or on PATH) and compares each kernel's
+normalised instructions. Verdicts, best first:
+  same        the SASS is unchanged: what the GPU runs at COMMIT proved of the kernel still holds;
+  renumbered  the SASS differs, but the PTX (register and label numbers removed) has the same instructions
+              in the same order, which ptxas allocated or ordered otherwise: likely the same code, not proved;
+  reordered   each opcode as often (NOPs aside): another allocation or order;
+  differs     the kernels the next device session must test first.
+Without --all, a sample: bf16, caches auto and fp8_e4m3, feature sets none, window+softcap, sinks and
+alibi, every mode and head dim (--dtype, --kv-cache-dtype, --features set other values). Prints one line
+per kernel that is not "same" and a count per mode; --out writes the JSON record. CPU only.
 """
 from __future__ import annotations
 
