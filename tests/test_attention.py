@@ -1571,21 +1571,15 @@ def test_ws_pair_renders_where_it_runs(dtype, kv, tiles, pair):
 
 
 def _ptx(source: str, name: str) -> str:
-    """The PTX NVRTC makes of a kernel source for compute_90a."""
-    from cuda.bindings import nvrtc
+    """The PTX NVRTC makes of a kernel source for compute_90a (tests/tools/sass_since.py's kernel_ptx)."""
+    import importlib.util
+    import pathlib
 
-    options = [o.replace("--gpu-architecture=sm_90a", "--gpu-architecture=compute_90a").encode()
-               for o in nvrtc_options("sm_90a", toolchain())]
-    _, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], [])
-    try:
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
-        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
-        _, size = nvrtc.nvrtcGetPTXSize(prog)
-        buf = b" " * size
-        nvrtc.nvrtcGetPTX(prog, buf)
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-    return buf.rstrip(b"\0 ").decode()
+    path = pathlib.Path(__file__).parent / "tools" / "sass_since.py"
+    spec = importlib.util.spec_from_file_location("sass_since", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool.kernel_ptx(source, name, "sm_90a", nvrtc_options("sm_90a", toolchain()))
 
 
 def test_ws_pair_waits_acquire_at_cluster_scope():

@@ -54,23 +54,35 @@ def _key(spec: dict) -> str:
     return "/".join(f"{k}={v}" for k, v in sorted(spec.items()) if v is not False)
 
 
-def _compile_part(root: str, arch: str, specs: list[dict]) -> list[tuple[str, list[str] | str]]:
-    """In a worker whose pagedattn is root's: [(key, instructions, or the compile error)]."""
+def _nvdisasm() -> str:
+    return os.environ.get("NVDISASM") or shutil.which("nvdisasm") or "/usr/local/cuda/bin/nvdisasm"
+
+
+def _root_imports(root: str):
+    """In a worker: pagedattn imported from root (asserted), its nvrtc_options and toolchain, and a
+    spec dict -> Kernel (the fields root's AttnFwdSpec has)."""
     sys.path.insert(0, root)
-    from pagedattn.codegen.compile import compile_program, nvrtc_options, program_key
+    from pagedattn.codegen.compile import nvrtc_options
     from pagedattn.codegen.toolchain import toolchain
     from pagedattn.ops.attention import AttnFwdSpec
     from pagedattn.registry import Kernel
 
+    assert Path(sys.modules["pagedattn"].__file__).resolve().is_relative_to(Path(root).resolve()), root
+    fields = {f.name for f in dataclasses.fields(AttnFwdSpec)}
+    return nvrtc_options, toolchain, lambda s: Kernel(AttnFwdSpec(**{k: v for k, v in s.items() if k in fields}))
+
+
+def _compile_part(root: str, arch: str, specs: list[dict]) -> list[tuple[str, list[str] | str]]:
+    """In a worker whose pagedattn is root's: [(key, instructions, or the compile error)]."""
+    nvrtc_options, toolchain, kernel = _root_imports(root)
+    from pagedattn.codegen.compile import compile_program, program_key
+
     sys.path.insert(0, str(Path(__file__).parent))
     from program_sass import _sass
 
-    assert Path(sys.modules["pagedattn"].__file__).resolve().is_relative_to(Path(root).resolve()), root
-    fields = {f.name for f in dataclasses.fields(AttnFwdSpec)}
-    kernels = [Kernel(AttnFwdSpec(**{k: v for k, v in s.items() if k in fields})) for s in specs]
-    nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm") or "/usr/local/cuda/bin/nvdisasm"
     programs = collections.defaultdict(list)  # kernels of one preamble share a program (compile.program_key)
-    for s, k in zip(specs, kernels):
+    for s in specs:
+        k = kernel(s)
         programs[program_key(k.source)].append((s, k))
     out = []
     for members in programs.values():
@@ -80,40 +92,45 @@ def _compile_part(root: str, arch: str, specs: list[dict]) -> list[tuple[str, li
         except Exception as exc:  # noqa: BLE001 - reported per kernel
             out += [(_key(s), f"compile error: {str(exc).splitlines()[0][:200]}") for s, _ in members]
             continue
-        sass = _sass(res.cubin, nvdisasm)
+        sass = _sass(res.cubin, _nvdisasm())
         out += [(_key(s), sass.get(k.name, "not in the cubin")) for s, k in members]
     return out
 
 
-def _ptx(root: str, arch: str, spec: dict) -> str:
-    """In a worker whose pagedattn is root's: the kernel's PTX (NVRTC for compute_XX), its code only (no
-    .global or .reg declarations), virtual registers' and labels' numbers removed."""
-    sys.path.insert(0, root)
+def kernel_ptx(source: str, name: str, arch: str, options: list[str]) -> str:
+    """The PTX NVRTC makes of a kernel source for compute_XX (options: nvrtc_options(arch, ...), whose
+    --gpu-architecture is turned to the virtual one). Imports nothing of pagedattn: shared by the tests."""
     from cuda.bindings import nvrtc
 
-    from pagedattn.codegen.compile import nvrtc_options
-    from pagedattn.codegen.toolchain import toolchain
-    from pagedattn.ops.attention import AttnFwdSpec
-    from pagedattn.registry import Kernel
-
-    fields = {f.name for f in dataclasses.fields(AttnFwdSpec)}
-    kernel = Kernel(AttnFwdSpec(**{k: v for k, v in spec.items() if k in fields}))
     options = [o.replace(f"--gpu-architecture={arch}", f"--gpu-architecture=compute_{arch[3:]}").encode()
-               for o in nvrtc_options(arch, toolchain())]
-    _, prog = nvrtc.nvrtcCreateProgram(kernel.source.encode(), f"{kernel.name}.cu".encode(), 0, [], [])
-    (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        return f"compile error: {err}"
-    _, size = nvrtc.nvrtcGetPTXSize(prog)
-    buf = b" " * size
-    nvrtc.nvrtcGetPTX(prog, buf)
-    nvrtc.nvrtcDestroyProgram(prog)
+               for o in options]
+    _, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], [])
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"{name}: NVRTC {err}")
+        _, size = nvrtc.nvrtcGetPTXSize(prog)
+        buf = b" " * size
+        nvrtc.nvrtcGetPTX(prog, buf)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return buf.rstrip(b"\0 ").decode()
+
+
+def _ptx(root: str, arch: str, spec: dict) -> str:
+    """In a worker whose pagedattn is root's: the kernel's PTX, its code only (no .global or .reg
+    declarations), virtual registers' and labels' numbers removed."""
+    nvrtc_options, toolchain, kernel = _root_imports(root)
+    kernel = kernel(spec)
+    try:
+        ptx = kernel_ptx(kernel.source, kernel.name, arch, nvrtc_options(arch, toolchain()))
+    except RuntimeError as exc:
+        return f"compile error: {exc}"
     # registers and labels without their numbers: the same text is the same instructions in the same
     # order; not a proof of the same data flow (a renaming by first use is not one either: NVVM's copies
     # into loop-carried registers come in another order), which the GPU tests must still show
     return "\n".join(re.sub(r"%(r|rd|f|fd|p|rs|h|hh)\d+\b", r"%\1", re.sub(r"\$L__BB[0-9_]+", "L", x))
-                     for x in buf.rstrip(b"\0 ").decode().splitlines()
-                     if not x.startswith(".global") and not x.lstrip().startswith(".reg "))
+                     for x in ptx.splitlines() if not x.startswith(".global") and not x.lstrip().startswith(".reg "))
 
 
 def _parts(specs: list[dict]) -> list[list[dict]]:
@@ -141,7 +158,6 @@ def main(argv=None) -> int:
                           check=True).stdout.strip()
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
-    nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm") or "/usr/local/cuda/bin/nvdisasm"
     dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "templates", "pagedattn", "codegen"],
                            capture_output=True, text=True, check=True).stdout.strip()
     if dirty:
@@ -156,18 +172,16 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "-C", str(REPO), "archive", base], capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        # a fresh spawned process per program: each imports pagedattn from its own tree
+        # a fresh spawned process per task: each imports pagedattn from its own tree
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
                                  max_tasks_per_child=1) as pool:
             futs = {root: [pool.submit(_compile_part, root, args.arch, p) for p in parts]
                     for root in (tmp, str(REPO))}
             got = {root: dict(x for f in fs for x in f.result()) for root, fs in futs.items()}
-        old, new = got[tmp], got[str(REPO)]
-        # kernels whose SASS differs: is their PTX the same but for register numbering?
-        differ = [s for s in specs if old.get(_key(s)) != new.get(_key(s))
-                  and not isinstance(old.get(_key(s)), str) and not isinstance(new.get(_key(s)), str)]
-        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
-                                 max_tasks_per_child=1) as pool:
+            old, new = got[tmp], got[str(REPO)]
+            # kernels whose SASS differs: is their PTX the same but for register numbering?
+            differ = [s for s in specs if old.get(_key(s)) != new.get(_key(s))
+                      and not isinstance(old.get(_key(s)), str) and not isinstance(new.get(_key(s)), str)]
             ptx = {(root, _key(s)): pool.submit(_ptx, root, args.arch, s) for s in differ for root in (tmp, str(REPO))}
             ptx = {k: f.result() for k, f in ptx.items()}
     verdicts = {}
@@ -211,7 +225,7 @@ def main(argv=None) -> int:
                   "kernels": len(specs), "per_mode": {m: dict(c) for m, c in per_mode.items()},
                   "verdicts": verdicts, "host_cpus": os.cpu_count(), "date": datetime.date.today().isoformat(),
                   "nvdisasm": " ".join(re.findall(r"release \S+ V\S+", subprocess.run(
-                      [nvdisasm, "--version"], capture_output=True, text=True).stdout))}
+                      [_nvdisasm(), "--version"], capture_output=True, text=True).stdout))}
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
         print("wrote", args.out)
     return 0
